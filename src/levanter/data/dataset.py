@@ -1,0 +1,266 @@
+"""The dataset protocol: every read says which training step it serves.
+
+``AsyncDataset[T].get_batch(step, indices)`` returns the examples at ``indices`` *for* training step
+``step``. The contract: every index passed belongs to ``step`` (for the top-level dataset, indices lie
+in ``[offset(step), offset(step) + batch_size(step))`` of the run's :class:`~levanter.schedule.BatchSchedule`).
+Wrappers translate indices into their inner dataset's index space and pass ``step`` on unchanged, so
+a dataset deep in the stack (a mixture, a curriculum) chooses its behaviour from the step it is
+told, never by inferring it from an index.
+
+Index spaces used in this module's docstrings:
+
+* *this dataset's index*: what a caller passes to ``get_batch``;
+* *inner index*: what a wrapper passes to the dataset it wraps.
+
+Index maps are vectorised over numpy int64 arrays; results keep the order of ``indices`` (duplicates
+allowed). Datasets hold no event-loop-bound state, so the loader may drive them from any thread.
+
+Trade-off: ``get_batch`` returns a ``Sequence`` of examples (a list, or a numpy array whose rows are
+the examples). Per-example Python objects cost time at large batches; datasets that can read whole
+batches at once (stores) return arrays.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+
+import numpy as np
+
+from ._prp import FeistelPermutation, derive_seed, seed_from_key
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+class DatasetExhausted(IndexError):
+    """Raised when an index lies past the end of a finite dataset (the loader turns it into the end)."""
+
+
+def as_index_array(indices: Sequence[int]) -> np.ndarray:
+    arr = np.asarray(indices, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"indices must be 1-D, got shape {arr.shape}")
+    return arr
+
+
+def _check_range(idx: np.ndarray, length: int, what: str) -> None:
+    if idx.size and (idx.min() < 0 or idx.max() >= length):
+        bad = int(idx[(idx < 0) | (idx >= length)][0])
+        raise DatasetExhausted(f"{what}: index {bad} out of range [0, {length})")
+
+
+class AsyncDataset(abc.ABC, Generic[T]):
+    """A random-access dataset read in batches, one call per training step.
+
+    Implementations define :meth:`get_batch`, :meth:`async_len` and :meth:`is_finite`.
+    """
+
+    @abc.abstractmethod
+    async def get_batch(self, step: int, indices: Sequence[int]) -> Sequence[T]:
+        """The examples at ``indices`` (this dataset's index space), read for training step ``step``."""
+
+    @abc.abstractmethod
+    async def async_len(self) -> int:
+        """The number of examples. Raises ``ValueError`` for infinite datasets."""
+
+    @abc.abstractmethod
+    def is_finite(self) -> bool:
+        """Whether :meth:`async_len` is defined."""
+
+    # -- combinators ---------------------------------------------------------------------------------
+    def map(self, fn: Callable[[T], U]) -> "MappedAsyncDataset[T, U]":
+        return MappedAsyncDataset(self, fn)
+
+    def slice_dataset(self, start: int = 0, end: int | None = None) -> "SlicedAsyncDataset[T]":
+        return SlicedAsyncDataset(self, start, end)
+
+    def shuffle(self, key) -> "PermutationDataset[T]":
+        return PermutationDataset(self, key=key)
+
+    def block_shuffle(self, block_size: int, key, *, shuffle_blocks: bool = True) -> "BlockShufflingDataset[T]":
+        return BlockShufflingDataset(self, block_size, key=key, shuffle_blocks=shuffle_blocks)
+
+    def era_shuffle(self, era_length: int, key) -> "BlockShufflingDataset[T]":
+        """Upstream's era shuffle: permute within consecutive eras, keep era order."""
+        return BlockShufflingDataset(self, era_length, key=key, shuffle_blocks=False)
+
+    def epochs(self, max_epochs: int | None = None) -> "EpochDataset[T]":
+        return EpochDataset(self, max_epochs=max_epochs)
+
+
+class ListAsyncDataset(AsyncDataset[T]):
+    """An in-memory finite dataset (tests, small sources). A numpy array is served row-wise."""
+
+    def __init__(self, data: Sequence[T]):
+        self._data = data
+
+    async def get_batch(self, step: int, indices: Sequence[int]) -> Sequence[T]:
+        idx = as_index_array(indices)
+        _check_range(idx, len(self._data), "ListAsyncDataset")
+        if isinstance(self._data, np.ndarray):
+            return self._data[idx]
+        return [self._data[i] for i in idx.tolist()]
+
+    async def async_len(self) -> int:
+        return len(self._data)
+
+    def is_finite(self) -> bool:
+        return True
+
+
+class _Wrapper(AsyncDataset[T]):
+    def __init__(self, dataset: AsyncDataset):
+        self.dataset = dataset
+
+    async def async_len(self) -> int:
+        return await self.dataset.async_len()
+
+    def is_finite(self) -> bool:
+        return self.dataset.is_finite()
+
+
+class MappedAsyncDataset(_Wrapper[U], Generic[T, U]):
+    """Applies ``fn`` to each example. Indices and ``step`` pass through unchanged."""
+
+    def __init__(self, dataset: AsyncDataset[T], fn: Callable[[T], U]):
+        super().__init__(dataset)
+        self.fn = fn
+
+    async def get_batch(self, step: int, indices: Sequence[int]) -> Sequence[U]:
+        return [self.fn(x) for x in await self.dataset.get_batch(step, indices)]
+
+
+class SlicedAsyncDataset(_Wrapper[T]):
+    """Rows ``[start, end)`` of the inner dataset: this index ``i`` is inner index ``start + i``."""
+
+    def __init__(self, dataset: AsyncDataset[T], start: int = 0, end: int | None = None):
+        super().__init__(dataset)
+        if start < 0 or (end is not None and end < start):
+            raise ValueError(f"invalid slice [{start}, {end})")
+        self.start, self.end = start, end
+
+    async def get_batch(self, step: int, indices: Sequence[int]) -> Sequence[T]:
+        idx = as_index_array(indices)
+        if self.end is not None:
+            _check_range(idx, self.end - self.start, "SlicedAsyncDataset")
+        elif idx.size and idx.min() < 0:
+            raise IndexError(f"SlicedAsyncDataset: negative index {int(idx.min())}")
+        return await self.dataset.get_batch(step, idx + self.start)
+
+    async def async_len(self) -> int:
+        inner = await self.dataset.async_len()
+        end = inner if self.end is None else min(self.end, inner)
+        return max(0, end - self.start)
+
+    def is_finite(self) -> bool:
+        return self.end is not None or self.dataset.is_finite()
+
+
+class EpochDataset(_Wrapper[T]):
+    """Repeats a finite dataset: this index ``i`` is inner index ``i mod len``.
+
+    With ``max_epochs`` the dataset has ``max_epochs * len`` examples and raises
+    :class:`DatasetExhausted` past them; without it, it is infinite.
+    """
+
+    def __init__(self, dataset: AsyncDataset[T], max_epochs: int | None = None):
+        super().__init__(dataset)
+        if not dataset.is_finite():
+            raise ValueError("EpochDataset needs a finite inner dataset")
+        if max_epochs is not None and max_epochs < 1:
+            raise ValueError(f"max_epochs must be >= 1, got {max_epochs}")
+        self.max_epochs = max_epochs
+
+    async def get_batch(self, step: int, indices: Sequence[int]) -> Sequence[T]:
+        idx = as_index_array(indices)
+        n = await self.dataset.async_len()
+        if n == 0:
+            raise DatasetExhausted("EpochDataset: the inner dataset is empty")
+        if self.max_epochs is not None:
+            _check_range(idx, n * self.max_epochs, "EpochDataset")
+        elif idx.size and idx.min() < 0:
+            raise IndexError(f"EpochDataset: negative index {int(idx.min())}")
+        return await self.dataset.get_batch(step, idx % n)
+
+    async def async_len(self) -> int:
+        if self.max_epochs is None:
+            raise ValueError("EpochDataset without max_epochs is infinite")
+        return self.max_epochs * await self.dataset.async_len()
+
+    def is_finite(self) -> bool:
+        return self.max_epochs is not None
+
+
+class PermutationDataset(_Wrapper[T]):
+    """A full pseudo-random permutation of a finite dataset: this index ``i`` is inner index
+    ``perm(i)``, with ``perm`` a stateless Feistel bijection on ``[0, len)`` keyed by ``key``.
+
+    ``key`` (an int or a jax PRNG key) is required.
+    """
+
+    def __init__(self, dataset: AsyncDataset[T], *, key):
+        super().__init__(dataset)
+        if not dataset.is_finite():
+            raise ValueError("PermutationDataset needs a finite inner dataset")
+        self.seed = seed_from_key(key)
+        self._perm: FeistelPermutation | None = None
+
+    async def _permutation(self) -> FeistelPermutation:
+        if self._perm is None:
+            self._perm = FeistelPermutation(await self.dataset.async_len(), self.seed)
+        return self._perm
+
+    async def get_batch(self, step: int, indices: Sequence[int]) -> Sequence[T]:
+        perm = await self._permutation()
+        idx = as_index_array(indices)
+        _check_range(idx, perm.n, "PermutationDataset")
+        return await self.dataset.get_batch(step, perm(idx))
+
+
+class BlockShufflingDataset(_Wrapper[T]):
+    """Shuffles within fixed-size blocks of the inner dataset and, optionally, the order of blocks.
+
+    This index ``i`` lies in this block ``b = i // block_size`` at offset ``o = i % block_size``. The
+    inner index is ``B * block_size + perm_B(o)`` with ``B = block_perm(b)`` (identity when
+    ``shuffle_blocks`` is False: upstream's era shuffle) and ``perm_B`` keyed by ``(key, B)``. A final
+    partial block is shuffled within itself and stays last, so the map is a bijection on ``[0, len)``.
+    Reads touch few blocks, which keeps storage access local; the trade-off is weaker mixing than a
+    full permutation.
+    """
+
+    def __init__(self, dataset: AsyncDataset[T], block_size: int, *, key, shuffle_blocks: bool = True):
+        super().__init__(dataset)
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not dataset.is_finite():
+            raise ValueError("BlockShufflingDataset needs a finite inner dataset")
+        self.block_size = block_size
+        self.shuffle_blocks = shuffle_blocks
+        self.seed = seed_from_key(key)
+        self._len: int | None = None
+
+    async def get_batch(self, step: int, indices: Sequence[int]) -> Sequence[T]:
+        if self._len is None:
+            self._len = await self.dataset.async_len()
+        n = self._len
+        idx = as_index_array(indices)
+        _check_range(idx, n, "BlockShufflingDataset")
+        return await self.dataset.get_batch(step, self.inner_indices(idx, n))
+
+    def inner_indices(self, idx: np.ndarray, n: int) -> np.ndarray:
+        k = self.block_size
+        full_blocks = n // k
+        block, within = np.divmod(idx, k)
+        inner_block = block.copy()
+        in_full = block < full_blocks
+        if self.shuffle_blocks and full_blocks > 1 and in_full.any():
+            inner_block[in_full] = FeistelPermutation(full_blocks, derive_seed(self.seed, 0))(block[in_full])
+        out = np.empty_like(idx)
+        for b in np.unique(inner_block).tolist():
+            sel = inner_block == b
+            size = k if b < full_blocks else n - full_blocks * k
+            perm = FeistelPermutation(size, derive_seed(self.seed, 1, b))
+            out[sel] = b * k + perm(within[sel])
+        return out

@@ -1,0 +1,384 @@
+"""A mixture of named sources whose stage is chosen by the training step it is told.
+
+Index spaces:
+
+* **step** -- the training step passed to ``get_batch``; it alone selects the *stage*.
+* **global index** -- the mixture's own index (training order); step ``s`` owns
+  ``[offset(s), offset(s) + B(s))`` under the run's :class:`~levanter.schedule.BatchSchedule`.
+* **stage position** -- ``global index - offset(stage start step)``.
+* **block / position in block** -- stage positions cut into blocks of ``block_size`` (or one block per
+  step when ``block_size`` is None).
+* **source index** -- an index into one source (before its stop strategy wraps it).
+
+Layout. Stage ``j`` (weights ``w_j``, from step ``t_j``) starts a fresh sequence of blocks at global
+index ``offset(t_j)``, so a stage may start at *any* step whatever the batch and block sizes. A block of
+``K`` positions holds exactly ``LR(w_j, K)`` examples of each source (largest-remainder rounding, ties
+to the earlier source), at positions fixed by a Feistel permutation keyed on ``(key, j, block)``.
+Within a block a source's examples take consecutive source indices in position order. The last block
+of a stage is laid out as if whole and cut where the next stage starts: nothing before a switch depends
+on where the switch is, and the cut block's per-source counts are counted exactly.
+
+Source indices continue across stages with neither gap nor repeat: ``consumed_before_stage[j]`` are
+prefix sums over stages, and within a stage the count before a block is ``block * LR(w_j, K)``
+(``block_size=None``: a sum over the schedule's constant-batch segments). A lookup is O(#stages +
+#schedule segments), independent of the step.
+
+Stop strategies (for finite sources):
+
+* ``restart`` -- a finite source wraps (source index mod its length); the mixture is infinite.
+* ``first_exhausted`` -- the mixture ends at the first global index whose source has no example left.
+* ``all_exhausted`` -- the mixture ends after the global index that draws the last example of the
+  last source to run out; sources that ran out earlier wrap meanwhile. If some drawn source is never
+  drawn to its end (its weight falls to zero first), the end is never reached.
+
+Reading past the end raises :class:`~levanter.data.dataset.DatasetExhausted`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import math
+import numbers
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from fractions import Fraction
+from typing import TypeVar
+
+import numpy as np
+
+from ..schedule import BatchSchedule
+from ._prp import FeistelPermutation, derive_seed, seed_from_key
+from .dataset import AsyncDataset, DatasetExhausted, as_index_array
+
+T = TypeVar("T")
+
+STOP_STRATEGIES = ("restart", "first_exhausted", "all_exhausted")
+
+
+def largest_remainder_counts(fractions: Sequence[Fraction], total: int) -> np.ndarray:
+    """Integer counts summing to ``total``, each ``floor(f*total)`` or one more (ties: earlier first)."""
+    quotas = [f * total for f in fractions]
+    counts = [math.floor(q) for q in quotas]
+    left = total - sum(counts)
+    order = sorted(range(len(quotas)), key=lambda i: (-(quotas[i] - counts[i]), i))
+    for i in order[:left]:
+        counts[i] += 1
+    return np.asarray(counts, dtype=np.int64)
+
+
+def _normalize_stages(weights, names: Sequence[str]) -> list[tuple[int, list[Fraction]]]:
+    """Validate ``weights`` (a mapping, or ``[(start_step, mapping), ...]``) into normalised stages."""
+    if isinstance(weights, Mapping):
+        raw_stages = [(0, weights)]
+    elif isinstance(weights, Sequence) and not isinstance(weights, str):
+        raw_stages = []
+        for k, entry in enumerate(weights):
+            if not (isinstance(entry, Sequence) and not isinstance(entry, str) and len(entry) == 2):
+                raise ValueError(f"weights stage {k}: expected [start_step, {{source: weight}}], got {entry!r}")
+            raw_stages.append((entry[0], entry[1]))
+    else:
+        raise ValueError(f"weights: expected a mapping or a list of [start_step, mapping], got {weights!r}")
+    if not raw_stages:
+        raise ValueError("weights: no stages given")
+
+    stages = []
+    for k, (start, mapping) in enumerate(raw_stages):
+        if not isinstance(start, numbers.Integral) or isinstance(start, bool):
+            raise ValueError(f"weights stage {k}: start step must be an integer, got {start!r}")
+        if not isinstance(mapping, Mapping):
+            raise ValueError(f"weights stage {k} (step {start}): expected a mapping of source -> weight")
+        unknown = [n for n in mapping if n not in names]
+        if unknown:
+            raise ValueError(
+                f"weights stage {k} (step {start}): unknown source {unknown[0]!r}; known sources: {list(names)}"
+            )
+        fr = []
+        for n in names:
+            w = mapping.get(n, 0)
+            if not isinstance(w, numbers.Real) or isinstance(w, bool) or not math.isfinite(w):
+                raise ValueError(f"weights stage {k} (step {start}): weight of {n!r} must be a finite number, got {w!r}")
+            if w < 0:
+                raise ValueError(f"weights stage {k} (step {start}): weight of {n!r} is negative ({w})")
+            fr.append(Fraction(w))
+        total = sum(fr)
+        if total == 0:
+            raise ValueError(f"weights stage {k} (step {start}): all weights are zero")
+        stages.append((int(start), [f / total for f in fr]))
+
+    if stages[0][0] != 0:
+        raise ValueError(f"weights: the first stage must start at step 0, got step {stages[0][0]}")
+    for (a, _), (b, _) in zip(stages, stages[1:]):
+        if b <= a:
+            raise ValueError(f"weights: stage start steps must be strictly increasing, got {a} then {b}")
+    return stages
+
+
+class _BlockLayout:
+    """Which source, and which rank within that source, sits at each position of one block."""
+
+    __slots__ = ("source", "rank")
+
+    def __init__(self, counts: np.ndarray, seed: int):
+        size = int(counts.sum())
+        slots = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+        self.source = slots[FeistelPermutation(size, seed)(np.arange(size, dtype=np.int64))]
+        order = np.argsort(self.source, kind="stable")
+        group_start = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        self.rank = np.empty(size, dtype=np.int64)
+        self.rank[order] = np.arange(size, dtype=np.int64) - group_start[self.source[order]]
+
+
+class MixtureDataset(AsyncDataset[T]):
+    """Draws from ``datasets`` with per-stage ``weights``; the stage comes from the ``step`` argument.
+
+    Args:
+        datasets: name -> source. Source order (for tie-breaking and ids) is the mapping's order.
+        weights: ``{name: weight}`` (one stage), or ``[(start_step, {name: weight}), ...]`` with start
+            steps in **training steps**, the first at 0, strictly increasing. Missing names weigh 0.
+        batch_schedule: the run's batch schedule (or a constant batch size).
+        block_size: positions per block; ``None`` means one block per step (every batch's composition
+            exact).
+        key: seed (int or jax PRNG key); required.
+        stop_strategy: one of ``restart``, ``first_exhausted``, ``all_exhausted`` (module docstring).
+    """
+
+    def __init__(
+        self,
+        datasets: Mapping[str, AsyncDataset[T]],
+        weights,
+        *,
+        batch_schedule: BatchSchedule | int,
+        block_size: int | None = None,
+        key,
+        stop_strategy: str = "restart",
+    ):
+        if not datasets:
+            raise ValueError("MixtureDataset: no datasets given")
+        self.names: tuple[str, ...] = tuple(datasets)
+        self.datasets = [datasets[n] for n in self.names]
+        self.seed = seed_from_key(key)
+        if stop_strategy not in STOP_STRATEGIES:
+            raise ValueError(f"stop_strategy: unknown value {stop_strategy!r}; expected one of {STOP_STRATEGIES}")
+        self.stop_strategy = stop_strategy
+        if block_size is not None and (not isinstance(block_size, numbers.Integral) or block_size < 1):
+            raise ValueError(f"block_size must be a positive integer or None, got {block_size!r}")
+        self.block_size = None if block_size is None else int(block_size)
+        self.schedule = batch_schedule if isinstance(batch_schedule, BatchSchedule) else BatchSchedule(batch_schedule)
+
+        stages = _normalize_stages(weights, self.names)
+        self.stage_start_steps: list[int] = [s for s, _ in stages]
+        self.stage_fractions: list[list[Fraction]] = [f for _, f in stages]
+        self.stage_start_offsets: list[int] = [self.schedule.global_data_offset_by_step(s) for s in self.stage_start_steps]
+        self._layouts: OrderedDict[tuple[int, int, int], _BlockLayout] = OrderedDict()
+        self._lr_cache: dict[tuple[int, int], np.ndarray] = {}
+        # Examples of each source drawn in each whole stage (the last stage is unbounded).
+        per_stage = [self._drawn_in_stage(j, self.stage_start_steps[j + 1]) for j in range(len(stages) - 1)]
+        self.consumed_before_stage: list[np.ndarray] = [np.zeros(len(self.names), dtype=object)]
+        for drawn in per_stage:
+            self.consumed_before_stage.append(self.consumed_before_stage[-1] + drawn.astype(object))
+        self._lengths: list[int | None] | None = None
+
+    # -- pure index maps ----------------------------------------------------------------------------
+    def stage_at_step(self, step: int) -> int:
+        if step < 0:
+            raise ValueError(f"step must be non-negative, got {step}")
+        return bisect.bisect_right(self.stage_start_steps, step) - 1
+
+    def counts_per_block(self, stage: int, block_len: int) -> np.ndarray:
+        key = (stage, block_len)
+        if key not in self._lr_cache:
+            self._lr_cache[key] = largest_remainder_counts(self.stage_fractions[stage], block_len)
+        return self._lr_cache[key]
+
+    def _layout(self, stage: int, block: int, block_len: int) -> _BlockLayout:
+        k = (stage, block, block_len)
+        lay = self._layouts.get(k)
+        if lay is None:
+            lay = _BlockLayout(self.counts_per_block(stage, block_len), derive_seed(self.seed, stage, block))
+            self._layouts[k] = lay
+            if len(self._layouts) > 64:
+                self._layouts.popitem(last=False)
+        else:
+            self._layouts.move_to_end(k)
+        return lay
+
+    def _drawn_in_stage(self, stage: int, until_step: int) -> np.ndarray:
+        """Examples of each source drawn by stage ``stage`` in steps ``[start, until_step)`` (exact)."""
+        start = self.stage_start_steps[stage]
+        if self.block_size is None:
+            total = np.zeros(len(self.names), dtype=object)
+            for lo, hi, bs in self.schedule.constant_segments(start, until_step):
+                total += (hi - lo) * self.counts_per_block(stage, bs).astype(object)
+            return total
+        k = self.block_size
+        positions = self.schedule.global_data_offset_by_step(until_step) - self.stage_start_offsets[stage]
+        full, cut = divmod(positions, k)
+        total = full * self.counts_per_block(stage, k).astype(object)
+        if cut:
+            src = self._layout(stage, full, k).source[:cut]
+            total = total + np.bincount(src, minlength=len(self.names)).astype(object)
+        return total
+
+    def check_indices_belong_to_step(self, step: int, idx: np.ndarray) -> None:
+        first, end = self.schedule.step_range(step)
+        if idx.size and (idx.min() < first or idx.max() >= end):
+            bad = int(idx[(idx < first) | (idx >= end)][0])
+            raise ValueError(
+                f"MixtureDataset: global index {bad} does not belong to step {step}, which reads "
+                f"[{first}, {end}) under {self.schedule!r}. A wrapper or loader above the mixture has "
+                "changed the step->index mapping."
+            )
+
+    def unwrapped_source_indices(self, step: int, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """``(source_id, source_index)`` for each global index of ``step``, before any stop strategy."""
+        idx = as_index_array(indices)
+        self.check_indices_belong_to_step(step, idx)
+        stage = self.stage_at_step(step)
+        source = np.empty_like(idx)
+        src_index = np.empty_like(idx)
+        base = self.consumed_before_stage[stage]
+        if self.block_size is None:
+            first = self.schedule.global_data_offset_by_step(step)
+            bs = self.schedule.batch_size_at_step(step)
+            block = step - self.stage_start_steps[stage]
+            lay = self._layout(stage, block, bs)
+            pos = idx - first
+            source[:] = lay.source[pos]
+            before = base + self._drawn_in_stage(stage, step)
+            src_index[:] = np.asarray(before, dtype=np.int64)[source] + lay.rank[pos]
+            return source, src_index
+        k = self.block_size
+        block, pos = np.divmod(idx - self.stage_start_offsets[stage], k)
+        counts = self.counts_per_block(stage, k)
+        base64 = np.asarray(base, dtype=np.int64)
+        for b in np.unique(block).tolist():
+            sel = block == b
+            lay = self._layout(stage, b, k)
+            s = lay.source[pos[sel]]
+            source[sel] = s
+            src_index[sel] = base64[s] + b * counts[s] + lay.rank[pos[sel]]
+        return source, src_index
+
+    def global_index_of_draw(self, source: int, n: int) -> int | None:
+        """The global index at which ``source`` draws its ``n``-th example (0-based, unwrapped), or
+        None if it never does (its weight falls to zero first)."""
+        for stage in range(len(self.stage_start_steps)):
+            last = stage + 1 == len(self.stage_start_steps)
+            if not last and n >= self.consumed_before_stage[stage + 1][source]:
+                continue
+            r = n - int(self.consumed_before_stage[stage][source])
+            if self.block_size is not None:
+                c = int(self.counts_per_block(stage, self.block_size)[source])
+                if c == 0:
+                    return None
+                block, rr = divmod(r, c)
+                lay = self._layout(stage, block, self.block_size)
+                p = int(np.flatnonzero((lay.source == source) & (lay.rank == rr))[0])
+                return self.stage_start_offsets[stage] + block * self.block_size + p
+            end = None if last else self.stage_start_steps[stage + 1]
+            for lo, hi, bs in self.schedule.constant_segments(self.stage_start_steps[stage], end):
+                c = int(self.counts_per_block(stage, bs)[source])
+                if c == 0:
+                    continue
+                if hi is not None and r >= (hi - lo) * c:
+                    r -= (hi - lo) * c
+                    continue
+                step = lo + r // c
+                lay = self._layout(stage, step - self.stage_start_steps[stage], bs)
+                p = int(np.flatnonzero((lay.source == source) & (lay.rank == r % c))[0])
+                return self.schedule.global_data_offset_by_step(step) + p
+            return None
+        return None
+
+    # -- lengths and stop strategies -----------------------------------------------------------------
+    async def _source_lengths(self) -> list[int | None]:
+        if self._lengths is None:
+            finite = [d.is_finite() for d in self.datasets]
+            lens = await asyncio.gather(*[d.async_len() for d, f in zip(self.datasets, finite) if f])
+            it = iter(lens)
+            lengths = [next(it) if f else None for f in finite]
+            for name, n in zip(self.names, lengths):
+                if n == 0:
+                    raise ValueError(f"MixtureDataset: source {name!r} is empty")
+            self._lengths = lengths
+        return self._lengths
+
+    async def _end_index(self) -> int | None:
+        """First global index past the end, or None if the mixture never ends."""
+        if self.stop_strategy == "restart":
+            return None
+        lengths = await self._source_lengths()
+        ends = []
+        for s, n in enumerate(lengths):
+            if n is None:
+                if self.stop_strategy == "all_exhausted" and self._ever_drawn(s):
+                    return None
+                continue
+            if self.stop_strategy == "first_exhausted":
+                g = self.global_index_of_draw(s, n)
+                if g is not None:
+                    ends.append(g)
+            elif self._ever_drawn(s):
+                g = self.global_index_of_draw(s, n - 1)
+                if g is None:
+                    return None
+                ends.append(g + 1)
+        if not ends:
+            return None
+        return min(ends) if self.stop_strategy == "first_exhausted" else max(ends)
+
+    def _ever_drawn(self, source: int) -> bool:
+        return any(f[source] > 0 for f in self.stage_fractions)
+
+    def is_finite(self) -> bool:
+        """Whether the stop strategy can end the mixture (its exact end depends on source lengths)."""
+        drawn = [d.is_finite() for s, d in enumerate(self.datasets) if self._ever_drawn(s)]
+        if self.stop_strategy == "first_exhausted":
+            return any(drawn)
+        if self.stop_strategy == "all_exhausted":
+            return all(drawn)
+        return False
+
+    async def async_len(self) -> int:
+        end = await self._end_index()
+        if end is None:
+            raise ValueError(f"MixtureDataset with stop_strategy={self.stop_strategy!r} never ends")
+        return end
+
+    async def source_indices(self, step: int, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """``(source_id, source_index)`` actually read for each global index of ``step``, after the stop
+        strategy (wrapping). Raises :class:`DatasetExhausted` past the end."""
+        source, src_index = self.unwrapped_source_indices(step, indices)
+        if self.stop_strategy != "restart":
+            end = await self._end_index()
+            idx = as_index_array(indices)
+            if end is not None and idx.size and idx.max() >= end:
+                raise DatasetExhausted(
+                    f"MixtureDataset ({self.stop_strategy}): step {step} needs global index {int(idx.max())}, "
+                    f"but the mixture ends at {end}"
+                )
+        lengths = await self._source_lengths()
+        for s, n in enumerate(lengths):
+            if n is not None:
+                sel = source == s
+                src_index[sel] %= n
+        return source, src_index
+
+    async def get_batch(self, step: int, indices: Sequence[int]) -> Sequence[T]:
+        source, src_index = await self.source_indices(step, indices)
+        present = np.unique(source).tolist()
+        selections = [np.flatnonzero(source == s) for s in present]
+        results = await asyncio.gather(
+            *[self.datasets[s].get_batch(step, src_index[sel]) for s, sel in zip(present, selections)]
+        )
+        if results and all(isinstance(r, np.ndarray) for r in results):
+            out = np.empty((len(source),) + results[0].shape[1:], dtype=results[0].dtype)
+            for sel, r in zip(selections, results):
+                out[sel] = r
+            return out
+        out_list: list = [None] * len(source)
+        for sel, r in zip(selections, results):
+            for pos, ex in zip(sel.tolist(), r):
+                out_list[pos] = ex
+        return out_list

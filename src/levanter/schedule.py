@@ -1,0 +1,162 @@
+"""The one place where training steps become data offsets.
+
+Index spaces (see ``docs/design/data-order.md``):
+
+* **step** -- a training step, 0-based. Step ``s`` consumes one global batch.
+* **global index** (also "data offset") -- a position in training order. Step ``s`` reads exactly
+  ``[global_data_offset_by_step(s), global_data_offset_by_step(s) + batch_size_at_step(s))``.
+
+A :class:`BatchSchedule` is a piecewise-constant batch size: a list of segments
+``(start_step, batch_size)``. At construction it records each segment's first global index, so
+every query is a binary search over segments (O(log #segments)) followed by one multiply. All
+arithmetic is on Python ints, so it is exact for any step (2**62 and beyond).
+
+Nothing else in the project multiplies steps by batch sizes: the mixture, the loader and the
+trainer all ask this module.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Union
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleStep:
+    """From training step ``start`` on (inclusive), the schedule's value is ``value``."""
+
+    start: int
+    value: int
+
+
+BatchSizeSpec = Union[int, Sequence[Union[ScheduleStep, Mapping[str, int], Sequence[int]]]]
+
+
+def _as_schedule_step(entry, *, what: str) -> ScheduleStep:
+    if isinstance(entry, ScheduleStep):
+        return entry
+    if isinstance(entry, Mapping):
+        unknown = set(entry) - {"start", "value"}
+        if unknown or "start" not in entry or "value" not in entry:
+            raise ValueError(f"{what}: each entry needs exactly the keys 'start' and 'value', got {dict(entry)!r}")
+        return ScheduleStep(entry["start"], entry["value"])
+    if isinstance(entry, Sequence) and not isinstance(entry, str) and len(entry) == 2:
+        return ScheduleStep(entry[0], entry[1])
+    raise ValueError(f"{what}: cannot read schedule entry {entry!r}; expected {{start: N, value: M}}")
+
+
+def _is_int(x) -> bool:
+    # bool is an Integral but never a meaningful step or size; numpy integers are accepted.
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+class BatchSchedule:
+    """A piecewise-constant batch size over training steps.
+
+    ``BatchSchedule(32)`` is a constant batch of 32. ``BatchSchedule([ScheduleStep(0, 8),
+    ScheduleStep(10, 16)])`` is 8 for steps 0-9 and 16 from step 10 on. Entries may also be given as
+    ``{"start": s, "value": v}`` mappings (the YAML form) or ``(start, value)`` pairs.
+
+    Raises ``ValueError`` (naming ``trainer.train_batch_size``, the config key it comes from) when the
+    first entry does not start at 0, starts are not strictly increasing, or a size is not positive.
+    """
+
+    def __init__(self, schedule: BatchSizeSpec, *, name: str = "trainer.train_batch_size"):
+        if _is_int(schedule):
+            steps = [ScheduleStep(0, int(schedule))]
+        elif isinstance(schedule, Sequence) and not isinstance(schedule, str):
+            steps = [_as_schedule_step(e, what=name) for e in schedule]
+        else:
+            raise ValueError(f"{name}: expected an int or a list of {{start, value}}, got {schedule!r}")
+        if not steps:
+            raise ValueError(f"{name}: the batch schedule is empty")
+        for s in steps:
+            if not (_is_int(s.start) and _is_int(s.value)):
+                raise ValueError(f"{name}: start and value must be integers, got {s!r}")
+            if s.value <= 0:
+                raise ValueError(f"{name}: batch size must be positive, got {s.value} at step {s.start}")
+        if steps[0].start != 0:
+            raise ValueError(f"{name}: the first entry must start at step 0, got start={steps[0].start}")
+        for prev, cur in zip(steps, steps[1:]):
+            if cur.start <= prev.start:
+                raise ValueError(
+                    f"{name}: starts must be strictly increasing, got {prev.start} then {cur.start}"
+                )
+
+        self._starts: list[int] = [int(s.start) for s in steps]
+        self._sizes: list[int] = [int(s.value) for s in steps]
+        # First global index of each segment.
+        self._offsets: list[int] = [0]
+        for i in range(1, len(steps)):
+            self._offsets.append(self._offsets[-1] + (self._starts[i] - self._starts[i - 1]) * self._sizes[i - 1])
+
+    # -- queries ------------------------------------------------------------------------------------
+    @property
+    def segments(self) -> tuple[ScheduleStep, ...]:
+        """The schedule as ``ScheduleStep`` entries, one per constant-size segment."""
+        return tuple(ScheduleStep(s, v) for s, v in zip(self._starts, self._sizes))
+
+    @property
+    def distinct_batch_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self._sizes)))
+
+    def _segment_of_step(self, step: int) -> int:
+        if step < 0:
+            raise ValueError(f"step must be non-negative, got {step}")
+        return bisect.bisect_right(self._starts, step) - 1
+
+    def batch_size_at_step(self, step: int) -> int:
+        """Number of examples (global indices) step ``step`` reads."""
+        return self._sizes[self._segment_of_step(step)]
+
+    def global_data_offset_by_step(self, step: int) -> int:
+        """First global index read by step ``step``; equals the number of examples before it."""
+        seg = self._segment_of_step(step)
+        return self._offsets[seg] + (step - self._starts[seg]) * self._sizes[seg]
+
+    def step_range(self, step: int) -> tuple[int, int]:
+        """``(first, end)``: step ``step`` reads global indices ``first <= i < end``."""
+        seg = self._segment_of_step(step)
+        first = self._offsets[seg] + (step - self._starts[seg]) * self._sizes[seg]
+        return first, first + self._sizes[seg]
+
+    def find_step_containing_offset(self, offset: int) -> int:
+        """The step whose batch contains global index ``offset``."""
+        if offset < 0:
+            raise ValueError(f"offset must be non-negative, got {offset}")
+        seg = bisect.bisect_right(self._offsets, offset) - 1
+        return self._starts[seg] + (offset - self._offsets[seg]) // self._sizes[seg]
+
+    def constant_segments(self, start_step: int, end_step: int | None) -> list[tuple[int, int, int]]:
+        """Split ``[start_step, end_step)`` into maximal runs of equal batch size.
+
+        Returns ``(first_step, end_step, batch_size)`` triples; ``end_step`` None means unbounded and
+        the last triple then has end ``None``. Used for closed-form counting (O(#segments)).
+        """
+        if end_step is not None and end_step <= start_step:
+            return []
+        out = []
+        seg = self._segment_of_step(start_step)
+        lo = start_step
+        while True:
+            nxt = self._starts[seg + 1] if seg + 1 < len(self._starts) else None
+            hi = nxt if end_step is None else (end_step if nxt is None else min(nxt, end_step))
+            out.append((lo, hi, self._sizes[seg]))
+            if hi is None or hi == end_step:
+                return out
+            lo = hi
+            seg += 1
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, BatchSchedule) and self.segments == other.segments
+
+    def __hash__(self) -> int:
+        return hash(self.segments)
+
+    def __repr__(self) -> str:
+        if len(self._sizes) == 1:
+            return f"BatchSchedule({self._sizes[0]})"
+        return f"BatchSchedule({list(self.segments)!r})"
