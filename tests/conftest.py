@@ -1,0 +1,6 @@
+"""Test configuration: 8 simulated CPU devices (must be set before jax is imported)."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")

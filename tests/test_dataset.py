@@ -1,0 +1,121 @@
+"""Wrappers forward `step` unchanged and map indices as documented."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from levanter.data.dataset import (
+    AsyncDataset,
+    BlockShufflingDataset,
+    DatasetExhausted,
+    EpochDataset,
+    ListAsyncDataset,
+    PermutationDataset,
+)
+
+
+class StepRecorder(AsyncDataset):
+    """Serves index i as i and records (step, indices) of every call."""
+
+    def __init__(self, n):
+        self.n = n
+        self.calls = []
+
+    async def get_batch(self, step, indices):
+        self.calls.append((step, list(indices)))
+        return np.asarray(indices)
+
+    async def async_len(self):
+        return self.n
+
+    def is_finite(self):
+        return True
+
+
+def read(ds, step, indices):
+    return list(np.asarray(asyncio.run(ds.get_batch(step, indices))))
+
+
+WRAPPERS = {
+    "map": lambda d: d.map(lambda x: x * 10),
+    "slice": lambda d: d.slice_dataset(5, 50),
+    "epochs": lambda d: d.epochs(),
+    "shuffle": lambda d: d.shuffle(key=3),
+    "block_shuffle": lambda d: d.block_shuffle(7, key=3),
+    "era_shuffle": lambda d: d.era_shuffle(7, key=3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WRAPPERS))
+def test_every_wrapper_forwards_step(name):
+    inner = StepRecorder(100)
+    ds = WRAPPERS[name](inner)
+    read(ds, 41, [0, 1, 2])
+    assert [c[0] for c in inner.calls] == [41]
+
+
+def test_nested_wrappers_forward_step():
+    inner = StepRecorder(100)
+    ds = inner.shuffle(key=1).slice_dataset(10, 60).map(int).epochs(max_epochs=2).block_shuffle(8, key=2)
+    read(ds, 12345, list(range(20)))
+    assert {c[0] for c in inner.calls} == {12345}
+
+
+def test_slice_and_map():
+    base = ListAsyncDataset(list(range(100)))
+    assert read(base.slice_dataset(10, 20), 0, [0, 9]) == [10, 19]
+    assert asyncio.run(base.slice_dataset(10, 20).async_len()) == 10
+    assert asyncio.run(base.slice_dataset(90).async_len()) == 10
+    assert read(base.map(lambda x: -x), 0, [3]) == [-3]
+    with pytest.raises(DatasetExhausted):
+        read(base.slice_dataset(10, 20), 0, [10])
+
+
+def test_epochs_wrap_and_end():
+    base = ListAsyncDataset(list(range(5)))
+    assert read(EpochDataset(base), 0, [0, 4, 5, 12]) == [0, 4, 0, 2]
+    bounded = EpochDataset(base, max_epochs=2)
+    assert asyncio.run(bounded.async_len()) == 10
+    assert not EpochDataset(base).is_finite() and bounded.is_finite()
+    with pytest.raises(DatasetExhausted):
+        read(bounded, 0, [10])
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 64, 101])
+def test_permutation_is_a_bijection(n):
+    ds = PermutationDataset(ListAsyncDataset(list(range(n))), key=0)
+    out = read(ds, 0, list(range(n)))
+    assert sorted(out) == list(range(n))
+    if n > 10:
+        assert out != list(range(n))
+
+
+@pytest.mark.parametrize("n, k", [(1, 4), (10, 4), (64, 8), (101, 7), (100, 100), (30, 50)])
+@pytest.mark.parametrize("shuffle_blocks", [True, False])
+def test_block_shuffle_is_a_bijection_within_blocks(n, k, shuffle_blocks):
+    ds = BlockShufflingDataset(ListAsyncDataset(list(range(n))), k, key=5, shuffle_blocks=shuffle_blocks)
+    out = read(ds, 0, list(range(n)))
+    assert sorted(out) == list(range(n))
+    full = n // k
+    for b in range(-(-n // k)):
+        chunk = out[b * k : (b + 1) * k]
+        inner_blocks = {x // k for x in chunk}
+        assert len(inner_blocks) == 1  # a block maps onto one inner block, whole
+        if not shuffle_blocks or b >= full:
+            assert inner_blocks == {b}
+
+
+def test_shuffles_require_a_seed():
+    base = ListAsyncDataset(list(range(10)))
+    with pytest.raises(ValueError, match="seed is required"):
+        base.shuffle(key=None)
+    with pytest.raises(ValueError, match="seed is required"):
+        base.block_shuffle(4, key=None)
+
+
+def test_shuffles_are_deterministic_and_seeded():
+    base = ListAsyncDataset(list(range(1000)))
+    a = read(base.shuffle(key=1), 0, list(range(1000)))
+    assert a == read(base.shuffle(key=1), 0, list(range(1000)))
+    assert a != read(base.shuffle(key=2), 0, list(range(1000)))

@@ -1,0 +1,242 @@
+"""MixtureDataset: stages switch exactly at their step, compositions are exact, sources are consumed
+in order across stages, stop strategies end where they say, bad input is refused by name."""
+
+import asyncio
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from levanter.data.dataset import DatasetExhausted, ListAsyncDataset
+from levanter.data.mixture import MixtureDataset, largest_remainder_counts
+from levanter.schedule import BatchSchedule, ScheduleStep
+
+SOURCE_STRIDE = 1_000_000
+NAMES = ("a", "b", "c")
+
+
+def sources(lengths=(10**5, 10**5, 10**5)):
+    """Source s serves s * SOURCE_STRIDE + i at its index i."""
+    return {n: ListAsyncDataset(np.arange(L) + s * SOURCE_STRIDE) for s, (n, L) in enumerate(zip(NAMES, lengths))}
+
+
+def batches(mix, schedule, steps):
+    out = []
+    for step in steps:
+        first, end = schedule.step_range(step)
+        out.append(np.asarray(asyncio.run(mix.get_batch(step, list(range(first, end))))))
+    return out
+
+
+def decode(values):
+    return values // SOURCE_STRIDE, values % SOURCE_STRIDE
+
+
+SCHEDULES = {
+    "constant8": BatchSchedule(8),
+    "ramped": BatchSchedule([ScheduleStep(0, 8), ScheduleStep(10, 16), ScheduleStep(25, 4)]),
+}
+
+
+def two_stage(switch, **kw):
+    return [(0, {"a": 0.5, "b": 0.5}), (switch, {"a": 0.1, "b": 0.1, "c": 0.8})]
+
+
+@pytest.mark.parametrize("sched_name", sorted(SCHEDULES))
+@pytest.mark.parametrize("block_size", [None, 2048, 5])
+@pytest.mark.parametrize("s1, s2", [(13, 37), (37, 38), (1, 13)])
+def test_switch_happens_exactly_at_the_stage_step(sched_name, block_size, s1, s2):
+    schedule = SCHEDULES[sched_name]
+    steps = range(0, s2 + 5)
+    runs = {}
+    for switch in (s1, s2):
+        mix = MixtureDataset(sources(), two_stage(switch), batch_schedule=schedule, block_size=block_size, key=0)
+        runs[switch] = batches(mix, schedule, steps)
+        with_c = [s for s, b in zip(steps, runs[switch]) if (decode(b)[0] == 2).any()]
+        assert with_c[0] == switch, f"first stage-2 batch at {with_c[0]}, expected {switch}"
+        assert all(s >= switch for s in with_c)
+    # Nothing before the earlier switch depends on where the switch is.
+    for step in range(s1):
+        np.testing.assert_array_equal(runs[s1][step], runs[s2][step])
+    assert not np.array_equal(runs[s1][s1], runs[s2][s1])
+
+
+@pytest.mark.parametrize("sched_name", sorted(SCHEDULES))
+def test_block_none_makes_every_batch_exact(sched_name):
+    schedule = SCHEDULES[sched_name]
+    weights = [(0, {"a": 0.7, "b": 0.2, "c": 0.1}), (13, {"a": 1 / 3, "b": 1 / 3, "c": 1 / 3}), (37, {"c": 1.0})]
+    mix = MixtureDataset(sources(), weights, batch_schedule=schedule, block_size=None, key=1)
+    stage_totals = {}
+    for step, b in zip(range(45), batches(mix, schedule, range(45))):
+        stage = mix.stage_at_step(step)
+        src, _ = decode(b)
+        got = np.bincount(src, minlength=3)
+        fr = [Fraction(weights[stage][1].get(n, 0)) for n in NAMES]
+        fr = [f / sum(fr) for f in fr]
+        np.testing.assert_array_equal(got, largest_remainder_counts(fr, len(b)))
+        tot = stage_totals.setdefault(stage, np.zeros(3, dtype=int))
+        tot += got
+    for stage, tot in stage_totals.items():
+        fr = np.array([float(weights[stage][1].get(n, 0)) for n in NAMES])
+        fr /= fr.sum()
+        block = min(schedule.batch_size_at_step(s) for s in range(45) if mix.stage_at_step(s) == stage)
+        assert np.all(np.abs(tot / tot.sum() - fr) <= 1 / block)
+
+
+@pytest.mark.parametrize("block_size", [16, 100])
+def test_fixed_blocks_hold_exact_counts(block_size):
+    schedule = BatchSchedule(8)
+    weights = {"a": 0.6, "b": 0.3, "c": 0.1}
+    mix = MixtureDataset(sources(), weights, batch_schedule=schedule, block_size=block_size, key=2)
+    n_steps = 4 * block_size // 8
+    flat = np.concatenate(batches(mix, schedule, range(n_steps)))
+    src, _ = decode(flat)
+    expected = largest_remainder_counts([Fraction(w) / 1 for w in (0.6, 0.3, 0.1)], block_size)
+    for blk in range(4):
+        got = np.bincount(src[blk * block_size : (blk + 1) * block_size], minlength=3)
+        np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("sched_name", sorted(SCHEDULES))
+@pytest.mark.parametrize("block_size", [None, 7, 2048])
+def test_sources_are_consumed_in_order_without_gap_or_repeat(sched_name, block_size):
+    schedule = SCHEDULES[sched_name]
+    weights = [(0, {"a": 0.5, "b": 0.5}), (13, {"a": 0.2, "c": 0.8}), (20, {"b": 1.0}), (37, {"a": 1, "b": 1, "c": 1})]
+    mix = MixtureDataset(sources(), weights, batch_schedule=schedule, block_size=block_size, key=3)
+    flat = np.concatenate(batches(mix, schedule, range(50)))
+    src, idx = decode(flat)
+    for s in range(3):
+        seq = idx[src == s]
+        np.testing.assert_array_equal(seq, np.arange(len(seq)))
+    # The closed-form inverse agrees with the walk.
+    for s in range(3):
+        positions = np.flatnonzero(src == s)
+        for n in range(0, len(positions), max(1, len(positions) // 25)):
+            assert mix.global_index_of_draw(s, n) == positions[n]
+
+
+def test_restart_wraps_finite_sources():
+    schedule = BatchSchedule(8)
+    mix = MixtureDataset(sources((5, 7, 10**5)), {"a": 0.5, "b": 0.5}, batch_schedule=schedule, key=4)
+    flat = np.concatenate(batches(mix, schedule, range(10)))
+    src, idx = decode(flat)
+    for s, n in ((0, 5), (1, 7)):
+        seq = idx[src == s]
+        np.testing.assert_array_equal(seq, np.arange(len(seq)) % n)
+    assert not mix.is_finite()
+
+
+def brute_force_unwrapped(mix, schedule, n_steps):
+    src, idx = [], []
+    for step in range(n_steps):
+        first, end = schedule.step_range(step)
+        s, i = mix.unwrapped_source_indices(step, list(range(first, end)))
+        src.append(s)
+        idx.append(i)
+    return np.concatenate(src), np.concatenate(idx)
+
+
+@pytest.mark.parametrize("block_size", [None, 6])
+def test_first_exhausted_ends_at_the_first_source_running_out(block_size):
+    schedule = BatchSchedule([ScheduleStep(0, 4), ScheduleStep(5, 8)])
+    lengths = (30, 12, 500)
+    weights = [(0, {"a": 0.5, "b": 0.5}), (6, {"a": 0.3, "b": 0.2, "c": 0.5})]
+    mix = MixtureDataset(sources(lengths), weights, batch_schedule=schedule, block_size=block_size, key=5,
+                         stop_strategy="first_exhausted")
+    assert mix.is_finite()
+    src, idx = brute_force_unwrapped(mix, schedule, 40)
+    overrun = np.flatnonzero(idx >= np.asarray(lengths)[src])
+    end = int(overrun[0])
+    assert asyncio.run(mix.async_len()) == end
+    last_step = schedule.find_step_containing_offset(end)
+    ok = batches(mix, schedule, range(last_step))  # every step before the end reads fine
+    assert len(ok) == last_step
+    with pytest.raises(DatasetExhausted):
+        batches(mix, schedule, [last_step])
+
+
+@pytest.mark.parametrize("block_size", [None, 6])
+def test_all_exhausted_ends_after_the_last_source_runs_out(block_size):
+    schedule = BatchSchedule(4)
+    lengths = (30, 12, 50)
+    weights = [(0, {"a": 0.5, "b": 0.5}), (6, {"a": 0.3, "b": 0.2, "c": 0.5})]
+    mix = MixtureDataset(sources(lengths), weights, batch_schedule=schedule, block_size=block_size, key=6,
+                         stop_strategy="all_exhausted")
+    assert mix.is_finite()
+    src, idx = brute_force_unwrapped(mix, schedule, 200)
+    done_at = [int(np.flatnonzero((src == s) & (idx == lengths[s] - 1))[0]) + 1 for s in range(3)]
+    end = max(done_at)
+    assert asyncio.run(mix.async_len()) == end
+    last_step = schedule.find_step_containing_offset(end)
+    values = np.concatenate(batches(mix, schedule, range(last_step)))
+    s, i = decode(values)
+    np.testing.assert_array_equal(s, src[: len(values)])
+    np.testing.assert_array_equal(i, idx[: len(values)] % np.asarray(lengths)[s])  # early finishers wrap
+    with pytest.raises(DatasetExhausted):
+        batches(mix, schedule, [last_step])
+
+
+def test_all_exhausted_never_ends_if_a_source_stops_being_drawn():
+    mix = MixtureDataset(sources((10**4, 10, 10)), [(0, {"a": 1.0}), (2, {"b": 1.0})], batch_schedule=4, key=0,
+                         stop_strategy="all_exhausted")
+    with pytest.raises(ValueError, match="never ends"):
+        asyncio.run(mix.async_len())
+
+
+def test_index_not_belonging_to_step_is_a_loud_error():
+    mix = MixtureDataset(sources(), {"a": 1, "b": 1}, batch_schedule=8, key=0)
+    with pytest.raises(ValueError, match="does not belong to step 2"):
+        asyncio.run(mix.get_batch(2, [15, 16]))
+    with pytest.raises(ValueError, match="does not belong to step 2"):
+        asyncio.run(mix.get_batch(2, [24]))
+
+
+def test_stage_start_need_not_align_with_blocks_or_batches():
+    # Upstream requires stage starts at multiples of a 2048-sequence block; here any step works.
+    schedule = BatchSchedule([ScheduleStep(0, 24), ScheduleStep(3, 40)])
+    mix = MixtureDataset(sources(), [(0, {"a": 1}), (7, {"b": 1})], batch_schedule=schedule, block_size=2048, key=0)
+    got = [set(decode(b)[0].tolist()) for b in batches(mix, schedule, range(10))]
+    assert got == [{0}] * 7 + [{1}] * 3
+
+
+def test_key_changes_layout_but_not_counts():
+    schedule = BatchSchedule(16)
+    a = batches(MixtureDataset(sources(), {"a": 1, "b": 3}, batch_schedule=schedule, key=0), schedule, range(3))
+    b = batches(MixtureDataset(sources(), {"a": 1, "b": 3}, batch_schedule=schedule, key=1), schedule, range(3))
+    assert any(not np.array_equal(x, y) for x, y in zip(a, b))
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.bincount(decode(x)[0]), np.bincount(decode(y)[0]))
+
+
+@pytest.mark.parametrize(
+    "weights, kwargs, fragment",
+    [
+        ({"a": -1, "b": 2}, {}, "'a' is negative"),
+        ({"a": 0, "b": 0}, {}, "all weights are zero"),
+        ({"a": 1, "zz": 1}, {}, "unknown source 'zz'"),
+        ([(0, {"a": 1}), (10, {"nope": 1})], {}, "unknown source 'nope'"),
+        ([(5, {"a": 1})], {}, "first stage must start at step 0"),
+        ([(0, {"a": 1}), (10, {"b": 1}), (10, {"a": 1})], {}, "strictly increasing"),
+        ([(0, {"a": 1}), (10, {"b": 1}), (4, {"a": 1})], {}, "strictly increasing"),
+        ({"a": float("nan")}, {}, "finite number"),
+        ({"a": 1}, {"key": None}, "seed is required"),
+        ({"a": 1}, {"stop_strategy": "sometimes"}, "stop_strategy"),
+        ({"a": 1}, {"block_size": 0}, "block_size"),
+    ],
+)
+def test_bad_input_names_the_culprit(weights, kwargs, fragment):
+    args = dict(batch_schedule=8, key=0)
+    args.update(kwargs)
+    with pytest.raises(ValueError) as e:
+        MixtureDataset(sources(), weights, **args)
+    assert fragment in str(e.value)
+
+
+def test_largest_remainder_rounding():
+    thirds = [Fraction(1, 3)] * 3
+    assert largest_remainder_counts(thirds, 8).tolist() == [3, 3, 2]
+    assert largest_remainder_counts([Fraction(7, 10), Fraction(2, 10), Fraction(1, 10)], 8).tolist() == [6, 1, 1]
+    for total in range(1, 50):
+        c = largest_remainder_counts([Fraction(1, 7), Fraction(2, 7), Fraction(4, 7)], total)
+        assert c.sum() == total
+        assert all(abs(c[i] - f * total) < 1 for i, f in enumerate([Fraction(1, 7), Fraction(2, 7), Fraction(4, 7)]))
