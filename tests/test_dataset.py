@@ -119,3 +119,36 @@ def test_shuffles_are_deterministic_and_seeded():
     a = read(base.shuffle(key=1), 0, list(range(1000)))
     assert a == read(base.shuffle(key=1), 0, list(range(1000)))
     assert a != read(base.shuffle(key=2), 0, list(range(1000)))
+
+
+def test_stacked_batches_flow_through_mixture_in_position_order():
+    from levanter.data.dataset import StackedBatch
+    from levanter.data.mixture import MixtureDataset
+
+    class Columnar(ListAsyncDataset):
+        async def get_batch(self, step, indices):
+            rows = np.asarray(await super().get_batch(step, indices))
+            return StackedBatch({"x": rows, "twice": np.stack([rows, rows], axis=1)})
+
+    mix = MixtureDataset(
+        {"a": Columnar(np.arange(100)), "b": Columnar(np.arange(100) + 1000)}, {"a": 1, "b": 1}, batch_schedule=8, key=0
+    )
+    plain = MixtureDataset(
+        {"a": ListAsyncDataset(np.arange(100)), "b": ListAsyncDataset(np.arange(100) + 1000)},
+        {"a": 1, "b": 1},
+        batch_schedule=8,
+        key=0,
+    )
+    got = asyncio.run(mix.get_batch(1, list(range(8, 16))))
+    want = np.asarray(asyncio.run(plain.get_batch(1, list(range(8, 16)))))
+    assert isinstance(got, StackedBatch) and len(got) == 8
+    np.testing.assert_array_equal(got.tree["x"], want)
+    np.testing.assert_array_equal(got.tree["twice"][:, 1], want)
+    assert got[3]["x"] == want[3]
+
+
+def test_map_batches_is_vectorised_and_length_checked():
+    base = ListAsyncDataset(np.arange(10))
+    assert read(base.map_batches(lambda xs: np.asarray(xs) * 2), 0, [1, 2]) == [2, 4]
+    with pytest.raises(ValueError, match="returned 1 examples"):
+        read(base.map_batches(lambda xs: xs[:1]), 0, [1, 2])

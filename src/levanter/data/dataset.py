@@ -24,14 +24,44 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
+import jax
 import numpy as np
 
 from ._prp import FeistelPermutation, derive_seed, seed_from_key
 
 T = TypeVar("T")
 U = TypeVar("U")
+
+
+class StackedBatch(Sequence):
+    """A batch stored column-wise: a pytree of numpy arrays sharing a leading (example) axis.
+
+    It is a ``Sequence`` of per-example pytrees (so it honours the ``get_batch`` contract), but the
+    loader and the mixture use :attr:`tree` directly and never touch examples one by one.
+    """
+
+    def __init__(self, tree: Any):
+        leaves = jax.tree.leaves(tree)
+        if not leaves:
+            raise ValueError("StackedBatch needs at least one array")
+        n = len(leaves[0])
+        if any(len(x) != n for x in leaves):
+            raise ValueError(f"StackedBatch leaves disagree on the batch length: {[len(x) for x in leaves]}")
+        self.tree = tree
+        self._len = n
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return StackedBatch(jax.tree.map(lambda x: x[i], self.tree))
+        return jax.tree.map(lambda x: x[i], self.tree)
+
+    def take(self, positions: np.ndarray) -> "StackedBatch":
+        return StackedBatch(jax.tree.map(lambda x: x[positions], self.tree))
 
 
 class DatasetExhausted(IndexError):
@@ -72,6 +102,9 @@ class AsyncDataset(abc.ABC, Generic[T]):
     # -- combinators ---------------------------------------------------------------------------------
     def map(self, fn: Callable[[T], U]) -> "MappedAsyncDataset[T, U]":
         return MappedAsyncDataset(self, fn)
+
+    def map_batches(self, fn: Callable[[Sequence[T]], Sequence[U]]) -> "BatchMappedAsyncDataset[T, U]":
+        return BatchMappedAsyncDataset(self, fn)
 
     def slice_dataset(self, start: int = 0, end: int | None = None) -> "SlicedAsyncDataset[T]":
         return SlicedAsyncDataset(self, start, end)
@@ -130,6 +163,21 @@ class MappedAsyncDataset(_Wrapper[U], Generic[T, U]):
 
     async def get_batch(self, step: int, indices: Sequence[int]) -> Sequence[U]:
         return [self.fn(x) for x in await self.dataset.get_batch(step, indices)]
+
+
+class BatchMappedAsyncDataset(_Wrapper[U], Generic[T, U]):
+    """Applies ``fn`` to each whole batch (``fn(examples) -> examples`` of the same length), so the
+    work can be vectorised. Indices and ``step`` pass through unchanged."""
+
+    def __init__(self, dataset: AsyncDataset[T], fn: Callable[[Sequence[T]], Sequence[U]]):
+        super().__init__(dataset)
+        self.fn = fn
+
+    async def get_batch(self, step: int, indices: Sequence[int]) -> Sequence[U]:
+        out = self.fn(await self.dataset.get_batch(step, indices))
+        if len(out) != len(indices):
+            raise ValueError(f"batch map returned {len(out)} examples for {len(indices)} indices")
+        return out
 
 
 class SlicedAsyncDataset(_Wrapper[T]):

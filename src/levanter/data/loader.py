@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..schedule import BatchSchedule
-from .dataset import AsyncDataset, DatasetExhausted
+from .dataset import AsyncDataset, DatasetExhausted, StackedBatch
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,8 @@ def process_rows(mesh: Mesh, data_axes: tuple[str, ...], batch_size: int, proces
 
 
 def _stack(examples) -> Any:
+    if isinstance(examples, StackedBatch):
+        return examples.tree
     if isinstance(examples, np.ndarray):
         return examples
     if len(examples) == 0:

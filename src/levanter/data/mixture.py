@@ -45,11 +45,12 @@ from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import TypeVar
 
+import jax
 import numpy as np
 
 from ..schedule import BatchSchedule
 from ._prp import FeistelPermutation, derive_seed, seed_from_key
-from .dataset import AsyncDataset, DatasetExhausted, as_index_array
+from .dataset import AsyncDataset, DatasetExhausted, StackedBatch, as_index_array
 
 T = TypeVar("T")
 
@@ -372,6 +373,16 @@ class MixtureDataset(AsyncDataset[T]):
         results = await asyncio.gather(
             *[self.datasets[s].get_batch(step, src_index[sel]) for s, sel in zip(present, selections)]
         )
+        if results and all(isinstance(r, StackedBatch) for r in results):
+            n = len(source)
+
+            def merge(*leaves):
+                out = np.empty((n,) + leaves[0].shape[1:], dtype=leaves[0].dtype)
+                for sel, leaf in zip(selections, leaves):
+                    out[sel] = leaf
+                return out
+
+            return StackedBatch(jax.tree.map(merge, *[r.tree for r in results]))
         if results and all(isinstance(r, np.ndarray) for r in results):
             out = np.empty((len(source),) + results[0].shape[1:], dtype=results[0].dtype)
             for sel, r in zip(selections, results):
