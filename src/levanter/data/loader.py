@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -193,84 +194,65 @@ class DataLoader(Generic[T]):
         return self.iter_from_step(0)
 
 
-_END = object()
+class _Prefetcher:
+    """The background half of a prefetching iterator: a thread running an asyncio loop that keeps up
+    to ``depth`` steps in flight or waiting, and posts results by step into ``ready``.
 
+    It holds no reference to the iterator, so an iterator dropped without ``close()`` is collected and
+    its finalizer stops this thread.
+    """
 
-class DataLoaderIterator(Iterator[Batch[T]]):
-    """Yields ``Batch`` objects strictly in step order; see the module docstring."""
-
-    def __init__(self, loader: DataLoader[T], start: int, end: int | None):
+    def __init__(self, loader: "DataLoader", start: int, limit: int | None):
         self.loader = loader
-        self.next_step = start
-        self._limit = end
-        self.wait_seconds: dict[int, float] = {}
-        self._loop = asyncio.new_event_loop()
-        self._closed = False
-        self._finished = False
-        if loader.prefetch_depth > 0:
-            self._cond = threading.Condition()
-            self._ready: dict[int, tuple[str, Any]] = {}
-            self._taken = start
-            self._wake: asyncio.Event | None = None
-            self._thread = threading.Thread(target=self._run, name="levanter-data-prefetch", daemon=True)
-            self._thread.start()
+        self.depth = loader.prefetch_depth
+        self.limit = limit
+        self.cond = threading.Condition()
+        self.ready: dict[int, tuple[str, Any]] = {}
+        self.taken = start  # the next step the consumer will take; written by the consumer only
+        self.closed = False
+        self.loop = asyncio.new_event_loop()
+        self.wake: asyncio.Event | None = None
+        self._start = start
+        self.thread = threading.Thread(target=self._run, name="levanter-data-prefetch", daemon=True)
+        self.thread.start()
 
-    # -- synchronous mode ----------------------------------------------------------------------------
-    def _bound(self, end_step: int | None) -> int | None:
-        if end_step is None:
-            return self._limit
-        return end_step if self._limit is None else min(end_step, self._limit)
-
-    def _next_sync(self) -> Batch[T]:
-        t0 = time.perf_counter()
-        bound = self._bound(self._loop.run_until_complete(self.loader.end_step()))
-        if bound is not None and self.next_step >= bound:
-            raise StopIteration
-        try:
-            batch = self._loop.run_until_complete(self.loader.fetch(self.next_step))
-        except DatasetExhausted:
-            raise StopIteration from None
-        return self._deliver(batch, time.perf_counter() - t0)
-
-    # -- prefetch mode -------------------------------------------------------------------------------
     def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
+        asyncio.set_event_loop(self.loop)
         try:
-            self._loop.run_until_complete(self._produce())
+            self.loop.run_until_complete(self._produce())
         finally:
-            self._loop.close()
+            self.loop.close()
 
     def _post(self, step: int, kind: str, value: Any) -> None:
-        with self._cond:
-            self._ready[step] = (kind, value)
-            self._cond.notify_all()
+        with self.cond:
+            self.ready[step] = (kind, value)
+            self.cond.notify_all()
 
     async def _produce(self) -> None:
-        self._wake = asyncio.Event()
-        depth = self.loader.prefetch_depth
+        self.wake = asyncio.Event()
         tasks: dict[int, asyncio.Task] = {}
-        launch = deliver = self.next_step
+        launch = deliver = self._start
         try:
-            bound = self._bound(await self.loader.end_step())
-            while not self._closed:
-                while (bound is None or launch < bound) and launch - self._taken < depth:
+            end = await self.loader.end_step()
+            bound = self.limit if end is None else (end if self.limit is None else min(end, self.limit))
+            while not self.closed:
+                while (bound is None or launch < bound) and launch - self.taken < self.depth:
                     tasks[launch] = asyncio.create_task(self.loader.fetch(launch))
                     launch += 1
+                # Clear before re-checking so that a wake-up between the check and the wait is kept.
+                self.wake.clear()
                 if deliver not in tasks:
                     if bound is not None and deliver >= bound:
                         self._post(deliver, "end", None)
                         return
-                    # Everything launched was delivered: wait for the consumer to free a slot. Clear
-                    # before re-checking so a wake-up between the two is not lost.
-                    self._wake.clear()
-                    if launch - self._taken >= depth and not self._closed:
-                        await self._wake.wait()
+                    # Everything launched was delivered: wait for the consumer to free a slot.
+                    if launch - self.taken >= self.depth and not self.closed:
+                        await self.wake.wait()
                     continue
                 task = tasks[deliver]
                 if not task.done():
-                    # Wake on this step finishing or on the consumer freeing a slot (to launch more).
-                    self._wake.clear()
-                    waiter = asyncio.ensure_future(self._wake.wait())
+                    # Wake on this step finishing, or on the consumer freeing a slot (launch more).
+                    waiter = asyncio.ensure_future(self.wake.wait())
                     await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
                     waiter.cancel()
                     continue
@@ -292,68 +274,107 @@ class DataLoaderIterator(Iterator[Batch[T]]):
             if tasks:
                 await asyncio.gather(*tasks.values(), return_exceptions=True)
 
-    def _next_prefetched(self) -> Batch[T]:
+    def take(self, step: int) -> tuple[str, Any]:
+        with self.cond:
+            while step not in self.ready:
+                self.cond.wait()
+            item = self.ready.pop(step)
+        self.taken = step + 1
+        self._nudge()
+        return item
+
+    def _nudge(self) -> None:
+        if self.wake is not None:
+            try:
+                self.loop.call_soon_threadsafe(self.wake.set)
+            except RuntimeError:  # the loop has already closed
+                pass
+
+    def close(self) -> None:
+        self.closed = True
+        self._nudge()
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout=10)
+
+
+class DataLoaderIterator(Iterator[Batch[T]]):
+    """Yields ``Batch`` objects strictly in step order; see the module docstring.
+
+    A load error is raised (as ``RuntimeError`` naming the step, chained to the dataset's exception) at
+    the step it belongs to, and again on every later ``next()``: the iterator is dead after it.
+    """
+
+    def __init__(self, loader: DataLoader[T], start: int, end: int | None):
+        self.loader = loader
+        self.next_step = start
+        self._limit = end
+        self.wait_seconds: dict[int, float] = {}
+        self._finished = False
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._prefetcher: _Prefetcher | None = None
+        if loader.prefetch_depth > 0:
+            self._prefetcher = _Prefetcher(loader, start, end)
+            self._finalizer = weakref.finalize(self, self._prefetcher.close)
+        else:
+            self._loop = asyncio.new_event_loop()
+            self._finalizer = weakref.finalize(self, self._loop.close)
+
+    def _fail(self, step: int, exc: BaseException) -> RuntimeError:
+        err = RuntimeError(f"data loading failed at step {step}: {type(exc).__name__}: {exc}")
+        err.__cause__ = exc
+        self._error = err
+        return err
+
+    def _next_sync(self) -> tuple[Batch[T] | None, float]:
+        t0 = time.perf_counter()
+        step = self.next_step
+        try:
+            end = self._loop.run_until_complete(self.loader.end_step())
+            bound = self._limit if end is None else (end if self._limit is None else min(end, self._limit))
+            if bound is not None and step >= bound:
+                return None, 0.0
+            batch = self._loop.run_until_complete(self.loader.fetch(step))
+        except DatasetExhausted:
+            return None, 0.0
+        except Exception as e:  # noqa: BLE001 -- re-raised with the step
+            raise self._fail(step, e) from e
+        return batch, time.perf_counter() - t0
+
+    def _next_prefetched(self) -> tuple[Batch[T] | None, float]:
         step = self.next_step
         t0 = time.perf_counter()
-        with self._cond:
-            while step not in self._ready:
-                self._cond.wait()
-            kind, value = self._ready.pop(step)
+        kind, value = self._prefetcher.take(step)
         waited = time.perf_counter() - t0
         if kind == "end":
-            raise StopIteration
+            return None, waited
         if kind == "error":
-            raise RuntimeError(f"data loading failed at step {step}: {value}") from value
-        self._taken = step + 1
-        if self._wake is not None and not self._loop.is_closed():
-            try:
-                self._loop.call_soon_threadsafe(self._wake.set)
-            except RuntimeError:  # loop already closed
-                pass
-        return self._deliver(value, waited)
+            raise self._fail(step, value) from value
+        return value, waited
 
-    # -- common --------------------------------------------------------------------------------------
-    def _deliver(self, batch: Batch[T], waited: float) -> Batch[T]:
+    def __next__(self) -> Batch[T]:
+        if self._error is not None:
+            raise self._error
+        if self._finished:
+            raise StopIteration
+        batch, waited = self._next_sync() if self._prefetcher is None else self._next_prefetched()
+        if batch is None:
+            self._finished = True
+            self.close()
+            raise StopIteration
         if batch.step != self.next_step:  # the reorder buffer's invariant; never expected to fire
             raise AssertionError(f"loader produced step {batch.step} where {self.next_step} was due")
         self.wait_seconds[batch.step] = waited
         self.next_step += 1
         return dataclasses.replace(batch, wait_seconds=waited)
 
-    def __next__(self) -> Batch[T]:
-        if self._closed or self._finished:
-            raise StopIteration
-        try:
-            if self.loader.prefetch_depth == 0:
-                return self._next_sync()
-            return self._next_prefetched()
-        except StopIteration:
-            self._finished = True
-            raise
-
     def close(self) -> None:
-        """Stop background work; safe to call more than once."""
-        if self._closed:
-            return
-        self._closed = True
-        if self.loader.prefetch_depth > 0:
-            if self._wake is not None and not self._loop.is_closed():
-                try:
-                    self._loop.call_soon_threadsafe(self._wake.set)
-                except RuntimeError:
-                    pass
-            self._thread.join(timeout=10)
-        elif not self._loop.is_closed():
-            self._loop.close()
+        """Stop background work; safe to call more than once. Later ``next()`` calls stop iteration."""
+        self._finished = True
+        self._finalizer()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 -- interpreter shutdown
-            pass
