@@ -167,7 +167,7 @@ def main(argv=None) -> None:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--quick", action="store_true", help="fewer repeats and steps (smoke run, a few seconds)")
-    p.add_argument("--repeats", type=int, default=None, help="repeats per resume step (5; --quick: 3)")
+    p.add_argument("--repeats", type=int, default=None, help="repeats per resume step (21; --quick: 5)")
     p.add_argument("--steps", type=int, default=None, help="timed throughput steps (500; --quick: 100)")
     p.add_argument("--warmup", type=int, default=20, help="untimed steps before timing throughput")
     p.add_argument("--ttfb-batch-size", type=int, default=64, help="batch size for the resume tables")
@@ -175,7 +175,7 @@ def main(argv=None) -> None:
     p.add_argument("--seq-len", type=int, default=128, help="row length of each source array")
     p.add_argument("--goal", type=float, default=1.2, help="target step-1e9 / step-0 time ratio")
     args = p.parse_args(argv)
-    repeats = args.repeats if args.repeats is not None else (3 if args.quick else 5)
+    repeats = args.repeats if args.repeats is not None else (5 if args.quick else 21)
     steps = args.steps if args.steps is not None else (100 if args.quick else 500)
     scale = 0.25 if args.quick else 1.0
     block_sizes = (None, 2048)

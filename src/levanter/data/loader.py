@@ -236,7 +236,10 @@ class _Prefetcher:
             end = await self.loader.end_step()
             bound = self.limit if end is None else (end if self.limit is None else min(end, self.limit))
             while not self.closed:
-                while (bound is None or launch < bound) and launch - self.taken < self.depth:
+                # The first step is fetched alone so that it does not compete with the read-ahead: time
+                # to first batch is one fetch, whatever the depth.
+                window = 1 if deliver == self._start else self.depth
+                while (bound is None or launch < bound) and launch - self.taken < window:
                     tasks[launch] = asyncio.create_task(self.loader.fetch(launch))
                     launch += 1
                 # Clear before re-checking so that a wake-up between the check and the wait is kept.
