@@ -1,0 +1,257 @@
+"""Data configuration for language-model training, with upstream Levanter's field names.
+
+Two shapes, parsed by draccus from the ``data:`` section of a config:
+
+* :class:`UrlSingleDatasetLMConfig` (alias ``LMDatasetConfig``): one source -- ``train_urls``,
+  ``validation_urls``, ``cache_dir``, ``tokenizer``, ``text_key``, ``shuffle``, ...
+* :class:`LMMixtureDatasetConfig`: ``configs: {name: source}``, ``train_weights`` (a mapping, or a list of
+  ``[step, {name: weight}]`` in **training steps**), ``mixture_block_size``, ``stop_strategy``, ...
+
+``train_set(seq_len, batch_schedule, key=...)`` turns a config into the training
+:class:`~levanter.data.dataset.AsyncDataset` (building token caches on first use): per-source shuffles
+sit *below* the mixture, never above it, so the mixture alone decides which step sees which source.
+``validation_sets(seq_len)`` gives one unshuffled dataset per source with validation data.
+
+Fields upstream has but this fork does not implement (``target_budget``, ``experiment_budget``,
+``max_train_batches``, ``num_validation_sequences``, chat formats) are accepted by the parser so
+configs load, and refused with a clear error if set -- never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Dict, List, Optional, Tuple, Union
+
+from ..schedule import BatchSchedule
+from ._prp import derive_seed, seed_from_key
+from .dataset import AsyncDataset
+from .mixture import STOP_STRATEGIES, MixtureDataset
+from .sources import SourceError
+from .text import CausalLmDataset, TokenSeqDataset
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheOptionsConfig:
+    """``cache_options``: tokenizer processes (None: one per core) and documents per task/commit."""
+
+    num_workers: Optional[int] = None
+    batch_size: int = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class TextLmDatasetFormat:
+    """``format: {type: text, text_key: ...}`` as upstream writes it; only plain text is supported."""
+
+    type: str = "text"
+    text_key: str = "text"
+
+
+@dataclasses.dataclass(frozen=True)
+class LMDatasetSourceConfig:
+    """One source: files (``train_urls``/``validation_urls``: paths, fsspec URLs, globs, braces or
+    ``embedded://<name>/<split>``) or, upstream's other kind, a Hugging Face dataset ``id`` (which needs
+    network access and is refused here with a clear message)."""
+
+    train_urls: List[str] = dataclasses.field(default_factory=list)
+    validation_urls: List[str] = dataclasses.field(default_factory=list)
+    cache_dir: Optional[str] = None
+    tags: Optional[List[str]] = None
+    format: Optional[TextLmDatasetFormat] = None
+    text_key: Optional[str] = None
+    id: Optional[str] = None
+    name: Optional[str] = None
+    stream: bool = True
+
+    def resolved_text_key(self, default: Optional[str]) -> str:
+        """The source's ``text_key``, else its ``format.text_key``, else the task-level one, else "text"."""
+        if self.text_key is not None:
+            return self.text_key
+        if self.format is not None:
+            if self.format.type != "text":
+                raise ValueError(f"format.type: only 'text' is supported, got {self.format.type!r}")
+            return self.format.text_key
+        return default if default is not None else "text"
+
+    def urls(self, split: str) -> List[str]:
+        if self.id is not None:
+            raise SourceError(
+                f"Hugging Face dataset id={self.id!r} needs the hub; this build reads files only. Download the "
+                "data and point train_urls / validation_urls at the files."
+            )
+        return list(self.train_urls if split == "train" else self.validation_urls)
+
+
+@dataclasses.dataclass(frozen=True)
+class LMTaskConfig:
+    """Settings shared by single-source and mixture data configs (upstream names)."""
+
+    tokenizer: str = "gpt2"
+    vocab_size: Optional[int] = None
+    cache_dir: Optional[str] = "cache/"
+    cache_options: CacheOptionsConfig = dataclasses.field(default_factory=CacheOptionsConfig)
+    enforce_eos: bool = True
+    text_key: Optional[str] = None
+    shuffle: Union[bool, int] = False
+    permutation_type: Optional[str] = None
+    ignore_token_id: Optional[int] = None
+    chat_template: Optional[str] = None
+
+    # -- shared machinery --------------------------------------------------------------------------
+    def the_tokenizer(self):
+        from .tokenization import load_tokenizer
+
+        return load_tokenizer(self.tokenizer, vocab_size=self.vocab_size)
+
+    def _check_task_fields(self) -> None:
+        if self.permutation_type not in (None, "feistel", "linear"):
+            raise ValueError(f"data.permutation_type: expected 'feistel' or 'linear', got {self.permutation_type!r}")
+        if self.permutation_type == "linear":
+            logger.warning("data.permutation_type=linear: this fork always uses a Feistel permutation")
+        if isinstance(self.shuffle, int) and not isinstance(self.shuffle, bool) and self.shuffle < 1:
+            raise ValueError(f"data.shuffle: an int shuffle is a block size and must be >= 1, got {self.shuffle}")
+        for name in ("ignore_token_id", "chat_template"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"data.{name} is not supported by this fork yet; remove it from the config")
+
+    def _cache(self, source: LMDatasetSourceConfig, cache_dir: str, split: str, tokenizer, what: str):
+        from ..store.cache import CacheOptions, build_or_load_cache
+
+        urls = source.urls(split)
+        if not urls:
+            return None
+        return build_or_load_cache(
+            urls,
+            os.path.join(cache_dir, split),
+            tokenizer,
+            text_key=source.resolved_text_key(self.text_key),
+            enforce_eos=self.enforce_eos,
+            options=CacheOptions(self.cache_options.num_workers, self.cache_options.batch_size),
+            embedded_dir=os.path.join(cache_dir, "_embedded"),
+            what=what,
+        )
+
+    def _dataset(self, cache, seq_len: int) -> AsyncDataset:
+        tokens = TokenSeqDataset(cache.store, seq_len)
+        if len(tokens) == 0:
+            raise ValueError(
+                f"the cache at {cache.cache_dir!r} has {cache.store.data_size} tokens, fewer than one sequence "
+                f"of seq_len={seq_len}"
+            )
+        return CausalLmDataset(tokens, cache.eos_id)
+
+    def _shuffled(self, ds: AsyncDataset, seed: int) -> AsyncDataset:
+        if self.shuffle is True:
+            return ds.shuffle(key=seed)
+        if self.shuffle is False:
+            return ds
+        return ds.block_shuffle(int(self.shuffle), key=seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class UrlSingleDatasetLMConfig(LMTaskConfig, LMDatasetSourceConfig):
+    """A single source (upstream ``LMDatasetConfig`` / ``UrlSingleDatasetLMConfig``)."""
+
+    def build_caches(self, split: str = "train"):
+        self._check_task_fields()
+        return self._cache(self, self.cache_dir or "cache/", split, self.the_tokenizer(), f"data.{split}_urls")
+
+    def train_set(self, seq_len: int, batch_schedule: BatchSchedule | int, *, key) -> AsyncDataset:
+        cache = self.build_caches("train")
+        if cache is None:
+            raise ValueError("data.train_urls is empty: nothing to train on")
+        return self._shuffled(self._dataset(cache, seq_len), derive_seed(seed_from_key(key), 0))
+
+    def validation_sets(self, seq_len: int) -> Dict[str, AsyncDataset]:
+        cache = self.build_caches("validation")
+        return {} if cache is None else {"": self._dataset(cache, seq_len)}
+
+
+LMDatasetConfig = UrlSingleDatasetLMConfig
+
+TrainWeights = Union[Dict[str, float], List[Tuple[int, Dict[str, float]]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class LMMixtureDatasetConfig(LMTaskConfig):
+    """A mixture of named sources; ``train_weights`` stages are in **training steps**."""
+
+    configs: Dict[str, LMDatasetSourceConfig] = dataclasses.field(default_factory=dict)
+    train_weights: TrainWeights = dataclasses.field(default_factory=dict)
+    stop_strategy: str = "restart"
+    mixture_block_size: Optional[int] = 2048
+    target_budget: Optional[int] = None
+    experiment_budget: Optional[int] = None
+    max_train_batches: Optional[Dict[str, int]] = None
+    num_validation_sequences: Optional[Dict[str, int]] = None
+
+    def stages(self) -> list:
+        """``train_weights`` as ``[(start_step, {name: weight})]``, validated against ``configs``."""
+        w = self.train_weights
+        stages = [(0, dict(w))] if isinstance(w, dict) else [(int(s), dict(m)) for s, m in w]
+        for _, mapping in stages:
+            for name in mapping:
+                if name not in self.configs:
+                    raise ValueError(
+                        f"data.train_weights: unknown source {name!r}; data.configs has {sorted(self.configs)}"
+                    )
+        return stages
+
+    def _check(self) -> None:
+        self._check_task_fields()
+        if not self.configs:
+            raise ValueError("data.configs is empty: a mixture needs at least one source")
+        if self.stop_strategy not in STOP_STRATEGIES:
+            raise ValueError(f"data.stop_strategy: expected one of {STOP_STRATEGIES}, got {self.stop_strategy!r}")
+        for name in ("target_budget", "experiment_budget", "max_train_batches", "num_validation_sequences"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"data.{name} is not supported by this fork yet; remove it from the config")
+
+    def source_cache_dir(self, name: str) -> str:
+        src = self.configs[name]
+        return src.cache_dir if src.cache_dir is not None else os.path.join(self.cache_dir or "cache/", name)
+
+    def drawn_sources(self) -> List[str]:
+        """Sources with a positive weight in some stage (the others only serve validation)."""
+        return [n for n in self.configs if any(m.get(n, 0) > 0 for _, m in self.stages())]
+
+    def build_caches(self, split: str = "train") -> dict:
+        self._check()
+        tokenizer = self.the_tokenizer()
+        names = self.drawn_sources() if split == "train" else list(self.configs)
+        out = {}
+        for name in names:
+            cache = self._cache(
+                self.configs[name], self.source_cache_dir(name), split, tokenizer, f"data.configs.{name}.{split}_urls"
+            )
+            if cache is None and split == "train":
+                raise ValueError(f"data.configs.{name}.train_urls is empty but the source has a training weight")
+            if cache is not None:
+                out[name] = cache
+        return out
+
+    def train_set(self, seq_len: int, batch_schedule: BatchSchedule | int, *, key) -> AsyncDataset:
+        seed = seed_from_key(key)
+        caches = self.build_caches("train")
+        datasets = {}
+        for k, name in enumerate(self.configs):
+            if name in caches:
+                datasets[name] = self._shuffled(self._dataset(caches[name], seq_len), derive_seed(seed, 1, k))
+        stages = [(s, {n: w for n, w in m.items() if n in datasets}) for s, m in self.stages()]
+        return MixtureDataset(
+            datasets,
+            stages,
+            batch_schedule=batch_schedule,
+            block_size=self.mixture_block_size,
+            key=derive_seed(seed, 2),
+            stop_strategy=self.stop_strategy,
+        )
+
+    def validation_sets(self, seq_len: int) -> Dict[str, AsyncDataset]:
+        return {name: self._dataset(c, seq_len) for name, c in self.build_caches("validation").items()}
+
+
+DataConfig = Union[UrlSingleDatasetLMConfig, LMMixtureDatasetConfig]

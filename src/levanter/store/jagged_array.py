@@ -1,0 +1,496 @@
+"""A ragged array of 1-D rows (documents' token ids) kept in two zarr3 arrays through tensorstore.
+
+Layout under ``<path>``:
+
+* ``data``: one flat 1-D array holding every row back to back;
+* ``offsets``: 1-D int64, ``offsets[0] = 0`` and ``offsets[k + 1]`` = end of row ``k`` in ``data``.
+
+The store is append-only and has one writer. Which rows are *committed* is not decided here but by
+an external ledger (:class:`~levanter.store.ledger.CacheLedger`): the writer appends, waits for the
+writes to land, then records the new row count in the ledger. Opening with ``num_rows=n`` declares
+rows ``>= n`` garbage (a writer that crashed after writing but before its ledger update) and the next
+append overwrites them. So the store never needs its own commit protocol, at the cost that a store
+that was not finalized can only be read correctly with the ledger's row count at hand.
+
+Determinism: a resumed build must end byte-identical to an uninterrupted one. Everything on disk is a
+function of the committed content: capacity grows by a rule that depends only on the size needed,
+:meth:`JaggedArrayStore.finalize` shrinks the arrays to their exact sizes (so ``zarr.json`` records
+only content sizes), and reopening a crashed store zeroes the garbage in the last partial chunk and
+deletes whole chunks past the committed end, leaving exactly what a clean build would have had.
+
+Reads are batched: every read method issues one tensorstore operation per step (offsets, then data)
+however many rows or windows it serves, so a 2000-row request costs a couple of I/O round trips, not
+2000. Out-of-range requests raise ``IndexError`` naming the bad row or range and the store's size.
+
+Trade-off: chunks are not compressed by default. A random window decodes a whole chunk, and on local
+disk that costs more than the bytes saved: with zstd a 20M-token store shrank from 77 to 49 MB but 256
+random 1024-token windows took ~84 ms instead of ~10 ms. ``codec="zstd"`` is there for remote storage.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+__all__ = ["JaggedArrayStore", "DEFAULT_DATA_CHUNK", "DEFAULT_OFFSETS_CHUNK"]
+
+# Chunk sizes, in elements. A zarr3 chunk without sharding is read whole, so a random window costs a
+# whole-chunk read: smaller chunks mean less read amplification, larger ones fewer files. Measured on a
+# 20M-token int32 store (2 shared cores, warm page cache), 256 random 1024-token windows per call:
+# ~20 ms at 2**16-element chunks (256 KiB) against ~29 ms at 2**18 (1 MiB), medians of 40 interleaved
+# calls; 1-token windows cost the same, so the price is per chunk touched, not per token served. 2**14
+# was a little faster again in a raw tensorstore test but quadruples the file count (1B int32 tokens at
+# 2**16 is ~15k chunk files; at 2**14, ~61k).
+DEFAULT_DATA_CHUNK = 2**16
+# Offsets are read two per row at random rows, so their chunks are kept small too: 2**13 int64 is
+# 64 KiB per chunk, and a million rows still fit in ~120 files.
+DEFAULT_OFFSETS_CHUNK = 2**13
+
+# One context for every store in the process: "memory://" stores are visible across opens only within
+# a shared context, and tensorstore's I/O thread pools are shared instead of multiplied per store.
+_CONTEXT = ts.Context()
+
+_SHORTHAND_CODECS: dict[str, dict[str, Any]] = {
+    "zstd": {"name": "zstd", "configuration": {"level": 3, "checksum": False}},
+    "gzip": {"name": "gzip", "configuration": {"level": 5}},
+}
+
+
+def _kvstore(path: str | os.PathLike, sub: str) -> str | dict[str, Any]:
+    """Kvstore spec of ``<path>/<sub>/``: a local path becomes the ``file`` driver, a URL is passed on."""
+    p = os.fspath(path)
+    if "://" in p:
+        return p.rstrip("/") + "/" + sub + "/"
+    return {"driver": "file", "path": os.path.join(os.path.abspath(p), sub) + "/"}
+
+
+def _capacity(needed: int, chunk: int) -> int:
+    """Array length to hold ``needed`` elements: the next power of two, at least one chunk.
+
+    A pure function of ``needed``, never of the append history or timing, so a resumed build resizes
+    to the same shapes as a clean one. Over-allocation costs nothing on disk (zarr stores no chunks
+    that were never written); growing by doubling keeps metadata rewrites to O(log n).
+    """
+    cap = max(chunk, 1)
+    while cap < needed:
+        cap *= 2
+    return cap
+
+
+def _codecs(codec: str | Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    if codec is None:
+        return codecs
+    if isinstance(codec, str):
+        if codec not in _SHORTHAND_CODECS:
+            raise ValueError(
+                f"unknown codec {codec!r}; use one of {sorted(_SHORTHAND_CODECS)} or a zarr3 codec dict"
+            )
+        codecs.append(dict(_SHORTHAND_CODECS[codec]))
+    else:
+        codecs.append(dict(codec))
+    return codecs
+
+
+def _is_not_found(err: Exception) -> bool:
+    return "NOT_FOUND" in str(err)
+
+
+def _open_array(kvstore, *, context: ts.Context) -> ts.TensorStore | None:
+    """Open an existing zarr3 array, or None when there is none at ``kvstore``."""
+    try:
+        return ts.open({"driver": "zarr3", "kvstore": kvstore}, open=True, context=context).result()
+    except ValueError as e:
+        if _is_not_found(e):
+            return None
+        raise
+
+
+def _create_array(kvstore, *, dtype: np.dtype, chunk: int, codecs, context: ts.Context) -> ts.TensorStore:
+    metadata = {
+        "shape": [0],
+        "data_type": dtype.name,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [int(chunk)]}},
+        "chunk_key_encoding": {"name": "default"},
+        "codecs": codecs,
+        "fill_value": False if dtype == np.bool_ else 0,
+    }
+    spec = {"driver": "zarr3", "kvstore": kvstore, "metadata": metadata}
+    return ts.open(spec, create=True, delete_existing=True, context=context).result()
+
+
+def _length(arr: ts.TensorStore) -> int:
+    return int(arr.domain.exclusive_max[0])
+
+
+def _chunk(arr: ts.TensorStore) -> int:
+    return int(arr.chunk_layout.write_chunk.shape[0])
+
+
+def _truncate(arr: ts.TensorStore, size: int) -> ts.TensorStore:
+    """Cut ``arr`` to ``size`` elements leaving what a clean build of that size would have on disk.
+
+    Resizing down deletes chunks wholly past ``size`` but keeps a partial last chunk as is, stale tail
+    included (tensorstore would even show that tail again after growing). So the tail is zeroed (the
+    fill value) first; the array is grown to the chunk boundary for that, which is metadata only.
+    """
+    length = _length(arr)
+    if length <= size:
+        return arr
+    chunk = _chunk(arr)
+    boundary = -(-size // chunk) * chunk
+    if boundary > size:
+        if boundary > length:
+            arr = arr.resize(exclusive_max=[boundary]).result()
+        arr[size:boundary].write(np.zeros(boundary - size, dtype=arr.dtype.numpy_dtype)).result()
+    return arr.resize(exclusive_max=[size]).result()
+
+
+class JaggedArrayStore:
+    """A ragged array of 1-D rows of one dtype; see the module docstring for layout and crash semantics.
+
+    Create instances with :meth:`open`. Not safe for concurrent writers; readers in any thread or event
+    loop are fine (the object holds no loop-bound state).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        data: ts.TensorStore,
+        offsets: ts.TensorStore,
+        *,
+        num_rows: int,
+        data_size: int,
+        writable: bool,
+    ):
+        self.path = path
+        self._data = data
+        self._offsets = offsets
+        self._num_rows = int(num_rows)
+        self._data_size = int(data_size)
+        self._writable = writable
+        self.dtype = np.dtype(data.dtype.numpy_dtype)
+
+    # -- opening -------------------------------------------------------------------------------------
+    @classmethod
+    def open(
+        cls,
+        path: str | os.PathLike,
+        *,
+        mode: str,
+        dtype: Any = None,
+        num_rows: int | None = None,
+        data_chunk: int = DEFAULT_DATA_CHUNK,
+        offsets_chunk: int = DEFAULT_OFFSETS_CHUNK,
+        codec: str | Mapping[str, Any] | None = None,
+    ) -> "JaggedArrayStore":
+        """Open the store at ``path`` (a local path or a tensorstore kvstore URL such as ``memory://x``).
+
+        ``mode``: ``"r"`` read only, the store must exist; ``"w"`` create afresh, deleting an existing
+        store; ``"a"`` open for append, creating it if absent.
+
+        ``dtype``: element type of ``data``; when creating, ``None`` means int32. When opening an existing
+        store ``None`` accepts the stored dtype and anything else must match it.
+
+        ``num_rows``: the committed row count, from the ledger. Rows past it are garbage that the next
+        append overwrites. ``None`` trusts the arrays' shapes, which is only right for a finalized store;
+        an unfinalized one is detected (its last offset disagrees with the data length) and refused.
+
+        ``data_chunk``, ``offsets_chunk``, ``codec`` apply when creating; an existing store keeps its own.
+        ``codec`` is ``None`` (raw little-endian), ``"zstd"``, ``"gzip"`` or a zarr3 codec JSON dict.
+        """
+        if mode not in ("r", "w", "a"):
+            raise ValueError(f"mode must be 'r', 'w' or 'a', got {mode!r}")
+        if num_rows is not None and num_rows < 0:
+            raise ValueError(f"num_rows must be >= 0, got {num_rows}")
+        path = os.fspath(path)
+        want = None if dtype is None else np.dtype(dtype)
+
+        if mode == "w":
+            if num_rows not in (None, 0):
+                raise ValueError(f"mode 'w' creates an empty store; num_rows={num_rows} makes no sense")
+            return cls._create(path, want or np.dtype(np.int32), data_chunk, offsets_chunk, codec)
+        data = _open_array(_kvstore(path, "data"), context=_CONTEXT)
+        offsets = _open_array(_kvstore(path, "offsets"), context=_CONTEXT)
+        half_created = data is None or offsets is None or _length(offsets) < 1
+        if mode == "a" and num_rows == 0 and half_created:
+            # Nothing committed and a writer died while creating the arrays: start afresh.
+            return cls._create(path, want or np.dtype(np.int32), data_chunk, offsets_chunk, codec)
+        if data is None or offsets is None:
+            if mode == "r" or (data is not None or offsets is not None):
+                missing = "data" if data is None else "offsets"
+                raise FileNotFoundError(
+                    f"no JaggedArrayStore at {path!r}: its '{missing}' array is missing"
+                    + ("" if mode == "r" else "; delete the directory to start over")
+                )
+            if num_rows is not None:
+                raise FileNotFoundError(
+                    f"no JaggedArrayStore at {path!r}, but num_rows={num_rows} was expected"
+                )
+            return cls._create(path, want or np.dtype(np.int32), data_chunk, offsets_chunk, codec)
+
+        stored = np.dtype(data.dtype.numpy_dtype)
+        if want is not None and want != stored:
+            raise TypeError(f"store at {path!r} holds {stored}, but dtype={want} was requested")
+        if np.dtype(offsets.dtype.numpy_dtype) != np.int64:
+            raise ValueError(f"store at {path!r}: offsets must be int64, found {offsets.dtype}")
+
+        n_offsets = _length(offsets)
+        if n_offsets < 1:
+            raise ValueError(f"store at {path!r} is corrupt: its offsets array is empty")
+        if num_rows is None:
+            num_rows = n_offsets - 1
+            data_size = int(offsets[num_rows].read().result())
+            if data_size != _length(data):
+                raise ValueError(
+                    f"store at {path!r} was not finalized (last offset {data_size}, data length "
+                    f"{_length(data)}); pass num_rows from the cache ledger"
+                )
+        else:
+            if num_rows + 1 > n_offsets:
+                raise ValueError(
+                    f"store at {path!r} holds at most {n_offsets - 1} rows but num_rows={num_rows} is "
+                    "committed; the store is truncated or the ledger belongs to another cache"
+                )
+            data_size = int(offsets[num_rows].read().result())
+            if not 0 <= data_size <= _length(data):
+                raise ValueError(
+                    f"store at {path!r} is corrupt: row {num_rows} ends at {data_size}, outside the data "
+                    f"array of length {_length(data)}"
+                )
+        if mode == "a":
+            # Reset the garbage past the committed end now, so the store is what a clean build of the
+            # committed rows would be whatever the next appends write.
+            data = _truncate(data, data_size)
+            offsets = _truncate(offsets, num_rows + 1)
+        return cls(path, data, offsets, num_rows=num_rows, data_size=data_size, writable=mode == "a")
+
+    @classmethod
+    def _create(cls, path, dtype, data_chunk, offsets_chunk, codec) -> "JaggedArrayStore":
+        if data_chunk < 1 or offsets_chunk < 1:
+            raise ValueError(
+                f"chunk sizes must be >= 1, got data_chunk={data_chunk}, offsets_chunk={offsets_chunk}"
+            )
+        codecs = _codecs(codec)
+        data = _create_array(
+            _kvstore(path, "data"), dtype=dtype, chunk=data_chunk, codecs=codecs, context=_CONTEXT
+        )
+        offsets = _create_array(
+            _kvstore(path, "offsets"),
+            dtype=np.dtype(np.int64),
+            chunk=offsets_chunk,
+            codecs=codecs,
+            context=_CONTEXT,
+        )
+        offsets = offsets.resize(exclusive_max=[1]).result()
+        offsets[0:1].write(np.zeros(1, dtype=np.int64)).result()
+        return cls(path, data, offsets, num_rows=0, data_size=0, writable=True)
+
+    # -- sizes ---------------------------------------------------------------------------------------
+    @property
+    def num_rows(self) -> int:
+        """Committed rows (the ledger's count, plus rows appended through this object)."""
+        return self._num_rows
+
+    @property
+    def data_size(self) -> int:
+        """Elements in the committed rows, i.e. ``offsets[num_rows]``."""
+        return self._data_size
+
+    def __len__(self) -> int:
+        return self._num_rows
+
+    def __repr__(self) -> str:
+        return (
+            f"JaggedArrayStore({self.path!r}, rows={self._num_rows}, size={self._data_size}, "
+            f"dtype={self.dtype})"
+        )
+
+    # -- writing -------------------------------------------------------------------------------------
+    def _coerce(self, row: Any) -> np.ndarray:
+        arr = np.asarray(row)
+        if arr.ndim != 1:
+            raise ValueError(f"rows must be 1-D, got shape {arr.shape}")
+        if arr.dtype == self.dtype:
+            return arr
+        if arr.size == 0:
+            return arr.astype(self.dtype)
+        if not np.can_cast(arr.dtype, self.dtype, casting="same_kind"):
+            raise TypeError(f"cannot store {arr.dtype} rows in a {self.dtype} store")
+        if np.issubdtype(self.dtype, np.integer) and not np.can_cast(arr.dtype, self.dtype, casting="safe"):
+            info = np.iinfo(self.dtype)
+            if arr.min() < info.min or arr.max() > info.max:
+                raise OverflowError(f"row values [{arr.min()}, {arr.max()}] do not fit in {self.dtype}")
+        return arr.astype(self.dtype)
+
+    def _prepare(self, rows: Sequence[Any]) -> tuple[np.ndarray, np.ndarray]:
+        """Validate ``rows``: returns their concatenation and their lengths, touching nothing on disk."""
+        if not self._writable:
+            raise PermissionError(f"store at {self.path!r} was opened read-only")
+        arrays = [self._coerce(r) for r in rows]
+        lengths = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))
+        if not arrays:
+            return np.empty(0, dtype=self.dtype), lengths
+        return (np.concatenate(arrays) if len(arrays) > 1 else arrays[0]), lengths
+
+    def _issue(self, flat: np.ndarray, lengths: np.ndarray) -> tuple[list[ts.Future], int, int]:
+        """Grow the arrays and issue the writes; returns (futures, new num_rows, new data_size).
+
+        Counters are not touched: the caller commits them only once every write has landed, so a failed
+        write leaves this object at its old size and the next append overwrites whatever did land.
+        """
+        if lengths.size == 0:
+            return [], self._num_rows, self._data_size
+        new_size = self._data_size + int(flat.shape[0])
+        new_rows = self._num_rows + int(lengths.size)
+        if new_size > _length(self._data):
+            self._data = self._data.resize(exclusive_max=[_capacity(new_size, _chunk(self._data))]).result()
+        if new_rows + 1 > _length(self._offsets):
+            self._offsets = self._offsets.resize(
+                exclusive_max=[_capacity(new_rows + 1, _chunk(self._offsets))]
+            ).result()
+        ends = self._data_size + np.cumsum(lengths)
+        futures = [self._offsets[self._num_rows + 1 : new_rows + 1].write(ends)]
+        if flat.shape[0]:
+            futures.append(self._data[self._data_size : new_size].write(flat))
+        return futures, new_rows, new_size
+
+    def _commit(self, new_rows: int, new_size: int) -> None:
+        self._num_rows = new_rows
+        self._data_size = new_size
+
+    def append(self, rows: Sequence[Any]) -> None:
+        """Append ``rows`` (1-D arrays castable to ``dtype``); returns once the writes are on disk.
+
+        The rows land at ``[data_size, data_size + total)`` of ``data``. Only after this returns may the
+        caller record the new ``num_rows`` in its ledger.
+        """
+        futures, new_rows, new_size = self._issue(*self._prepare(rows))
+        for f in futures:
+            f.result()
+        self._commit(new_rows, new_size)
+
+    def finalize(self) -> None:
+        """Shrink both arrays to their committed sizes, so ``zarr.json`` depends only on the content."""
+        if not self._writable:
+            raise PermissionError(f"store at {self.path!r} was opened read-only")
+        self._data = self._data.resize(exclusive_max=[self._data_size]).result()
+        self._offsets = self._offsets.resize(exclusive_max=[self._num_rows + 1]).result()
+
+    # -- reading -------------------------------------------------------------------------------------
+    def _read(self, view: ts.TensorStore) -> ts.Future:
+        # Every read goes through here: one call per tensorstore operation (tests count them).
+        return view.read()
+
+    def _check_rows(self, rows: Any) -> np.ndarray:
+        idx = np.asarray(rows, dtype=np.int64)
+        if idx.ndim != 1:
+            raise ValueError(f"rows must be a 1-D sequence of ints, got shape {idx.shape}")
+        if idx.size and (idx.min() < 0 or idx.max() >= self._num_rows):
+            bad = int(idx[(idx < 0) | (idx >= self._num_rows)][0])
+            raise IndexError(f"row {bad} out of range for store {self.path!r} with {self._num_rows} rows")
+        return idx
+
+    def _offsets_future(self, idx: np.ndarray) -> ts.Future:
+        # Starts and ends of all rows in one index-array read.
+        return self._read(self._offsets[np.concatenate([idx, idx + 1])])
+
+    def _rows_future(self, bounds: np.ndarray) -> ts.Future | None:
+        n = bounds.shape[0] // 2
+        starts, ends = bounds[:n], bounds[n:]
+        pieces = [self._data[int(s) : int(e)] for s, e in zip(starts, ends) if e > s]
+        if not pieces:
+            return None
+        return self._read(ts.concat(pieces, axis=0) if len(pieces) > 1 else pieces[0])
+
+    def _split(self, bounds: np.ndarray, flat: np.ndarray | None) -> list[np.ndarray]:
+        n = bounds.shape[0] // 2
+        lengths = bounds[n:] - bounds[:n]
+        if flat is None:
+            return [np.empty(0, dtype=self.dtype) for _ in range(n)]
+        return np.split(flat, np.cumsum(lengths)[:-1])
+
+    async def read_offsets(self, rows: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """``(starts, ends)`` in ``data`` of each of ``rows``, as int64 arrays; one read."""
+        idx = self._check_rows(rows)
+        if idx.size == 0:
+            return np.empty(0, np.int64), np.empty(0, np.int64)
+        bounds = await self._offsets_future(idx)
+        return bounds[: idx.size], bounds[idx.size :]
+
+    async def read_rows(self, rows: Sequence[int]) -> list[np.ndarray]:
+        """The rows at ``rows`` (in that order, duplicates allowed): one offsets read, one data read.
+
+        The returned arrays are views into one buffer.
+        """
+        idx = self._check_rows(rows)
+        if idx.size == 0:
+            return []
+        bounds = await self._offsets_future(idx)
+        fut = self._rows_future(bounds)
+        return self._split(bounds, None if fut is None else await fut)
+
+    def read_rows_sync(self, rows: Sequence[int]) -> list[np.ndarray]:
+        """Blocking :meth:`read_rows`, for code outside an event loop."""
+        idx = self._check_rows(rows)
+        if idx.size == 0:
+            return []
+        bounds = self._offsets_future(idx).result()
+        fut = self._rows_future(bounds)
+        return self._split(bounds, None if fut is None else fut.result())
+
+    def _windows_future(self, starts: Any, length: int) -> tuple[ts.Future | None, int]:
+        s = np.asarray(starts, dtype=np.int64)
+        if s.ndim != 1:
+            raise ValueError(f"starts must be 1-D, got shape {s.shape}")
+        if length < 0:
+            raise ValueError(f"length must be >= 0, got {length}")
+        if s.size and (s.min() < 0 or s.max() + length > self._data_size):
+            bad = int(s[(s < 0) | (s + length > self._data_size)][0])
+            raise IndexError(
+                f"window [{bad}, {bad + length}) out of range for store {self.path!r} with "
+                f"{self._data_size} elements"
+            )
+        if s.size == 0 or length == 0:
+            return None, s.size
+        # ts.stack of origin-0 views is one read that fills the (n, length) result directly; measured
+        # ~2x faster than a batch of per-window reads stacked afterwards, and far faster than one
+        # index-array read (which walks an int64 index per element).
+        views = [self._data[int(x) : int(x) + length].translate_to[0] for x in s]
+        return self._read(ts.stack(views, axis=0)), s.size
+
+    async def read_windows(self, starts: Any, length: int) -> np.ndarray:
+        """``data[start : start + length]`` for each start, as an array of shape ``(len(starts), length)``.
+
+        Windows are over the flat token stream and may span row boundaries.
+        """
+        fut, n = self._windows_future(starts, length)
+        if fut is None:
+            return np.empty((n, length), dtype=self.dtype)
+        return await fut
+
+    def read_windows_sync(self, starts: Any, length: int) -> np.ndarray:
+        """Blocking :meth:`read_windows`."""
+        fut, n = self._windows_future(starts, length)
+        if fut is None:
+            return np.empty((n, length), dtype=self.dtype)
+        return fut.result()
+
+
+def append_together(stores: Sequence[JaggedArrayStore], rows: Sequence[Sequence[Any]]) -> None:
+    """Append ``rows[i]`` to ``stores[i]`` for every i, with all the writes in flight at once.
+
+    Used by :class:`~levanter.store.tree_store.TreeStore`. Validation of every field happens before any
+    write is issued, and the counters move only once every write has landed.
+    """
+    prepared = [s._prepare(r) for s, r in zip(stores, rows, strict=True)]
+    started = [s._issue(*p) for s, p in zip(stores, prepared)]
+    for futures, _, _ in started:
+        for f in futures:
+            f.result()
+    for s, (_, new_rows, new_size) in zip(stores, started):
+        s._commit(new_rows, new_size)

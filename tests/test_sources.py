@@ -1,0 +1,115 @@
+"""Document readers and URL expansion: every format yields the same documents; bad input names the file."""
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from levanter.data.sources import SourceError, detect_format, expand_braces, expand_urls, iter_documents
+from levanter.data.text import causal_lm_columns
+
+DOCS = ["first document", "second, with unicode: héllo ✓", "", "fourth\nspans\nlines"]
+
+
+def write_jsonl(path, docs, key="text"):
+    with open(path, "w", encoding="utf-8") as f:
+        for d in docs:
+            f.write(json.dumps({key: d, "other": 1}) + "\n")
+
+
+@pytest.fixture
+def shards(tmp_path):
+    """The same documents in every supported format."""
+    out = {}
+    write_jsonl(tmp_path / "a.jsonl", DOCS)
+    out["jsonl"] = tmp_path / "a.jsonl"
+    with gzip.open(tmp_path / "a.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write((tmp_path / "a.jsonl").read_text(encoding="utf-8"))
+    out["gz"] = tmp_path / "a.jsonl.gz"
+    import zstandard
+
+    (tmp_path / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress((tmp_path / "a.jsonl").read_bytes()))
+    out["zst"] = tmp_path / "a.jsonl.zst"
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": DOCS}), tmp_path / "a.parquet")
+    out["parquet"] = tmp_path / "a.parquet"
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "gz", "zst", "parquet"])
+def test_every_format_yields_the_documents_in_order(shards, fmt):
+    assert list(iter_documents(str(shards[fmt]))) == DOCS
+
+
+def test_txt_is_one_document(tmp_path):
+    (tmp_path / "book.txt").write_text("line one\nline two\n", encoding="utf-8")
+    assert list(iter_documents(str(tmp_path / "book.txt"))) == ["line one\nline two\n"]
+
+
+def test_custom_text_key_and_blank_lines(tmp_path):
+    p = tmp_path / "c.jsonl"
+    p.write_text('{"content": "x"}\n\n{"content": "y"}\n', encoding="utf-8")
+    assert list(iter_documents(str(p), text_key="content")) == ["x", "y"]
+
+
+def test_bad_json_line_names_file_and_line(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"text": "ok"}\n{"text": broken\n', encoding="utf-8")
+    with pytest.raises(SourceError, match=r"bad\.jsonl, line 2: not valid JSON"):
+        list(iter_documents(str(p)))
+
+
+def test_missing_text_key_names_file_line_and_key(tmp_path):
+    p = tmp_path / "k.jsonl"
+    p.write_text('{"text": "ok"}\n{"body": "no"}\n', encoding="utf-8")
+    with pytest.raises(SourceError, match=r"k\.jsonl, line 2: no key 'text'"):
+        list(iter_documents(str(p)))
+
+
+def test_missing_parquet_column(shards):
+    with pytest.raises(SourceError, match="no column 'content'"):
+        list(iter_documents(str(shards["parquet"]), text_key="content"))
+
+
+def test_corrupt_gzip_names_the_file(tmp_path):
+    p = tmp_path / "x.jsonl.gz"
+    p.write_bytes(b"not gzip at all")
+    with pytest.raises(SourceError, match=r"x\.jsonl\.gz"):
+        list(iter_documents(str(p)))
+
+
+def test_unknown_format():
+    with pytest.raises(SourceError, match="unknown format"):
+        detect_format("data.csv")
+
+
+def test_expand_braces_and_globs(tmp_path):
+    assert expand_braces("a{1,2}b{x,y}") == ["a1bx", "a1by", "a2bx", "a2by"]
+    for name in ("s1.jsonl", "s2.jsonl", "s10.jsonl", "t1.jsonl"):
+        write_jsonl(tmp_path / name, ["d"])
+    got = expand_urls([str(tmp_path / "s*.jsonl"), str(tmp_path / "{t1,s1}.jsonl")])
+    names = [p.rsplit("/", 1)[-1] for p in got]
+    assert names == ["s1.jsonl", "s10.jsonl", "s2.jsonl", "t1.jsonl"]  # sorted glob, then braces, no repeats
+
+
+def test_missing_file_and_empty_glob_name_the_url(tmp_path):
+    with pytest.raises(SourceError, match="file not found.*nope.jsonl"):
+        expand_urls([str(tmp_path / "nope.jsonl")])
+    with pytest.raises(SourceError, match="matches no files"):
+        expand_urls([str(tmp_path / "*.jsonl")], what="data.train_urls")
+    with pytest.raises(SourceError, match="no input files"):
+        expand_urls([])
+
+
+def test_causal_lm_columns_keep_documents_apart():
+    eos = 9
+    tokens = np.array([[1, 2, eos, 3, 4, eos, 5, 6]])
+    cols = causal_lm_columns(tokens, eos)
+    np.testing.assert_array_equal(cols["segment_ids"], [[0, 0, 0, 1, 1, 1, 2, 2]])
+    # Position t predicts t+1: masked at EOS (the next token starts another document) and at the end.
+    np.testing.assert_array_equal(cols["loss_mask"], [[1, 1, 0, 1, 1, 0, 1, 0]])
+    no_eos = causal_lm_columns(tokens, None)
+    assert (no_eos["segment_ids"] == 0).all() and no_eos["loss_mask"][0, :-1].all()

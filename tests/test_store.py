@@ -1,0 +1,337 @@
+"""Token-cache storage: jagged/tree stores round-trip, resume byte-identically, read in batches;
+the ledger saves atomically and refuses corrupt files with a clear error."""
+
+import asyncio
+import json
+import os
+
+import numpy as np
+import pytest
+
+from levanter.store import CacheLedger, CorruptLedgerError, JaggedArrayStore, TreeStore
+from levanter.store.ledger import LEDGER_FILENAME
+
+SMALL = dict(data_chunk=16, offsets_chunk=8)  # tiny chunks so rows and windows cross chunk boundaries
+
+
+def ragged_rows(n, seed=0, max_len=40, dtype=np.int32):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, max_len, n)
+    lengths[::7] = 0  # plenty of empty rows, including the first
+    return [rng.integers(0, 50_000, int(k)).astype(dtype) for k in lengths]
+
+
+def tree_bytes(root):
+    out = {}
+    for d, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(d, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, root)] = fh.read()
+    return out
+
+
+def build(path, batches, **kw):
+    store = JaggedArrayStore.open(path, mode="w", **{**SMALL, **kw})
+    for b in batches:
+        store.append(b)
+    store.finalize()
+    return store
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+# -- JaggedArrayStore ------------------------------------------------------------------------------
+
+
+def test_round_trip_ragged_rows_across_chunks(tmp_path):
+    rows = ragged_rows(300)
+    build(tmp_path / "s", [rows])
+    store = JaggedArrayStore.open(tmp_path / "s", mode="r")
+    assert store.num_rows == 300
+    assert store.data_size == sum(len(r) for r in rows) > 20 * 16  # many data chunks
+    assert store.dtype == np.int32
+    order = list(range(300))[::-1] + [3, 3, 0]
+    got = run(store.read_rows(order))
+    for i, g in zip(order, got):
+        np.testing.assert_array_equal(g, rows[i])
+        assert g.dtype == np.int32
+    starts, ends = run(store.read_offsets([0, 1, 299]))
+    bounds = np.concatenate([[0], np.cumsum([len(r) for r in rows])])
+    np.testing.assert_array_equal(starts, bounds[[0, 1, 299]])
+    np.testing.assert_array_equal(ends, bounds[[1, 2, 300]])
+    assert [len(r) for r in store.read_rows_sync([0, 7, 5])] == [0, 0, len(rows[5])]
+    assert run(store.read_rows([])) == []
+
+
+def test_only_empty_rows_and_other_dtypes(tmp_path):
+    store = build(tmp_path / "e", [[np.array([], np.uint16)] * 3], dtype=np.uint16)
+    assert (store.num_rows, store.data_size) == (3, 0)
+    got = run(JaggedArrayStore.open(tmp_path / "e", mode="r").read_rows([0, 2]))
+    assert [g.dtype for g in got] == [np.uint16] * 2 and all(g.size == 0 for g in got)
+    with pytest.raises(TypeError, match="uint16"):
+        JaggedArrayStore.open(tmp_path / "e", mode="r", dtype=np.int32)
+    w = JaggedArrayStore.open(tmp_path / "x", mode="w")
+    with pytest.raises(OverflowError):
+        w.append([np.array([2**40])])
+    with pytest.raises(TypeError):
+        w.append([np.array([1.5])])
+    with pytest.raises(ValueError, match="1-D"):
+        w.append([np.zeros((2, 2), np.int32)])
+    assert w.num_rows == 0
+
+
+def test_split_appends_are_byte_identical(tmp_path):
+    rows = ragged_rows(200, seed=1)
+    build(tmp_path / "one", [rows])
+    cuts = [0, 1, 2, 17, 60, 61, 150, 200]
+    build(tmp_path / "many", [rows[a:b] for a, b in zip(cuts, cuts[1:])] + [[]])
+    a, b = tree_bytes(tmp_path / "one"), tree_bytes(tmp_path / "many")
+    assert len(a) > 10 and a == b
+
+
+@pytest.mark.parametrize("committed", [0, 1, 37, 120])
+def test_resume_after_crash_is_byte_identical(tmp_path, committed):
+    rows = ragged_rows(150, seed=2)
+    build(tmp_path / "clean", [rows])
+
+    crashed = JaggedArrayStore.open(tmp_path / "crash", mode="w", **SMALL)
+    crashed.append(rows[:committed])
+    crashed.append(rows[committed:140])  # written but never recorded in a ledger; no finalize
+    del crashed
+
+    # Before resuming, a reader with the ledger count sees only committed rows...
+    reader = JaggedArrayStore.open(tmp_path / "crash", mode="r", num_rows=committed)
+    assert reader.num_rows == committed
+    with pytest.raises(IndexError):
+        run(reader.read_rows([committed]))
+    # ...and one without it is refused rather than served garbage.
+    with pytest.raises(ValueError, match="not finalized"):
+        JaggedArrayStore.open(tmp_path / "crash", mode="r")
+
+    resumed = JaggedArrayStore.open(tmp_path / "crash", mode="a", num_rows=committed)
+    assert resumed.data_size == sum(len(r) for r in rows[:committed])
+    mid = (committed + 150) // 2
+    resumed.append(rows[committed:mid])
+    resumed.append(rows[mid:])
+    resumed.finalize()
+    assert tree_bytes(tmp_path / "crash") == tree_bytes(tmp_path / "clean")
+
+
+def test_resume_where_garbage_extends_past_final_end(tmp_path):
+    # The crashed writer wrote more than the resumed build will: its tail must vanish entirely.
+    rows = ragged_rows(60, seed=3)
+    build(tmp_path / "clean", [rows[:30]])
+    crashed = JaggedArrayStore.open(tmp_path / "crash", mode="w", **SMALL)
+    crashed.append(rows[:25])
+    crashed.append(rows[25:])
+    resumed = JaggedArrayStore.open(tmp_path / "crash", mode="a", num_rows=25)
+    resumed.append(rows[25:30])
+    resumed.finalize()
+    assert tree_bytes(tmp_path / "crash") == tree_bytes(tmp_path / "clean")
+
+
+def test_crash_while_creating(tmp_path):
+    import shutil
+
+    build(tmp_path / "s", [ragged_rows(5)])
+    shutil.rmtree(tmp_path / "s" / "offsets")  # died between creating data and offsets
+    with pytest.raises(FileNotFoundError, match="offsets"):
+        JaggedArrayStore.open(tmp_path / "s", mode="a", num_rows=3)
+    s = JaggedArrayStore.open(tmp_path / "s", mode="a", num_rows=0)  # nothing committed: start afresh
+    s.append([np.arange(4)])
+    s.finalize()
+    (row,) = JaggedArrayStore.open(tmp_path / "s", mode="r").read_rows_sync([0])
+    np.testing.assert_array_equal(row, np.arange(4))
+
+
+def test_append_to_finalized_store(tmp_path):
+    rows = ragged_rows(80, seed=4)
+    build(tmp_path / "clean", [rows])
+    build(tmp_path / "two", [rows[:50]])
+    s = JaggedArrayStore.open(tmp_path / "two", mode="a")
+    assert s.num_rows == 50
+    s.append(rows[50:])
+    s.finalize()
+    assert tree_bytes(tmp_path / "two") == tree_bytes(tmp_path / "clean")
+
+
+def test_read_windows_matches_numpy(tmp_path):
+    rows = ragged_rows(400, seed=5)
+    flat = np.concatenate(rows)
+    store = build(tmp_path / "w", [rows])
+    rng = np.random.default_rng(0)
+    L = 37
+    starts = np.concatenate([rng.integers(0, flat.size - L + 1, 200), [0, flat.size - L, 15, 16]])
+    expect = flat[starts[:, None] + np.arange(L)]
+    got = run(store.read_windows(starts, L))
+    assert got.shape == (len(starts), L) and got.dtype == np.int32
+    np.testing.assert_array_equal(got, expect)
+    np.testing.assert_array_equal(store.read_windows_sync(starts[:5], L), expect[:5])
+    assert run(store.read_windows(np.array([], np.int64), L)).shape == (0, L)
+
+
+def test_out_of_range_reads(tmp_path):
+    store = build(tmp_path / "o", [ragged_rows(10, seed=6)])
+    with pytest.raises(IndexError, match=r"row 10 .* 10 rows"):
+        run(store.read_rows([0, 10]))
+    with pytest.raises(IndexError, match="row -1"):
+        run(store.read_offsets([-1]))
+    n = store.data_size
+    with pytest.raises(IndexError, match=rf"\[{n - 3}, {n + 1}\) .* {n} elements"):
+        run(store.read_windows([0, n - 3], 4))
+    with pytest.raises(IndexError):
+        store.read_windows_sync([-1], 4)
+
+
+def test_open_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        JaggedArrayStore.open(tmp_path / "nowhere", mode="r")
+    with pytest.raises(ValueError, match="mode"):
+        JaggedArrayStore.open(tmp_path / "s", mode="x")
+    build(tmp_path / "s", [ragged_rows(5)])
+    with pytest.raises(ValueError, match="at most 5 rows"):
+        JaggedArrayStore.open(tmp_path / "s", mode="r", num_rows=6)
+    with pytest.raises(PermissionError):
+        JaggedArrayStore.open(tmp_path / "s", mode="r").append([np.arange(3)])
+    # "w" replaces an existing store.
+    s = JaggedArrayStore.open(tmp_path / "s", mode="w")
+    assert s.num_rows == 0
+    assert JaggedArrayStore.open(tmp_path / "s", mode="r").num_rows == 0
+
+
+def test_memory_url_and_codec():
+    rows = ragged_rows(50, seed=7)
+    s = JaggedArrayStore.open("memory://store_test/zstd", mode="w", codec="zstd", **SMALL)
+    s.append(rows)
+    s.finalize()
+    r = JaggedArrayStore.open("memory://store_test/zstd", mode="r")
+    for a, b in zip(r.read_rows_sync(range(50)), rows):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_reads_are_batched(tmp_path, monkeypatch):
+    rows = ragged_rows(2000, seed=8, max_len=20)
+    flat = np.concatenate(rows)
+    store = build(tmp_path / "b", [rows])
+    calls = []
+    real = JaggedArrayStore._read
+    monkeypatch.setattr(JaggedArrayStore, "_read", lambda self, view: calls.append(1) or real(self, view))
+    order = np.random.default_rng(0).permutation(2000)
+    got = run(store.read_rows(order))
+    assert len(calls) == 2  # offsets, then data: independent of the number of rows
+    assert all(np.array_equal(g, rows[i]) for g, i in zip(got, order))
+    calls.clear()
+    run(store.read_windows(np.arange(0, flat.size - 8, 5), 8))
+    assert len(calls) == 1
+
+
+# -- TreeStore ---------------------------------------------------------------------------------------
+
+
+def test_tree_store_two_fields(tmp_path):
+    ids = ragged_rows(60, seed=9)
+    masks = [(r % 2).astype(np.uint8) for r in ids]
+    fields = {"input_ids": np.int32, "loss_mask": np.uint8}
+    t = TreeStore.open(tmp_path / "t", fields, mode="w", **SMALL)
+    t.append([{"input_ids": a, "loss_mask": m} for a, m in zip(ids[:20], masks[:20])])
+    t.append_columns({"input_ids": ids[20:], "loss_mask": masks[20:]})
+    with pytest.raises(KeyError):
+        t.append([{"input_ids": ids[0]}])
+    with pytest.raises(ValueError, match="different numbers"):
+        t.append_columns({"input_ids": ids[:2], "loss_mask": masks[:1]})
+    with pytest.raises(TypeError):  # one bad field: no field is written
+        t.append_columns({"input_ids": [ids[0]], "loss_mask": [np.array([0.5])]})
+    assert t["input_ids"].num_rows == t["loss_mask"].num_rows == 60
+    t.finalize()
+
+    r = TreeStore.open(tmp_path / "t", fields, mode="r")
+    assert r.num_rows == 60 and sorted(r) == ["input_ids", "loss_mask"]
+    assert r["loss_mask"].dtype == np.uint8
+    got = run(r.read_examples([5, 59, 0]))
+    for g, i in zip(got, [5, 59, 0]):
+        np.testing.assert_array_equal(g["input_ids"], ids[i])
+        np.testing.assert_array_equal(g["loss_mask"], masks[i])
+
+    # A writer that died between the two fields' writes: the ledger count realigns them.
+    crashed = TreeStore.open(tmp_path / "t", fields, mode="a", num_rows=40)
+    crashed["input_ids"].append(ids[40:45])
+    crashed["input_ids"].finalize()
+    with pytest.raises(ValueError, match="disagree"):
+        TreeStore.open(tmp_path / "t", {"input_ids": None, "loss_mask": None}, mode="a")
+    resumed = TreeStore.open(tmp_path / "t", fields, mode="a", num_rows=40)
+    assert resumed.num_rows == 40
+
+
+# -- CacheLedger -------------------------------------------------------------------------------------
+
+
+def sample_ledger():
+    return CacheLedger(
+        shard_rows={"shard-b": 10, "shard-a": 3},
+        shard_docs={"shard-b": 12, "shard-a": 3},
+        finished_shards=["shard-b"],
+        total_rows=13,
+        total_tokens=4096,
+        is_finished=False,
+        metadata={"tokenizer": "abc123", "text_key": "text", "format": {"kind": "text", "a": 1}},
+    )
+
+
+def test_ledger_round_trip_and_determinism(tmp_path):
+    assert CacheLedger.load(tmp_path) is None
+    led = sample_ledger()
+    path = led.save(tmp_path / "cache")
+    assert path == str(tmp_path / "cache" / LEDGER_FILENAME)
+    loaded = CacheLedger.load(tmp_path / "cache")
+    assert loaded == led
+    assert list(loaded.shard_rows) == ["shard-b", "shard-a"]  # shard order survives
+    first = open(path, "rb").read()
+    loaded.save(tmp_path / "cache")
+    assert open(path, "rb").read() == first
+    assert os.listdir(tmp_path / "cache") == [LEDGER_FILENAME]  # no temp files left behind
+    keys = list(json.loads(first))
+    assert keys == sorted(keys)
+
+
+def test_ledger_save_replaces_atomically(tmp_path, monkeypatch):
+    sample_ledger().save(tmp_path)
+    before = open(tmp_path / LEDGER_FILENAME, "rb").read()
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError, match="disk full"):
+        CacheLedger(total_rows=99).save(tmp_path)
+    assert open(tmp_path / LEDGER_FILENAME, "rb").read() == before
+    assert os.listdir(tmp_path) == [LEDGER_FILENAME]
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda text: text[: len(text) // 2], "not valid JSON"),
+        (lambda text: "", "not valid JSON"),
+        (lambda text: "[1, 2]", "JSON object"),
+        (lambda text: text.replace('"total_rows": 13', '"total_rows": "13"'), "total_rows"),
+        (lambda text: text.replace('"is_finished": false', '"is_finished": 0'), "is_finished"),
+        (lambda text: text.replace('"shard-a": 3', '"shard-a": -3', 1), "shard_(rows|docs)"),
+        (lambda text: text.replace('"finished_shards": [', '"finished_shards": [1, '), "finished_shards"),
+        (lambda text: text.replace('"format_version": 1', '"format_version": 7'), "format_version"),
+        (lambda text: text.replace('"total_tokens"', '"tokens"'), "keys"),
+    ],
+)
+def test_corrupt_ledger_raises_clear_error(tmp_path, mutate, message):
+    path = sample_ledger().save(tmp_path)
+    text = open(path).read()
+    bad = mutate(text)
+    assert bad != text
+    with open(path, "w") as f:
+        f.write(bad)
+    with pytest.raises(CorruptLedgerError, match=message) as info:
+        CacheLedger.load(tmp_path)
+    assert path in str(info.value) and "Delete the cache directory" in str(info.value)
+    assert isinstance(info.value, ValueError)
