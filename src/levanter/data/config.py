@@ -204,6 +204,7 @@ class LMMixtureDatasetConfig(LMTaskConfig):
         self._check_task_fields()
         if not self.configs:
             raise ValueError("data.configs is empty: a mixture needs at least one source")
+        self.stages()
         if self.stop_strategy not in STOP_STRATEGIES:
             raise ValueError(f"data.stop_strategy: expected one of {STOP_STRATEGIES}, got {self.stop_strategy!r}")
         for name in ("target_budget", "experiment_budget", "max_train_batches", "num_validation_sequences"):

@@ -220,6 +220,7 @@ class HfTokenizer(Tokenizer):
     def from_hub(cls, name: str) -> "HfTokenizer":
         from tokenizers import Tokenizer as _HfTokenizer
 
+        _check_hub_reachable(name)
         try:
             tok = _HfTokenizer.from_pretrained(name)
         except Exception as e:
@@ -300,6 +301,24 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str) -> HfTokenize
         json.dumps({"eos_token": BPE_EOS, "bos_token": None}, indent=2) + "\n",
     )
     return HfTokenizer.from_path(out_dir)
+
+
+def _check_hub_reachable(name: str) -> None:
+    """Fail in milliseconds, not after ~20 s of HTTP retries, when the hub's host does not resolve."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False"):
+        return  # the hub client itself fails fast in offline mode
+    import socket
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as e:
+        raise ValueError(
+            f"could not load tokenizer {name!r}: it is not an existing local path, and the Hugging Face hub "
+            f"({host}) is unreachable ({e}). Offline, pass a local directory or tokenizer.json path instead, "
+            "or use 'byte' (no files needed) or 'passthrough' (pre-tokenized data)."
+        ) from None
 
 
 def _could_be_hub_id(spec: str) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import itertools
 import logging
 import multiprocessing
 import os
@@ -227,7 +228,8 @@ def build_or_load_cache(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(desc=f"caching {os.path.basename(os.path.normpath(cache_dir))}", unit=" docs", initial=ledger.total_rows)
+        label = "/".join(os.path.normpath(cache_dir).split(os.sep)[-2:])
+        bar = tqdm(desc=f"caching {label}", unit=" docs", initial=ledger.total_rows)
     t0, tokens_at_start = time.perf_counter(), ledger.total_tokens
 
     def commit(shard: str, flat: np.ndarray, lengths: np.ndarray) -> None:
@@ -245,27 +247,38 @@ def build_or_load_cache(
             bar.set_postfix(tokens=f"{ledger.total_tokens:,}", tok_per_s=f"{rate:,.0f}", refresh=False)
 
     pool = None
-    if workers > 1:
-        pool = cf.ProcessPoolExecutor(
-            max_workers=workers,
-            mp_context=multiprocessing.get_context("spawn"),
-            initializer=_init_worker,
-            initargs=(tokenizer, eos),
-        )
+
+    def get_pool():
+        # Started on the first shard with more than one batch: a small cache is not worth the ~1 s it
+        # takes to spawn workers. Which process encodes a batch never changes what is written.
+        nonlocal pool
+        if pool is None:
+            pool = cf.ProcessPoolExecutor(
+                max_workers=workers,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_init_worker,
+                initargs=(tokenizer, eos),
+            )
+        return pool
+
     try:
         for shard in shards:
             if shard in ledger.finished_shards:
                 continue
             skip = ledger.shard_docs.get(shard, 0)
             batches = _doc_batches(shard, text_key, skip, options.batch_size)
-            if pool is None:
+            first_batch = next(batches, None)
+            second_batch = next(batches, None)
+            if workers == 1 or second_batch is None:
+                for first, docs in filter(None, (first_batch, second_batch)):
+                    commit(shard, *_encode(tokenizer, eos, docs, shard, first))
                 for first, docs in batches:
                     commit(shard, *_encode(tokenizer, eos, docs, shard, first))
             else:
                 # Bounded in-flight window, committed strictly in submission order.
                 in_flight: deque = deque()
-                for first, docs in batches:
-                    in_flight.append(pool.submit(_encode_in_worker, docs, shard, first))
+                for first, docs in itertools.chain([first_batch, second_batch], batches):
+                    in_flight.append(get_pool().submit(_encode_in_worker, docs, shard, first))
                     if len(in_flight) >= 2 * workers:
                         commit(shard, *in_flight.popleft().result())
                 while in_flight:
