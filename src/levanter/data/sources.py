@@ -37,14 +37,26 @@ class SourceError(ValueError):
     """Bad input data: names the file (and line) at fault."""
 
 
+def _brace_alternatives(body: str) -> list[str]:
+    """``1,2`` -> [1, 2]; ``1..3`` -> [1, 2, 3]; ``01..10`` keeps the zero padding (as bash does)."""
+    m = re.fullmatch(r"(-?\d+)\.\.(-?\d+)", body)
+    if m is None:
+        return body.split(",")
+    lo, hi = int(m.group(1)), int(m.group(2))
+    width = max(len(m.group(1)), len(m.group(2))) if m.group(1).startswith("0") or m.group(2).startswith("0") else 0
+    step = 1 if hi >= lo else -1
+    return [str(i).zfill(width) for i in range(lo, hi + step, step)]
+
+
 def expand_braces(pattern: str) -> list[str]:
-    """``a{1,2}b{x,y}`` -> ``[a1bx, a1by, a2bx, a2by]``; nested braces are supported; order preserved."""
+    """``a{1,2}b{x,y}`` -> ``[a1bx, a1by, a2bx, a2by]``; ``{1..3}`` ranges and nesting are supported;
+    order preserved."""
     m = re.search(r"\{([^{}]*)\}", pattern)
     if m is None:
         return [pattern]
     head, tail = pattern[: m.start()], pattern[m.end() :]
     out = []
-    for alt in m.group(1).split(","):
+    for alt in _brace_alternatives(m.group(1)):
         out.extend(expand_braces(head + alt + tail))
     return out
 
