@@ -111,7 +111,7 @@ def test_same_cache_for_1_2_and_4_workers(tmp_path):
     trees = {}
     for w in (1, 2, 4):
         d = tmp_path / f"cache{w}"
-        build_or_load_cache(shards, str(d), tok, options=CacheOptions(w, 37), progress=False)
+        build_or_load_cache(shards, str(d), tok, options=CacheOptions(w, 37, min_bytes_for_pool=0), progress=False)
         trees[w] = tree_bytes(d)
     assert trees[1] == trees[2] == trees[4]
     assert any(k.startswith("input_ids") for k in trees[1])

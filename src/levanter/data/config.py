@@ -36,10 +36,12 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class CacheOptionsConfig:
-    """``cache_options``: tokenizer processes (None: one per core) and documents per task/commit."""
+    """``cache_options``: tokenizer processes (None: one per core), documents per task/commit, and the
+    input size below which tokenization stays in-process (spawning workers costs about a second)."""
 
     num_workers: Optional[int] = None
     batch_size: int = 512
+    min_bytes_for_pool: int = 64 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +131,7 @@ class LMTaskConfig:
             tokenizer,
             text_key=source.resolved_text_key(self.text_key),
             enforce_eos=self.enforce_eos,
-            options=CacheOptions(self.cache_options.num_workers, self.cache_options.batch_size),
+            options=CacheOptions(self.cache_options.num_workers, self.cache_options.batch_size, self.cache_options.min_bytes_for_pool),
             embedded_dir=os.path.join(cache_dir, "_embedded"),
             what=what,
         )

@@ -19,6 +19,10 @@ from collections.abc import Iterator, Sequence
 
 import fsspec
 
+from .errors import SourceError
+
+__all__ = ["SourceError", "detect_format", "expand_braces", "expand_urls", "iter_documents"]
+
 FORMATS = {
     ".txt": "txt",
     ".jsonl": "jsonl",
@@ -31,10 +35,6 @@ FORMATS = {
     ".parquet": "parquet",
 }
 EMBEDDED_SCHEME = "embedded://"
-
-
-class SourceError(ValueError):
-    """Bad input data: names the file (and line) at fault."""
 
 
 def _brace_alternatives(body: str) -> list[str]:

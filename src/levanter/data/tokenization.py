@@ -26,10 +26,13 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import itertools
 import json
 import os
 import tempfile
 from collections.abc import Iterable, Sequence
+
+import numpy as np
 
 __all__ = [
     "ByteTokenizer",
@@ -60,6 +63,14 @@ class Tokenizer(abc.ABC):
     @abc.abstractmethod
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids for each text, with no special tokens added."""
+
+    def encode_batch_flat(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, lengths)``: the token ids of all ``texts`` concatenated (int32) and one length per
+        text (int64). Subclasses override it to skip per-token Python objects."""
+        ids = self.encode_batch(texts)
+        lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum()))
+        return flat, lengths
 
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
@@ -97,6 +108,11 @@ class ByteTokenizer(Tokenizer):
         # "surrogatepass" keeps lone surrogates (possible in Python strings) encodable rather than
         # failing a whole cache build on one odd document; they decode back as U+FFFD.
         return [list(t.encode("utf-8", "surrogatepass")) for t in texts]
+
+    def encode_batch_flat(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        encoded = [t.encode("utf-8", "surrogatepass") for t in texts]
+        lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+        return np.frombuffer(b"".join(encoded), dtype=np.uint8).astype(np.int32), lengths
 
     def decode(self, ids: Sequence[int]) -> str:
         out: list[str] = []

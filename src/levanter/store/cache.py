@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
-import itertools
 import logging
 import multiprocessing
 import os
@@ -29,7 +28,10 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from ..data.sources import SourceError, expand_urls, iter_documents
+from ..data._tokenize_worker import encode as _encode
+from ..data._tokenize_worker import encode_in_worker as _encode_in_worker
+from ..data._tokenize_worker import init_worker as _init_worker
+from ..data.sources import expand_urls, iter_documents
 from ..utils.fault import fault_point
 from .jagged_array import JaggedArrayStore
 from .ledger import CacheLedger
@@ -45,59 +47,23 @@ class CacheMismatchError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class CacheOptions:
-    """How caches are built. ``num_workers`` None means one tokenizer process per core;
-    ``batch_size`` is documents per task (and per ledger commit)."""
+    """How caches are built.
+
+    ``num_workers``: tokenizer processes (None: one per core). ``batch_size``: documents per task and per
+    ledger commit. ``min_bytes_for_pool``: inputs smaller than this are tokenized in this process --
+    spawning workers costs about a second, more than a small corpus takes (HF tokenizers are
+    multithreaded in-process anyway). Where a batch is encoded never changes what is written.
+    """
 
     num_workers: int | None = None
     batch_size: int = 512
+    min_bytes_for_pool: int = 64 * 2**20
 
     def resolved_workers(self) -> int:
         n = self.num_workers if self.num_workers is not None else (os.cpu_count() or 1)
         if n < 1:
             raise ValueError(f"cache_options.num_workers must be >= 1, got {n}")
         return n
-
-
-# -- worker side (runs in pool processes; keep imports light) ------------------------------------------
-_WORKER_TOKENIZER = None
-_WORKER_EOS: int | None = None
-
-
-def _init_worker(tokenizer, eos_to_append: int | None) -> None:
-    global _WORKER_TOKENIZER, _WORKER_EOS
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    _WORKER_TOKENIZER, _WORKER_EOS = tokenizer, eos_to_append
-
-
-def _encode(tokenizer, eos: int | None, docs: list, shard: str, first_doc: int) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids of ``docs`` as (flat ids, per-document lengths), EOS appended when ``eos`` is set."""
-    if getattr(tokenizer, "name", None) == "passthrough":
-        rows = []
-        for k, doc in enumerate(docs):
-            if not isinstance(doc, list) or not all(isinstance(t, int) for t in doc):
-                raise SourceError(
-                    f"{shard}, document {first_doc + k}: the passthrough tokenizer expects a list of token ids"
-                )
-            arr = np.asarray(doc, dtype=np.int64)
-            if arr.size and (arr.min() < 0 or arr.max() >= tokenizer.vocab_size):
-                raise SourceError(
-                    f"{shard}, document {first_doc + k}: token id out of range [0, {tokenizer.vocab_size}) (vocab_size)"
-                )
-            rows.append(arr)
-    else:
-        for k, doc in enumerate(docs):
-            if not isinstance(doc, str):
-                raise SourceError(f"{shard}, document {first_doc + k}: expected text, got {type(doc).__name__}")
-        rows = [np.asarray(ids, dtype=np.int64) for ids in tokenizer.encode_batch(docs)]
-    if eos is not None:
-        rows = [np.append(r, eos) for r in rows]
-    lengths = np.asarray([len(r) for r in rows], dtype=np.int64)
-    flat = np.concatenate(rows).astype(np.int32) if rows else np.zeros(0, np.int32)
-    return flat, lengths
-
-
-def _encode_in_worker(docs: list, shard: str, first_doc: int):
-    return _encode(_WORKER_TOKENIZER, _WORKER_EOS, docs, shard, first_doc)
 
 
 # -- parent side ---------------------------------------------------------------------------------------
@@ -163,6 +129,16 @@ def _check_metadata(cache_dir: str, found: dict, wanted: dict) -> None:
             f"the cache at {cache_dir!r} was built with different settings ({detail}). Use another cache_dir, "
             "or delete this one to rebuild it."
         )
+
+
+def _total_bytes(paths: Sequence[str]) -> int:
+    import fsspec
+
+    total = 0
+    for p in paths:
+        fs, _, (path,) = fsspec.core.get_fs_token_paths(p)
+        total += int(fs.size(path) or 0)
+    return total
 
 
 def _doc_batches(shard: str, text_key: str, skip: int, batch_size: int) -> Iterator[tuple[int, list]]:
@@ -233,7 +209,7 @@ def build_or_load_cache(
     t0, tokens_at_start = time.perf_counter(), ledger.total_tokens
 
     def commit(shard: str, flat: np.ndarray, lengths: np.ndarray) -> None:
-        store.append(np.split(flat, np.cumsum(lengths)[:-1]) if len(lengths) else [])
+        store.append_flat(flat, lengths)
         fault_point("cache_after_append")
         ledger.shard_docs[shard] = ledger.shard_docs.get(shard, 0) + len(lengths)
         ledger.shard_rows[shard] = ledger.shard_rows.get(shard, 0) + len(lengths)
@@ -246,47 +222,54 @@ def build_or_load_cache(
             rate = (ledger.total_tokens - tokens_at_start) / max(time.perf_counter() - t0, 1e-9)
             bar.set_postfix(tokens=f"{ledger.total_tokens:,}", tok_per_s=f"{rate:,.0f}", refresh=False)
 
-    pool = None
+    todo = [sh for sh in shards if sh not in ledger.finished_shards]
+    use_pool = workers > 1 and _total_bytes(todo) >= options.min_bytes_for_pool
 
-    def get_pool():
-        # Started on the first shard with more than one batch: a small cache is not worth the ~1 s it
-        # takes to spawn workers. Which process encodes a batch never changes what is written.
-        nonlocal pool
-        if pool is None:
+    def tasks():
+        """``(shard, first_doc, docs)`` in commit order; ``docs`` None marks the end of a shard."""
+        for shard in todo:
+            for first, docs in _doc_batches(shard, text_key, ledger.shard_docs.get(shard, 0), options.batch_size):
+                yield shard, first, docs
+            yield shard, None, None
+
+    def finish_shard(shard: str) -> None:
+        ledger.shard_docs.setdefault(shard, 0)
+        ledger.shard_rows.setdefault(shard, 0)
+        ledger.finished_shards.append(shard)
+        ledger.save(cache_dir)
+
+    pool = None
+    try:
+        if not use_pool:
+            for shard, first, docs in tasks():
+                if docs is None:
+                    finish_shard(shard)
+                else:
+                    commit(shard, *_encode(tokenizer, eos, docs, shard, first))
+        else:
             pool = cf.ProcessPoolExecutor(
                 max_workers=workers,
                 mp_context=multiprocessing.get_context("spawn"),
                 initializer=_init_worker,
                 initargs=(tokenizer, eos),
             )
-        return pool
+            # One pool for all shards and a bounded window of tasks, committed strictly in order.
+            in_flight: deque = deque()
 
-    try:
-        for shard in shards:
-            if shard in ledger.finished_shards:
-                continue
-            skip = ledger.shard_docs.get(shard, 0)
-            batches = _doc_batches(shard, text_key, skip, options.batch_size)
-            first_batch = next(batches, None)
-            second_batch = next(batches, None)
-            if workers == 1 or second_batch is None:
-                for first, docs in filter(None, (first_batch, second_batch)):
-                    commit(shard, *_encode(tokenizer, eos, docs, shard, first))
-                for first, docs in batches:
-                    commit(shard, *_encode(tokenizer, eos, docs, shard, first))
-            else:
-                # Bounded in-flight window, committed strictly in submission order.
-                in_flight: deque = deque()
-                for first, docs in itertools.chain([first_batch, second_batch], batches):
-                    in_flight.append(get_pool().submit(_encode_in_worker, docs, shard, first))
-                    if len(in_flight) >= 2 * workers:
-                        commit(shard, *in_flight.popleft().result())
-                while in_flight:
-                    commit(shard, *in_flight.popleft().result())
-            ledger.shard_docs.setdefault(shard, 0)
-            ledger.shard_rows.setdefault(shard, 0)
-            ledger.finished_shards.append(shard)
-            ledger.save(cache_dir)
+            def drain_one():
+                shard, fut = in_flight.popleft()
+                if fut is None:
+                    finish_shard(shard)
+                else:
+                    commit(shard, *fut.result())
+
+            for shard, first, docs in tasks():
+                fut = None if docs is None else pool.submit(_encode_in_worker, docs, shard, first)
+                in_flight.append((shard, fut))
+                while sum(f is not None for _, f in in_flight) > 2 * workers:
+                    drain_one()
+            while in_flight:
+                drain_one()
         store.finalize()
         fault_point("cache_after_finalize")
         ledger.is_finished = True

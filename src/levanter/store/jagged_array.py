@@ -374,6 +374,18 @@ class JaggedArrayStore:
             f.result()
         self._commit(new_rows, new_size)
 
+    def append_flat(self, flat: np.ndarray, lengths: np.ndarray) -> None:
+        """Like :meth:`append` for rows given as one concatenated array plus per-row lengths (no
+        per-row arrays are built)."""
+        flat = np.asarray(flat)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if lengths.ndim != 1 or (lengths < 0).any() or int(lengths.sum()) != flat.size:
+            raise ValueError(f"append_flat: lengths (sum {int(lengths.sum())}) do not match {flat.size} values")
+        futures, new_rows, new_size = self._issue(flat.astype(self.dtype, copy=False).ravel(), lengths)
+        for f in futures:
+            f.result()
+        self._commit(new_rows, new_size)
+
     def finalize(self) -> None:
         """Shrink both arrays to their committed sizes, so ``zarr.json`` depends only on the content."""
         if not self._writable:

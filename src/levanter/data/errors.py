@@ -1,0 +1,5 @@
+"""Errors about input data, in a module light enough for tokenizer worker processes to import."""
+
+
+class SourceError(ValueError):
+    """Bad input data: names the file (and line or document) at fault."""

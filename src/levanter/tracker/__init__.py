@@ -1,0 +1,40 @@
+"""Metric trackers: the ``Tracker`` interface and its backends (JSON lines, wandb, TensorBoard, no-op).
+
+Importing this package registers every backend with ``TrackerConfig``, so ``{type: json}``,
+``{type: json_logger}``, ``{type: wandb}``, ``{type: tensorboard}`` and ``{type: noop}`` all parse.
+Backends import their third-party libraries lazily, in ``init``. See ``tracker.py`` for the design.
+"""
+
+from levanter.tracker.json_tracker import JsonConfig as JsonConfig
+from levanter.tracker.json_tracker import JsonLoggerConfig as JsonLoggerConfig
+from levanter.tracker.json_tracker import JsonTracker as JsonTracker
+from levanter.tracker.tensorboard_tracker import TensorboardConfig as TensorboardConfig
+from levanter.tracker.tensorboard_tracker import TensorboardTracker as TensorboardTracker
+from levanter.tracker.tracker import CompositeTracker as CompositeTracker
+from levanter.tracker.tracker import DictTracker as DictTracker
+from levanter.tracker.tracker import NoopConfig as NoopConfig
+from levanter.tracker.tracker import NoopTracker as NoopTracker
+from levanter.tracker.tracker import Tracker as Tracker
+from levanter.tracker.tracker import TrackerConfig as TrackerConfig
+from levanter.tracker.tracker import init_trackers as init_trackers
+from levanter.tracker.tracker import to_python as to_python
+from levanter.tracker.wandb_tracker import WandbConfig as WandbConfig
+from levanter.tracker.wandb_tracker import WandbTracker as WandbTracker
+
+__all__ = [
+    "CompositeTracker",
+    "DictTracker",
+    "JsonConfig",
+    "JsonLoggerConfig",
+    "JsonTracker",
+    "NoopConfig",
+    "NoopTracker",
+    "TensorboardConfig",
+    "TensorboardTracker",
+    "Tracker",
+    "TrackerConfig",
+    "WandbConfig",
+    "WandbTracker",
+    "init_trackers",
+    "to_python",
+]

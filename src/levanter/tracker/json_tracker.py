@@ -1,0 +1,244 @@
+"""A tracker that appends one JSON object per ``log`` call to ``<log_dir>/<run_id>/metrics.jsonl``.
+
+Each line is ``{"step": s, "<metric>": value, ...}``: the step first, then the metrics in the order
+given. It needs no service, no login and no extra dependency, and any tool reads it
+(``pandas.read_json(path, lines=True)``, ``jq``), which makes it the tracker for tests and offline runs.
+
+Format and guarantees:
+
+* Floats are written by ``json.dumps``, i.e. with ``repr``, the shortest string that reads back as the
+  same double; numpy/JAX scalars are converted with ``float()`` first, which is exact for float32 and
+  bfloat16. So ``json.loads`` gives back bit-identical values. NaN and infinities are written as
+  ``NaN``/``Infinity`` (Python's JSON extension, read back by ``json.loads`` and pandas) rather than
+  being dropped: a NaN loss is exactly what one wants to see in the log.
+* Several ``log`` calls for the same step (training metrics, then evaluation metrics) give several
+  lines with the same ``"step"``. Readers that want one record per step merge lines by step.
+* Each line is flushed as soon as it is written, so a crashed process loses at most the line it was
+  writing. There is no per-line fsync (that would cost a disk round trip per step); an OS crash may
+  lose the last few seconds.
+* ``resume_step=k`` (restart at step ``k`` from a checkpoint): lines with ``step >= k`` were written by
+  the failed attempt and will be logged again, so they are removed, together with any trailing partial
+  line, by rewriting the file atomically (temporary file, fsync, ``os.replace``). Without
+  ``resume_step`` the file is appended to; only a trailing partial line is removed, since otherwise the
+  next line would be glued onto it.
+* ``log_hyperparameters`` writes ``config.json`` and ``log_summary`` writes ``summary.json`` next to the
+  metrics, each atomically and each merging with what earlier calls wrote.
+
+Local filesystems only: appending and atomic replacement are not available on object stores.
+
+Registered as ``json`` and, for upstream configs, ``json_logger``. Upstream's ``json_logger`` wrote the
+records through Python logging instead; its ``logger_name`` and ``level`` fields are accepted, and when
+``logger_name`` is set each line is also sent to that logger.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import numpy as np
+
+from levanter.tracker.tracker import Tracker, TrackerConfig, normalize_metrics, to_python
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.json"
+SUMMARY_FILE = "summary.json"
+
+
+def _json_default(obj: Any) -> Any:
+    """Fallback for values json cannot encode: arrays become (nested) lists, anything else its str."""
+    value = to_python(obj)
+    if value is not obj:
+        return value
+    if hasattr(obj, "__array__"):
+        return np.asarray(obj).tolist()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj, key=str)
+    return str(obj)
+
+
+def _dumps(obj: Any, **kwargs) -> str:
+    return json.dumps(obj, default=_json_default, **kwargs)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # e.g. platforms without directory fds; the rename itself is still atomic
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Replace ``path`` by a file holding ``data``: readers see the old file or the new one, never a mix."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp creates 0600; keep the permissions an ordinary write would give
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(directory)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def _line_step(line: bytes) -> Optional[int]:
+    """The ``step`` of a complete metrics line, or None if the line is not one of ours."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+        return None
+    return record["step"]
+
+
+def prepare_metrics_file(path: str, resume_step: Optional[int]) -> None:
+    """Make ``path`` ready for appending: drop a trailing partial line and, when ``resume_step`` is given,
+    every line with ``step >= resume_step``. The file is rewritten atomically, and only if it changes."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return
+    lines = data.split(b"\n")
+    tail = lines.pop()  # b"" when the file ends with a newline, else a line cut off by a crash
+    kept = []
+    for line in lines:
+        if not line.strip():
+            continue
+        step = _line_step(line)
+        if step is None:
+            # A complete but unparseable line is not something this tracker writes; keep it rather than
+            # destroy data we do not understand, but say so.
+            logger.warning("%s: keeping a line that is not a metrics record: %r", path, line[:200])
+            kept.append(line)
+        elif resume_step is None or step < resume_step:
+            kept.append(line)
+    new = b"".join(line + b"\n" for line in kept)
+    if new == data:
+        return
+    dropped = len([x for x in lines if x.strip()]) - len(kept)
+    logger.info(
+        "%s: removing %d line(s) with step >= %s%s before resuming",
+        path,
+        dropped,
+        resume_step,
+        " and a trailing partial line" if tail else "",
+    )
+    atomic_write_bytes(path, new)
+
+
+class JsonTracker(Tracker):
+    """Writes ``metrics.jsonl`` (a line per ``log``), ``config.json`` and ``summary.json`` in ``run_dir``."""
+
+    name = "json"
+
+    def __init__(
+        self,
+        run_dir: str,
+        *,
+        resume_step: Optional[int] = None,
+        mirror_logger: Optional[logging.Logger] = None,
+        mirror_level: int = logging.INFO,
+    ) -> None:
+        os.makedirs(run_dir, exist_ok=True)
+        self.run_dir = run_dir
+        self.metrics_path = os.path.join(run_dir, METRICS_FILE)
+        self.config_path = os.path.join(run_dir, CONFIG_FILE)
+        self.summary_path = os.path.join(run_dir, SUMMARY_FILE)
+        self._mirror_logger = mirror_logger
+        self._mirror_level = mirror_level
+        prepare_metrics_file(self.metrics_path, resume_step)
+        self._hparams = self._read_json(self.config_path)
+        self._summary = self._read_json(self.summary_path)
+        self._file = open(self.metrics_path, "a", encoding="utf-8")
+
+    @staticmethod
+    def _read_json(path: str) -> dict:
+        # A resumed run merges into what the earlier attempt recorded.
+        try:
+            with open(path, encoding="utf-8") as f:
+                value = json.load(f)
+            return value if isinstance(value, dict) else {}
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    def log(self, metrics: Mapping[str, Any], *, step: int) -> None:
+        if self._file is None:
+            raise RuntimeError("JsonTracker.log called after finish()")
+        values = normalize_metrics(metrics)
+        if "step" in values:
+            raise ValueError("a metric may not be named 'step': the key holds the training step")
+        line = _dumps({"step": int(step), **values})
+        self._file.write(line + "\n")
+        self._file.flush()
+        if self._mirror_logger is not None:
+            self._mirror_logger.log(self._mirror_level, line)
+
+    def log_hyperparameters(self, params: Mapping[str, Any]) -> None:
+        self._hparams.update(params)
+        atomic_write_text(self.config_path, _dumps(self._hparams, indent=2) + "\n")
+
+    def log_summary(self, metrics: Mapping[str, Any]) -> None:
+        self._summary.update(normalize_metrics(metrics))
+        atomic_write_text(self.summary_path, _dumps(self._summary, indent=2) + "\n")
+
+    def finish(self) -> None:
+        if self._file is None:
+            return
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._file = None
+
+
+@TrackerConfig.register_subclass("json")
+@dataclasses.dataclass(frozen=True)
+class JsonConfig(TrackerConfig):
+    """``{type: json}`` (alias ``json_logger``): metrics to ``<log_dir>/<run_id>/metrics.jsonl``."""
+
+    log_dir: Optional[str] = None
+    """Directory to use instead of the ``log_dir`` the trainer passes."""
+    logger_name: Optional[str] = None
+    """Also send each line to this Python logger (upstream ``json_logger`` behaviour); None: don't."""
+    level: int = logging.INFO
+    """Logging level for the mirrored lines."""
+
+    def init(self, run_id: str, log_dir: str, *, resume_step: Optional[int] = None) -> JsonTracker:
+        base = self.log_dir if self.log_dir is not None else log_dir
+        mirror = logging.getLogger(self.logger_name) if self.logger_name else None
+        return JsonTracker(
+            os.path.join(base, run_id), resume_step=resume_step, mirror_logger=mirror, mirror_level=self.level
+        )
+
+
+# Upstream Levanter's name for its JSON tracker; registered as an alias so upstream configs parse.
+# Encoding a JsonConfig writes `type: json`, the first name registered.
+TrackerConfig.register_subclass("json_logger", JsonConfig)
+JsonLoggerConfig = JsonConfig

@@ -1,0 +1,112 @@
+"""TensorBoard tracker: ``{type: tensorboard, logdir: tblogs}`` writes event files to ``<logdir>/<run_id>``.
+
+Written with ``tensorboardX`` (small, pure Python, no TensorFlow or torch), imported inside ``init``.
+
+How values map: numbers (and numpy/JAX scalars) become scalars, strings become text, numeric arrays
+with more than one element become histograms; anything else (``None``, backend objects) is skipped
+with one warning per metric name. Hyperparameters are written once as a JSON text block under
+``hparams`` (TensorBoard's HParams plugin wants a fixed metric list up front, which a trainer does not
+have); summary values become scalars under ``summary/`` at the last logged step.
+
+``logdir`` is taken as given, relative paths from the current directory as upstream Levanter does;
+the trainer's ``log_dir`` is not used. On ``resume_step=k`` the writer is opened with
+``purge_step=k``, which tells TensorBoard to discard the earlier attempt's events at steps ``>= k``
+when it reads the directory.
+
+Fields other than ``logdir`` are ``tensorboardX.SummaryWriter`` arguments, kept for compatibility with
+upstream configs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import numpy as np
+
+from levanter.tracker.tracker import Tracker, TrackerConfig, to_python
+
+logger = logging.getLogger(__name__)
+
+
+class TensorboardTracker(Tracker):
+    """Forwards to a ``tensorboardX.SummaryWriter``."""
+
+    name = "tensorboard"
+
+    def __init__(self, writer: Any) -> None:
+        self.writer = writer
+        self._last_step = 0
+        self._warned: set[str] = set()
+        self._closed = False
+
+    def _skip(self, key: str, value: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning("tensorboard: not logging %r of type %s", key, type(value).__name__)
+
+    def log(self, metrics: Mapping[str, Any], *, step: int) -> None:
+        step = int(step)
+        self._last_step = step
+        for key, raw in metrics.items():
+            value = to_python(raw)
+            if isinstance(value, bool):
+                self.writer.add_scalar(key, int(value), step)
+            elif isinstance(value, (int, float)):
+                self.writer.add_scalar(key, value, step)
+            elif isinstance(value, str):
+                self.writer.add_text(key, value, step)
+            elif hasattr(value, "__array__") and np.asarray(value).dtype.kind in "biuf":
+                arr = np.asarray(value)
+                if arr.size:
+                    self.writer.add_histogram(key, arr.astype(np.float64), step)
+            else:
+                self._skip(key, value)
+
+    def log_hyperparameters(self, params: Mapping[str, Any]) -> None:
+        text = json.dumps(dict(params), indent=2, default=str)
+        # Indented by four spaces so TensorBoard's markdown renders it as a code block.
+        self.writer.add_text("hparams", "\n".join("    " + line for line in text.splitlines()), 0)
+
+    def log_summary(self, metrics: Mapping[str, Any]) -> None:
+        self.log({f"summary/{k}": v for k, v in metrics.items()}, step=self._last_step)
+
+    def finish(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.writer.close()
+
+
+@TrackerConfig.register_subclass("tensorboard")
+@dataclasses.dataclass(frozen=True)
+class TensorboardConfig(TrackerConfig):
+    """Event files in ``<logdir>/<run_id>``."""
+
+    logdir: str = "tblogs"
+    comment: str = ""
+    purge_step: Optional[int] = None
+    """Drop earlier events at steps >= this; None: the resume step, if any."""
+    max_queue: int = 10
+    flush_secs: int = 120
+    filename_suffix: str = ""
+    write_to_disk: bool = True
+
+    def init(self, run_id: str, log_dir: str, *, resume_step: Optional[int] = None) -> TensorboardTracker:
+        from tensorboardX import SummaryWriter
+
+        purge_step = self.purge_step if self.purge_step is not None else resume_step
+        writer = SummaryWriter(
+            logdir=os.path.join(self.logdir, run_id),
+            comment=self.comment,
+            purge_step=purge_step,
+            max_queue=self.max_queue,
+            flush_secs=self.flush_secs,
+            filename_suffix=self.filename_suffix,
+            write_to_disk=self.write_to_disk,
+        )
+        return TensorboardTracker(writer)

@@ -1,0 +1,255 @@
+"""The tracker interface: where training metrics, hyperparameters and run summaries go.
+
+A ``Tracker`` receives ``log(metrics, step=...)`` calls from the training loop and forwards them to a
+backend (a JSON-lines file, Weights & Biases, TensorBoard, or memory for tests). ``TrackerConfig`` is a
+draccus plugin registry, so a config file picks the backend by name::
+
+    trainer:
+      tracker: {type: json}                       # one tracker
+      tracker: [{type: json}, {type: wandb, mode: offline}]   # several: a CompositeTracker
+
+The field holding it should be typed ``Union[TrackerConfig, Tuple[TrackerConfig, ...]]`` and turned into
+a tracker with :func:`init_trackers`. A mapping without ``type`` means ``wandb``, upstream Levanter's
+default, so upstream configs that omit the type keep their meaning.
+
+Design choices:
+
+* Metric values are normalised once, here (:func:`to_python`): numpy and JAX 0-d arrays become Python
+  ``float``/``int``/``bool``. ``float()`` of a float32 is exact, so nothing is rounded on the way to a
+  backend; what each backend keeps is the backend's business.
+* Trackers are not multi-host aware. The caller creates real trackers on process 0 only and a
+  ``NoopTracker`` elsewhere; otherwise every host would write the same file or run.
+* Backends with costly imports (wandb ~0.6 s, tensorboardX) import them inside ``init`` so that parsing a
+  config, or a run that logs to JSON only, never pays for them.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+import draccus
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+def to_python(value: Any) -> Any:
+    """``value`` with numpy/JAX scalars (0-d arrays and numpy scalar types) replaced by Python scalars.
+
+    Floats go through ``float()``, which is exact for float16/bfloat16/float32/float64, so the value a
+    backend receives is bit-for-bit the value computed. Anything else (strings, Python numbers, arrays
+    with more than one element, backend-specific objects such as ``wandb.Histogram``) is returned
+    unchanged; each backend decides what to do with it.
+    """
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    # Duck-typed so that jax need not be imported here: jax.Array, np.ndarray and np.generic all qualify.
+    if isinstance(value, np.generic) or (
+        hasattr(value, "__array__") and getattr(value, "shape", None) == () and hasattr(value, "dtype")
+    ):
+        arr = np.asarray(value)
+        kind = arr.dtype.kind
+        if kind == "b":
+            return bool(arr)
+        if kind in "iu":
+            return int(arr)
+        if kind in "US":
+            return str(arr.item())
+        if kind == "c":
+            return complex(arr)
+        # 'f', and ml_dtypes' bfloat16/float8 (which numpy reports as kind 'V').
+        return float(arr)
+    return value
+
+
+def normalize_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """A plain dict of ``metrics`` with every value passed through :func:`to_python`."""
+    return {str(k): to_python(v) for k, v in metrics.items()}
+
+
+class Tracker(abc.ABC):
+    """A destination for metrics. Subclasses implement the four methods; all take plain mappings.
+
+    ``log`` may be called more than once for the same step (e.g. training metrics and then evaluation
+    metrics at the same step); steps passed to successive calls never decrease within one attempt of a
+    run. Trackers are context managers: leaving the ``with`` block calls :meth:`finish`.
+    """
+
+    name: str = "tracker"
+
+    @abc.abstractmethod
+    def log(self, metrics: Mapping[str, Any], *, step: int) -> None:
+        """Record ``metrics`` (name -> value) as of training step ``step``."""
+
+    @abc.abstractmethod
+    def log_hyperparameters(self, params: Mapping[str, Any]) -> None:
+        """Record the run's configuration. Later calls add to (and override keys of) earlier ones."""
+
+    @abc.abstractmethod
+    def log_summary(self, metrics: Mapping[str, Any]) -> None:
+        """Record step-less, end-of-run values (best loss, total tokens, ...)."""
+
+    @abc.abstractmethod
+    def finish(self) -> None:
+        """Flush and close. Calling it twice is harmless."""
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.finish()
+
+
+class NoopTracker(Tracker):
+    """Discards everything (non-primary hosts, or runs that want no logging)."""
+
+    name = "noop"
+
+    def log(self, metrics: Mapping[str, Any], *, step: int) -> None:
+        pass
+
+    def log_hyperparameters(self, params: Mapping[str, Any]) -> None:
+        pass
+
+    def log_summary(self, metrics: Mapping[str, Any]) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+class DictTracker(Tracker):
+    """Keeps everything in memory, for tests.
+
+    ``metrics`` is the list of ``(step, metrics)`` pairs in call order, values normalised by
+    :func:`to_python`; ``hyperparameters`` and ``summary`` are merged dicts.
+    """
+
+    name = "dict"
+
+    def __init__(self) -> None:
+        self.metrics: list[tuple[int, dict[str, Any]]] = []
+        self.hyperparameters: dict[str, Any] = {}
+        self.summary: dict[str, Any] = {}
+        self.finished = False
+
+    def log(self, metrics: Mapping[str, Any], *, step: int) -> None:
+        self.metrics.append((int(step), normalize_metrics(metrics)))
+
+    def log_hyperparameters(self, params: Mapping[str, Any]) -> None:
+        self.hyperparameters.update(params)
+
+    def log_summary(self, metrics: Mapping[str, Any]) -> None:
+        self.summary.update(normalize_metrics(metrics))
+
+    def finish(self) -> None:
+        self.finished = True
+
+    def history(self, key: str) -> list[tuple[int, Any]]:
+        """``(step, value)`` for every logged value of ``key``, in call order."""
+        return [(s, m[key]) for s, m in self.metrics if key in m]
+
+
+class CompositeTracker(Tracker):
+    """Forwards every call to each of ``trackers``, in order."""
+
+    name = "composite"
+
+    def __init__(self, trackers: Sequence[Tracker]) -> None:
+        self.trackers = list(trackers)
+
+    def log(self, metrics: Mapping[str, Any], *, step: int) -> None:
+        for t in self.trackers:
+            t.log(metrics, step=step)
+
+    def log_hyperparameters(self, params: Mapping[str, Any]) -> None:
+        for t in self.trackers:
+            t.log_hyperparameters(params)
+
+    def log_summary(self, metrics: Mapping[str, Any]) -> None:
+        for t in self.trackers:
+            t.log_summary(metrics)
+
+    def finish(self) -> None:
+        # Finish every backend even if one fails, so a broken wandb never costs the JSON file its tail.
+        errors = []
+        for t in self.trackers:
+            try:
+                t.finish()
+            except Exception as e:  # noqa: BLE001 -- re-raised below
+                logger.exception("tracker %s failed to finish", t.name)
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrackerConfig(draccus.PluginRegistry, abc.ABC, discover_packages_path="levanter.tracker"):
+    """Choice of tracker backend: ``{type: json|json_logger|wandb|tensorboard|noop, ...}``."""
+
+    @abc.abstractmethod
+    def init(self, run_id: str, log_dir: str, *, resume_step: Optional[int] = None) -> Tracker:
+        """Start a tracker for run ``run_id``.
+
+        ``log_dir`` is the run-independent directory for local logs (each backend appends ``run_id`` or
+        its own subdirectory). ``resume_step=k`` says the run is restarting at step ``k`` after a crash
+        or preemption: backends that can, forget what the earlier attempt logged at steps ``>= k``.
+        """
+
+    @classmethod
+    def default_choice_name(cls) -> Optional[str]:
+        return "wandb"  # upstream's default: a tracker mapping without `type` is a wandb config
+
+
+# draccus 0.11.6 drops the `type` key when encoding a 2-element `Tuple[TrackerConfig, ...]` (its tuple
+# encoder zips the elements with the type arguments `(TrackerConfig, Ellipsis)`, fails on Ellipsis and
+# falls back to encoding without types), so a saved config with two trackers would re-parse as two
+# wandb configs. Encoding every TrackerConfig subclass as a choice, whatever the declared type, fixes it.
+@draccus.encode.register(TrackerConfig, include_subclasses=True)
+def _encode_tracker_config(obj: TrackerConfig, declared_type: Any = None) -> dict:
+    from draccus.parsers.encoding import encode_choice
+
+    return encode_choice(obj, TrackerConfig)
+
+
+@TrackerConfig.register_subclass("noop")
+@dataclasses.dataclass(frozen=True)
+class NoopConfig(TrackerConfig):
+    """Log nothing."""
+
+    def init(self, run_id: str, log_dir: str, *, resume_step: Optional[int] = None) -> Tracker:
+        return NoopTracker()
+
+
+def init_trackers(
+    config: TrackerConfig | Sequence[TrackerConfig],
+    run_id: str,
+    log_dir: str,
+    *,
+    resume_step: Optional[int] = None,
+) -> Tracker:
+    """The tracker for ``config``: a single backend, a ``CompositeTracker`` for several, a
+    ``NoopTracker`` for an empty sequence. If one backend fails to start, those already started are
+    finished before the error propagates (no dangling wandb run)."""
+    if isinstance(config, TrackerConfig):
+        return config.init(run_id, log_dir, resume_step=resume_step)
+    started: list[Tracker] = []
+    try:
+        for c in config:
+            started.append(c.init(run_id, log_dir, resume_step=resume_step))
+    except BaseException:
+        for t in started:
+            try:
+                t.finish()
+            except Exception:  # noqa: BLE001 -- the original error is the one to report
+                logger.exception("tracker %s failed to finish after a failed start", t.name)
+        raise
+    if not started:
+        return NoopTracker()
+    if len(started) == 1:
+        return started[0]
+    return CompositeTracker(started)

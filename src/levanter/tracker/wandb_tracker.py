@@ -1,0 +1,118 @@
+"""Weights & Biases tracker: ``{type: wandb, project: ..., mode: online|offline|disabled}``.
+
+The fields are upstream Levanter's, so upstream ``tracker: {type: wandb, ...}`` blocks parse unchanged.
+
+* ``mode: offline`` (or ``WANDB_MODE=offline`` with ``mode`` unset) needs no login and no network: the
+  run is written under ``<dir>/wandb/offline-run-<time>-<id>/`` and can be uploaded later with
+  ``wandb sync``. ``mode: disabled`` writes nothing at all.
+* Files go under ``dir``; when it is unset, under ``$WANDB_DIR`` if that is set (wandb's own convention)
+  and otherwise under the trainer's ``log_dir``, so the run sits at ``<log_dir>/wandb/...`` next to
+  the other local logs instead of in the current directory.
+* The wandb run id is the trainer's ``run_id`` unless ``id`` is set, so a restarted job with
+  ``resume: allow`` (the default) continues the same wandb run. wandb ignores (with a warning) values
+  logged at a step lower than the run's last step; so after a restart from step ``k`` the steps between
+  ``k`` and the crash keep the values of the first attempt. Rewinding a run is an online-only wandb
+  feature and is not used here.
+* ``wandb`` is imported inside ``init``: the import costs ~0.6 s, which parsing a config, or a run using
+  other trackers, should not pay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any, Optional, Union
+
+from levanter.tracker.tracker import Tracker, TrackerConfig, normalize_metrics
+
+logger = logging.getLogger(__name__)
+
+WANDB_MODES = ("online", "offline", "disabled", "shared")
+
+
+class WandbTracker(Tracker):
+    """Forwards to a ``wandb`` run: ``log`` -> ``run.log(metrics, step=step)``, hyperparameters -> the
+    run config, summary -> ``run.summary``."""
+
+    name = "wandb"
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+        self._finished = False
+
+    def log(self, metrics: Mapping[str, Any], *, step: int) -> None:
+        self.run.log(normalize_metrics(metrics), step=int(step))
+
+    def log_hyperparameters(self, params: Mapping[str, Any]) -> None:
+        # A resumed run re-logs its config; allow_val_change lets a changed value replace the old one.
+        self.run.config.update(dict(params), allow_val_change=True)
+
+    def log_summary(self, metrics: Mapping[str, Any]) -> None:
+        self.run.summary.update(normalize_metrics(metrics))
+
+    def finish(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self.run.finish()
+
+
+@TrackerConfig.register_subclass("wandb")
+@dataclasses.dataclass(frozen=True)
+class WandbConfig(TrackerConfig):
+    """Arguments of ``wandb.init``; see the module docstring for how ``dir``, ``id`` and ``mode`` resolve."""
+
+    entity: Optional[str] = None
+    project: Optional[str] = "levanter"
+    name: Optional[str] = None
+    tags: list[str] = dataclasses.field(default_factory=list)
+    id: Optional[str] = None
+    """wandb run id; None: the trainer's run id."""
+    group: Optional[str] = None
+    mode: Optional[str] = None
+    """online, offline, disabled (or shared); None: wandb's default, which honours ``WANDB_MODE``."""
+    resume: Optional[Union[bool, str]] = "allow"
+    save_code: bool = True
+    save_xla_dumps: bool = False
+    """Accepted for compatibility with upstream configs; this fork does not upload XLA dumps."""
+    dir: Optional[str] = None
+    """Where wandb writes (it adds a ``wandb/`` subdirectory); None: ``$WANDB_DIR``, else ``log_dir``."""
+
+    def init(self, run_id: str, log_dir: str, *, resume_step: Optional[int] = None) -> WandbTracker:
+        if self.mode is not None and self.mode not in WANDB_MODES:
+            raise ValueError(f"tracker.mode: expected one of {WANDB_MODES} or null, got {self.mode!r}")
+        if self.save_xla_dumps:
+            logger.warning("wandb save_xla_dumps is not supported by this fork; ignoring it")
+        # Read WANDB_MODE here rather than leaving it to wandb: wandb reads the environment once per
+        # process (at its first setup), so a later change, or a second run in the same process, would
+        # otherwise be ignored. Values this fork does not know (e.g. legacy "dryrun") go to wandb as-is.
+        mode = self.mode
+        if mode is None and os.environ.get("WANDB_MODE") in WANDB_MODES:
+            mode = os.environ["WANDB_MODE"]
+        if mode == "disabled":
+            directory = None  # wandb would create `dir` even though it writes nothing into it
+        else:
+            directory = self.dir or os.environ.get("WANDB_DIR") or log_dir
+            # wandb falls back to a temporary directory when `dir` does not exist; create it so the run
+            # lands where the config says.
+            os.makedirs(directory, exist_ok=True)
+
+        import wandb
+
+        run = wandb.init(
+            entity=self.entity,
+            project=self.project,
+            name=self.name,
+            tags=list(self.tags) or None,
+            id=self.id or run_id,
+            group=self.group,
+            mode=mode,
+            resume=self.resume,
+            save_code=self.save_code,
+            dir=directory,
+        )
+        if resume_step is not None:
+            logger.info("wandb run %s resuming at step %d", run.id, resume_step)
+        return WandbTracker(run)
