@@ -67,6 +67,10 @@ def parse_config(config_class: type[T], config_path: str | None = None, args: Se
         return draccus.parse(config_class=config_class, config_path=config_path, args=args)
     except draccus.utils.DecodingError as e:
         raise ConfigError(f"{config_path or 'command line'}: {e}") from None
+    except draccus.utils.ParsingError as e:
+        # A config class's own validation (``__post_init__``) raised: show that message, not draccus's.
+        cause = e.__cause__ if isinstance(e.__cause__, ValueError) else e
+        raise ConfigError(f"{config_path or 'command line'}: {cause}") from None
     finally:
         if local_path is not None:
             os.unlink(local_path)

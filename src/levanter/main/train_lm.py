@@ -1,0 +1,279 @@
+"""Train a causal language model: ``python -m levanter.main.train_lm --config_path config/gpt2_nano.yaml``.
+
+``main(config)`` is a plain function (tests call it directly). It validates the whole config before any
+expensive work, builds (or finds) the token caches, initialises or restores the state, and runs the
+step loop: the loader yields batches tagged with their step, the trainer checks the tag, logs the
+metrics and checkpoints. Re-running the same command with the same ``trainer.id`` resumes from the
+latest complete checkpoint and reproduces the same data and losses.
+
+Per step it logs ``train/loss``, ``train/learning_rate``, ``train/grad_norm``,
+``throughput/tokens_per_second``, ``throughput/step_seconds``, ``throughput/mfu`` (when the device's peak
+FLOP/s is known), ``data/wait_seconds`` and, for mixtures, ``data/source_counts/<source>``; every
+``steps_per_eval`` steps (and at the end) ``eval/<source>/loss`` and ``eval/loss``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import time
+from typing import Dict, Optional, Union
+
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import levanter.config
+from levanter.checkpoint import CheckpointerConfig
+from levanter.data.config import DataConfig, UrlSingleDatasetLMConfig
+from levanter.data.dataset import AsyncDataset
+from levanter.data.loader import DataLoader
+from levanter.data.mixture import MixtureDataset
+from levanter.models import LlamaConfig, LmConfig
+from levanter.optim import AdamConfig, OptimizerConfig
+from levanter.utils.fault import fault_point
+from levanter.trainer import (
+    PREEMPTED_EXIT_CODE,
+    Trainer,
+    TrainerConfig,
+    check_finite,
+    check_step,
+    init_trackers,
+    peak_flops_per_device,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainLmConfig:
+    data: DataConfig = dataclasses.field(default_factory=UrlSingleDatasetLMConfig)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    model: LmConfig = dataclasses.field(default_factory=LlamaConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=AdamConfig)
+    z_loss_weight: float = 0.0
+    data_seed: Optional[int] = None
+    prefetch_depth: int = 8
+    # Upstream fields accepted so configs parse; refused if set (they need the HF hub or are not built).
+    initialize_from_hf: Union[bool, str] = False
+    use_hf_model_config: bool = False
+    initialize_from_checkpoint_path: Optional[str] = None
+    hf_save_path: Optional[str] = None
+    hf_upload: Optional[str] = None
+    hf_save_steps: int = 10000
+    hf_save_dtype: Optional[str] = None
+    epoch: int = 0
+    eval_harness: Optional[Dict] = None
+    eval_harness_steps: int = 10000
+    log_entropy: bool = False
+
+
+def validate(config: TrainLmConfig):
+    """Every check that needs no data and no compile; errors name the config key. Returns the tokenizer."""
+    for name in ("initialize_from_hf", "use_hf_model_config", "hf_save_path", "hf_upload", "eval_harness",
+                 "initialize_from_checkpoint_path", "log_entropy"):
+        value = getattr(config, name)
+        if value not in (False, None):
+            raise ValueError(f"{name} is not supported by this fork yet; remove it from the config")
+    if config.epoch:
+        raise ValueError("epoch is not supported: use data.stop_strategy or a longer run instead")
+    if config.prefetch_depth < 0:
+        raise ValueError(f"prefetch_depth must be >= 0, got {config.prefetch_depth}")
+    config.trainer.validate()
+    max_len = getattr(config.model, "max_seq_len", None)
+    if max_len is not None and config.model.seq_len > max_len:
+        raise ValueError(f"model.seq_len={config.model.seq_len} exceeds what the model supports ({max_len})")
+    tokenizer = config.data.the_tokenizer()
+    model_vocab = getattr(config.model, "vocab_size", None)
+    if model_vocab is not None and model_vocab < tokenizer.vocab_size:
+        raise ValueError(
+            f"model.vocab_size={model_vocab} is smaller than the tokenizer's vocabulary ({tokenizer.vocab_size})"
+        )
+    return tokenizer
+
+
+def lm_loss_fn(z_loss_weight: float = 0.0):
+    """``(sum of next-token cross-entropies over loss positions, number of loss positions)``."""
+
+    def loss(model, batch):
+        tokens, mask, seg = batch["tokens"], batch["loss_mask"], batch["segment_ids"]
+        Batch, Pos = tokens.axes
+        logits = model(tokens, seg)
+        logits = logits.rearrange((Batch, Pos, model.Vocab)).array.astype(jnp.float32)
+        targets = jnp.roll(tokens.array, -1, axis=1)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        per_token = lse - picked
+        if z_loss_weight:
+            per_token = per_token + z_loss_weight * lse**2
+        m = mask.array.astype(jnp.float32)
+        return jnp.sum(per_token * m), jnp.sum(m)
+
+    return loss
+
+
+def _named_batch(data, Pos: hax.Axis, batch_axis: str):
+    def name(x):
+        return hax.named(x, (hax.Axis(batch_axis, x.shape[0]), Pos))
+
+    return {k: name(v) for k, v in data.items()}
+
+
+def run_eval(trainer: Trainer, model, eval_sets: Dict[str, AsyncDataset], config: TrainLmConfig, Pos) -> dict:
+    """Token-weighted mean loss per validation source (and over all of them)."""
+    tcfg = config.trainer
+    if tcfg.per_device_eval_parallelism > 0:
+        bs = tcfg.per_device_eval_parallelism * tcfg.data_axis_size
+    else:
+        bs = tcfg.batch_schedule.batch_size_at_step(0)
+    out, grand_total, grand_count = {}, 0.0, 0.0
+    for name, ds in eval_sets.items():
+        loader = DataLoader(ds, bs, mesh=trainer.mesh, data_axis="data", prefetch_depth=2)
+        total = count = 0.0
+        with loader.iter_from_step(0, tcfg.max_eval_batches) as it:
+            for batch in it:
+                t, c = trainer.eval_loss(model, _named_batch(batch.data, Pos, tcfg.batch_axis))
+                total += float(t)
+                count += float(c)
+        if count:
+            out[f"eval/{name or 'data'}/loss"] = total / count
+            grand_total, grand_count = grand_total + total, grand_count + count
+    if grand_count:
+        out["eval/loss"] = grand_total / grand_count
+    return out
+
+
+def main(config: TrainLmConfig) -> dict:
+    """Train; returns a summary ``{"run_id", "final_step", "final_loss"}``."""
+    tokenizer = validate(config)
+    tcfg = config.trainer
+    run_id = tcfg.run_id()
+    tcfg.checkpointer.validate_writable(run_id)
+    schedule = tcfg.batch_schedule
+    Pos = config.model.Pos
+    Vocab = hax.Axis("vocab", tokenizer.vocab_size)
+
+    key = jax.random.PRNGKey(tcfg.seed)
+    data_key, _loader_key, model_key, training_key = jax.random.split(key, 4)
+    if config.data_seed is not None:
+        data_key = jax.random.PRNGKey(config.data_seed)
+
+    train_set = config.data.train_set(config.model.seq_len, schedule, key=data_key)
+    eval_sets = config.data.validation_sets(config.model.seq_len)
+    mixture = train_set if isinstance(train_set, MixtureDataset) else None
+
+    optimizer = config.optimizer.build(tcfg.num_train_steps)
+    lr_schedule = config.optimizer.lr_scheduler(tcfg.num_train_steps)
+    trainer = Trainer(tcfg, optimizer, lm_loss_fn(config.z_loss_weight), lr_schedule=lr_schedule)
+    state = trainer.initial_state(lambda k: config.model.build(Vocab, key=k), key=jax.random.fold_in(model_key, 0))
+    state = trainer.maybe_restore(state, run_id)
+    start_step = int(state.step)
+
+    tracker = init_trackers(tcfg.trackers(), run_id, os.path.join(tcfg.log_dir), resume_step=start_step)
+    tracker.log_hyperparameters(_config_dict(config))
+    checkpointer = tcfg.checkpointer.create(run_id)
+    previous_handler = trainer.install_sigterm_handler()
+
+    loader = DataLoader(train_set, schedule, mesh=trainer.mesh, data_axis="data", prefetch_depth=config.prefetch_depth)
+    flops_per_token = config.model.flops_per_token(Vocab.size)
+    peak = peak_flops_per_device(jax.devices()[0])
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=tcfg.num_train_steps, initial=start_step, desc="train", unit="step", disable=None)
+    last_loss = None
+    seen_sizes: set[int] = set()
+    try:
+        t_prev = time.perf_counter()
+        with loader.iter_from_step(start_step, tcfg.num_train_steps) as it:
+            for batch in it:
+                step = int(state.step)
+                check_step(batch, step)
+                named = _named_batch(batch.data, Pos, tcfg.batch_axis)
+                seen_sizes.add(batch.batch_size)
+                state, metrics = trainer.train_step(state, named, batch.batch_size)
+                loss = float(metrics["loss"])
+                if trainer.compile_count() > len(seen_sizes):
+                    raise RuntimeError(
+                        f"the train step recompiled at step {step} ({trainer.compile_count()} compiles for "
+                        f"{len(seen_sizes)} batch sizes): an input changed shape or type unexpectedly"
+                    )
+                check_finite(loss, step, tcfg)
+                now = time.perf_counter()
+                dt, t_prev = now - t_prev, now
+                tokens = batch.batch_size * Pos.size
+                log = {
+                    "train/loss": loss,
+                    "train/learning_rate": float(lr_schedule(step)),
+                    "train/grad_norm": float(metrics["grad_norm"]),
+                    "throughput/step_seconds": dt,
+                    "throughput/tokens_per_second": tokens / dt,
+                    "throughput/examples_per_second": batch.batch_size / dt,
+                    "data/wait_seconds": batch.wait_seconds,
+                }
+                if peak is not None:
+                    log["throughput/mfu"] = flops_per_token * tokens / dt / (peak * jax.device_count())
+                if mixture is not None:
+                    first, end = schedule.step_range(step)
+                    src, _ = mixture.unwrapped_source_indices(step, np.arange(first, end))
+                    counts = np.bincount(src, minlength=len(mixture.names))
+                    for name, c in zip(mixture.names, counts.tolist()):
+                        log[f"data/source_counts/{name}"] = c
+                tracker.log(log, step=step)
+                last_loss = loss
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / dt:,.0f}", refresh=False)
+                bar.update(1)
+
+                done = step + 1
+                if eval_sets and (done % tcfg.steps_per_eval == 0 or done == tcfg.num_train_steps):
+                    tracker.log(run_eval(trainer, state.model, eval_sets, config, Pos), step=done)
+                    t_prev = time.perf_counter()
+                checkpointer.on_step(state, done, force=done == tcfg.num_train_steps)
+                fault_point("train_after_step")
+                if trainer.stop_requested and done < tcfg.num_train_steps:
+                    checkpointer.on_step(state, done, force=True)
+                    checkpointer.wait_until_finished()
+                    tracker.finish()
+                    logger.warning("checkpointed step %d after SIGTERM; exiting with %d", done, PREEMPTED_EXIT_CODE)
+                    sys.exit(PREEMPTED_EXIT_CODE)
+        checkpointer.wait_until_finished()
+        final_step = int(state.step)
+        if final_step < tcfg.num_train_steps:
+            logger.warning("the training data ended at step %d of %d", final_step, tcfg.num_train_steps)
+            checkpointer.on_step(state, final_step, force=True)
+            checkpointer.wait_until_finished()
+        tracker.log_summary({"final_step": final_step, **({"train/loss": last_loss} if last_loss is not None else {})})
+    finally:
+        bar.close()
+        tracker.finish()
+        if previous_handler is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, previous_handler)
+    return {"run_id": run_id, "final_step": int(state.step), "final_loss": last_loss}
+
+
+def _config_dict(config) -> dict:
+    import draccus
+
+    try:
+        return draccus.encode(config)
+    except Exception:  # noqa: BLE001 -- hyperparameters are best effort, never a reason to fail
+        return {}
+
+
+@levanter.config.main
+def cli_main(config: TrainLmConfig):
+    return main(config)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cli_main()
+    except (ValueError, FileNotFoundError) as e:
+        # User errors (bad config values, missing files): one paragraph, no traceback.
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,256 @@
+"""GPT-2: learned absolute position embeddings, pre-LayerNorm blocks, tied input/output embeddings.
+
+Registered as ``type: gpt2``. Field names and defaults follow upstream Levanter's ``Gpt2Config``.
+Layers are stacked with ``haliax.nn.Stacked`` (a ``lax.scan`` over the ``layers`` axis), so compile
+time does not grow with depth; ``gradient_checkpointing`` is passed to ``Stacked`` as its remat policy.
+
+Parameter axes (for sharding): ``wte [vocab, embed]``, ``wpe [position, embed]``,
+``c_attn [embed -> qkv, heads, head_size]``, ``c_proj [heads, head_size -> embed]``,
+``c_fc [embed -> mlp]``, ``mlp c_proj [mlp -> embed]``; every block parameter also has ``layers``.
+
+Initialisation follows GPT-2: normal(0, ``initializer_range``) everywhere, with the two residual
+output projections scaled by ``1/sqrt(2 * num_layers)`` so the residual stream's variance does not
+grow with depth. Dropout runs only when a PRNG key is passed to the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Optional
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+import haliax as hax
+import haliax.nn as hnn
+from haliax import Axis, NamedArray
+
+from .attention import causal_attention, causal_segment_mask
+from .lm_model import LAYERS, LmConfig, LmHeadModel, check_input_length, split_key
+
+ACTIVATIONS: dict[str, Callable[[NamedArray], NamedArray]] = {
+    "gelu_new": lambda x: hnn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: hnn.gelu(x, approximate=True),
+    "gelu": lambda x: hnn.gelu(x, approximate=False),
+    "quick_gelu": hnn.quick_gelu,
+    "relu": hnn.relu,
+    "silu": hnn.silu,
+    "swish": hnn.silu,
+}
+
+
+def _check_positive(config, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value <= 0:
+            raise ValueError(f"model.{name} must be positive, got {value}")
+
+
+def _check_activation(name: str) -> None:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"model.activation_function {name!r} is not one of {sorted(ACTIVATIONS)}")
+
+
+def normal_linear(In, Out, *, std: float, use_bias: bool, key) -> hnn.Linear:
+    """A haliax Linear whose weight is (truncated at 3 sigma) normal with standard deviation ``std``."""
+    # Linear.init draws truncated_normal * init_scale / sqrt(|In|); undo the fan-in factor.
+    return hnn.Linear.init(In, Out, key=key, use_bias=use_bias, init_scale=std * math.sqrt(hax.axis_size(In)))
+
+
+def normal_embedding(Vocab: Axis, Embed: Axis, *, std: float, key) -> hnn.Embedding:
+    weight = hax.random.truncated_normal(key, (Vocab, Embed), -3, 3) * std
+    return hnn.Embedding(weight=weight, Vocab=Vocab, Embed=Embed)
+
+
+@LmConfig.register_subclass("gpt2")
+@dataclasses.dataclass(frozen=True)
+class Gpt2Config(LmConfig):
+    seq_len: int = 1024
+    hidden_dim: int = 768
+    num_layers: int = 12
+    num_heads: int = 12
+    mlp_scale: int = 4
+    initializer_range: float = 0.02
+    embed_pdrop: float = 0.0
+    resid_pdrop: float = 0.0
+    attn_pdrop: float = 0.0
+    layer_norm_epsilon: float = 1e-5
+    activation_function: str = "gelu_new"
+    scale_attn_by_inverse_layer_idx: bool = False
+    upcast_attn: bool = True
+    use_bias: bool = True
+    gradient_checkpointing: bool = True
+    # Accepted for upstream config compatibility and ignored: attention here is always the plain
+    # materialised implementation in levanter.models.attention.
+    use_flash_attention: bool = False
+    flash_attention_block_size: Optional[int] = None
+    # Rows of the learned position table (HF's n_positions); None means seq_len. Training on longer
+    # sequences than the table has is refused up front.
+    n_positions: Optional[int] = None
+
+    has_hard_seq_len_limit = True  # learned position embeddings
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.n_positions if self.n_positions is not None else self.seq_len
+
+    def __post_init__(self):
+        _check_positive(self, "seq_len", "hidden_dim", "num_layers", "num_heads", "mlp_scale")
+        if self.n_positions is not None and self.seq_len > self.n_positions:
+            raise ValueError(
+                f"model.seq_len ({self.seq_len}) exceeds the model's {self.n_positions} learned positions "
+                "(model.n_positions)"
+            )
+        if self.hidden_dim % self.num_heads != 0:
+            raise ValueError(
+                f"model.hidden_dim ({self.hidden_dim}) must be divisible by "
+                f"model.num_heads ({self.num_heads})"
+            )
+        for name in ("embed_pdrop", "resid_pdrop", "attn_pdrop"):
+            p = getattr(self, name)
+            if not 0.0 <= p < 1.0:
+                raise ValueError(f"model.{name} must be in [0, 1), got {p}")
+        _check_activation(self.activation_function)
+
+    @property
+    def Heads(self) -> Axis:
+        return Axis("heads", self.num_heads)
+
+    @property
+    def HeadSize(self) -> Axis:
+        return Axis("head_size", self.hidden_dim // self.num_heads)
+
+    @property
+    def Mlp(self) -> Axis:
+        return Axis("mlp", self.hidden_dim * self.mlp_scale)
+
+    @property
+    def Layers(self) -> Axis:
+        return Axis(LAYERS, self.num_layers)
+
+    def build(self, Vocab: Axis, *, key) -> "Gpt2LMHeadModel":
+        return Gpt2LMHeadModel.init(Vocab, self, key=key)
+
+    def flops_per_token(self, vocab_size: int) -> float:
+        d, mlp, s = self.hidden_dim, self.Mlp.size, self.seq_len
+        per_layer = 2 * (4 * d * d + 2 * d * mlp) + 2 * 2 * s * d  # qkv+out, mlp; scores + weighted sum
+        forward = self.num_layers * per_layer + 2 * d * vocab_size
+        return 3.0 * forward
+
+
+class Gpt2Attention(eqx.Module):
+    c_attn: hnn.Linear  # embed -> (qkv, heads, head_size)
+    c_proj: hnn.Linear  # (heads, head_size) -> embed
+    config: Gpt2Config = eqx.field(static=True)
+
+    @staticmethod
+    def init(config: Gpt2Config, *, key) -> "Gpt2Attention":
+        k_attn, k_proj = jax.random.split(key)
+        Qkv = Axis("qkv", 3)
+        std = config.initializer_range
+        c_attn = normal_linear(
+            config.Embed, (Qkv, config.Heads, config.HeadSize), std=std, use_bias=config.use_bias, key=k_attn
+        )
+        resid_std = std / math.sqrt(2 * config.num_layers)
+        c_proj = normal_linear(
+            (config.Heads, config.HeadSize), config.Embed, std=resid_std, use_bias=config.use_bias, key=k_proj
+        )
+        return Gpt2Attention(c_attn, c_proj, config)
+
+    def __call__(self, x: NamedArray, mask: NamedArray, layer_idx: NamedArray, *, key=None) -> NamedArray:
+        c = self.config
+        qkv = self.c_attn(x)
+        q, k, v = (qkv["qkv", i] for i in range(3))
+        scale = 1.0 / math.sqrt(c.HeadSize.size)
+        if c.scale_attn_by_inverse_layer_idx:
+            # layer_idx is a traced scalar (scanned alongside the stacked blocks), so no recompile per layer.
+            scale = scale / (layer_idx.astype(jnp.float32) + 1.0)
+        attn = causal_attention(
+            q, k, v, mask, scale=scale, upcast=c.upcast_attn, dropout=c.attn_pdrop, key=key
+        )
+        return self.c_proj(attn)
+
+
+class Gpt2Mlp(eqx.Module):
+    c_fc: hnn.Linear  # embed -> mlp
+    c_proj: hnn.Linear  # mlp -> embed
+    activation_function: str = eqx.field(static=True)
+
+    @staticmethod
+    def init(config: Gpt2Config, *, key) -> "Gpt2Mlp":
+        k_fc, k_proj = jax.random.split(key)
+        std = config.initializer_range
+        c_fc = normal_linear(config.Embed, config.Mlp, std=std, use_bias=config.use_bias, key=k_fc)
+        resid_std = std / math.sqrt(2 * config.num_layers)
+        c_proj = normal_linear(config.Mlp, config.Embed, std=resid_std, use_bias=config.use_bias, key=k_proj)
+        return Gpt2Mlp(c_fc, c_proj, config.activation_function)
+
+    def __call__(self, x: NamedArray) -> NamedArray:
+        return self.c_proj(ACTIVATIONS[self.activation_function](self.c_fc(x)))
+
+
+def _layer_norm(config: Gpt2Config) -> hnn.LayerNorm:
+    return hnn.LayerNorm.init(config.Embed, eps=config.layer_norm_epsilon, use_bias=config.use_bias)
+
+
+class Gpt2Block(eqx.Module):
+    ln_1: hnn.LayerNorm
+    attn: Gpt2Attention
+    ln_2: hnn.LayerNorm
+    mlp: Gpt2Mlp
+    config: Gpt2Config = eqx.field(static=True)
+
+    @staticmethod
+    def init(config: Gpt2Config, *, key) -> "Gpt2Block":
+        k_attn, k_mlp = jax.random.split(key)
+        attn, mlp = Gpt2Attention.init(config, key=k_attn), Gpt2Mlp.init(config, key=k_mlp)
+        return Gpt2Block(_layer_norm(config), attn, _layer_norm(config), mlp, config)
+
+    def __call__(self, x: NamedArray, mask: NamedArray, layer_idx: NamedArray, *, key=None) -> NamedArray:
+        k_attn, k_drop1, k_drop2 = split_key(key, 3)
+        p = self.config.resid_pdrop
+        h = self.attn(self.ln_1(x), mask, layer_idx, key=k_attn)
+        x = x + hnn.dropout(h, p, inference=k_drop1 is None, key=k_drop1)
+        h = self.mlp(self.ln_2(x))
+        return x + hnn.dropout(h, p, inference=k_drop2 is None, key=k_drop2)
+
+
+class Gpt2LMHeadModel(LmHeadModel):
+    wte: hnn.Embedding  # [vocab, embed]; also the output projection (tied)
+    wpe: hnn.Embedding  # [position, embed]
+    blocks: hnn.Stacked[Gpt2Block]
+    ln_f: hnn.LayerNorm
+    config: Gpt2Config = eqx.field(static=True)
+    Vocab: Axis = eqx.field(static=True)
+
+    @staticmethod
+    def init(Vocab: Axis, config: Gpt2Config, *, key) -> "Gpt2LMHeadModel":
+        k_wte, k_wpe, k_blocks = jax.random.split(key, 3)
+        std = config.initializer_range
+        wte = normal_embedding(Vocab, config.Embed, std=std, key=k_wte)
+        # GPT-2 initialises position embeddings at half the token-embedding scale.
+        wpe = normal_embedding(Axis("position", config.max_seq_len), config.Embed, std=std / 2, key=k_wpe)
+        remat = config.gradient_checkpointing
+        stack = hnn.Stacked.init(config.Layers, Gpt2Block, gradient_checkpointing=remat)
+        blocks = stack(config, key=jax.random.split(k_blocks, config.num_layers))
+        ln_f = _layer_norm(config)
+        return Gpt2LMHeadModel(wte=wte, wpe=wpe, blocks=blocks, ln_f=ln_f, config=config, Vocab=Vocab)
+
+    def __call__(
+        self, input_ids: NamedArray, segment_ids: NamedArray | None = None, *, key=None
+    ) -> NamedArray:
+        Pos = check_input_length(self.config, input_ids)
+        k_embed, k_blocks = split_key(key, 2)
+
+        x = self.wte.embed(input_ids) + self.wpe.weight["position", : Pos.size]
+        x = hnn.dropout(x, self.config.embed_pdrop, inference=k_embed is None, key=k_embed)
+
+        mask = causal_segment_mask(Pos, segment_ids)
+        layer_idx = hax.arange(self.config.Layers)  # scanned with the blocks (inverse-layer-idx scaling)
+        block_keys = None if k_blocks is None else jax.random.split(k_blocks, self.config.num_layers)
+        x = self.blocks.fold(x, mask, layer_idx, key=block_keys)
+
+        x = self.ln_f(x)
+        return hax.dot(x, self.wte.weight, axis=self.config.Embed)

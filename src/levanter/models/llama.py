@@ -1,0 +1,291 @@
+"""Llama: rotary position embeddings, RMSNorm, SwiGLU MLP and grouped-query attention.
+
+Registered as ``type: llama``. Field names and defaults follow upstream Levanter's ``LlamaConfig``.
+Layers are stacked with ``haliax.nn.Stacked`` (scan over ``layers``); ``gradient_checkpointing``
+becomes Stacked's remat policy.
+
+Parameter axes (for sharding): ``embed_tokens [vocab, embed]``, ``q_proj [embed -> heads, head_size]``,
+``k_proj``/``v_proj [embed -> kv_heads, head_size]``, ``o_proj [heads, head_size -> embed]``,
+``gate_proj``/``up_proj [embed -> mlp]``, ``down_proj [mlp -> embed]``, ``lm_head [embed -> vocab]``
+(absent when ``tie_word_embeddings``); block parameters also carry ``layers``. Unlike upstream, the
+query projection is laid out ``[heads, head_size]`` (not ``[kv_heads, q_heads_per_group, ...]``) so
+a ``heads -> model`` tensor-parallel mapping shards it; attention splits ``heads`` into
+``kv_heads x q_heads_per_group`` internally.
+
+RoPE uses the Hugging Face "rotate half" layout (the two halves of ``head_size`` form the complex
+pairs) and row positions ``0..L-1``. Rotary encoding is relative, so packed documents see the same
+within-document geometry wherever they start in the row. The ``rope`` block accepts upstream's
+nested form (``rope: {type: default, theta: ..., factor: ...}``); without it, ``rope_theta`` is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import draccus
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+import haliax as hax
+import haliax.nn as hnn
+from haliax import Axis, NamedArray
+
+from .attention import causal_attention, causal_segment_mask
+from .gpt2 import ACTIVATIONS, _check_activation, _check_positive, normal_embedding, normal_linear
+from .lm_model import LAYERS, LmConfig, LmHeadModel, check_input_length
+
+HEAD_SIZE = "head_size"
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig(draccus.ChoiceRegistry):
+    """Rotary-embedding settings (upstream's ``rope:`` block). Only ``default`` (alias ``linear``) exists."""
+
+    theta: float = 10000.0
+    factor: float = 1.0  # positions are divided by this (linear scaling); 1.0 = plain RoPE
+
+    @classmethod
+    def default_choice_name(cls) -> Optional[str]:
+        return "default"
+
+
+@RopeConfig.register_subclass("default")
+@dataclasses.dataclass(frozen=True)
+class DefaultRopeConfig(RopeConfig):
+    pass
+
+
+RopeConfig.register_subclass("linear", DefaultRopeConfig)
+
+
+@LmConfig.register_subclass("llama")
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig(LmConfig):
+    seq_len: int = 2048
+    hidden_dim: int = 4096
+    intermediate_dim: int = 11008
+    num_layers: int = 32
+    num_heads: int = 32
+    num_kv_heads: int = 32
+    activation_function: str = "silu"
+    initializer_range: float = 0.02
+    layer_norm_epsilon: float = 1e-5
+    tie_word_embeddings: bool = False
+    upcast_attn: bool = False
+    use_bias: bool = False
+    use_layer_norm_weight: bool = True
+    gradient_checkpointing: bool = True
+    # Accepted for upstream config compatibility and ignored: attention is always the plain
+    # materialised implementation in levanter.models.attention.
+    use_flash_attention: bool = False
+    flash_attention_block_size: Optional[int] = None
+    rope_theta: float = 10000.0
+    rope: Optional[RopeConfig] = None  # upstream's nested form; overrides rope_theta when given
+    # Accepted for upstream config compatibility (HF checkpoint conversion); unused here.
+    reference_checkpoint: Optional[str] = None
+    tokenizer: Optional[str] = None
+
+    def __post_init__(self):
+        _check_positive(
+            self, "seq_len", "hidden_dim", "intermediate_dim", "num_layers", "num_heads", "num_kv_heads"
+        )
+        if self.hidden_dim % self.num_heads != 0:
+            raise ValueError(
+                f"model.hidden_dim ({self.hidden_dim}) must be divisible by "
+                f"model.num_heads ({self.num_heads})"
+            )
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"model.num_heads ({self.num_heads}) must be divisible by "
+                f"model.num_kv_heads ({self.num_kv_heads})"
+            )
+        if (self.hidden_dim // self.num_heads) % 2 != 0:
+            raise ValueError(
+                f"model.hidden_dim / model.num_heads = {self.hidden_dim // self.num_heads} "
+                "must be even for RoPE"
+            )
+        theta, factor = self.rope_theta_and_factor
+        if theta <= 0 or factor <= 0:
+            raise ValueError(f"model.rope theta and factor must be positive, got {theta=}, {factor=}")
+        _check_activation(self.activation_function)
+
+    @property
+    def rope_theta_and_factor(self) -> tuple[float, float]:
+        if self.rope is not None:
+            return float(self.rope.theta), float(self.rope.factor)
+        return float(self.rope_theta), 1.0
+
+    @property
+    def Heads(self) -> Axis:
+        return Axis("heads", self.num_heads)
+
+    @property
+    def KVHeads(self) -> Axis:
+        return Axis("kv_heads", self.num_kv_heads)
+
+    @property
+    def HeadSize(self) -> Axis:
+        return Axis(HEAD_SIZE, self.hidden_dim // self.num_heads)
+
+    @property
+    def Mlp(self) -> Axis:
+        return Axis("mlp", self.intermediate_dim)
+
+    @property
+    def Layers(self) -> Axis:
+        return Axis(LAYERS, self.num_layers)
+
+    def build(self, Vocab: Axis, *, key) -> "LlamaLMHeadModel":
+        return LlamaLMHeadModel.init(Vocab, self, key=key)
+
+    def flops_per_token(self, vocab_size: int) -> float:
+        d, s = self.hidden_dim, self.seq_len
+        kv = self.num_kv_heads * self.HeadSize.size
+        proj = 2 * d * (d + 2 * kv) + 2 * d * d  # q, k, v, o
+        mlp = 2 * 3 * d * self.intermediate_dim  # gate, up, down
+        attn = 2 * 2 * s * d  # scores + weighted sum over the full map
+        forward = self.num_layers * (proj + mlp + attn) + 2 * d * vocab_size
+        return 3.0 * forward
+
+
+def rotary_tables(Pos: Axis, HeadSize: Axis, theta: float, factor: float) -> tuple[NamedArray, NamedArray]:
+    """float32 ``cos``/``sin`` tables ``[position, head_size]`` in the rotate-half layout."""
+    half = HeadSize.size // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) * 2.0 / HeadSize.size))
+    positions = jnp.arange(Pos.size, dtype=jnp.float32) / factor
+    angles = positions[:, None] * inv_freq[None, :]
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return hax.named(jnp.cos(angles), (Pos, HeadSize)), hax.named(jnp.sin(angles), (Pos, HeadSize))
+
+
+def apply_rotary(x: NamedArray, cos: NamedArray, sin: NamedArray) -> NamedArray:
+    HeadSize = x.resolve_axis(HEAD_SIZE)
+    half = HeadSize.size // 2
+    x1 = x[HEAD_SIZE, :half]
+    x2 = x[HEAD_SIZE, half:]
+    rotated = hax.concatenate(HEAD_SIZE, [-x2, x1])
+    out = x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin
+    return out.astype(x.dtype)
+
+
+class LlamaAttention(eqx.Module):
+    q_proj: hnn.Linear  # embed -> (heads, head_size)
+    k_proj: hnn.Linear  # embed -> (kv_heads, head_size)
+    v_proj: hnn.Linear  # embed -> (kv_heads, head_size)
+    o_proj: hnn.Linear  # (heads, head_size) -> embed
+    config: LlamaConfig = eqx.field(static=True)
+
+    @staticmethod
+    def init(config: LlamaConfig, *, key) -> "LlamaAttention":
+        k_q, k_k, k_v, k_o = jax.random.split(key, 4)
+        c, std = config, config.initializer_range
+        q_proj = normal_linear(c.Embed, (c.Heads, c.HeadSize), std=std, use_bias=c.use_bias, key=k_q)
+        k_proj = normal_linear(c.Embed, (c.KVHeads, c.HeadSize), std=std, use_bias=c.use_bias, key=k_k)
+        v_proj = normal_linear(c.Embed, (c.KVHeads, c.HeadSize), std=std, use_bias=c.use_bias, key=k_v)
+        o_proj = normal_linear((c.Heads, c.HeadSize), c.Embed, std=std, use_bias=c.use_bias, key=k_o)
+        return LlamaAttention(q_proj, k_proj, v_proj, o_proj, config)
+
+    def __call__(self, x: NamedArray, mask: NamedArray, cos: NamedArray, sin: NamedArray) -> NamedArray:
+        q = apply_rotary(self.q_proj(x), cos, sin)
+        k = apply_rotary(self.k_proj(x), cos, sin)
+        v = self.v_proj(x)
+        attn = causal_attention(q, k, v, mask, upcast=self.config.upcast_attn)
+        return self.o_proj(attn)
+
+
+class LlamaMlp(eqx.Module):
+    gate_proj: hnn.Linear  # embed -> mlp
+    up_proj: hnn.Linear  # embed -> mlp
+    down_proj: hnn.Linear  # mlp -> embed
+    activation_function: str = eqx.field(static=True)
+
+    @staticmethod
+    def init(config: LlamaConfig, *, key) -> "LlamaMlp":
+        k_gate, k_up, k_down = jax.random.split(key, 3)
+        c, std = config, config.initializer_range
+        return LlamaMlp(
+            normal_linear(c.Embed, c.Mlp, std=std, use_bias=c.use_bias, key=k_gate),
+            normal_linear(c.Embed, c.Mlp, std=std, use_bias=c.use_bias, key=k_up),
+            normal_linear(c.Mlp, c.Embed, std=std, use_bias=c.use_bias, key=k_down),
+            c.activation_function,
+        )
+
+    def __call__(self, x: NamedArray) -> NamedArray:
+        gate = ACTIVATIONS[self.activation_function](self.gate_proj(x))
+        return self.down_proj(gate * self.up_proj(x))
+
+
+def _rms_norm(config: LlamaConfig) -> hnn.RmsNorm:
+    # Normalise in float32 whatever the activation dtype (the statistic is a mean of squares).
+    return hnn.RmsNorm.init(
+        config.Embed,
+        eps=config.layer_norm_epsilon,
+        use_weight=config.use_layer_norm_weight,
+        use_bias=config.use_bias,
+        dtype=jnp.float32,
+    )
+
+
+class LlamaDecoderLayer(eqx.Module):
+    input_layernorm: hnn.RmsNorm
+    self_attn: LlamaAttention
+    post_attention_layernorm: hnn.RmsNorm
+    mlp: LlamaMlp
+
+    @staticmethod
+    def init(config: LlamaConfig, *, key) -> "LlamaDecoderLayer":
+        k_attn, k_mlp = jax.random.split(key)
+        attn, mlp = LlamaAttention.init(config, key=k_attn), LlamaMlp.init(config, key=k_mlp)
+        return LlamaDecoderLayer(_rms_norm(config), attn, _rms_norm(config), mlp)
+
+    def __call__(
+        self, x: NamedArray, mask: NamedArray, cos: NamedArray, sin: NamedArray, *, key=None
+    ) -> NamedArray:
+        del key  # no dropout in Llama; accepted so every block has the same signature
+        x = x + self.self_attn(self.input_layernorm(x), mask, cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaLMHeadModel(LmHeadModel):
+    embed_tokens: hnn.Embedding  # [vocab, embed]
+    layers: hnn.Stacked[LlamaDecoderLayer]
+    norm: hnn.RmsNorm
+    lm_head: Optional[hnn.Linear]  # embed -> vocab; None when tie_word_embeddings
+    config: LlamaConfig = eqx.field(static=True)
+    Vocab: Axis = eqx.field(static=True)
+
+    @staticmethod
+    def init(Vocab: Axis, config: LlamaConfig, *, key) -> "LlamaLMHeadModel":
+        k_embed, k_layers, k_head = jax.random.split(key, 3)
+        std = config.initializer_range
+        embed_tokens = normal_embedding(Vocab, config.Embed, std=std, key=k_embed)
+        layers = hnn.Stacked.init(
+            config.Layers, LlamaDecoderLayer, gradient_checkpointing=config.gradient_checkpointing
+        )(config, key=jax.random.split(k_layers, config.num_layers))
+        lm_head = None
+        if not config.tie_word_embeddings:
+            lm_head = normal_linear(config.Embed, Vocab, std=std, use_bias=False, key=k_head)
+        norm = _rms_norm(config)
+        return LlamaLMHeadModel(
+            embed_tokens=embed_tokens, layers=layers, norm=norm, lm_head=lm_head, config=config, Vocab=Vocab
+        )
+
+    def __call__(
+        self, input_ids: NamedArray, segment_ids: NamedArray | None = None, *, key=None
+    ) -> NamedArray:
+        del key  # no dropout
+        Pos = check_input_length(self.config, input_ids)
+        x = self.embed_tokens.embed(input_ids)
+
+        mask = causal_segment_mask(Pos, segment_ids)
+        theta, factor = self.config.rope_theta_and_factor
+        cos, sin = rotary_tables(Pos, self.config.HeadSize, theta, factor)
+        # mask, cos and sin have no `layers` axis, so the scan passes them unchanged to every layer.
+        x = self.layers.fold(x, mask, cos, sin)
+
+        x = self.norm(x)
+        if self.lm_head is None:
+            return hax.dot(x, self.embed_tokens.weight, axis=self.config.Embed)
+        return self.lm_head(x)

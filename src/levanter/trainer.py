@@ -1,0 +1,407 @@
+"""The trainer: configuration, mesh and shardings, one compiled train step, and the step loop.
+
+The loop is where the fork's promise is enforced: the data loader is a component handed to the trainer,
+it yields batches tagged with their step, and the trainer refuses (loudly) a batch whose step differs
+from the number of updates its state has made. Resume is a pure function of the step: the state comes
+from the latest complete checkpoint and the loader restarts at ``state.step``.
+
+Gradient accumulation (``per_device_parallelism``) splits the step's batch into microbatches *inside*
+the compiled step; it never changes which indices a step reads. The loss is a token-weighted mean over
+the whole step (sum of per-token losses / number of loss tokens), so accumulation changes only float
+reduction order.
+
+The train step is compiled once per distinct batch size of the schedule; a compile-count guard raises
+if it ever recompiles for any other reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from .checkpoint import CheckpointerConfig, discover_latest_checkpoint, load_checkpoint
+from .data.loader import Batch
+from .schedule import BatchSchedule, ScheduleStep
+from .tracker import JsonConfig, TrackerConfig, init_trackers
+
+logger = logging.getLogger(__name__)
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: checkpointed after SIGTERM; relaunch to resume
+
+# Peak dense bf16 FLOP/s per device, for MFU. Unknown devices (e.g. CPUs) report no MFU.
+PEAK_FLOPS = {
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 459e12,
+    "TPU v6 lite": 918e12,
+    "TPU v6e": 918e12,
+    "NVIDIA H100 80GB HBM3": 989e12,
+    "NVIDIA H100": 989e12,
+    "NVIDIA H200": 989e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100": 312e12,
+}
+
+
+def peak_flops_per_device(device) -> Optional[float]:
+    kind = getattr(device, "device_kind", "")
+    for name in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if kind.startswith(name):
+            return PEAK_FLOPS[name]
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class RayConfig:
+    """Accepted for upstream config compatibility; this fork needs no Ray."""
+
+    address: Optional[str] = None
+    start_workers: bool = True
+    auto_start_cluster: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    seed: int = 0
+    mp: str = "f32"
+    num_train_steps: int = 400_000
+    train_batch_size: Union[int, List[ScheduleStep]] = 512
+    per_device_parallelism: int = -1
+    per_device_eval_parallelism: int = -1
+    steps_per_eval: int = 1000
+    max_eval_batches: Optional[int] = None
+    tracker: Union[TrackerConfig, Tuple[TrackerConfig, ...]] = dataclasses.field(default_factory=JsonConfig)
+    checkpointer: CheckpointerConfig = dataclasses.field(default_factory=CheckpointerConfig)
+    load_checkpoint: Optional[bool] = None
+    load_checkpoint_path: Optional[str] = None
+    id: Optional[str] = None
+    log_dir: str = "logs/"
+    # mesh and sharding
+    batch_axis: str = "batch"
+    fsdp_axis: Optional[Union[str, List[str]]] = "embed"
+    tensor_parallel_axes: Optional[List[str]] = None
+    model_axis_size: int = 1
+    axis_resources: Dict[str, Union[str, List[str]]] = dataclasses.field(default_factory=dict)
+    parameter_axis_resources: Dict[str, Union[str, List[str]]] = dataclasses.field(default_factory=dict)
+    require_accelerator: bool = True
+    crash_on_nan: bool = True
+    crash_on_inf: bool = True
+    allow_nondivisible_batch_size: bool = False
+    # accepted for upstream compatibility
+    ray: RayConfig = dataclasses.field(default_factory=RayConfig)
+    shutdown_at_exit: bool = False
+    log_jaxprs: bool = False
+    log_xla_hlo: bool = False
+    jax_config: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    jax_compilation_cache_dir: Optional[str] = None
+    replica_ici_axis_size: int = 1
+    replica_dcn_axis_size: int = 1
+
+    # -- derived -------------------------------------------------------------------------------------
+    @property
+    def batch_schedule(self) -> BatchSchedule:
+        return BatchSchedule(self.train_batch_size)
+
+    def run_id(self) -> str:
+        return self.id if self.id else _generated_run_id()
+
+    def trackers(self) -> Tuple[TrackerConfig, ...]:
+        return self.tracker if isinstance(self.tracker, tuple) else (self.tracker,)
+
+    def validate(self) -> None:
+        """Cheap checks that need no devices beyond counting them; errors name the config key."""
+        if self.num_train_steps < 1:
+            raise ValueError(f"trainer.num_train_steps must be >= 1, got {self.num_train_steps}")
+        sched = self.batch_schedule  # validates the schedule itself
+        if self.steps_per_eval < 1:
+            raise ValueError(f"trainer.steps_per_eval must be >= 1, got {self.steps_per_eval}")
+        if self.model_axis_size < 1 or jax.device_count() % self.model_axis_size:
+            raise ValueError(
+                f"trainer.model_axis_size={self.model_axis_size} does not divide the {jax.device_count()} devices"
+            )
+        if self.replica_ici_axis_size != 1 or self.replica_dcn_axis_size != 1:
+            raise ValueError("trainer.replica_*_axis_size is not supported yet; leave it at 1")
+        dp = self.data_axis_size
+        for seg in sched.segments:
+            if seg.value % dp:
+                # allow_nondivisible_batch_size (upstream pads such batches) only permits; nothing is padded
+                # here, so a batch that does not divide is refused either way.
+                raise ValueError(
+                    f"trainer.train_batch_size: batch size {seg.value} (from step {seg.start}) is not divisible by "
+                    f"the data-parallel size {dp} ({jax.device_count()} devices / model_axis_size "
+                    f"{self.model_axis_size})"
+                )
+            if self.per_device_parallelism > 0:
+                micro = self.per_device_parallelism * dp
+                if seg.value % micro:
+                    raise ValueError(
+                        f"trainer.per_device_parallelism={self.per_device_parallelism}: the microbatch of {micro} "
+                        f"examples does not divide batch size {seg.value} (from step {seg.start})"
+                    )
+        try:
+            jmp.get_policy(self.mp)
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"trainer.mp: cannot parse mixed-precision policy {self.mp!r} ({e})") from None
+        if self.require_accelerator and jax.default_backend() == "cpu":
+            raise ValueError(
+                "trainer.require_accelerator is true but JAX found only CPUs; set trainer.require_accelerator: "
+                "false to train on CPU"
+            )
+
+    @property
+    def data_axis_size(self) -> int:
+        return jax.device_count() // self.model_axis_size
+
+    def make_mesh(self) -> Mesh:
+        devices = np.asarray(jax.devices()).reshape(self.data_axis_size, self.model_axis_size)
+        return Mesh(devices, ("data", "model"))
+
+    @property
+    def compute_axis_mapping(self) -> Dict[str, Any]:
+        mapping: Dict[str, Any] = {self.batch_axis: "data"}
+        for ax in self.tensor_parallel_axes or ():
+            mapping[ax] = "model"
+        mapping.update(self.axis_resources)
+        return mapping
+
+    @property
+    def parameter_axis_mapping(self) -> Dict[str, Any]:
+        mapping: Dict[str, Any] = {}
+        fsdp = [self.fsdp_axis] if isinstance(self.fsdp_axis, str) else list(self.fsdp_axis or [])
+        for ax in fsdp:
+            mapping[ax] = "data"
+        for ax in self.tensor_parallel_axes or ():
+            mapping[ax] = "model"
+        mapping.update(self.parameter_axis_resources)
+        return mapping
+
+
+def _generated_run_id() -> str:
+    return time.strftime("run-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+
+
+class TrainerState(eqx.Module):
+    """Everything a checkpoint holds: ``step`` updates done, the model, the optimizer state and a key."""
+
+    step: jax.Array
+    model: Any
+    opt_state: Any
+    training_key: jax.Array
+
+
+class StepMismatchError(RuntimeError):
+    """The loader handed the trainer a batch for a step other than the state's."""
+
+
+class Trainer:
+    """Runs the step loop for a loss ``loss_fn(model, batch) -> (sum_of_losses, num_loss_tokens)``.
+
+    ``batch`` is the loader's pytree converted to named arrays by ``to_named(data)``; the loss must be a
+    *sum* (with its token count) so that microbatches combine into the exact step-wide mean.
+    """
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        optimizer: optax.GradientTransformation,
+        loss_fn: Callable[[Any, Any], Tuple[jax.Array, jax.Array]],
+        *,
+        lr_schedule: Optional[Callable[[int], Any]] = None,
+    ):
+        self.config = config
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.lr_schedule = lr_schedule
+        self.mesh = config.make_mesh()
+        self.mp = jmp.get_policy(config.mp)
+        self.compute_mapping = config.compute_axis_mapping
+        self.param_mapping = config.parameter_axis_mapping
+        self._step_fns: Dict[int, Callable] = {}
+        self._eval_fn = None
+        self._stop_requested = False
+
+    # -- state ---------------------------------------------------------------------------------------
+    def initial_state(self, model_init: Callable[[jax.Array], Any], *, key: jax.Array) -> TrainerState:
+        model_key, train_key = jax.random.split(key)
+
+        def init():
+            model = self.mp.cast_to_param(model_init(model_key))
+            opt_state = self.optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+            return TrainerState(jnp.zeros((), jnp.int32), model, opt_state, train_key)
+
+        with hax.partitioning.set_mesh(self.mesh), hax.axis_mapping(self.param_mapping):
+            return hax.named_jit(init, axis_resources=self.param_mapping)()
+
+    def maybe_restore(self, state: TrainerState, run_id: str) -> TrainerState:
+        """The state from the latest complete checkpoint of this run (or ``load_checkpoint_path``)."""
+        cfg = self.config
+        if cfg.load_checkpoint is False:
+            return state
+        path = cfg.load_checkpoint_path
+        if path is None:
+            path = discover_latest_checkpoint(cfg.checkpointer.expanded_path(run_id))
+        elif os.path.basename(os.path.normpath(path)).startswith("step-") is False:
+            path = discover_latest_checkpoint(path)
+        if path is None:
+            if cfg.load_checkpoint:
+                raise FileNotFoundError(
+                    f"trainer.load_checkpoint is true but no complete checkpoint exists under "
+                    f"{cfg.load_checkpoint_path or cfg.checkpointer.expanded_path(run_id)!r}"
+                )
+            return state
+        logger.info("resuming from checkpoint %s", path)
+        return load_checkpoint(state, path)
+
+    # -- compiled functions --------------------------------------------------------------------------
+    def _microbatches(self, batch_size: int) -> int:
+        if self.config.per_device_parallelism <= 0:
+            return 1
+        return batch_size // (self.config.per_device_parallelism * self.config.data_axis_size)
+
+    def _make_step(self, batch_size: int) -> Callable:
+        n_micro = self._microbatches(batch_size)
+        loss_fn, mp, optimizer = self.loss_fn, self.mp, self.optimizer
+        batch_axis = self.config.batch_axis
+        compute_mapping = self.compute_mapping
+
+        def sum_loss(params, static, micro):
+            model = mp.cast_to_compute(eqx.combine(params, static))
+            total, count = loss_fn(model, micro)
+            return total.astype(jnp.float32), count
+
+        grad_fn = eqx.filter_value_and_grad(sum_loss, has_aux=True)
+
+        def step(state: TrainerState, batch):
+            params, static = eqx.partition(state.model, eqx.is_inexact_array)
+            if n_micro == 1:
+                (total, count), grads = grad_fn(params, static, batch)
+            else:
+                # Microbatch m takes rows m, m + n_micro, ...: each device keeps contributing its own rows.
+                def split(x):
+                    if isinstance(x, hax.NamedArray):
+                        Batch = x.resolve_axis(batch_axis)
+                        Micro = hax.Axis("microbatch", n_micro)
+                        y = x.unflatten_axis(Batch, (Batch.resize(Batch.size // n_micro), Micro))
+                        return y
+                    return x
+
+                stacked = jax.tree.map(split, batch, is_leaf=lambda x: isinstance(x, hax.NamedArray))
+
+                def body(carry, m):
+                    acc_total, acc_count, acc_grads = carry
+                    micro = jax.tree.map(
+                        lambda x: hax.shard(x["microbatch", m], compute_mapping)
+                        if isinstance(x, hax.NamedArray)
+                        else x,
+                        stacked,
+                        is_leaf=lambda x: isinstance(x, hax.NamedArray),
+                    )
+                    (t, c), g = grad_fn(params, static, micro)
+                    return (acc_total + t, acc_count + c, jax.tree.map(jnp.add, acc_grads, g)), None
+
+                zeros = jax.tree.map(jnp.zeros_like, params)
+                (total, count, grads), _ = jax.lax.scan(
+                    body, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros), jnp.arange(n_micro)
+                )
+            denom = jnp.maximum(count, 1.0)
+            grads = jax.tree.map(lambda g: g / denom, grads)
+            updates, opt_state = optimizer.update(grads, state.opt_state, params)
+            params = eqx.apply_updates(params, updates)
+            model = eqx.combine(params, static)
+            new_state = TrainerState(state.step + 1, model, opt_state, state.training_key)
+            metrics = {"loss": total / denom, "loss_tokens": count, "grad_norm": optax.tree.norm(grads)}
+            return new_state, metrics
+
+        return hax.named_jit(
+            step, axis_resources=self.compute_mapping, out_axis_resources=self.param_mapping, donate_args=(True, False)
+        )
+
+    def train_step(self, state: TrainerState, batch, batch_size: int):
+        fn = self._step_fns.get(batch_size)
+        if fn is None:
+            fn = self._step_fns[batch_size] = self._make_step(batch_size)
+        with hax.partitioning.set_mesh(self.mesh), hax.axis_mapping(self.compute_mapping):
+            return fn(state, batch)
+
+    def eval_loss(self, model, batch) -> Tuple[jax.Array, jax.Array]:
+        if self._eval_fn is None:
+            loss_fn, mp = self.loss_fn, self.mp
+
+            def ev(model, batch):
+                total, count = loss_fn(mp.cast_to_compute(model), batch)
+                return total.astype(jnp.float32), count
+
+            self._eval_fn = hax.named_jit(ev, axis_resources=self.compute_mapping)
+        with hax.partitioning.set_mesh(self.mesh), hax.axis_mapping(self.compute_mapping):
+            return self._eval_fn(model, batch)
+
+    def compile_count(self) -> int:
+        """Compiled executables of the train step so far (one per distinct batch size is expected)."""
+        total = 0
+        for fn in self._step_fns.values():
+            size = getattr(fn, "_cache_size", None)
+            total += size() if callable(size) else 1
+        return total
+
+    # -- signals -------------------------------------------------------------------------------------
+    def install_sigterm_handler(self):
+        def handler(signum, frame):
+            logger.warning("SIGTERM received: will checkpoint after the current step and exit")
+            self._stop_requested = True
+
+        try:
+            return signal.signal(signal.SIGTERM, handler)
+        except ValueError:  # not the main thread (e.g. some test runners)
+            return None
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop_requested
+
+
+def check_step(batch: Batch, state_step: int) -> None:
+    if batch.step != state_step:
+        raise StepMismatchError(
+            f"the data loader yielded the batch of step {batch.step} but the trainer is at step {state_step}: "
+            "data and updates are out of step"
+        )
+
+
+def check_finite(loss: float, step: int, config: TrainerConfig) -> None:
+    if math.isnan(loss) and config.crash_on_nan:
+        raise FloatingPointError(f"train/loss is NaN at step {step}")
+    if math.isinf(loss) and config.crash_on_inf:
+        raise FloatingPointError(f"train/loss is infinite at step {step}")
+
+
+__all__ = [
+    "PREEMPTED_EXIT_CODE",
+    "StepMismatchError",
+    "Trainer",
+    "TrainerConfig",
+    "TrainerState",
+    "check_finite",
+    "check_step",
+    "init_trackers",
+    "peak_flops_per_device",
+]
+

@@ -1,0 +1,324 @@
+"""GPT-2 and Llama on tiny configs: shapes, causality, segment isolation, GQA, training, loss, configs."""
+
+import draccus
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import haliax as hax
+from levanter.models import (
+    Gpt2Config,
+    LlamaConfig,
+    LmConfig,
+    LmHeadModel,
+    causal_attention,
+    causal_segment_mask,
+    next_token_loss,
+)
+from levanter.models.llama import DefaultRopeConfig
+
+Vocab = hax.Axis("vocab", 100)
+Batch = hax.Axis("batch", 2)
+
+
+def tiny_gpt2(**kw):
+    return Gpt2Config(**{"hidden_dim": 32, "num_heads": 4, "num_layers": 2, "seq_len": 16, **kw})
+
+
+def tiny_llama(**kw):
+    base = {"hidden_dim": 32, "intermediate_dim": 64, "num_heads": 4, "num_kv_heads": 2, "num_layers": 2}
+    return LlamaConfig(**{**base, "seq_len": 16, **kw})
+
+
+CONFIGS = {"gpt2": tiny_gpt2, "llama": tiny_llama}
+
+
+@eqx.filter_jit
+def forward(model, ids, segment_ids=None, key=None):
+    return model(ids, segment_ids, key=key)
+
+
+def random_ids(seed, Pos, batch=Batch):
+    return hax.random.randint(jax.random.PRNGKey(seed), (batch, Pos), 0, Vocab.size)
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def model(request) -> LmHeadModel:
+    return CONFIGS[request.param]().build(Vocab, key=jax.random.PRNGKey(0))
+
+
+def test_output_axes_and_dtype(model):
+    ids = random_ids(1, model.Pos)
+    logits = forward(model, ids)
+    assert logits.axes == (Batch, model.Pos, Vocab)
+    assert logits.dtype == jnp.float32
+    assert bool(jnp.all(jnp.isfinite(logits.array)))
+    assert model.Vocab == Vocab and model.Pos.name == "position" and model.config.seq_len == 16
+
+
+def test_causal(model):
+    ids = random_ids(2, model.Pos)
+    base = forward(model, ids).array
+    for t in (0, 5, 14):
+        changed = ids.array.at[:, t + 1 :].set((ids.array[:, t + 1 :] + 7) % Vocab.size)
+        out = forward(model, hax.named(changed, ids.axes)).array
+        np.testing.assert_allclose(out[:, : t + 1], base[:, : t + 1], atol=1e-5)
+        assert not np.allclose(out[:, t + 1 :], base[:, t + 1 :], atol=1e-3)
+
+
+def test_segment_isolation(model):
+    ids = random_ids(3, model.Pos)
+    seg = hax.named(jnp.array([[0] * 5 + [1] * 7 + [2] * 4, [0] * 16]), ids.axes)
+    base = forward(model, ids, seg).array
+    in_segment_0 = jnp.arange(16) < 5
+    changed = jnp.where(in_segment_0, (ids.array + 11) % Vocab.size, ids.array)
+    out = forward(model, hax.named(changed, ids.axes), seg).array
+    # row 0: segments 1 and 2 never see segment 0
+    np.testing.assert_allclose(out[0, 5:], base[0, 5:], atol=1e-5)
+    assert not np.allclose(out[0, :5], base[0, :5], atol=1e-3)
+    # row 1 is one document, so later positions do see the change
+    assert not np.allclose(out[1, 5:], base[1, 5:], atol=1e-3)
+    # Llama's rotary encoding is relative, so a packed segment's logits equal those of the same
+    # tokens alone in a fresh row (GPT-2's absolute positions make this untrue by design).
+    if isinstance(model.config, LlamaConfig):
+        Pos4 = model.Pos.resize(4)
+        alone = forward(model, hax.named(ids.array[:, 12:], (Batch, Pos4))).array
+        np.testing.assert_allclose(base[0, 12:], alone[0], atol=1e-4)
+
+
+def _reference_attention(q, k, v, mask):
+    """numpy: q [b, s, h, d], k/v [b, s, kvh, d], mask [b, s, s]; head h uses kv head h // group."""
+    group = q.shape[2] // k.shape[2]
+    k = np.repeat(k, group, axis=2)
+    v = np.repeat(v, group, axis=2)
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    scores = np.where(mask[:, None], scores, -np.inf)
+    w = np.exp(scores - scores.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    return np.einsum("bhqk,bkhd->bqhd", w, v)
+
+
+def test_gqa_attention_matches_reference():
+    sizes = {"position": 6, "heads": 4, "kv_heads": 2, "head_size": 8}
+    Pos, Heads, KVHeads, HeadSize = (hax.Axis(n, s) for n, s in sizes.items())
+    kq, kk, kv = jax.random.split(jax.random.PRNGKey(4), 3)
+    q = hax.random.normal(kq, (Batch, Pos, Heads, HeadSize))
+    k = hax.random.normal(kk, (Batch, Pos, KVHeads, HeadSize))
+    v = hax.random.normal(kv, (Batch, Pos, KVHeads, HeadSize))
+    seg = hax.named(jnp.array([[0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 0, 0]]), (Batch, Pos))
+    mask = causal_segment_mask(Pos, seg)
+    assert mask.dtype == jnp.bool_ and mask.axes == (Batch, Pos, hax.Axis("key_position", 6))
+
+    out = causal_attention(q, k, v, mask)
+    assert out.axes == (Batch, Pos, Heads, HeadSize)
+    expected = _reference_attention(*(np.asarray(x.array) for x in (q, k, v, mask)))
+    np.testing.assert_allclose(np.asarray(out.array), expected, atol=1e-5)
+
+    # GQA == multi-head attention with each kv head repeated for its group of query heads
+    k_rep = hax.named(jnp.repeat(k.array, 2, axis=2), (Batch, Pos, Heads, HeadSize))
+    v_rep = hax.named(jnp.repeat(v.array, 2, axis=2), (Batch, Pos, Heads, HeadSize))
+    np.testing.assert_allclose(out.array, causal_attention(q, k_rep, v_rep, mask).array, atol=1e-5)
+
+    with pytest.raises(TypeError, match="boolean"):
+        causal_attention(q, k, v, mask.astype(jnp.float32))
+
+
+def test_gqa_model_matches_repeated_kv_mha():
+    """A 2-kv-head Llama equals a 4-kv-head Llama whose k/v weights repeat each kv head twice."""
+    gqa = tiny_llama(num_kv_heads=2).build(Vocab, key=jax.random.PRNGKey(5))
+    mha = tiny_llama(num_kv_heads=4).build(Vocab, key=jax.random.PRNGKey(6))
+
+    def repeated(w, like):
+        w = w.rearrange(("layers", "kv_heads", "head_size", "embed"))
+        axes = (w.axes[0], like.resolve_axis("kv_heads"), *w.axes[2:])
+        out = hax.named(jnp.repeat(w.array, 2, axis=1), axes)
+        return out.rearrange(like.axes)
+
+    src, dst = gqa.layers.stacked.self_attn, mha.layers.stacked.self_attn
+    k_weight = repeated(src.k_proj.weight, dst.k_proj.weight)
+    v_weight = repeated(src.v_proj.weight, dst.v_proj.weight)
+    attn = eqx.tree_at(
+        lambda a: (a.q_proj, a.o_proj, a.k_proj.weight, a.v_proj.weight),
+        dst,
+        (src.q_proj, src.o_proj, k_weight, v_weight),
+    )
+    equivalent = eqx.tree_at(
+        lambda m: (m.layers.stacked.self_attn, m.layers.stacked.mlp, m.embed_tokens, m.lm_head),
+        mha,
+        (attn, gqa.layers.stacked.mlp, gqa.embed_tokens, gqa.lm_head),
+    )
+    ids = random_ids(7, gqa.Pos)
+    np.testing.assert_allclose(forward(gqa, ids).array, forward(equivalent, ids).array, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_loss_decreases_with_adam(name):
+    model = CONFIGS[name](seq_len=16).build(Vocab, key=jax.random.PRNGKey(8))
+    ids = random_ids(9, model.Pos, batch=hax.Axis("batch", 4))
+    mask = hax.ones(ids.axes, dtype=bool)
+    opt = optax.adam(1e-2)
+    opt_state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+
+    @eqx.filter_jit
+    def step(model, opt_state):
+        loss, grads = eqx.filter_value_and_grad(lambda m: m.compute_next_token_loss(ids, mask))(model)
+        updates, opt_state = opt.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    losses = []
+    for _ in range(20):
+        model, opt_state, loss = step(model, opt_state)
+        losses.append(float(loss))
+    assert np.isfinite(losses).all()
+    assert losses[0] == pytest.approx(np.log(Vocab.size), rel=0.05)  # near-uniform at init
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_next_token_loss_matches_numpy():
+    rng = np.random.default_rng(0)
+    B, P, V = hax.Axis("batch", 2), hax.Axis("position", 5), hax.Axis("vocab", 7)
+    logits = rng.normal(size=(2, 5, 7)).astype(np.float32) * 3
+    tokens = rng.integers(0, 7, size=(2, 5))
+    mask = np.array([[1, 1, 0, 1, 1], [0, 1, 1, 1, 0]], dtype=bool)
+
+    def log_softmax(x):
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    lp = log_softmax(logits.astype(np.float64))
+    terms = [-lp[b, t, tokens[b, t + 1]] for b in range(2) for t in range(4) if mask[b, t]]
+    expected = np.mean(terms)
+
+    named = (hax.named(logits, (B, P, V)), hax.named(tokens, (B, P)), hax.named(mask, (B, P)))
+    assert float(next_token_loss(*named)) == pytest.approx(expected, rel=1e-5)
+    assert float(next_token_loss(*named, reduction="sum")) == pytest.approx(np.sum(terms), rel=1e-5)
+    per_pos = next_token_loss(*named, reduction=None)
+    assert per_pos.axes == (B, P) and float(per_pos.array[0, 4]) == 0.0  # last position never counts
+    # a float mask means the same as its boolean version; bfloat16 logits are upcast
+    float_mask = hax.named(mask.astype(np.float32), (B, P))
+    assert float(next_token_loss(named[0], named[1], float_mask)) == pytest.approx(expected, rel=1e-5)
+    bf16 = next_token_loss(named[0].astype(jnp.bfloat16), named[1], named[2])
+    assert bf16.dtype == jnp.float32 and float(bf16) == pytest.approx(expected, rel=2e-2)
+    # no mask: every position but the last; z-loss adds weight * logsumexp**2
+    all_terms = [-lp[b, t, tokens[b, t + 1]] for b in range(2) for t in range(4)]
+    assert float(next_token_loss(named[0], named[1])) == pytest.approx(np.mean(all_terms), rel=1e-5)
+    lse = np.log(np.exp(logits.astype(np.float64)).sum(-1))
+    z = np.mean([lse[b, t] ** 2 for b in range(2) for t in range(4) if mask[b, t]])
+    got = float(next_token_loss(*named, z_loss_weight=1e-2))
+    assert got == pytest.approx(expected + 1e-2 * z, rel=1e-5)
+    # nothing counted: mean is 0, not NaN
+    none = hax.named(np.zeros((2, 5), dtype=bool), (B, P))
+    assert float(next_token_loss(named[0], named[1], none)) == 0.0
+
+
+def test_draccus_selects_architecture():
+    spec = {"type": "gpt2", "hidden_dim": 32, "num_heads": 4, "num_layers": 2, "seq_len": 64}
+    gpt2 = draccus.decode(LmConfig, spec)
+    assert type(gpt2) is Gpt2Config and (gpt2.hidden_dim, gpt2.num_heads, gpt2.num_layers) == (32, 4, 2)
+    assert gpt2.seq_len == 64 and gpt2.max_seq_len == 64
+    assert gpt2.Pos == hax.Axis("position", 64) and gpt2.KeyPos == hax.Axis("key_position", 64)
+    assert gpt2.Embed == hax.Axis("embed", 32)
+
+    llama = draccus.decode(
+        LmConfig,
+        {
+            "type": "llama",
+            "hidden_dim": 32,
+            "intermediate_dim": 64,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "num_layers": 2,
+            "seq_len": 64,
+            "rope": {"type": "default", "theta": 500000.0},
+            "reference_checkpoint": "/local/ref",
+        },
+    )
+    assert type(llama) is LlamaConfig and llama.num_kv_heads == 2 and llama.max_seq_len is None
+    assert llama.rope == DefaultRopeConfig(theta=500000.0) and llama.rope_theta_and_factor == (500000.0, 1.0)
+    assert draccus.decode(LmConfig, {"type": "llama", "rope_theta": 1e6}).rope_theta_and_factor == (1e6, 1.0)
+
+    with pytest.raises(draccus.utils.DecodingError, match="hidden_size"):
+        draccus.decode(LmConfig, {"type": "gpt2", "hidden_size": 32})
+    with pytest.raises(draccus.utils.DecodingError):
+        draccus.decode(LmConfig, {"type": "no_such_model"})
+
+
+@pytest.mark.parametrize(
+    "make, kwargs, field",
+    [
+        (tiny_gpt2, {"num_heads": 5}, "model.hidden_dim"),
+        (tiny_gpt2, {"num_layers": 0}, "model.num_layers"),
+        (tiny_gpt2, {"activation_function": "nope"}, "model.activation_function"),
+        (tiny_llama, {"num_kv_heads": 3}, "model.num_kv_heads"),
+        (tiny_llama, {"num_heads": 3}, "model.num_heads"),
+        (tiny_llama, {"intermediate_dim": -1}, "model.intermediate_dim"),
+    ],
+)
+def test_invalid_sizes_name_the_field(make, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        make(**kwargs)
+
+
+def test_invalid_sizes_through_draccus_keep_the_message():
+    with pytest.raises(draccus.utils.ParsingError) as info:
+        draccus.decode(LmConfig, {"type": "llama", "num_heads": 32, "num_kv_heads": 5})
+    assert isinstance(info.value.__cause__, ValueError) and "model.num_kv_heads" in str(info.value.__cause__)
+
+
+def test_gpt2_rejects_inputs_longer_than_seq_len():
+    model = tiny_gpt2(seq_len=8).build(Vocab, key=jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match="model.seq_len"):
+        model(random_ids(0, hax.Axis("position", 9)))
+    assert forward(model, random_ids(0, hax.Axis("position", 4))).axes[1].size == 4  # shorter is fine
+
+
+def _matmul_weights(model):
+    """Count of matmul weights (blocks + output projection), embedding lookups and norms excluded."""
+    count = 0
+    def is_named(x):
+        return isinstance(x, hax.NamedArray)
+
+    for path, leaf in jax.tree_util.tree_leaves_with_path(model, is_leaf=is_named):
+        name = jax.tree_util.keystr(path)
+        excluded = ("norm", "ln_", "wte", "wpe", "embed_tokens")
+        if is_named(leaf) and name.endswith(".weight") and not any(e in name for e in excluded):
+            count += leaf.size
+    return count
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_flops_per_token(name):
+    flops = {n: CONFIGS[name](num_layers=n, seq_len=64).flops_per_token(Vocab.size) for n in (1, 2, 4, 8)}
+    assert all(f > 0 for f in flops.values())
+    # linear in depth: constant increment per layer (the lm head is the intercept)
+    per_layer = flops[2] - flops[1]
+    assert flops[4] - flops[2] == pytest.approx(2 * per_layer)
+    assert flops[8] - flops[4] == pytest.approx(4 * per_layer)
+    # equals 6 x (matmul weights, lm head included) + 3 x the attention matmuls (4 * seq * d per layer)
+    config = CONFIGS[name](num_layers=2, seq_len=64)
+    model = config.build(Vocab, key=jax.random.PRNGKey(0))
+    n = _matmul_weights(model) + (config.hidden_dim * Vocab.size if name == "gpt2" else 0)  # gpt2: tied head
+    expected = 6 * n + 3 * 4 * config.seq_len * config.hidden_dim * config.num_layers
+    assert flops[2] == pytest.approx(expected)
+
+
+def test_gpt2_dropout_only_with_key():
+    config = tiny_gpt2(embed_pdrop=0.1, resid_pdrop=0.1, attn_pdrop=0.1)
+    model = config.build(Vocab, key=jax.random.PRNGKey(0))
+    ids = random_ids(10, model.Pos)
+    a, b = forward(model, ids).array, forward(model, ids).array
+    np.testing.assert_array_equal(a, b)
+    c = forward(model, ids, key=jax.random.PRNGKey(1)).array
+    assert not np.allclose(a, c)
+
+
+def test_tied_llama_and_scaled_gpt2_run():
+    tied = tiny_llama(tie_word_embeddings=True, num_kv_heads=1).build(Vocab, key=jax.random.PRNGKey(0))
+    assert tied.lm_head is None
+    assert forward(tied, random_ids(0, tied.Pos)).axes[-1] == Vocab
+    scaled = tiny_gpt2(scale_attn_by_inverse_layer_idx=True, upcast_attn=False, gradient_checkpointing=False)
+    model = scaled.build(Vocab, key=jax.random.PRNGKey(0))
+    assert bool(jnp.all(jnp.isfinite(forward(model, random_ids(0, model.Pos)).array)))
