@@ -353,3 +353,47 @@ def test_kill_9_then_rerun_resumes_bit_for_bit(tmp_path):
     a, b = train_losses(metrics(tmp_path, "ref")), train_losses(metrics(tmp_path, "crash"))
     assert sorted(b) == list(range(12))  # steps 6 and 7 were not logged twice
     assert a == b  # bit for bit (exact float equality), before and after the crash
+
+
+def test_mixture_logs_source_counts_and_switches_at_the_stage_step(tmp_path):
+    from levanter.data.config import LMDatasetSourceConfig, LMMixtureDatasetConfig
+
+    data = LMMixtureDatasetConfig(
+        tokenizer="byte",
+        cache_dir=str(tmp_path / "cache"),
+        configs={
+            "prose": LMDatasetSourceConfig(train_urls=["embedded://python-docs/validation"]),
+            "code": LMDatasetSourceConfig(train_urls=["embedded://python-code/validation"]),
+        },
+        train_weights=[(0, {"prose": 0.75, "code": 0.25}), (3, {"code": 1.0})],
+        mixture_block_size=None,
+    )
+    cfg = dataclasses.replace(tiny_config(tmp_path, steps=5), data=data)
+    train_lm.main(cfg)
+    rows = [r for r in metrics(tmp_path) if "train/loss" in r]
+    counts = [(r["data/source_counts/prose"], r["data/source_counts/code"]) for r in rows]
+    assert counts == [(6, 2)] * 3 + [(0, 8)] * 2
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_and_exits_with_the_preemption_status(tmp_path):
+    import time
+
+    from levanter.trainer import PREEMPTED_EXIT_CODE
+
+    cfg = write_yaml(tmp_path, RESUME_YAML.format(cache=tmp_path / "cache", logs=tmp_path / "logs",
+                                                  ckpt=tmp_path / "ckpt").replace("num_train_steps: 12",
+                                                                                  "num_train_steps: 100000"))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    proc = subprocess.Popen([sys.executable, "-m", "levanter.main.train_lm", "--config_path", cfg, "--trainer.id", "pre"],
+                            env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "logs" / "pre" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (log.exists() and len(log.read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == PREEMPTED_EXIT_CODE, err[-3000:]
+    steps = train_losses(metrics(tmp_path, "pre"))
+    done = max(steps) + 1
+    assert os.path.isdir(tmp_path / "ckpt" / "pre" / f"step-{done}")
