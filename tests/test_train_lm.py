@@ -105,9 +105,11 @@ def test_batch_schedule_and_grad_accumulation_read_the_same_indices(tmp_path, mo
         d = tmp_path / f"pdp{pdp}"
         cfg = tiny_config(d, steps=6, train_batch_size=schedule, per_device_parallelism=pdp, steps_per_eval=100)
         train_lm.main(cfg)
-        runs[pdp] = (sorted(requests), train_losses(metrics(d)))
-    (req_plain, loss_plain), (req_accum, loss_accum) = runs[-1], runs[1]
+        rows = metrics(d)
+        runs[pdp] = (sorted(requests), train_losses(rows), [r["data/fingerprint"] for r in rows if "train/loss" in r])
+    (req_plain, loss_plain, fp_plain), (req_accum, loss_accum, fp_accum) = runs[-1], runs[1]
     assert req_plain == req_accum
+    assert fp_plain == fp_accum  # fingerprints do not depend on microbatching
     assert [s for s, _ in req_plain] == list(range(6))
     assert [len(i) for _, i in req_plain] == [8, 8, 8, 16, 16, 16]
     np.testing.assert_allclose([loss_accum[s] for s in range(6)], [loss_plain[s] for s in range(6)], rtol=2e-5)
@@ -353,6 +355,8 @@ def test_kill_9_then_rerun_resumes_bit_for_bit(tmp_path):
     a, b = train_losses(metrics(tmp_path, "ref")), train_losses(metrics(tmp_path, "crash"))
     assert sorted(b) == list(range(12))  # steps 6 and 7 were not logged twice
     assert a == b  # bit for bit (exact float equality), before and after the crash
+    fp = [{r["step"]: r["data/fingerprint"] for r in metrics(tmp_path, run) if "train/loss" in r} for run in ("ref", "crash")]
+    assert fp[0] == fp[1] and len(set(fp[0].values())) == 12
 
 
 def test_mixture_logs_source_counts_and_switches_at_the_stage_step(tmp_path):

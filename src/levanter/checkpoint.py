@@ -914,6 +914,7 @@ class CheckpointerConfig:
         *,
         clock: Callable[[], float] = time.monotonic,
         barrier: Barrier | None = None,
+        metadata: dict | None = None,
     ) -> "Checkpointer":
         return Checkpointer(
             self.expanded_path(run_id),
@@ -922,6 +923,7 @@ class CheckpointerConfig:
             delete_old_temp_checkpoints=self.delete_old_temp_checkpoints,
             clock=clock,
             barrier=barrier,
+            metadata=metadata,
         )
 
 
@@ -943,8 +945,11 @@ class Checkpointer:
         delete_old_temp_checkpoints: bool = True,
         clock: Callable[[], float] = time.monotonic,
         barrier: Barrier | None = None,
+        metadata: dict | None = None,
     ):
         self.base_path = _local_path(base_path, "trainer.checkpointer.base_path")
+        # Stored in every checkpoint's metadata.json (e.g. the data-schedule record checked on resume).
+        self.metadata = dict(metadata or {})
         self.save_interval = save_interval
         self.keep = _validate_keep(keep)
         self._clock = clock
@@ -1015,7 +1020,7 @@ class Checkpointer:
                 self._make_permanent(path)
             is_temporary = self._is_temporary(path)
         else:
-            save_checkpoint(tree, step, path, is_temporary=is_temporary, barrier=self._barrier)
+            save_checkpoint(tree, step, path, is_temporary=is_temporary, barrier=self._barrier, metadata=self.metadata)
         self._last_save_time = self._clock()
         self._last_saved_step = step
         if jax.process_index() == 0:

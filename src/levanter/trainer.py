@@ -251,11 +251,12 @@ class Trainer:
         with hax.partitioning.set_mesh(self.mesh), hax.axis_mapping(self.param_mapping):
             return hax.named_jit(init, axis_resources=self.param_mapping)()
 
-    def maybe_restore(self, state: TrainerState, run_id: str) -> TrainerState:
-        """The state from the latest complete checkpoint of this run (or ``load_checkpoint_path``)."""
+    def maybe_restore(self, state: TrainerState, run_id: str) -> Tuple[TrainerState, Optional[str]]:
+        """``(state, checkpoint path)`` from the latest complete checkpoint of this run (or
+        ``load_checkpoint_path``); ``(state, None)`` when starting fresh."""
         cfg = self.config
         if cfg.load_checkpoint is False:
-            return state
+            return state, None
         path = cfg.load_checkpoint_path
         if path is None:
             path = discover_latest_checkpoint(cfg.checkpointer.expanded_path(run_id))
@@ -267,9 +268,9 @@ class Trainer:
                     f"trainer.load_checkpoint is true but no complete checkpoint exists under "
                     f"{cfg.load_checkpoint_path or cfg.checkpointer.expanded_path(run_id)!r}"
                 )
-            return state
+            return state, None
         logger.info("resuming from checkpoint %s", path)
-        return load_checkpoint(state, path)
+        return load_checkpoint(state, path), path
 
     # -- compiled functions --------------------------------------------------------------------------
     def _microbatches(self, batch_size: int) -> int:

@@ -174,6 +174,12 @@ class UrlSingleDatasetLMConfig(LMTaskConfig, LMDatasetSourceConfig):
 
 LMDatasetConfig = UrlSingleDatasetLMConfig
 
+def _name_id(name: str) -> int:
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=8).digest(), "little")
+
+
 TrainWeights = Union[Dict[str, float], List[Tuple[int, Dict[str, float]]]]
 
 
@@ -240,9 +246,10 @@ class LMMixtureDatasetConfig(LMTaskConfig):
         seed = seed_from_key(key)
         caches = self.build_caches("train")
         datasets = {}
-        for k, name in enumerate(self.configs):
+        for name in self.configs:
             if name in caches:
-                datasets[name] = self._shuffled(self._dataset(caches[name], seq_len), derive_seed(seed, 1, k))
+                # Keyed by the source's name, not its position: adding a source leaves the others' order alone.
+                datasets[name] = self._shuffled(self._dataset(caches[name], seq_len), derive_seed(seed, 1, _name_id(name)))
         stages = [(s, {n: w for n, w in m.items() if n in datasets}) for s, m in self.stages()]
         return MixtureDataset(
             datasets,

@@ -31,7 +31,10 @@ from levanter.checkpoint import CheckpointerConfig
 from levanter.data.config import DataConfig, UrlSingleDatasetLMConfig
 from levanter.data.dataset import AsyncDataset
 from levanter.data.loader import DataLoader
+from levanter.data._prp import seed_from_key
+from levanter.data.fingerprint import batch_fingerprint, step_provenance
 from levanter.data.mixture import MixtureDataset
+from levanter.data.schedule_record import data_schedule_record, first_difference
 from levanter.models import LlamaConfig, LmConfig
 from levanter.optim import AdamConfig, OptimizerConfig
 from levanter.utils.fault import fault_point
@@ -57,6 +60,11 @@ class TrainLmConfig:
     z_loss_weight: float = 0.0
     data_seed: Optional[int] = None
     prefetch_depth: int = 8
+    # Also hash each step's token content into data/fingerprint (single-process runs only).
+    fingerprint_tokens: bool = False
+    # Resume even if the data schedule changed before the checkpoint's step (the resumed run's past then
+    # differs from what the checkpointed model saw). Off by default: such edits are refused.
+    allow_data_schedule_change: bool = False
     # Upstream fields accepted so configs parse; refused if set (they need the HF hub or are not built).
     initialize_from_hf: Union[bool, str] = False
     use_hf_model_config: bool = False
@@ -93,6 +101,34 @@ def validate(config: TrainLmConfig):
             f"model.vocab_size={model_vocab} is smaller than the tokenizer's vocabulary ({tokenizer.vocab_size})"
         )
     return tokenizer
+
+
+def data_key(config: TrainLmConfig) -> jax.Array:
+    """The key the training data is derived from: ``data_seed`` if set, else a split of ``trainer.seed``."""
+    if config.data_seed is not None:
+        return jax.random.PRNGKey(config.data_seed)
+    return jax.random.split(jax.random.PRNGKey(config.trainer.seed), 4)[0]
+
+
+def check_data_schedule(checkpoint_path: str, record: dict, start_step: int, *, allow: bool) -> None:
+    """Refuse to resume if the data schedule changed before ``start_step`` (unless ``allow``)."""
+    from levanter.checkpoint import read_checkpoint_metadata
+
+    old = read_checkpoint_metadata(checkpoint_path).get("metadata", {}).get("data_schedule")
+    if old is None:
+        logger.warning("checkpoint %s records no data schedule; cannot check the resumed data", checkpoint_path)
+        return
+    diff = first_difference(old, record)
+    if diff is None:
+        return
+    step, what = diff
+    if step < start_step and not allow:
+        raise ValueError(
+            f"the data schedule changed at step {step} ({what}), before the checkpoint at step {start_step} "
+            f"({checkpoint_path}): the resumed run would disagree with the data the checkpointed model was trained "
+            "on. Undo the edit, or set allow_data_schedule_change: true if you mean it."
+        )
+    logger.warning("data schedule edited from step %d: %s (checkpoint at step %d)", step, what, start_step)
 
 
 def lm_loss_fn(z_loss_weight: float = 0.0):
@@ -157,24 +193,29 @@ def main(config: TrainLmConfig) -> dict:
     Vocab = hax.Axis("vocab", tokenizer.vocab_size)
 
     key = jax.random.PRNGKey(tcfg.seed)
-    data_key, _loader_key, model_key, training_key = jax.random.split(key, 4)
-    if config.data_seed is not None:
-        data_key = jax.random.PRNGKey(config.data_seed)
+    _data_key, _loader_key, model_key, training_key = jax.random.split(key, 4)
+    dkey = data_key(config)
 
-    train_set = config.data.train_set(config.model.seq_len, schedule, key=data_key)
+    train_set = config.data.train_set(config.model.seq_len, schedule, key=dkey)
     eval_sets = config.data.validation_sets(config.model.seq_len)
     mixture = train_set if isinstance(train_set, MixtureDataset) else None
+    # Evaluate the model as it stands before the first update of each new stage, so that two runs'
+    # eval curves part exactly at a switch (periodic evals joined by lines make them seem to part early).
+    stage_starts = set(mixture.stage_start_steps[1:]) if mixture is not None else set()
+    record = data_schedule_record(config.data, schedule, seq_len=config.model.seq_len, data_seed=seed_from_key(dkey))
 
     optimizer = config.optimizer.build(tcfg.num_train_steps)
     lr_schedule = config.optimizer.lr_scheduler(tcfg.num_train_steps)
     trainer = Trainer(tcfg, optimizer, lm_loss_fn(config.z_loss_weight), lr_schedule=lr_schedule)
     state = trainer.initial_state(lambda k: config.model.build(Vocab, key=k), key=jax.random.fold_in(model_key, 0))
-    state = trainer.maybe_restore(state, run_id)
+    state, restored_from = trainer.maybe_restore(state, run_id)
     start_step = int(state.step)
+    if restored_from is not None:
+        check_data_schedule(restored_from, record, start_step, allow=config.allow_data_schedule_change)
 
     tracker = init_trackers(tcfg.trackers(), run_id, os.path.join(tcfg.log_dir), resume_step=start_step)
     tracker.log_hyperparameters(_config_dict(config))
-    checkpointer = tcfg.checkpointer.create(run_id)
+    checkpointer = tcfg.checkpointer.create(run_id, metadata={"data_schedule": record})
     previous_handler = trainer.install_sigterm_handler()
 
     loader = DataLoader(train_set, schedule, mesh=trainer.mesh, data_axis="data", prefetch_depth=config.prefetch_depth)
@@ -185,7 +226,16 @@ def main(config: TrainLmConfig) -> dict:
     bar = tqdm(total=tcfg.num_train_steps, initial=start_step, desc="train", unit="step", disable=None)
     last_loss = None
     seen_sizes: set[int] = set()
+
+    def is_eval_step(done: int) -> bool:
+        return bool(eval_sets) and (
+            done % tcfg.steps_per_eval == 0 or done == tcfg.num_train_steps or done in stage_starts
+        )
+
     try:
+        if start_step > 0 and is_eval_step(start_step):
+            # The earlier attempt's eval at this step was dropped with its other records of steps >= start.
+            tracker.log(run_eval(trainer, state.model, eval_sets, config, Pos), step=start_step)
         t_prev = time.perf_counter()
         with loader.iter_from_step(start_step, tcfg.num_train_steps) as it:
             for batch in it:
@@ -215,10 +265,13 @@ def main(config: TrainLmConfig) -> dict:
                 }
                 if peak is not None:
                     log["throughput/mfu"] = flops_per_token * tokens / dt / (peak * jax.device_count())
+                prov = step_provenance(train_set, schedule, step)
+                content = None
+                if config.fingerprint_tokens and batch.data["tokens"].is_fully_addressable:
+                    content = np.asarray(batch.data["tokens"])
+                log["data/fingerprint"] = batch_fingerprint(prov, content)
                 if mixture is not None:
-                    first, end = schedule.step_range(step)
-                    src, _ = mixture.unwrapped_source_indices(step, np.arange(first, end))
-                    counts = np.bincount(src, minlength=len(mixture.names))
+                    counts = np.bincount(prov["source"], minlength=len(mixture.names))
                     for name, c in zip(mixture.names, counts.tolist()):
                         log[f"data/source_counts/{name}"] = c
                 tracker.log(log, step=step)
@@ -227,7 +280,7 @@ def main(config: TrainLmConfig) -> dict:
                 bar.update(1)
 
                 done = step + 1
-                if eval_sets and (done % tcfg.steps_per_eval == 0 or done == tcfg.num_train_steps):
+                if is_eval_step(done):
                     tracker.log(run_eval(trainer, state.model, eval_sets, config, Pos), step=done)
                     t_prev = time.perf_counter()
                 checkpointer.on_step(state, done, force=done == tcfg.num_train_steps)

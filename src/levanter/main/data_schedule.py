@@ -1,0 +1,240 @@
+"""Plan a run's data without training: ``python -m levanter.main.data_schedule --config_path X``.
+
+Options: ``--steps N`` (plan N steps instead of ``trainer.num_train_steps``), ``--dump START:END
+FILE.jsonl`` (one JSON line per position of steps ``[START, END)``: global index, source, source index,
+store row), ``--plot FILE.png`` (stacked per-step composition by source, with the stage boundaries).
+Other ``--a.b value`` arguments override the config as in ``train_lm``.
+
+``X`` is a whole ``train_lm`` config: the plan needs ``trainer.train_batch_size``,
+``trainer.num_train_steps``, ``trainer.seed`` / ``data_seed`` and ``model.seq_len`` as well as ``data``.
+The training set is built exactly as ``train_lm`` builds it (same ``train_set`` call, same key from
+:func:`levanter.main.train_lm.data_key`), so the plan is what training will read. Building it needs
+the sources' lengths, so missing token caches are built first (as training would); no accelerator
+and no model are involved.
+
+The numbers come from :mod:`levanter.data.planner` in closed form, so planning a million steps takes
+about as long as planning ten. ``main(config, ...)`` returns what it printed, as a dict, for tests and
+scripts. User errors (missing ``--config_path``, bad values, a bad dump range) print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Optional
+
+from levanter.config import ConfigError, parse_config
+from levanter.data import planner
+from levanter.data.planner import DataPlan
+
+logger = logging.getLogger(__name__)
+
+
+# -- formatting ---------------------------------------------------------------------------------------
+def _n(x) -> str:
+    return "-" if x is None else f"{x:,}"
+
+
+def _f(x, digits=4) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _steps(first: int, last: Optional[int]) -> str:
+    return "not reached" if last is None else f"steps {first:,}..{last:,}"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
+    # First column left-aligned (names), numbers right-aligned.
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = []
+    for r in [header, *rows]:
+        cells = [str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        lines.append(indent + "  ".join(cells).rstrip())
+    return lines
+
+
+def format_plan(plan: DataPlan) -> str:
+    """The human-readable plan: a header, one table per stage, the sources' totals and events."""
+    out = []
+    sizes = ", ".join(
+        f"{bs} from step {lo:,}" if lo else f"{bs}" for lo, _, bs in plan.batch_segments
+    )
+    kind = f"mixture of {len(plan.sources)} sources" if plan.is_mixture else "single source"
+    out.append(f"data plan: {plan.num_steps:,} steps, batch size {sizes}, seq_len {plan.seq_len}, {kind}")
+    if plan.is_mixture:
+        block = "None (every batch's composition exact)" if plan.block_size is None else f"{plan.block_size}"
+        out.append(f"  stop_strategy {plan.stop_strategy}, mixture_block_size {block}")
+    if plan.end_step is not None:
+        out.append(
+            f"  the data ends at step {plan.end_step:,} ({plan.ended_by or 'a source'} exhausted): "
+            f"training stops after step {plan.end_step - 1:,}, {plan.num_steps - plan.end_step:,} steps early"
+        )
+    for st in plan.stages:
+        out.append("")
+        span = _steps(st.first_step, st.last_step)
+        out.append(
+            f"stage {st.index}: {span} ({st.steps:,} steps, {st.sequences:,} sequences, {st.tokens:,} tokens)"
+        )
+        rows = [
+            [
+                s.source,
+                _n(s.sequences),
+                _n(s.tokens),
+                _f(s.target_fraction),
+                _f(s.achieved_fraction),
+                _f(s.epochs, 3),
+                _f(s.cumulative_epochs, 3),
+            ]
+            for s in st.sources
+        ]
+        out += _table(["source", "sequences", "tokens", "target", "achieved", "epochs", "cum. epochs"], rows)
+    out.append("")
+    out.append(f"sources over steps 0..{plan.steps - 1:,}:")
+    wrap_col = plan.stop_strategy in ("restart", "all_exhausted")
+    exhaust_col = plan.stop_strategy in (None, "first_exhausted", "all_exhausted")
+    header = ["source", "length (seqs)", "tokens", "drawn", "epochs"]
+    if wrap_col:
+        header.append("first wrap")
+    if exhaust_col:
+        header.append("exhausted")
+    rows = []
+    for s in plan.sources:
+        r = [s.name, _n(s.length), _n(s.tokens_available), _n(s.sequences), _f(s.epochs, 3)]
+        if wrap_col:
+            r.append("never" if s.wrap_step is None else f"step {s.wrap_step:,}")
+        if exhaust_col:
+            r.append("never" if s.exhausted_step is None else f"step {s.exhausted_step:,}")
+        rows.append(r)
+    out += _table(header, rows)
+    return "\n".join(out)
+
+
+# -- outputs ------------------------------------------------------------------------------------------
+def write_dump(train_set, schedule, start: int, end: int, path: str) -> int:
+    """Write :func:`planner.dump_rows` as JSON lines; returns the number of rows."""
+    n = 0
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for row in planner.dump_rows(train_set, schedule, start, end):
+            f.write(json.dumps(row) + "\n")
+            n += 1
+    return n
+
+
+def write_plot(plan: DataPlan, segments, path: str) -> None:
+    """Stacked areas of sequences per step by source (one flat piece per constant-count segment), with
+    dashed vertical lines at stage starts."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'levanter[plot]'") from None
+    matplotlib.use("Agg")  # files only; never a display
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names = [s.name for s in plan.sources]
+    # Step-function data: each segment contributes its start; the last end closes the final piece.
+    xs = [lo for lo, _, _ in segments] + [segments[-1][1]]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    base = np.zeros(len(xs))
+    for name in names:
+        vals = np.array([c[name] for _, _, c in segments] + [segments[-1][2][name]])
+        ax.fill_between(xs, base, base + vals, step="post", label=name, linewidth=0)
+        base = base + vals
+    for st in plan.stages[1:]:
+        if st.first_step < plan.steps:
+            ax.axvline(st.first_step, color="black", linestyle="--", linewidth=1)
+            ax.text(st.first_step, base.max() * 1.02, f" stage {st.index}", va="bottom", fontsize=8)
+    if plan.end_step is not None:
+        ax.axvline(plan.end_step, color="red", linewidth=1)
+    ax.set_xlim(0, plan.steps)
+    ax.set_ylim(0, base.max() * 1.12)
+    ax.set_xlabel("training step")
+    exact = not plan.is_mixture or plan.block_size is None
+    ax.set_ylabel("sequences per step" if exact else f"sequences per step (mean over blocks of {plan.block_size})")
+    ax.set_title("per-step data composition by source")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)  # outside: never covers data
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# -- entry points -------------------------------------------------------------------------------------
+def main(config, *, steps: Optional[int] = None, dump=None, plot: Optional[str] = None) -> dict:
+    """Plan ``config`` (a ``TrainLmConfig``); print the tables; optionally dump and plot.
+
+    ``steps`` overrides ``trainer.num_train_steps``; ``dump`` is ``(start, end, path)`` for steps
+    ``[start, end)``; ``plot`` a PNG path. Returns the plan as a dict (``DataPlan.to_dict()``) plus
+    ``"dump_rows"`` and ``"plot"`` when written.
+    """
+    from levanter.main.train_lm import data_key
+
+    num_steps = config.trainer.num_train_steps if steps is None else steps
+    if num_steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {num_steps}")
+    schedule = config.trainer.batch_schedule
+    seq_len = config.model.seq_len
+    if dump is not None:
+        start, end, _ = dump
+        if not (0 <= start < end):
+            raise ValueError(f"--dump: need 0 <= START < END, got {start}:{end}")
+
+    train_set = config.data.train_set(seq_len, schedule, key=data_key(config))
+    plan = planner.plan_data(train_set, schedule, num_steps, seq_len=seq_len)
+    print(format_plan(plan))
+    result = plan.to_dict()
+
+    if dump is not None:
+        start, end, path = dump
+        if end > plan.steps:
+            raise ValueError(f"--dump: END={end} is past the last planned step ({plan.steps - 1})")
+        result["dump_rows"] = write_dump(train_set, schedule, start, end, path)
+        print(f"\nwrote {result['dump_rows']:,} rows (steps {start:,}..{end - 1:,}) to {path}")
+    if plot is not None:
+        write_plot(plan, planner.composition_segments(train_set, schedule, plan.steps), plot)
+        result["plot"] = plot
+        print(f"wrote {plot}")
+    return result
+
+
+def _dump_range(text: str) -> tuple[int, int]:
+    start, sep, end = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(start), int(end)
+    except ValueError:
+        raise ValueError(f"--dump: expected START:END (steps, END exclusive), got {text!r}") from None
+
+
+def cli(argv: Optional[Sequence[str]] = None) -> dict:
+    # allow_abbrev=False: config overrides such as --data.cache_dir must never be taken for our options.
+    parser = argparse.ArgumentParser(
+        prog="python -m levanter.main.data_schedule", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
+    parser.add_argument("--config_path", required=True, help="a train_lm config (YAML)")
+    parser.add_argument("--steps", type=int, default=None, help="plan this many steps (default: num_train_steps)")
+    parser.add_argument("--dump", nargs=2, metavar=("START:END", "FILE.jsonl"), default=None)
+    parser.add_argument("--plot", metavar="FILE.png", default=None)
+    args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    try:
+        dump = None
+        if args.dump is not None:
+            dump = (*_dump_range(args.dump[0]), args.dump[1])
+        from levanter.main.train_lm import TrainLmConfig
+
+        config = parse_config(TrainLmConfig, args.config_path, overrides)
+        return main(config, steps=args.steps, dump=dump, plot=args.plot)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cli()

@@ -1,0 +1,98 @@
+"""Curricula you can trust: evals at stage boundaries, the append-only data-schedule check on resume,
+and batch fingerprints that identify exactly what each step trained on."""
+
+import dataclasses
+import json
+
+import pytest
+
+from levanter.checkpoint import CheckpointerConfig, CheckpointInterval
+from levanter.data.config import LMDatasetSourceConfig, LMMixtureDatasetConfig
+from levanter.main import train_lm
+from levanter.models import Gpt2Config
+from levanter.optim import AdamConfig
+from levanter.tracker import JsonConfig
+from levanter.trainer import TrainerConfig
+
+PROSE = "embedded://python-docs/validation"
+CODE = "embedded://python-code/validation"
+
+
+def curriculum(tmp_path, run_id, stages, *, steps, steps_per_eval=100, keep_every=4):
+    data = LMMixtureDatasetConfig(
+        tokenizer="byte",
+        cache_dir=str(tmp_path / "cache"),
+        shuffle=True,
+        configs={"prose": LMDatasetSourceConfig(train_urls=[PROSE], validation_urls=[PROSE]),
+                 "code": LMDatasetSourceConfig(train_urls=[CODE], validation_urls=[CODE])},
+        train_weights=stages,
+        mixture_block_size=None,
+    )
+    trainer = TrainerConfig(
+        num_train_steps=steps, train_batch_size=8, require_accelerator=False, id=run_id,
+        log_dir=str(tmp_path / "logs"), tracker=JsonConfig(), steps_per_eval=steps_per_eval, max_eval_batches=1,
+        checkpointer=CheckpointerConfig(base_path=str(tmp_path / "ckpt"), keep=[CheckpointInterval(every=keep_every)]),
+    )
+    return train_lm.TrainLmConfig(
+        data=data, trainer=trainer,
+        model=Gpt2Config(hidden_dim=32, num_heads=4, num_layers=1, seq_len=32, gradient_checkpointing=False),
+        optimizer=AdamConfig(learning_rate=1e-2, warmup=0.0, weight_decay=0.0, lr_schedule="constant"),
+        prefetch_depth=2,
+    )
+
+
+def rows(tmp_path, run_id):
+    with open(tmp_path / "logs" / run_id / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def per_step(rs, key):
+    return {r["step"]: r[key] for r in rs if key in r}
+
+
+W1 = {"prose": 0.75, "code": 0.25}
+W2 = {"prose": 0.25, "code": 0.75}
+
+
+@pytest.mark.slow
+def test_eval_runs_at_the_stage_boundary_on_the_model_before_the_new_stage(tmp_path):
+    # Run A switches at 37; run B has a boundary at 37 that changes nothing (same weights), so its model
+    # after 37 updates is A's, trained only on stage-1 data.
+    train_lm.main(curriculum(tmp_path, "a", [(0, W1), (37, W2)], steps=40, steps_per_eval=10))
+    train_lm.main(curriculum(tmp_path, "b", [(0, W1), (37, W1)], steps=40, steps_per_eval=10))
+    a, b = rows(tmp_path, "a"), rows(tmp_path, "b")
+    assert sorted(per_step(a, "eval/loss")) == [10, 20, 30, 37, 40]
+    assert per_step(a, "eval/loss")[37] == per_step(b, "eval/loss")[37]  # bit for bit
+    la, lb = per_step(a, "train/loss"), per_step(b, "train/loss")
+    assert all(la[s] == lb[s] for s in range(37)) and la[37] != lb[37]
+    fa, fb = per_step(a, "data/fingerprint"), per_step(b, "data/fingerprint")
+    assert [s for s in range(40) if fa[s] != fb[s]][0] == 37
+    assert per_step(a, "data/source_counts/code")[36] == 2 and per_step(a, "data/source_counts/code")[37] == 6
+
+
+@pytest.mark.slow
+def test_resume_refuses_past_edits_and_accepts_future_ones(tmp_path):
+    base = [(0, {"prose": 1.0}), (6, {"code": 1.0})]
+    train_lm.main(curriculum(tmp_path, "x", base, steps=8))  # checkpoints at 4 and 8
+
+    moved = [(0, {"prose": 1.0}), (5, {"code": 1.0})]
+    with pytest.raises(ValueError, match=r"changed at step 5 .* before the checkpoint at step 8"):
+        train_lm.main(curriculum(tmp_path, "x", moved, steps=12))
+
+    future = base + [(10, {"prose": 0.5, "code": 0.5})]
+    train_lm.main(curriculum(tmp_path, "x", future, steps=12))  # resumes from step 8
+    train_lm.main(curriculum(tmp_path, "y", future, steps=12))  # the same config, uninterrupted
+    train_lm.main(curriculum(tmp_path, "z", base, steps=12))  # without the edit
+    x, y, z = (per_step(rows(tmp_path, r), "data/fingerprint") for r in "xyz")
+    assert sorted(x) == list(range(12))
+    assert x == y
+    assert per_step(rows(tmp_path, "x"), "train/loss") == per_step(rows(tmp_path, "y"), "train/loss")
+    assert [s for s in range(12) if x[s] != z[s]][0] == 10  # the data changes exactly at the edited stage
+
+
+@pytest.mark.slow
+def test_override_flag_allows_a_past_edit(tmp_path):
+    train_lm.main(curriculum(tmp_path, "o", [(0, {"prose": 1.0}), (6, {"code": 1.0})], steps=8))
+    cfg = curriculum(tmp_path, "o", [(0, {"prose": 1.0}), (5, {"code": 1.0})], steps=10)
+    out = train_lm.main(dataclasses.replace(cfg, allow_data_schedule_change=True))
+    assert out["final_step"] == 10
