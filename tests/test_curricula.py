@@ -96,3 +96,27 @@ def test_override_flag_allows_a_past_edit(tmp_path):
     cfg = curriculum(tmp_path, "o", [(0, {"prose": 1.0}), (5, {"code": 1.0})], steps=10)
     out = train_lm.main(dataclasses.replace(cfg, allow_data_schedule_change=True))
     assert out["final_step"] == 10
+
+
+@pytest.mark.slow
+def test_reported_experiment_first_difference_is_exactly_the_80_percent_step(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "exp.json"
+    r = subprocess.run(
+        [sys.executable, os.path.join(repo, "scripts", "curriculum_experiment.py"), "--quick", "--json", str(out),
+         "--workdir", str(tmp_path)],
+        capture_output=True, text=True, env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    results = {x["variant"]: x for x in json.loads(out.read_text())}
+    assert set(results) == {"constant", "batch_schedule", "grad_accum"}
+    for res in results.values():
+        s = res["switch_a"]
+        assert s == 24 and res["switch_b"] == 27
+        assert res["first_loss_diff"] == res["first_fingerprint_diff"] == res["first_counts_diff"] == s
+        assert res["first_stage2_batch_a"] == s
+        assert s in res["eval_steps_a"]  # an eval exactly at the switch
