@@ -114,7 +114,7 @@ class DataPlan:
     is_mixture: bool
     stop_strategy: Optional[str]
     block_size: Optional[int]
-    batch_segments: tuple[tuple[int, int, int], ...]  # (first_step, end_step, batch_size) within steps
+    batch_segments: tuple[tuple[int, int, int], ...]  # (first_step, end_step, batch_size) in num_steps
     stages: tuple[StagePlan, ...]
     sources: tuple[SourcePlan, ...]
 
@@ -249,7 +249,8 @@ def plan_data(train_set: AsyncDataset, schedule: BatchSchedule, num_steps: int, 
                 schedule, exhausted_index, end_index, steps, inclusive=inclusive and end_step is not None
             )
             if end_step is not None and exhausted_index is not None:
-                if (inclusive and exhausted_index == end_index) or (not inclusive and exhausted_index + 1 == end_index):
+                # The data ends at the exhausting draw (first_exhausted) or just after it (all_exhausted).
+                if exhausted_index + (0 if inclusive else 1) == end_index:
                     ended_by = name
         source_plans.append(
             SourcePlan(
@@ -273,7 +274,7 @@ def plan_data(train_set: AsyncDataset, schedule: BatchSchedule, num_steps: int, 
         is_mixture=mixture is not None,
         stop_strategy=stop,
         block_size=mixture.block_size if mixture is not None else None,
-        batch_segments=tuple(schedule.constant_segments(0, steps)),
+        batch_segments=tuple(schedule.constant_segments(0, num_steps)),
         stages=tuple(stage_plans),
         sources=tuple(source_plans),
     )

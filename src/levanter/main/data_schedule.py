@@ -25,11 +25,15 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from levanter.config import ConfigError, parse_config
-from levanter.data import planner
-from levanter.data.planner import DataPlan
+
+if TYPE_CHECKING:
+    from levanter.data.planner import DataPlan
+
+# The planner (jax, the datasets) and train_lm are imported where used, so that a usage error is
+# reported in a fraction of a second instead of after seconds of imports.
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +48,7 @@ def _f(x, digits=4) -> str:
 
 
 def _steps(first: int, last: Optional[int]) -> str:
-    return "not reached" if last is None else f"steps {first:,}..{last:,}"
+    return f"from step {first:,}, not reached" if last is None else f"steps {first:,}..{last:,}"
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
@@ -68,7 +72,9 @@ def format_plan(plan: DataPlan) -> str:
     if plan.is_mixture:
         block = "None (every batch's composition exact)" if plan.block_size is None else f"{plan.block_size}"
         out.append(f"  stop_strategy {plan.stop_strategy}, mixture_block_size {block}")
-    if plan.end_step is not None:
+    if plan.end_step == 0:
+        out.append(f"  the data ends before step 0 can be filled ({plan.ended_by or 'a source'} exhausted)")
+    elif plan.end_step is not None:
         out.append(
             f"  the data ends at step {plan.end_step:,} ({plan.ended_by or 'a source'} exhausted): "
             f"training stops after step {plan.end_step - 1:,}, {plan.num_steps - plan.end_step:,} steps early"
@@ -93,7 +99,7 @@ def format_plan(plan: DataPlan) -> str:
         ]
         out += _table(["source", "sequences", "tokens", "target", "achieved", "epochs", "cum. epochs"], rows)
     out.append("")
-    out.append(f"sources over steps 0..{plan.steps - 1:,}:")
+    out.append(f"sources over steps 0..{plan.steps - 1:,}:" if plan.steps else "sources:")
     wrap_col = plan.stop_strategy in ("restart", "all_exhausted")
     exhaust_col = plan.stop_strategy in (None, "first_exhausted", "all_exhausted")
     header = ["source", "length (seqs)", "tokens", "drawn", "epochs"]
@@ -116,6 +122,8 @@ def format_plan(plan: DataPlan) -> str:
 # -- outputs ------------------------------------------------------------------------------------------
 def write_dump(train_set, schedule, start: int, end: int, path: str) -> int:
     """Write :func:`planner.dump_rows` as JSON lines; returns the number of rows."""
+    from levanter.data import planner
+
     n = 0
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
@@ -136,6 +144,8 @@ def write_plot(plan: DataPlan, segments, path: str) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
+    if not segments:
+        raise ValueError("--plot: nothing to plot, the data ends before step 0 can be filled")
     names = [s.name for s in plan.sources]
     # Step-function data: each segment contributes its start; the last end closes the final piece.
     xs = [lo for lo, _, _ in segments] + [segments[-1][1]]
@@ -155,7 +165,8 @@ def write_plot(plan: DataPlan, segments, path: str) -> None:
     ax.set_ylim(0, base.max() * 1.12)
     ax.set_xlabel("training step")
     exact = not plan.is_mixture or plan.block_size is None
-    ax.set_ylabel("sequences per step" if exact else f"sequences per step (mean over blocks of {plan.block_size})")
+    mean = f" (mean over blocks of {plan.block_size})"
+    ax.set_ylabel("sequences per step" + ("" if exact else mean))
     ax.set_title("per-step data composition by source")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)  # outside: never covers data
     fig.tight_layout()
@@ -172,6 +183,7 @@ def main(config, *, steps: Optional[int] = None, dump=None, plot: Optional[str] 
     ``[start, end)``; ``plot`` a PNG path. Returns the plan as a dict (``DataPlan.to_dict()``) plus
     ``"dump_rows"`` and ``"plot"`` when written.
     """
+    from levanter.data import planner
     from levanter.main.train_lm import data_key
 
     num_steps = config.trainer.num_train_steps if steps is None else steps
@@ -207,9 +219,13 @@ def _dump_range(text: str) -> tuple[int, int]:
     try:
         if not sep:
             raise ValueError
-        return int(start), int(end)
+        lo, hi = int(start), int(end)
     except ValueError:
         raise ValueError(f"--dump: expected START:END (steps, END exclusive), got {text!r}") from None
+    if not 0 <= lo < hi:
+        # Checked before the config is read and caches are built: fail fast on a typo.
+        raise ValueError(f"--dump: need 0 <= START < END, got {text!r}")
+    return lo, hi
 
 
 def cli(argv: Optional[Sequence[str]] = None) -> dict:
@@ -218,7 +234,7 @@ def cli(argv: Optional[Sequence[str]] = None) -> dict:
         prog="python -m levanter.main.data_schedule", description=__doc__.split("\n")[0], allow_abbrev=False
     )
     parser.add_argument("--config_path", required=True, help="a train_lm config (YAML)")
-    parser.add_argument("--steps", type=int, default=None, help="plan this many steps (default: num_train_steps)")
+    parser.add_argument("--steps", type=int, default=None, help="steps to plan (default: num_train_steps)")
     parser.add_argument("--dump", nargs=2, metavar=("START:END", "FILE.jsonl"), default=None)
     parser.add_argument("--plot", metavar="FILE.png", default=None)
     args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
