@@ -55,7 +55,6 @@ import os
 import re
 import secrets
 import shutil
-import tempfile
 import time
 import urllib.parse
 from collections.abc import Callable, Sequence
@@ -70,6 +69,7 @@ from draccus.utils import DecodingError
 from jax.experimental.array_serialization import serialization as jax_serialization
 
 from levanter.utils.fault import fault_point
+from levanter.utils.fs import atomic_write_bytes, fsync_dir
 
 __all__ = [
     "CHECKPOINT_FORMAT_VERSION",
@@ -184,36 +184,8 @@ def _local_path(path: str | os.PathLike, what: str = "checkpoint path") -> str:
     return os.path.abspath(path)
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on directories; the rename is still atomic
-    finally:
-        os.close(fd)
-
-
 def _atomic_write_json(path: str, obj: Any) -> None:
-    directory = os.path.dirname(path)
-    data = (json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False, allow_nan=False) + "\n").encode()
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(directory)
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False, allow_nan=False) + "\n").encode())
 
 
 def _is_complete(path: str) -> bool:
@@ -225,7 +197,7 @@ def _remove_dir(path: str) -> None:
     parent, name = os.path.split(path)
     doomed = os.path.join(parent, f"{TMP_PREFIX}delete-{name}-{secrets.token_hex(4)}")
     os.rename(path, doomed)
-    _fsync_dir(parent)
+    fsync_dir(parent)
     shutil.rmtree(doomed)
 
 
@@ -456,7 +428,7 @@ def save_checkpoint(
                 logger.warning("replacing incomplete directory %s (no %s)", final, METADATA_FILENAME)
                 _remove_dir(final)
             os.rename(tmp, final)
-            _fsync_dir(parent)
+            fsync_dir(parent)
     except BaseException:
         if is_leader:
             shutil.rmtree(tmp, ignore_errors=True)

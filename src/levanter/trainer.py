@@ -224,13 +224,10 @@ class Trainer:
         config: TrainerConfig,
         optimizer: optax.GradientTransformation,
         loss_fn: Callable[[Any, Any], Tuple[jax.Array, jax.Array]],
-        *,
-        lr_schedule: Optional[Callable[[int], Any]] = None,
     ):
         self.config = config
         self.optimizer = optimizer
         self.loss_fn = loss_fn
-        self.lr_schedule = lr_schedule
         self.mesh = config.make_mesh()
         self.mp = jmp.get_policy(config.mp)
         self.compute_mapping = config.compute_axis_mapping

@@ -51,9 +51,10 @@ import json
 import os
 import sys
 import sysconfig
-import tempfile
 import tokenize
 from collections.abc import Iterator
+
+from ..utils.fs import atomic_write_bytes
 
 __all__ = [
     "EMBEDDED_SOURCES",
@@ -341,24 +342,6 @@ def iter_documents(name: str, split: str) -> Iterator[dict]:
 
 
 # -- materialisation ---------------------------------------------------------------------------------
-def _atomic_write(path: str, data: bytes) -> None:
-    directory = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a shared data directory wants readable files
-        os.replace(tmp, path)  # readers see the old file or the whole new one, never a prefix
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def materialize(name: str, split: str, out_dir: str) -> str:
     """Write one split as ``<out_dir>/<name>/<split>.jsonl`` (one JSON object per line); return the path.
 
@@ -375,7 +358,7 @@ def materialize(name: str, split: str, out_dir: str) -> str:
             if f.read() == blob:
                 return path
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    _atomic_write(path, blob)
+    atomic_write_bytes(path, blob)
     return path
 
 

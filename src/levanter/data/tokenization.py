@@ -29,10 +29,11 @@ import hashlib
 import itertools
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+
+from ..utils.fs import atomic_write_text
 
 __all__ = [
     "ByteTokenizer",
@@ -272,18 +273,6 @@ class HfTokenizer(Tokenizer):
         return self._tok
 
 
-def _atomic_write_text(path: str, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str) -> HfTokenizer:
     """Train a byte-level BPE (GPT-2 style pre-tokenisation, ``<|endoftext|>`` as EOS) on ``texts``.
 
@@ -311,8 +300,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str) -> HfTokenize
     )
     tok.train_from_iterator(texts, trainer=trainer)
     os.makedirs(out_dir, exist_ok=True)
-    _atomic_write_text(os.path.join(out_dir, "tokenizer.json"), tok.to_str(pretty=True))
-    _atomic_write_text(
+    atomic_write_text(os.path.join(out_dir, "tokenizer.json"), tok.to_str(pretty=True))
+    atomic_write_text(
         os.path.join(out_dir, "tokenizer_config.json"),
         json.dumps({"eos_token": BPE_EOS, "bos_token": None}, indent=2) + "\n",
     )

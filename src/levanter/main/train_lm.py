@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import levanter.config
-from levanter.checkpoint import CheckpointerConfig
 from levanter.data.config import DataConfig, UrlSingleDatasetLMConfig
 from levanter.data.dataset import AsyncDataset
 from levanter.data.loader import DataLoader
@@ -193,7 +192,7 @@ def main(config: TrainLmConfig) -> dict:
     Vocab = hax.Axis("vocab", tokenizer.vocab_size)
 
     key = jax.random.PRNGKey(tcfg.seed)
-    _data_key, _loader_key, model_key, training_key = jax.random.split(key, 4)
+    model_key = jax.random.split(key, 4)[2]  # (data, loader, model, training), upstream's order
     dkey = data_key(config)
 
     train_set = config.data.train_set(config.model.seq_len, schedule, key=dkey)
@@ -206,7 +205,7 @@ def main(config: TrainLmConfig) -> dict:
 
     optimizer = config.optimizer.build(tcfg.num_train_steps)
     lr_schedule = config.optimizer.lr_scheduler(tcfg.num_train_steps)
-    trainer = Trainer(tcfg, optimizer, lm_loss_fn(config.z_loss_weight), lr_schedule=lr_schedule)
+    trainer = Trainer(tcfg, optimizer, lm_loss_fn(config.z_loss_weight))
     state = trainer.initial_state(lambda k: config.model.build(Vocab, key=k), key=jax.random.fold_in(model_key, 0))
     state, restored_from = trainer.maybe_restore(state, run_id)
     start_step = int(state.step)

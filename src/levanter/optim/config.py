@@ -26,7 +26,6 @@ from typing import Optional
 import draccus
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import optax
 
 SCHEDULES = ("constant", "linear", "cosine", "wsd", "warmup-stable-decay")

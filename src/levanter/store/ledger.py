@@ -20,9 +20,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..utils.fs import atomic_write_bytes
 
 __all__ = ["CacheLedger", "CorruptLedgerError", "LEDGER_FILENAME", "LEDGER_FORMAT_VERSION"]
 
@@ -131,26 +132,7 @@ class CacheLedger:
         cache_dir = os.fspath(cache_dir)
         os.makedirs(cache_dir, exist_ok=True)
         target = self.path_in(cache_dir)
-        data = self.to_json().encode("utf-8")
-        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix="." + LEDGER_FILENAME + ".", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            raise
-        # Make the rename itself durable: without this a power loss can bring back the old ledger.
-        dir_fd = os.open(cache_dir, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        atomic_write_bytes(target, self.to_json().encode("utf-8"))
         return target
 
     @classmethod

@@ -37,13 +37,13 @@ import dataclasses
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Mapping
 from typing import Any, Optional
 
 import numpy as np
 
 from levanter.tracker.tracker import Tracker, TrackerConfig, normalize_metrics, to_python
+from levanter.utils.fs import atomic_write_bytes, atomic_write_text
 
 logger = logging.getLogger(__name__)
 
@@ -68,43 +68,6 @@ def _json_default(obj: Any) -> Any:
 
 def _dumps(obj: Any, **kwargs) -> str:
     return json.dumps(obj, default=_json_default, **kwargs)
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return  # e.g. platforms without directory fds; the rename itself is still atomic
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Replace ``path`` by a file holding ``data``: readers see the old file or the new one, never a mix."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp creates 0600; keep the permissions an ordinary write would give
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(directory)
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def _line_step(line: bytes) -> Optional[int]:

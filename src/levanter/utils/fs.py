@@ -1,0 +1,50 @@
+"""Atomic file replacement: nothing a user keeps (ledgers, metrics, checkpoint metadata, corpus files)
+is ever left half-written.
+
+``atomic_write_bytes`` writes a temporary file in the target's directory, fsyncs it, renames it over the
+target (readers see the old file or the whole new one) and fsyncs the directory so that the rename
+itself survives a power loss. A failure removes the temporary file and leaves the old one untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+
+def fsync_dir(path: str) -> None:
+    """Make renames inside ``path`` durable (best effort: some filesystems refuse directory fsync)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str, data: bytes, *, mode: int = 0o644) -> None:
+    """Replace ``path`` by a file holding ``data``, atomically and durably."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        os.fchmod(fd, mode)  # mkstemp creates 0600; give the permissions an ordinary write would
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(directory)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
