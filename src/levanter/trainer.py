@@ -37,6 +37,7 @@ from jax.sharding import Mesh
 
 from .checkpoint import CheckpointerConfig, discover_latest_checkpoint, load_checkpoint
 from .data.loader import Batch
+from .distributed import DistributedConfig
 from .schedule import BatchSchedule, ScheduleStep
 from .tracker import JsonConfig, TrackerConfig, init_trackers
 
@@ -106,6 +107,7 @@ class TrainerConfig:
     crash_on_nan: bool = True
     crash_on_inf: bool = True
     allow_nondivisible_batch_size: bool = False
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     # accepted for upstream compatibility
     ray: RayConfig = dataclasses.field(default_factory=RayConfig)
     shutdown_at_exit: bool = False

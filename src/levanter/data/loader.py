@@ -60,15 +60,32 @@ class Batch(Generic[T]):
     wait_seconds: float = 0.0
 
 
+def rows_for_process(
+    device_processes: np.ndarray, axis_names: Sequence[str], data_axes: Sequence[str], batch_size: int, process_index: int
+) -> np.ndarray:
+    """Rows of a ``batch_size`` global batch held by process ``process_index`` -- a pure index map.
+
+    ``device_processes`` is the mesh's device array with each device replaced by its process index (any
+    shape, axes named ``axis_names``). The batch axis is split over ``data_axes`` into contiguous shards,
+    numbered row-major over those axes (as ``NamedSharding(mesh, P(data_axes))`` lays them out); a process
+    holds the shards of all its devices. Model-parallel replicas of a shard share its rows.
+    """
+    device_processes = np.asarray(device_processes)
+    data_dims = [list(axis_names).index(a) for a in data_axes]
+    other = [d for d in range(device_processes.ndim) if d not in data_dims]
+    # Data axes first (in data_axes order), then the rest: shard id = row-major index over the data axes.
+    grid = np.transpose(device_processes, data_dims + other)
+    num_shards = int(np.prod([device_processes.shape[d] for d in data_dims]))
+    grid = grid.reshape(num_shards, -1)
+    shards = np.flatnonzero((grid == process_index).any(axis=1))
+    per = batch_size // num_shards
+    return (shards[:, None] * per + np.arange(per)[None, :]).reshape(-1).astype(np.int64)
+
+
 def process_rows(mesh: Mesh, data_axes: tuple[str, ...], batch_size: int, process_index: int) -> np.ndarray:
     """Sorted rows of a ``batch_size`` global batch held by devices of process ``process_index``."""
-    sharding = NamedSharding(mesh, PartitionSpec(data_axes))
-    rows = set()
-    for device, index in sharding.devices_indices_map((batch_size,)).items():
-        if device.process_index == process_index:
-            sl = index[0]
-            rows.update(range(*sl.indices(batch_size)))
-    return np.asarray(sorted(rows), dtype=np.int64)
+    procs = np.vectorize(lambda d: d.process_index, otypes=[np.int64])(mesh.devices)
+    return rows_for_process(procs, mesh.axis_names, data_axes, batch_size, process_index)
 
 
 def _stack(examples) -> Any:

@@ -34,6 +34,8 @@ from levanter.data._prp import seed_from_key
 from levanter.data.fingerprint import batch_fingerprint, step_provenance
 from levanter.data.mixture import MixtureDataset
 from levanter.data.schedule_record import data_schedule_record, first_difference
+from levanter.distributed import DistributedStartupError, barrier, check_same_config_everywhere
+from levanter.tracker import NoopTracker
 from levanter.models import LlamaConfig, LmConfig
 from levanter.optim import AdamConfig, OptimizerConfig
 from levanter.utils.fault import fault_point
@@ -183,9 +185,13 @@ def run_eval(trainer: Trainer, model, eval_sets: Dict[str, AsyncDataset], config
 
 def main(config: TrainLmConfig) -> dict:
     """Train; returns a summary ``{"run_id", "final_step", "final_loss"}``."""
+    config.trainer.distributed.initialize()  # before anything asks JAX about devices
     tokenizer = validate(config)
+    check_same_config_everywhere(_config_dict(config))
     tcfg = config.trainer
     run_id = tcfg.run_id()
+    if jax.process_count() > 1 and tcfg.id is None:
+        raise ValueError("trainer.id must be set in multi-process runs, so that every process names the same run")
     tcfg.checkpointer.validate_writable(run_id)
     schedule = tcfg.batch_schedule
     Pos = config.model.Pos
@@ -195,6 +201,12 @@ def main(config: TrainLmConfig) -> dict:
     model_key = jax.random.split(key, 4)[2]  # (data, loader, model, training), upstream's order
     dkey = data_key(config)
 
+    if jax.process_index() == 0:
+        # One process builds the caches first; the others then find them finished (on a shared
+        # filesystem) or build identical ones of their own (builds are deterministic).
+        config.data.build_caches("train")
+        config.data.build_caches("validation")
+    barrier("levanter-caches-built")
     train_set = config.data.train_set(config.model.seq_len, schedule, key=dkey)
     eval_sets = config.data.validation_sets(config.model.seq_len)
     mixture = train_set if isinstance(train_set, MixtureDataset) else None
@@ -212,9 +224,14 @@ def main(config: TrainLmConfig) -> dict:
     if restored_from is not None:
         check_data_schedule(restored_from, record, start_step, allow=config.allow_data_schedule_change)
 
-    tracker = init_trackers(tcfg.trackers(), run_id, os.path.join(tcfg.log_dir), resume_step=start_step)
+    if jax.process_index() == 0:
+        tracker = init_trackers(tcfg.trackers(), run_id, os.path.join(tcfg.log_dir), resume_step=start_step)
+    else:
+        tracker = NoopTracker()  # one writer: every process computes the same (global) metrics
     tracker.log_hyperparameters(_config_dict(config))
-    checkpointer = tcfg.checkpointer.create(run_id, metadata={"data_schedule": record})
+    checkpointer = tcfg.checkpointer.create(
+        run_id, metadata={"data_schedule": record}, barrier=barrier if jax.process_count() > 1 else None
+    )
     previous_handler = trainer.install_sigterm_handler()
 
     loader = DataLoader(train_set, schedule, mesh=trainer.mesh, data_axis="data", prefetch_depth=config.prefetch_depth)
@@ -222,7 +239,8 @@ def main(config: TrainLmConfig) -> dict:
     peak = peak_flops_per_device(jax.devices()[0])
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=tcfg.num_train_steps, initial=start_step, desc="train", unit="step", disable=None)
+    bar = tqdm(total=tcfg.num_train_steps, initial=start_step, desc="train", unit="step",
+               disable=None if jax.process_index() == 0 else True)
     last_loss = None
     seen_sizes: set[int] = set()
 
@@ -321,11 +339,16 @@ def cli_main(config: TrainLmConfig):
     return main(config)
 
 
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def cli(argv=None) -> None:
+    """The command-line entry point: user errors (bad config values, missing files, a coordinator that
+    never answers) print one paragraph and exit with status 2, without a traceback."""
     try:
-        cli_main()
-    except (ValueError, FileNotFoundError) as e:
-        # User errors (bad config values, missing files): one paragraph, no traceback.
+        cli_main(argv=argv)
+    except (ValueError, FileNotFoundError, DistributedStartupError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cli()

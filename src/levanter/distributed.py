@@ -1,0 +1,195 @@
+"""Multi-process start-up: ``trainer.distributed`` and JAX's multi-controller runtime.
+
+Every host runs the same command; ``jax.distributed.initialize`` connects them, after which
+``jax.devices()`` lists every device of every process and the trainer builds one global mesh.
+
+* **Automatic** (the default): initialise when the environment says this is one of several processes
+  -- a multi-host TPU slice, a SLURM job step with several tasks, an Open MPI launch -- and let JAX read
+  the coordinator address and process ids from that environment.
+* **Explicit**: ``coordinator_address`` (``host:port`` of process 0), ``num_processes`` and
+  ``process_id`` (and optionally ``local_device_ids``), for clusters JAX cannot detect or for tests on
+  one machine (127.0.0.1).
+
+Bad settings fail fast with the config key named: a process id out of range, an unreachable
+coordinator (after ``initialization_timeout`` seconds, not a hang), and -- checked right after start-up --
+processes launched with different configs (a digest of each process's config is compared).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from typing import List, Optional, Union
+
+import jax
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+class DistributedStartupError(RuntimeError):
+    """The multi-process runtime could not start (unreachable coordinator, missing processes)."""
+
+
+def _env_int(name: str) -> int | None:
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError):
+        return None
+
+
+def detected_cluster() -> str | None:
+    """The kind of multi-process launch this environment looks like, or None for a single process."""
+    tpu_hosts = [h for h in os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+    if len(tpu_hosts) > 1 or (_env_int("MEGASCALE_NUM_SLICES") or 1) > 1:
+        return "tpu"
+    if (_env_int("SLURM_NTASKS") or _env_int("SLURM_STEP_NUM_TASKS") or 1) > 1 and "SLURM_PROCID" in os.environ:
+        return "slurm"
+    if (_env_int("OMPI_COMM_WORLD_SIZE") or 1) > 1:
+        return "mpi"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    coordinator_address: Optional[str] = None
+    num_processes: Optional[int] = None
+    process_id: Optional[int] = None
+    local_device_ids: Optional[Union[int, List[int]]] = None
+    # None: initialise when explicit settings are given or a cluster launch is detected.
+    initialize_jax_distributed: Optional[bool] = None
+    initialization_timeout: int = 300
+
+    @property
+    def explicit(self) -> bool:
+        return any(v is not None for v in (self.coordinator_address, self.num_processes, self.process_id))
+
+    def validate(self) -> None:
+        if not self.explicit:
+            return
+        missing = [k for k in ("coordinator_address", "num_processes", "process_id") if getattr(self, k) is None]
+        if missing:
+            raise ValueError(
+                f"trainer.distributed: explicit start-up needs coordinator_address, num_processes and process_id; "
+                f"missing {', '.join(missing)}"
+            )
+        if self.num_processes < 1:
+            raise ValueError(f"trainer.distributed.num_processes must be >= 1, got {self.num_processes}")
+        if not 0 <= self.process_id < self.num_processes:
+            raise ValueError(
+                f"trainer.distributed.process_id={self.process_id} is out of range for num_processes="
+                f"{self.num_processes} (valid: 0..{self.num_processes - 1})"
+            )
+        host, _, port = self.coordinator_address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(
+                f"trainer.distributed.coordinator_address must be host:port, got {self.coordinator_address!r}"
+            )
+        if self.initialization_timeout < 1:
+            raise ValueError(f"trainer.distributed.initialization_timeout must be >= 1, got {self.initialization_timeout}")
+
+    def should_initialize(self) -> bool:
+        if self.initialize_jax_distributed is not None:
+            return self.initialize_jax_distributed
+        return self.explicit or detected_cluster() is not None
+
+    def initialize(self) -> None:
+        """Start JAX's multi-process runtime if this is a multi-process launch (idempotent)."""
+        self.validate()
+        if not self.should_initialize() or _is_initialized():
+            return
+        kwargs = dict(initialization_timeout=self.initialization_timeout)
+        if self.explicit:
+            kwargs.update(
+                coordinator_address=self.coordinator_address,
+                num_processes=self.num_processes,
+                process_id=self.process_id,
+            )
+        if self.local_device_ids is not None:
+            kwargs["local_device_ids"] = self.local_device_ids
+        where = self.coordinator_address or f"auto-detected ({detected_cluster() or 'jax'})"
+        if self.explicit and self.process_id != 0:
+            # JAX aborts the whole process (no exception) when the coordinator never answers; probe it first
+            # so the user gets an error that names the address.
+            _wait_for_coordinator(self.coordinator_address, self.initialization_timeout)
+        logger.info("initializing jax.distributed: coordinator %s", where)
+        try:
+            jax.distributed.initialize(**kwargs)
+        except Exception as e:  # noqa: BLE001 -- JAX raises several runtime error types here
+            raise DistributedStartupError(
+                f"trainer.distributed: could not start the multi-process runtime with coordinator {where} within "
+                f"{self.initialization_timeout} s ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). "
+                "Check that every process was started, that the coordinator address is reachable from this host, "
+                "and that all processes use the same num_processes."
+            ) from None
+        logger.info("process %d of %d, %d local / %d global devices", jax.process_index(), jax.process_count(),
+                    jax.local_device_count(), jax.device_count())
+
+
+def _wait_for_coordinator(address: str, timeout: float) -> None:
+    import socket
+    import time
+
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=min(2.0, timeout)):
+                return
+        except OSError as e:
+            last = e
+            time.sleep(0.25)
+    raise DistributedStartupError(
+        f"trainer.distributed: the coordinator {address} did not answer within {timeout:g} s "
+        f"(trainer.distributed.initialization_timeout); last error: {last}. Start process 0 (which hosts the "
+        "coordinator) and check trainer.distributed.coordinator_address."
+    )
+
+
+def _is_initialized() -> bool:
+    try:
+        from jax._src import distributed as _dist
+
+        return _dist.global_state.client is not None
+    except (ImportError, AttributeError):
+        return False
+
+
+def config_digest(encoded_config: dict) -> str:
+    """A digest of a config as every process must agree on it (per-process start-up fields removed)."""
+    cfg = json.loads(json.dumps(encoded_config, sort_keys=True, default=str))
+    dist = cfg.get("trainer", {}).get("distributed")
+    if isinstance(dist, dict):
+        for k in ("process_id", "local_device_ids"):
+            dist.pop(k, None)
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()
+
+
+def check_same_config_everywhere(encoded_config: dict) -> None:
+    """Raise if any process was launched with a different config (multi-process only)."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    digest = config_digest(encoded_config)
+    mine = np.frombuffer(bytes.fromhex(digest)[:16], dtype=np.uint32)
+    everyone = np.asarray(multihost_utils.process_allgather(mine))
+    differing = [p for p in range(everyone.shape[0]) if not np.array_equal(everyone[p], everyone[0])]
+    if differing:
+        raise ValueError(
+            f"the processes were launched with different configs: processes {differing} differ from process 0 "
+            f"(this is process {jax.process_index()}, config digest {digest[:16]}). Launch every process with the "
+            "same config and overrides."
+        )
+
+
+def barrier(name: str) -> None:
+    """Wait for every process (no-op for a single process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
