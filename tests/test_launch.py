@@ -31,6 +31,7 @@ preempt        first training run: a worker prints status 75 and the TPU becomes
 sigterm        first training run exits 75 but the TPU stays READY
 always_preempt every training run is preempted
 fail           every training run fails with status 3 (a bug, not a preemption)
+disconnect     first training run: the ssh session drops (exit 255) before any worker reports; TPU READY
 """
 import json, os, re, sys
 
@@ -38,7 +39,10 @@ args = sys.argv[1:]
 with open(os.environ["FAKE_GCLOUD_LOG"], "a") as f:
     f.write(json.dumps(args) + "\n")
 state_path = os.environ["FAKE_GCLOUD_STATE"]
-st = json.load(open(state_path)) if os.path.exists(state_path) else {{"tpu": os.environ.get("FAKE_GCLOUD_INITIAL", "NOT_FOUND"), "runs": 0}}
+if os.path.exists(state_path):
+    st = json.load(open(state_path))
+else:
+    st = {{"tpu": os.environ.get("FAKE_GCLOUD_INITIAL", "NOT_FOUND"), "runs": 0}}
 scenario = os.environ.get("FAKE_GCLOUD_SCENARIO", "preempt")
 
 def save():
@@ -47,7 +51,9 @@ def save():
 verb = args[3] if args[:3] == ["compute", "tpus", "tpu-vm"] else None
 if verb == "describe":
     if st["tpu"] == "NOT_FOUND":
-        print(f"ERROR: (gcloud.compute.tpus.tpu-vm.describe) NOT_FOUND: Resource 'nodes/{{args[4]}}' was not found", file=sys.stderr)
+        err = ("ERROR: (gcloud.compute.tpus.tpu-vm.describe) NOT_FOUND: "
+               "Resource 'nodes/" + args[4] + "' was not found")
+        print(err, file=sys.stderr)
         sys.exit(1)
     print(st["tpu"])
 elif verb == "create":
@@ -67,6 +73,8 @@ elif verb == "ssh":
     print("worker env: WANDB_API_KEY=" + (m.group(1) if m else "<unset>"))
     print(f"step {{st['runs']}}: loss 5.3", flush=True)
     first = st["runs"] == 1
+    if scenario == "disconnect" and first:
+        sys.exit(255)
     if scenario == "fail":
         print("LEVANTER_EXIT_STATUS=3 host=w0"); sys.exit(3)
     if (scenario in ("preempt", "sigterm") and first) or scenario == "always_preempt":
@@ -98,7 +106,8 @@ env_from_host: [WANDB_API_KEY]
 poll_seconds: 0
 """
 
-TRAIN_ARGS = ["--config_path", "config/my run.yaml", "--trainer.num_train_steps", "1000"]
+# A value with spaces (two in a row) and a quote: it must reach train_lm intact.
+TRAIN_ARGS = ["--config_path", "config/my  run's.yaml", "--trainer.num_train_steps", "1000"]
 
 
 @pytest.fixture
@@ -112,7 +121,8 @@ def fake(tmp_path):
     config.write_text(BASE_CONFIG + f"log_dir: {tmp_path / 'launch-logs'}\n")
     log = tmp_path / "gcloud-calls.jsonl"
 
-    def run(*launcher_args, scenario="preempt", initial="NOT_FOUND", config_text=None, path=None, extra_env=None):
+    def run(*launcher_args, scenario="preempt", initial="NOT_FOUND", config_text=None, path=None,
+            extra_env=None):
         if config_text is not None:
             config.write_text(config_text)
         env = dict(os.environ)
@@ -148,7 +158,8 @@ def _remote_tokens(call):
     command = call[call.index("--command") + 1]
     # The remote command must be valid shell, with every value quoted.
     subprocess.run(["bash", "-n", "-c", command], check=True)
-    lexer = shlex.shlex(command, posix=True, punctuation_chars=True)  # ';' and '&&' become tokens of their own
+    # punctuation_chars: ';' and '&&' become tokens of their own
+    lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
     lexer.whitespace_split = True
     return list(lexer)
 
@@ -184,7 +195,8 @@ def test_preemption_is_relaunched_with_the_same_trainer_id(fake):
     assert calls[6] == ["compute", "tpus", "tpu-vm", "delete", *where, "--quiet"]
     for c in calls:
         if c[3] == "ssh":
-            assert c[:c.index("--command")] == ["compute", "tpus", "tpu-vm", "ssh", *where, "--worker=all", "--quiet"]
+            ssh = ["compute", "tpus", "tpu-vm", "ssh", *where, "--worker=all", "--quiet"]
+            assert c[:c.index("--command")] == ssh
 
     runs = [c for c in calls if _kind(c) == "run"]
     first_id, second_id = _trainer_id(runs[0]), _trainer_id(runs[1])
@@ -214,12 +226,20 @@ def test_preemption_is_relaunched_with_the_same_trainer_id(fake):
 
 
 def test_sigterm_exit_on_a_healthy_tpu_relaunches_without_recreating(fake):
-    p, calls = fake("--retries", "1", "--", *TRAIN_ARGS, "--trainer.id", "my-run", scenario="sigterm", initial="READY")
+    p, calls = fake("--retries", "1", "--", *TRAIN_ARGS, "--trainer.id", "my-run",
+                    scenario="sigterm", initial="READY")
     assert p.returncode == 0, p.stdout + p.stderr
     assert [_kind(c) for c in calls] == ["describe", "setup", "run", "describe", "setup", "run"]
     runs = [c for c in calls if _kind(c) == "run"]
     assert [_trainer_id(c) for c in runs] == ["my-run", "my-run"]
     assert _remote_tokens(runs[0]).count("--trainer.id") == 1  # the user's id, not a second one
+
+
+def test_lost_ssh_connection_is_relaunched(fake):
+    p, calls = fake("--retries", "1", "--", *TRAIN_ARGS, scenario="disconnect", initial="READY")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert [_kind(c) for c in calls] == ["describe", "setup", "run", "describe", "setup", "run"]
+    assert "before any worker reported a status" in p.stdout
 
 
 def test_other_failures_are_not_retried(fake):
@@ -256,7 +276,8 @@ def test_dry_run_queued_resource(fake):
     p, calls = fake("--dry-run", "--", *TRAIN_ARGS, config_text=config)
     assert p.returncode == 0, p.stderr
     assert calls == []
-    creates = [shlex.split(line[2:]) for line in p.stdout.splitlines() if line.startswith("$ ") and " create " in line]
+    commands = [shlex.split(line[2:]) for line in p.stdout.splitlines() if line.startswith("$ ")]
+    creates = [c for c in commands if "create" in c]
     assert creates == [[
         "gcloud", "alpha", "compute", "tpus", "queued-resources", "create", "test-tpu",
         "--project", "proj", "--zone", "us-west4-a", "--node-id", "test-tpu",
@@ -281,8 +302,10 @@ def test_config_errors_name_the_problem(fake):
 
 
 def test_missing_config_file_and_missing_gcloud(fake, tmp_path):
-    p = subprocess.run([sys.executable, str(LAUNCHER), "--config", str(tmp_path / "nope.yaml"), "--", *TRAIN_ARGS],
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, str(LAUNCHER), "--config", str(tmp_path / "nope.yaml"), "--", *TRAIN_ARGS],
+        capture_output=True, text=True, timeout=60,
+    )
     assert p.returncode == 2 and "launch config file not found" in p.stderr and "nope.yaml" in p.stderr
 
     empty = tmp_path / "empty-bin"
@@ -292,13 +315,13 @@ def test_missing_config_file_and_missing_gcloud(fake, tmp_path):
 
 
 def test_env_overrides_and_docker_mode(fake):
-    config = BASE_CONFIG.replace(
-        "  mode: venv\n", "  mode: docker\n  docker_image: us-west4-docker.pkg.dev/proj/levanter/levanter:latest\n"
-    )
-    p, _ = fake("--dry-run", "--", *TRAIN_ARGS, config_text=config, extra_env={"LEVANTER_LAUNCH_TPU_NAME": "other-tpu"})
+    image = "us-west4-docker.pkg.dev/proj/levanter/levanter:latest"
+    config = BASE_CONFIG.replace("  mode: venv\n", f"  mode: docker\n  docker_image: {image}\n")
+    p, _ = fake("--dry-run", "--", *TRAIN_ARGS, config_text=config,
+                extra_env={"LEVANTER_LAUNCH_TPU_NAME": "other-tpu"})
     assert p.returncode == 0, p.stderr
     assert "tpu-vm create other-tpu" in p.stdout and "test-tpu" not in p.stdout
-    assert "sudo docker pull us-west4-docker.pkg.dev/proj/levanter/levanter:latest" in p.stdout
+    assert f"sudo docker pull {image}" in p.stdout and "configure-docker us-west4-docker.pkg.dev" in p.stdout
     assert "-e WANDB_API_KEY=*** " in p.stdout and SECRET not in p.stdout
 
 
@@ -306,6 +329,6 @@ def test_env_overrides_and_docker_mode(fake):
 def test_sbatch_script_is_valid_bash():
     subprocess.run(["bash", "-n", str(SBATCH)], check=True)
     text = SBATCH.read_text()
-    for needle in ("#SBATCH --requeue", "#SBATCH --signal=TERM@120", "scontrol requeue", "scontrol show hostnames",
-                   "srun", "levanter.main.train_lm"):
+    for needle in ("#SBATCH --requeue", "#SBATCH --signal=TERM@120", "scontrol requeue",
+                   "scontrol show hostnames", "srun", "levanter.main.train_lm"):
         assert needle in text
