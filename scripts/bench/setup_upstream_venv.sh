@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create a virtual environment with upstream Levanter for scripts/bench/train.py --upstream-venv.
 #
-#   scripts/bench/setup_upstream_venv.sh [VENV_DIR]      # default: ./.upstream-venv (outside git: see below)
+#   scripts/bench/setup_upstream_venv.sh [VENV_DIR]      # default: ~/.cache/levanter-bench/upstream-venv
 #
 # Pins (see shared/reference/environment.md §6): levanter 1.2.dev1644 is broken with jax >= 0.8, so jax and
 # jaxlib are held at 0.7.2 and flax below 0.12 (0.12 needs jax >= 0.10); GitPython and chex are undeclared
@@ -9,7 +9,8 @@
 # Pass the directory to the benchmark:  .venv/bin/python scripts/bench/train.py --upstream-venv VENV_DIR
 set -euo pipefail
 
-VENV=${1:-.upstream-venv}
+# The default lies outside the checkout: a 1.7 GB venv must not show up as untracked files here.
+VENV=${1:-$HOME/.cache/levanter-bench/upstream-venv}
 PYTHON=${PYTHON:-python3}
 
 if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import levanter" 2>/dev/null; then
@@ -17,6 +18,7 @@ if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import levanter" 2>/dev/n
     exit 0
 fi
 
+mkdir -p "$(dirname "$VENV")"
 "$PYTHON" -m venv "$VENV"
 "$VENV/bin/pip" install -q --upgrade pip
 "$VENV/bin/pip" install -q \

@@ -48,8 +48,8 @@ Usage::
     .venv/bin/python scripts/bench/train.py                      # 3 repeats x 60 steps, ~4 min on 2 cores
     .venv/bin/python scripts/bench/train.py --quick              # 1 repeat x 20 steps
     .venv/bin/python scripts/bench/train.py --config config/llama_nano.yaml --trainer.train_batch_size 16
-    scripts/bench/setup_upstream_venv.sh ../upstream-venv
-    .venv/bin/python scripts/bench/train.py --upstream-venv ../upstream-venv
+    scripts/bench/setup_upstream_venv.sh ~/.cache/levanter-bench/upstream-venv      # ~2 min, ~1.7 GB
+    .venv/bin/python scripts/bench/train.py --upstream-venv ~/.cache/levanter-bench/upstream-venv
 """
 
 from __future__ import annotations
@@ -433,6 +433,16 @@ def prepare_upstream(cfg: dict, args, prep_dir: str) -> tuple[dict, dict]:
                 paths.append(materialize(name, which, os.path.join(prep_dir, "data")))
             else:
                 paths.append(url if "://" in url else os.path.abspath(url))
+        if len(paths) > 1 and all(os.path.isfile(p) and p.endswith(".jsonl") for p in paths):
+            # One file per split: with several, upstream's cache build ends with a Ray task asking for
+            # 4 CPUs and 6 GiB ("copy other groups into permanent cache"), which never schedules on a
+            # 2-core machine. Concatenating in URL order keeps the same documents in the same order.
+            joined = os.path.join(prep_dir, "data", f"{split}.jsonl")
+            with open(joined, "wb") as out:
+                for p in paths:
+                    with open(p, "rb") as f:
+                        shutil.copyfileobj(f, out)
+            paths = [joined]
         data[split] = paths
     py = os.path.join(args.upstream_venv, "bin", "python")
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
@@ -561,6 +571,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="%(prog)s [options] [--key value ...]   (unknown --key value pairs are passed to train_lm)",
+        allow_abbrev=False,
     )
     p.add_argument("--quick", action="store_true", help="1 repeat of 20 steps (smoke run)")
     p.add_argument("--config", default=DEFAULT_CONFIG, help="train_lm config (default config/gpt2_nano.yaml)")
@@ -597,6 +608,7 @@ def main(argv=None) -> None:
         + (f" {' '.join(overrides)}" if overrides else "")
         + f"; {steps} steps x {repeats} repeat(s), fresh subprocess + working dir each"
         + ("; warm (pre-built) token cache" if args.warm_cache else "; fresh token cache (build included)")
+        + "; load average %.2f %.2f %.2f" % os.getloadavg()
     )
     t_start = time.perf_counter()
 
@@ -670,7 +682,11 @@ def main(argv=None) -> None:
         )
 
     print()
-    print(f"# total wall time {time.perf_counter() - t_start:.1f} s")
+    print(
+        f"# total wall time {time.perf_counter() - t_start:.1f} s; load average now %.2f %.2f %.2f "
+        "(above ~0.5 on top of this benchmark, other processes share the cores: prefer min over median)"
+        % os.getloadavg()
+    )
 
 
 if __name__ == "__main__":

@@ -324,11 +324,19 @@ class Trainer:
                 )
             denom = jnp.maximum(count, 1.0)
             grads = jax.tree.map(lambda g: g / denom, grads)
+            grad_norm = optax.tree.norm(grads)
             updates, opt_state = optimizer.update(grads, state.opt_state, params)
-            params = eqx.apply_updates(params, updates)
-            model = eqx.combine(params, static)
+            new_params = eqx.apply_updates(params, updates)
+            # A non-finite loss or gradient never reaches the parameters: the update is skipped (the host
+            # then stops the run, or logs the skip, per crash_on_nan / crash_on_inf).
+            finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
+            keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+            new_params = jax.tree.map(keep, new_params, params)
+            opt_state = jax.tree.map(keep, opt_state, state.opt_state)
+            model = eqx.combine(new_params, static)
             new_state = TrainerState(state.step + 1, model, opt_state, state.training_key)
-            metrics = {"loss": total / denom, "loss_tokens": count, "grad_norm": optax.tree.norm(grads)}
+            metrics = {"loss": total / denom, "loss_tokens": count, "grad_norm": grad_norm,
+                       "skipped": jnp.logical_not(finite)}
             return new_state, metrics
 
         return hax.named_jit(
@@ -387,10 +395,19 @@ def check_step(batch: Batch, state_step: int) -> None:
 
 
 def check_finite(loss: float, step: int, config: TrainerConfig) -> None:
+    """Stop on a NaN / infinite loss (the step's update was not applied), unless configured to go on."""
     if math.isnan(loss) and config.crash_on_nan:
-        raise FloatingPointError(f"train/loss is NaN at step {step}")
+        raise FloatingPointError(
+            f"train/loss is NaN at step {step}; the update was not applied and training stopped. Set "
+            "trainer.crash_on_nan: false to skip such steps instead."
+        )
     if math.isinf(loss) and config.crash_on_inf:
-        raise FloatingPointError(f"train/loss is infinite at step {step}")
+        raise FloatingPointError(
+            f"train/loss is infinite at step {step}; the update was not applied and training stopped. Set "
+            "trainer.crash_on_inf: false to skip such steps instead."
+        )
+    if not math.isfinite(loss):
+        logger.warning("train/loss is %s at step %d: the update was skipped", loss, step)
 
 
 __all__ = [

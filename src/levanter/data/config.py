@@ -28,7 +28,7 @@ from ..schedule import BatchSchedule
 from ._prp import derive_seed, seed_from_key
 from .dataset import AsyncDataset
 from .mixture import STOP_STRATEGIES, MixtureDataset
-from .sources import SourceError
+from .sources import SourceError, expand_urls
 from .text import CausalLmDataset, TokenSeqDataset
 
 logger = logging.getLogger(__name__)
@@ -136,6 +136,20 @@ class LMTaskConfig:
             what=what,
         )
 
+    def _check_source_inputs(self, source: LMDatasetSourceConfig, cache_dir: str, what: str) -> None:
+        """Fail fast on missing files / empty globs, unless a finished cache makes the files unnecessary."""
+        from ..store.ledger import CacheLedger
+
+        for split in ("train", "validation"):
+            urls = source.urls(split)
+            if not urls:
+                continue
+            ledger = CacheLedger.load(os.path.join(cache_dir, split))
+            if ledger is not None and ledger.is_finished:
+                continue
+            expand_urls([u for u in urls if not u.startswith("embedded://")] or [], what=f"{what}.{split}_urls",
+                        allow_empty=True)
+
     def _dataset(self, cache, seq_len: int) -> AsyncDataset:
         tokens = TokenSeqDataset(cache.store, seq_len)
         if len(tokens) == 0:
@@ -156,6 +170,14 @@ class LMTaskConfig:
 @dataclasses.dataclass(frozen=True)
 class UrlSingleDatasetLMConfig(LMTaskConfig, LMDatasetSourceConfig):
     """A single source (upstream ``LMDatasetConfig`` / ``UrlSingleDatasetLMConfig``)."""
+
+    def validate(self, *, num_train_steps: int) -> None:
+        self._check_task_fields()
+        if not self.train_urls and self.id is None:
+            raise ValueError("data.train_urls is empty: nothing to train on")
+
+    def check_inputs(self) -> None:
+        self._check_source_inputs(self, self.cache_dir or "cache/", "data")
 
     def build_caches(self, split: str = "train"):
         self._check_task_fields()
@@ -212,12 +234,41 @@ class LMMixtureDatasetConfig(LMTaskConfig):
         self._check_task_fields()
         if not self.configs:
             raise ValueError("data.configs is empty: a mixture needs at least one source")
-        self.stages()
+        from .mixture import _normalize_stages
+
+        try:
+            _normalize_stages(self.stages(), list(self.configs))
+        except ValueError as e:
+            raise ValueError(f"data.train_weights: {e}") from None
         if self.stop_strategy not in STOP_STRATEGIES:
             raise ValueError(f"data.stop_strategy: expected one of {STOP_STRATEGIES}, got {self.stop_strategy!r}")
         for name in ("target_budget", "experiment_budget", "max_train_batches", "num_validation_sequences"):
             if getattr(self, name) is not None:
                 raise ValueError(f"data.{name} is not supported by this fork yet; remove it from the config")
+
+    def validate(self, *, num_train_steps: int) -> None:
+        """Cross-field checks against the run length; errors name the key and a fix."""
+        self._check()
+        stages = self.stages()
+        for start, _ in stages:
+            if start >= num_train_steps:
+                raise ValueError(
+                    f"data.train_weights: the stage starting at step {start} would never run, since "
+                    f"trainer.num_train_steps is {num_train_steps} (steps 0..{num_train_steps - 1}). Remove the stage "
+                    "or train longer."
+                )
+        for name, src in self.configs.items():
+            if src.train_urls and not any(m.get(name, 0) > 0 for _, m in stages):
+                raise ValueError(
+                    f"data.configs.{name} has train_urls but weight 0 in every stage of data.train_weights: give it a "
+                    "weight, or drop its train_urls to keep it for validation only"
+                )
+            if any(m.get(name, 0) > 0 for _, m in stages) and not src.train_urls and src.id is None:
+                raise ValueError(f"data.configs.{name} has a training weight but no train_urls")
+
+    def check_inputs(self) -> None:
+        for name, src in self.configs.items():
+            self._check_source_inputs(src, self.source_cache_dir(name), f"data.configs.{name}")
 
     def source_cache_dir(self, name: str) -> str:
         src = self.configs[name]

@@ -45,6 +45,34 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class TransientDataError(OSError):
+    """Raise (or subclass) this from a dataset for a failure worth retrying (a flaky read)."""
+
+
+# Failures of storage and networks: worth retrying. Anything else is a bug or bad data: not retried.
+TRANSIENT_ERRORS = (TransientDataError, TimeoutError, ConnectionError, OSError)
+
+
+def _describe_indices(indices: np.ndarray) -> str:
+    idx = np.asarray(indices)
+    if idx.size and (np.diff(idx) == 1).all():
+        return f"global indices {int(idx[0])}..{int(idx[-1])} ({idx.size} rows)"
+    shown = ", ".join(map(str, idx[:8].tolist())) + (", ..." if idx.size > 8 else "")
+    return f"global indices [{shown}] ({idx.size} rows)"
+
+
+class DataLoadError(RuntimeError):
+    """Reading a step's batch failed for good: names the step and the indices."""
+
+    def __init__(self, step: int, indices: np.ndarray, cause: BaseException, *, attempts: int):
+        self.step = step
+        self.indices = np.asarray(indices)
+        super().__init__(
+            f"data loading failed at step {step} for {_describe_indices(indices)} after {attempts} attempt"
+            f"{'s' if attempts > 1 else ''}: {type(cause).__name__}: {cause}"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class Batch(Generic[T]):
     """One step's global batch.
@@ -120,6 +148,8 @@ class DataLoader(Generic[T]):
         data_axis: str | Sequence[str] = "data",
         prefetch_depth: int = 8,
         process_index: int | None = None,
+        retries: int = 5,
+        retry_backoff: float = 0.1,
     ):
         self.dataset = dataset
         self.schedule = batch_size if isinstance(batch_size, BatchSchedule) else BatchSchedule(batch_size)
@@ -134,6 +164,10 @@ class DataLoader(Generic[T]):
         if prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be >= 0, got {prefetch_depth}")
         self.prefetch_depth = prefetch_depth
+        if retries < 0 or retry_backoff < 0:
+            raise ValueError(f"retries and retry_backoff must be >= 0, got {retries}, {retry_backoff}")
+        self.retries = retries
+        self.retry_backoff = retry_backoff
         self.process_index = jax.process_index() if process_index is None else process_index
         self.data_parallel_size = int(np.prod([mesh.shape[a] for a in self.data_axes]))
         for seg in self.schedule.segments:
@@ -173,12 +207,35 @@ class DataLoader(Generic[T]):
         return self._end_step
 
     # -- fetching ------------------------------------------------------------------------------------
+    async def _read_with_retries(self, step: int, indices: np.ndarray):
+        """``get_batch`` with retries (exponential backoff) for transient storage errors.
+
+        A retried read asks for exactly the same indices with the same step, so retries never change the
+        data. Errors that are not transient, and transient ones that outlast the retries, become a
+        :class:`DataLoadError` naming the step and the indices.
+        """
+        delay = self.retry_backoff
+        for attempt in range(self.retries + 1):
+            try:
+                return await self.dataset.get_batch(step, indices)
+            except DatasetExhausted:
+                raise
+            except TRANSIENT_ERRORS as e:
+                if attempt == self.retries:
+                    raise DataLoadError(step, indices, e, attempts=attempt + 1) from e
+                logger.warning("transient error reading step %d (attempt %d of %d): %s; retrying in %.2f s", step,
+                               attempt + 1, self.retries + 1, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+            except Exception as e:  # noqa: BLE001 -- a permanent error: name the step and the rows
+                raise DataLoadError(step, indices, e, attempts=attempt + 1) from e
+
     async def fetch(self, step: int) -> Batch[T]:
         """Read and assemble one step's batch (no ordering guarantees; used by the iterators)."""
         bs = self.schedule.batch_size_at_step(step)
         first = self.schedule.global_data_offset_by_step(step)
         rows = self.local_rows(bs)
-        examples = await self.dataset.get_batch(step, first + rows)
+        examples = await self._read_with_retries(step, first + rows)
         if len(examples) != len(rows):
             raise ValueError(f"dataset returned {len(examples)} examples for {len(rows)} indices at step {step}")
         data = await asyncio.to_thread(self._assemble, examples, rows, bs)
@@ -341,8 +398,11 @@ class DataLoaderIterator(Iterator[Batch[T]]):
             self._finalizer = weakref.finalize(self, self._loop.close)
 
     def _fail(self, step: int, exc: BaseException) -> RuntimeError:
-        err = RuntimeError(f"data loading failed at step {step}: {type(exc).__name__}: {exc}")
-        err.__cause__ = exc
+        if isinstance(exc, DataLoadError):
+            err: RuntimeError = exc
+        else:
+            err = RuntimeError(f"data loading failed at step {step}: {type(exc).__name__}: {exc}")
+            err.__cause__ = exc
         self._error = err
         return err
 
@@ -358,7 +418,7 @@ class DataLoaderIterator(Iterator[Batch[T]]):
         except DatasetExhausted:
             return None, 0.0
         except Exception as e:  # noqa: BLE001 -- re-raised with the step
-            raise self._fail(step, e) from e
+            raise self._fail(step, e)
         return batch, time.perf_counter() - t0
 
     def _next_prefetched(self) -> tuple[Batch[T] | None, float]:
@@ -369,7 +429,7 @@ class DataLoaderIterator(Iterator[Batch[T]]):
         if kind == "end":
             return None, waited
         if kind == "error":
-            raise self._fail(step, value) from value
+            raise self._fail(step, value)
         return value, waited
 
     def __next__(self) -> Batch[T]:

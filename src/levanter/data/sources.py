@@ -71,7 +71,9 @@ def detect_format(path: str) -> str:
     )
 
 
-def expand_urls(urls: Sequence[str], *, embedded_dir: str | None = None, what: str = "train_urls") -> list[str]:
+def expand_urls(
+    urls: Sequence[str], *, embedded_dir: str | None = None, what: str = "train_urls", allow_empty: bool = False
+) -> list[str]:
     """Expand braces and globs into an ordered list of existing files (shards).
 
     Raises :class:`SourceError` naming the URL for a missing file or a glob that matches nothing.
@@ -103,7 +105,7 @@ def expand_urls(urls: Sequence[str], *, embedded_dir: str | None = None, what: s
                 detect_format(f)
                 if f not in shards:
                     shards.append(f)
-    if not shards:
+    if not shards and not allow_empty:
         raise SourceError(f"{what}: no input files given")
     return shards
 

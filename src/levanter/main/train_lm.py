@@ -29,7 +29,7 @@ import numpy as np
 import levanter.config
 from levanter.data.config import DataConfig, UrlSingleDatasetLMConfig
 from levanter.data.dataset import AsyncDataset
-from levanter.data.loader import DataLoader
+from levanter.data.loader import DataLoader, DataLoadError
 from levanter.data._prp import seed_from_key
 from levanter.data.fingerprint import batch_fingerprint, step_provenance
 from levanter.data.mixture import MixtureDataset
@@ -92,6 +92,7 @@ def validate(config: TrainLmConfig):
     if config.prefetch_depth < 0:
         raise ValueError(f"prefetch_depth must be >= 0, got {config.prefetch_depth}")
     config.trainer.validate()
+    config.data.validate(num_train_steps=config.trainer.num_train_steps)
     max_len = getattr(config.model, "max_seq_len", None)
     if max_len is not None and config.model.seq_len > max_len:
         raise ValueError(f"model.seq_len={config.model.seq_len} exceeds what the model supports ({max_len})")
@@ -101,6 +102,7 @@ def validate(config: TrainLmConfig):
         raise ValueError(
             f"model.vocab_size={model_vocab} is smaller than the tokenizer's vocabulary ({tokenizer.vocab_size})"
         )
+    config.data.check_inputs()  # missing files and empty globs, before any cache is built
     return tokenizer
 
 
@@ -275,6 +277,7 @@ def main(config: TrainLmConfig) -> dict:
                     "train/loss": loss,
                     "train/learning_rate": float(lr_schedule(step)),
                     "train/grad_norm": float(metrics["grad_norm"]),
+                    "train/skipped_step": int(metrics["skipped"]),
                     "throughput/step_seconds": dt,
                     "throughput/tokens_per_second": tokens / dt,
                     "throughput/examples_per_second": batch.batch_size / dt,
@@ -344,9 +347,12 @@ def cli(argv=None) -> None:
     never answers) print one paragraph and exit with status 2, without a traceback."""
     try:
         cli_main(argv=argv)
-    except (ValueError, FileNotFoundError, DistributedStartupError) as e:
+    except (ValueError, FileNotFoundError) as e:  # bad config or input: fix it and rerun
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except (DistributedStartupError, DataLoadError, FloatingPointError) as e:  # the run failed; state is saved
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
