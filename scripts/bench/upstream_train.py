@@ -31,7 +31,7 @@ FAKE_COMMIT = "0" * 40
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable unicode character map (what ``ByteLevel`` pre-tokenizes to)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -64,7 +64,7 @@ def check_tokenizer(fast) -> None:
     if ids != expected:
         raise SystemExit(f"byte tokenizer mismatch: {ids[:20]} vs {expected[:20]}")
     if len(fast) != 257 or fast.eos_token_id != 256:
-        raise SystemExit(f"byte tokenizer: expected 257 tokens and EOS 256, got {len(fast)} / {fast.eos_token_id}")
+        raise SystemExit(f"byte tokenizer: want 257 tokens, EOS 256; got {len(fast)}, {fast.eos_token_id}")
 
 
 def prepare(out: str) -> None:
