@@ -76,6 +76,7 @@ __all__ = [
     "METADATA_FILENAME",
     "CheckpointInterval",
     "CheckpointMismatchError",
+    "CheckpointSaveError",
     "Checkpointer",
     "CheckpointerConfig",
     "CorruptCheckpointError",
@@ -107,6 +108,10 @@ class CorruptCheckpointError(ValueError):
 
 class CheckpointMismatchError(ValueError):
     """The checkpoint is intact but does not fit the template (leaf set, shape or dtype differ)."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """Writing a checkpoint failed (disk full, permissions, I/O error); nothing was committed."""
 
 
 def _no_barrier(name: str) -> None:
@@ -353,6 +358,22 @@ async def _write_leaf(root: str, item: _ToWrite) -> None:
     await store.write(host)
 
 
+async def _finish_all(tasks: list) -> list:
+    """Results (or exceptions) of ``tasks`` in order, once *every* task has finished.
+
+    A failed leaf must not cancel the others: a cancelled task leaves its TensorStore operation running,
+    and when that finishes after the event loop has closed, its callback prints a traceback ("Event loop
+    is closed") under the real error message. Only a cancellation from outside cancels them all.
+    """
+    try:
+        return await asyncio.gather(*tasks, return_exceptions=True)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 async def _write_all(root: str, items: list[_ToWrite]) -> None:
     tasks = [asyncio.ensure_future(_write_leaf(root, it)) for it in items]
     try:
@@ -360,6 +381,9 @@ async def _write_all(root: str, items: list[_ToWrite]) -> None:
             await done
             if i < len(tasks) - 1:
                 fault_point("checkpoint_mid_write")
+    except Exception:
+        await _finish_all(tasks)  # let the other writes settle, then report this failure
+        raise
     except BaseException:
         for t in tasks:
             t.cancel()
@@ -429,9 +453,16 @@ def save_checkpoint(
                 _remove_dir(final)
             os.rename(tmp, final)
             fsync_dir(parent)
-    except BaseException:
+    except BaseException as e:
         if is_leader:
             shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) or (isinstance(e, ValueError) and "[OS error" in str(e)):  # tensorstore I/O
+            what = getattr(e, "strerror", None) or str(e).splitlines()[0]
+            raise CheckpointSaveError(
+                f"could not save the checkpoint of step {step} to {final}: {what}. Nothing was committed "
+                f"(the partial write was removed); free space or fix {parent}, then rerun to resume from "
+                "the latest complete checkpoint."
+            ) from e
         raise
     barrier(f"levanter_checkpoint_committed_{name}_{token}")
     logger.info(
@@ -565,13 +596,11 @@ async def _read_leaf(root: str, item: _ToRead, limiter: _ByteLimiter) -> Any:
 async def _read_all(root: str, items: list[_ToRead]) -> list[Any]:
     limiter = _ByteLimiter(_READ_BYTES_IN_FLIGHT)
     tasks = [asyncio.ensure_future(_read_leaf(root, it, limiter)) for it in items]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+    results = await _finish_all(tasks)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r  # the first failing leaf in tree order
+    return results
 
 
 def _sharding_lookup(shardings: Any) -> Callable[[str], jax.sharding.Sharding | None]:

@@ -169,6 +169,16 @@ class TrainerConfig:
                 "false to train on CPU"
             )
 
+    def apply_jax_config(self) -> None:
+        """Apply ``jax_config`` (``{option: value}``) and the persistent ``jax_compilation_cache_dir``."""
+        for name, value in self.jax_config.items():
+            try:
+                jax.config.update(name, value)
+            except (AttributeError, KeyError, ValueError) as e:
+                raise ValueError(f"trainer.jax_config: cannot set {name}={value!r} ({e})") from None
+        if self.jax_compilation_cache_dir:
+            jax.config.update("jax_compilation_cache_dir", self.jax_compilation_cache_dir)
+
     @property
     def data_axis_size(self) -> int:
         return jax.device_count() // self.model_axis_size

@@ -22,13 +22,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 from typing import Dict, List, Optional, Tuple, Union
 
 from ..schedule import BatchSchedule
 from ._prp import derive_seed, seed_from_key
 from .dataset import AsyncDataset
 from .mixture import STOP_STRATEGIES, MixtureDataset
-from .sources import SourceError, expand_urls
+from .sources import SourceError, check_embedded_url, expand_urls
 from .text import CausalLmDataset, TokenSeqDataset
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,10 @@ class LMTaskConfig:
     def the_tokenizer(self):
         from .tokenization import load_tokenizer
 
-        return load_tokenizer(self.tokenizer, vocab_size=self.vocab_size)
+        try:
+            return load_tokenizer(self.tokenizer, vocab_size=self.vocab_size)
+        except ValueError as e:
+            raise ValueError(f"data.tokenizer: {e}") from None
 
     def _check_task_fields(self) -> None:
         if self.permutation_type not in (None, "feistel", "linear"):
@@ -140,10 +144,18 @@ class LMTaskConfig:
         """Fail fast on missing files / empty globs, unless a finished cache makes the files unnecessary."""
         from ..store.ledger import CacheLedger
 
+        if source.id is not None:
+            raise SourceError(
+                f"{what}.id={source.id!r}: Hugging Face datasets need the hub; this build reads files only. "
+                f"Download the data and point {what}.train_urls / validation_urls at the files."
+            )
         for split in ("train", "validation"):
             urls = source.urls(split)
             if not urls:
                 continue
+            for u in urls:
+                if u.startswith("embedded://"):
+                    check_embedded_url(u, what=f"{what}.{split}_urls")
             ledger = CacheLedger.load(os.path.join(cache_dir, split))
             if ledger is not None and ledger.is_finished:
                 continue
@@ -236,10 +248,13 @@ class LMMixtureDatasetConfig(LMTaskConfig):
             raise ValueError("data.configs is empty: a mixture needs at least one source")
         from .mixture import _normalize_stages
 
+        stages = self.stages()  # its errors name data.train_weights already
         try:
-            _normalize_stages(self.stages(), list(self.configs))
+            _normalize_stages(stages, list(self.configs))
         except ValueError as e:
-            raise ValueError(f"data.train_weights: {e}") from None
+            # The mixture's messages say "weights..."; here the key is data.train_weights.
+            why = re.sub(r"^weights:? ", "", str(e))
+            raise ValueError(f"data.train_weights: {why}") from None
         if self.stop_strategy not in STOP_STRATEGIES:
             raise ValueError(f"data.stop_strategy: expected one of {STOP_STRATEGIES}, got {self.stop_strategy!r}")
         for name in ("target_budget", "experiment_budget", "max_train_batches", "num_validation_sequences"):

@@ -21,7 +21,14 @@ import fsspec
 
 from .errors import SourceError
 
-__all__ = ["SourceError", "detect_format", "expand_braces", "expand_urls", "iter_documents"]
+__all__ = [
+    "SourceError",
+    "check_embedded_url",
+    "detect_format",
+    "expand_braces",
+    "expand_urls",
+    "iter_documents",
+]
 
 FORMATS = {
     ".txt": "txt",
@@ -71,6 +78,16 @@ def detect_format(path: str) -> str:
     )
 
 
+def check_embedded_url(url: str, *, what: str = "train_urls") -> None:
+    """Raise :class:`SourceError` naming ``what`` and ``url`` if an ``embedded://`` URL names no corpus."""
+    from .embedded import parse_embedded_url
+
+    try:
+        parse_embedded_url(url)
+    except ValueError as e:
+        raise SourceError(f"{what}: {url!r}: {e}") from None
+
+
 def expand_urls(
     urls: Sequence[str], *, embedded_dir: str | None = None, what: str = "train_urls", allow_empty: bool = False
 ) -> list[str]:
@@ -85,6 +102,7 @@ def expand_urls(
         if url.startswith(EMBEDDED_SCHEME):
             from .embedded import resolve_embedded_url
 
+            check_embedded_url(url, what=what)
             if embedded_dir is None:
                 raise SourceError(f"{what}: {url!r} needs a cache_dir to materialise the embedded corpus into")
             shards.append(resolve_embedded_url(url, embedded_dir))
@@ -102,7 +120,10 @@ def expand_urls(
                     raise SourceError(f"{what}: file not found: {pattern!r}")
                 found = [pattern]
             for f in found:
-                detect_format(f)
+                try:
+                    detect_format(f)
+                except SourceError as e:
+                    raise SourceError(f"{what}: {e}") from None
                 if f not in shards:
                     shards.append(f)
     if not shards and not allow_empty:
@@ -111,12 +132,30 @@ def expand_urls(
 
 
 def _open_text(path: str):
+    # Invalid UTF-8 is decoded to lone surrogates instead of raising, and reported by _check_utf8 with the
+    # line it is on: a strict reader decodes ahead in blocks and fails on whatever line starts the block.
     try:
-        return fsspec.open(path, "rt", compression="infer", encoding="utf-8").open()
+        return fsspec.open(path, "rt", compression="infer", encoding="utf-8", errors="surrogateescape").open()
     except FileNotFoundError as e:
         raise SourceError(f"file not found: {path!r}") from e
     except ValueError as e:  # e.g. an unknown compression
         raise SourceError(f"cannot open {path!r}: {e}") from e
+
+
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")
+
+
+def _check_utf8(path: str, text: str, first_line: int) -> None:
+    """Raise naming the line and column of the first byte of ``text`` that was not valid UTF-8."""
+    m = _ESCAPED_BYTE.search(text)
+    if m is None:
+        return
+    line = first_line + text.count("\n", 0, m.start())
+    column = m.start() - (text.rfind("\n", 0, m.start()) + 1) + 1
+    byte = ord(m.group()) - 0xDC00
+    raise SourceError(
+        f"{path}, line {line}: not valid UTF-8 (byte 0x{byte:02x} at column {column}); text must be UTF-8"
+    )
 
 
 def iter_documents(path: str, *, text_key: str = "text") -> Iterator[object]:
@@ -125,7 +164,12 @@ def iter_documents(path: str, *, text_key: str = "text") -> Iterator[object]:
     fmt = detect_format(path)
     if fmt == "txt":
         with _open_text(path) as f:
-            yield f.read()
+            try:
+                text = f.read()
+            except (OSError, EOFError) as e:
+                raise SourceError(f"{path}: cannot read the file ({type(e).__name__}: {e})") from e
+        _check_utf8(path, text, 1)
+        yield text
         return
     if fmt == "jsonl":
         with _open_text(path) as f:
@@ -133,17 +177,24 @@ def iter_documents(path: str, *, text_key: str = "text") -> Iterator[object]:
             while True:
                 try:
                     line = f.readline()
-                except (UnicodeDecodeError, OSError, EOFError) as e:
-                    raise SourceError(f"{path}: cannot read line {lineno + 1}: {e}") from e
+                except (OSError, EOFError) as e:  # truncated or damaged compressed data
+                    raise SourceError(
+                        f"{path}: cannot read line {lineno + 1} ({type(e).__name__}: {e}); the file is "
+                        "truncated or damaged"
+                    ) from e
                 if not line:
                     return
                 lineno += 1
+                _check_utf8(path, line, lineno)
                 if not line.strip():
                     continue
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise SourceError(f"{path}, line {lineno}: not valid JSON ({e.msg})") from None
+                    why = e.msg[: -len(" at")] if e.msg.endswith(" at") else e.msg
+                    raise SourceError(
+                        f"{path}, line {lineno}: not valid JSON ({why} at column {e.colno})"
+                    ) from None
                 if not isinstance(obj, dict):
                     raise SourceError(f"{path}, line {lineno}: expected a JSON object, got {type(obj).__name__}")
                 if text_key not in obj:

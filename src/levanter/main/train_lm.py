@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import levanter.config
+from levanter.checkpoint import CheckpointSaveError
 from levanter.data.config import DataConfig, UrlSingleDatasetLMConfig
 from levanter.data.dataset import AsyncDataset
 from levanter.data.loader import DataLoader, DataLoadError
@@ -92,6 +93,7 @@ def validate(config: TrainLmConfig):
     if config.prefetch_depth < 0:
         raise ValueError(f"prefetch_depth must be >= 0, got {config.prefetch_depth}")
     config.trainer.validate()
+    config.optimizer.lr_scheduler(config.trainer.num_train_steps)  # lr_schedule, warmup, decay, min_lr_ratio
     config.data.validate(num_train_steps=config.trainer.num_train_steps)
     max_len = getattr(config.model, "max_seq_len", None)
     if max_len is not None and config.model.seq_len > max_len:
@@ -188,6 +190,7 @@ def run_eval(trainer: Trainer, model, eval_sets: Dict[str, AsyncDataset], config
 def main(config: TrainLmConfig) -> dict:
     """Train; returns a summary ``{"run_id", "final_step", "final_loss"}``."""
     config.trainer.distributed.initialize()  # before anything asks JAX about devices
+    config.trainer.apply_jax_config()
     tokenizer = validate(config)
     check_same_config_everywhere(_config_dict(config))
     tcfg = config.trainer
@@ -343,14 +346,16 @@ def cli_main(config: TrainLmConfig):
 
 
 def cli(argv=None) -> None:
-    """The command-line entry point: user errors (bad config values, missing files, a coordinator that
-    never answers) print one paragraph and exit with status 2, without a traceback."""
+    """The command-line entry point: user errors (bad config values, missing or damaged files) print one
+    paragraph and exit with status 2; run failures (see below) print one paragraph and exit with status 1.
+    Neither prints a traceback. ``docs/reference/errors.md`` lists the cases."""
     try:
         cli_main(argv=argv)
     except (ValueError, FileNotFoundError) as e:  # bad config or input: fix it and rerun
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except (DistributedStartupError, DataLoadError, FloatingPointError) as e:  # the run failed; state is saved
+    except (DistributedStartupError, DataLoadError, FloatingPointError, CheckpointSaveError) as e:
+        # the run failed (a coordinator that never answered, unreadable data, a NaN loss, a failed save)
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
 

@@ -31,7 +31,7 @@ import numpy as np
 from ..data._tokenize_worker import encode as _encode
 from ..data._tokenize_worker import encode_in_worker as _encode_in_worker
 from ..data._tokenize_worker import init_worker as _init_worker
-from ..data.sources import expand_urls, iter_documents
+from ..data.sources import check_embedded_url, expand_urls, iter_documents
 from ..utils.fault import fault_point
 from .jagged_array import JaggedArrayStore
 from .ledger import CacheLedger
@@ -106,7 +106,10 @@ def cache_metadata(tokenizer, *, urls: Sequence[str], text_key: str, enforce_eos
 
     eos = tokenizer.eos_token_id if enforce_eos else None
     if enforce_eos and eos is None:
-        raise ValueError(f"enforce_eos: the tokenizer {tokenizer.name!r} has no EOS token")
+        raise ValueError(
+            f"enforce_eos is true but the tokenizer {tokenizer.name!r} has no EOS token to append; set "
+            "data.enforce_eos: false (pre-tokenized data usually carries its own separators)"
+        )
     embedded = {u: corpus_fingerprint(parse_embedded_url(u)[0]) for u in urls if is_embedded_url(u)}
     return {
         "format": CACHE_FORMAT,
@@ -124,11 +127,23 @@ def _check_metadata(cache_dir: str, found: dict, wanted: dict) -> None:
     keys = (set(found) | set(wanted)) - {"shards"}
     diffs = [k for k in sorted(keys) if found.get(k) != wanted.get(k)]
     if diffs:
-        detail = "; ".join(f"{k}: cache has {found.get(k)!r}, config asks for {wanted.get(k)!r}" for k in diffs)
+        pairs = [(k, *_differing(found.get(k), wanted.get(k))) for k in diffs]
+        detail = "; ".join(f"{k}: cache has {a!r}, config asks for {b!r}" for k, a, b in pairs)
         raise CacheMismatchError(
             f"the cache at {cache_dir!r} was built with different settings ({detail}). Use another cache_dir, "
             "or delete this one to rebuild it."
         )
+
+
+def _differing(a, b):
+    """``(a, b)``, or for two mappings only their differing entries (a content hash only if nothing else
+    differs)."""
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return a, b
+    keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    if len(keys) > 1 and "hash" in keys:
+        keys.remove("hash")
+    return {k: a.get(k) for k in keys}, {k: b.get(k) for k in keys}
 
 
 def _total_bytes(paths: Sequence[str]) -> int:
@@ -175,6 +190,9 @@ def build_or_load_cache(
     ``urls`` are expanded by :func:`~levanter.data.sources.expand_urls` (``embedded://`` sources are
     materialised under ``embedded_dir``); ``what`` names the config key in errors.
     """
+    for u in urls:
+        if u.startswith("embedded://"):
+            check_embedded_url(u, what=what)
     wanted = cache_metadata(tokenizer, urls=urls, text_key=text_key, enforce_eos=enforce_eos)
     ledger = CacheLedger.load(cache_dir)
     if ledger is not None:

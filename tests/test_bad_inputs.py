@@ -1,0 +1,572 @@
+"""The bad-input catalogue: configs and files users get wrong, each run through the real command-line
+entry point, with the exit status and the message it must print.
+
+Every case is one row of ``CASES``: what the user did, how to reproduce it (a YAML file, files to
+create, command-line overrides), the expected exit status (2: fix the config or the input and rerun;
+1: the run failed), and fragments the message must contain -- the config key or file at fault and the
+value. For every case the test also checks that stderr holds no traceback and that the ``error:``
+message is a single short paragraph. ``docs/reference/errors.md`` documents the same cases (a test below
+keeps the two in step).
+
+The entry points run in-process (``train_lm.cli(argv)``, ``cache_dataset.cli(argv)``,
+``data_schedule.cli(argv)``) so the catalogue stays fast: almost every case fails before a cache is
+built or a model compiled. The few that need a token cache or a saved checkpoint share the ones the
+module-scoped ``shared`` fixture makes once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import glob
+import gzip
+import json
+import os
+import re
+import shutil
+import socket
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+
+from levanter.main import cache_dataset, data_schedule, train_lm
+
+REPO = Path(__file__).resolve().parent.parent
+DOC = REPO / "docs" / "reference" / "errors.md"
+
+# -- the configs the cases start from -----------------------------------------------------------------
+# $TMP is the case's own directory, $SHARED the module's (a finished token cache of the base data lives
+# in $SHARED/cache, a saved checkpoint of the base run in $SHARED/ckpt).
+DATA = """\
+data:
+  train_urls: ["embedded://python-docs/validation"]
+  tokenizer: byte
+  cache_dir: $SHARED/cache
+  shuffle: true
+"""
+REST = """\
+model: {type: gpt2, hidden_dim: 32, num_heads: 4, num_layers: 1, seq_len: 32, gradient_checkpointing: false}
+trainer:
+  num_train_steps: 4
+  train_batch_size: 8
+  steps_per_eval: 100
+  max_eval_batches: 1
+  require_accelerator: false
+  id: bad
+  log_dir: $TMP/logs
+  tracker: {type: json}
+  checkpointer: {base_path: $TMP/ckpt, keep: [{every: 2}]}
+optimizer: {learning_rate: 0.01, warmup: 0.0, weight_decay: 0.0, lr_schedule: constant}
+"""
+BASE = DATA + REST
+
+MIX_DATA = """\
+data:
+  tokenizer: byte
+  cache_dir: $TMP/cache
+  mixture_block_size: null
+  configs:
+    prose: {train_urls: ["embedded://python-docs/validation"]}
+    code: {train_urls: ["embedded://python-code/validation"]}
+  train_weights:
+    - [0, {prose: 0.75, code: 0.25}]
+    - [2, {prose: 0.5, code: 0.5}]
+"""
+MIX = MIX_DATA + REST
+
+
+def files_data(urls: str, *, text_key: str = "") -> str:
+    """The base config reading ``urls`` (a YAML list) into a cache of the case's own."""
+    extra = f"  text_key: {text_key}\n" if text_key else ""
+    return (
+        "data:\n"
+        f"  train_urls: {urls}\n"
+        "  tokenizer: byte\n"
+        "  cache_dir: $TMP/cache\n"
+        "  cache_options: {num_workers: 1}\n" + extra + REST
+    )
+
+
+def edit(text: str, old: str, new: str) -> str:
+    assert old in text, old
+    return text.replace(old, new, 1)
+
+
+# -- cases ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Case:
+    id: str
+    area: str
+    what: str  # what the user did
+    status: int  # the exit status
+    fragments: Sequence[str]  # the message must contain each ($TMP/$SHARED substituted)
+    yaml: str | None = BASE  # the config file's text (None: no file is written)
+    args: Sequence[str] = ()  # command-line arguments after --config_path
+    entry: str = "train_lm"  # train_lm | cache_dataset | data_schedule
+    config_path: str | None = "$TMP/config.yaml"  # None: no --config_path
+    setup: Callable[[Path, Path], None] | None = None  # (tmp, shared): create or damage files
+    patch: Callable[[pytest.MonkeyPatch], None] | None = None  # in-process fault injection
+    after: Callable[[Path, Path], None] | None = None  # extra checks once it has failed
+    needs: Sequence[str] = ()  # shared artefacts (see ensure): "cache", "checkpoint"
+
+
+def _write(path: Path, data: str | bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(data, bytes):
+        path.write_bytes(data)
+    else:
+        path.write_text(data)
+
+
+def write_files(files: dict) -> Callable[[Path, Path], None]:
+    def setup(tmp: Path, shared: Path) -> None:
+        for rel, data in files.items():
+            _write(tmp / rel, data)
+
+    return setup
+
+
+# Varied text, so that its gzip is long enough to cut in half.
+GOOD_JSONL = "".join(
+    json.dumps({"text": " ".join(str((i * 7919 + j * 104729) % 100003) for j in range(60))}) + "\n" for i in range(40)
+)
+
+
+def _half(data: bytes) -> bytes:
+    return data[: len(data) // 2]
+
+
+def copy_cache(tmp: Path, shared: Path) -> None:
+    shutil.copytree(shared / "cache", tmp / "cache")
+
+
+def truncate_ledger(tmp: Path, shared: Path) -> None:
+    copy_cache(tmp, shared)
+    ledger = tmp / "cache" / "train" / "shard_ledger.json"
+    ledger.write_bytes(ledger.read_bytes()[:40])
+
+
+def copy_checkpoint(tmp: Path, shared: Path) -> Path:
+    dst = tmp / "ckpt" / "bad" / "step-2"
+    shutil.copytree(shared / "ckpt" / "bad" / "step-2", dst)
+    return dst
+
+
+def resumable_checkpoint(tmp: Path, shared: Path) -> None:
+    """The shared run's step-2 checkpoint, intact, where the case's run will resume from it."""
+    copy_checkpoint(tmp, shared)
+
+
+def _leaf_dir(ckpt: Path, leaf: str) -> Path:
+    (match,) = [p for p in ckpt.rglob("zarr.json") if p.parent.relative_to(ckpt).as_posix() == leaf]
+    return match.parent
+
+
+WTE = "model/wte/weight/0"  # the token embedding
+WTE_KEYPATH = ".model.wte.weight"
+
+
+def delete_chunk(tmp: Path, shared: Path) -> None:
+    leaf = _leaf_dir(copy_checkpoint(tmp, shared), WTE)
+    chunks = sorted(p for p in leaf.rglob("*") if p.is_file() and p.name != "zarr.json")
+    chunks[-1].unlink()
+
+
+def delete_leaf(tmp: Path, shared: Path) -> None:
+    shutil.rmtree(_leaf_dir(copy_checkpoint(tmp, shared), WTE))
+
+
+def truncate_chunk(tmp: Path, shared: Path) -> None:
+    leaf = _leaf_dir(copy_checkpoint(tmp, shared), WTE)
+    chunk = sorted(p for p in leaf.rglob("*") if p.is_file() and p.name != "zarr.json")[0]
+    chunk.write_bytes(chunk.read_bytes()[:100])
+
+
+def corrupt_checkpoint_metadata(tmp: Path, shared: Path) -> None:
+    meta = copy_checkpoint(tmp, shared) / "metadata.json"
+    meta.write_text(meta.read_text()[:50])
+
+
+def block_checkpoint_dir(tmp: Path, shared: Path) -> None:
+    _write(tmp / "afile", "a regular file, not a directory")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def disk_full(mp: pytest.MonkeyPatch) -> None:
+    import levanter.checkpoint as ckpt
+
+    async def no_space(root, item):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(root, item.record["name"]))
+
+    mp.setattr(ckpt, "_write_leaf", no_space)
+
+
+def no_checkpoint_left(tmp: Path, shared: Path) -> None:
+    run_dir = tmp / "ckpt" / "bad"
+    assert not (run_dir / "step-2").exists(), os.listdir(run_dir)
+    assert not glob.glob(str(run_dir / "step-*" / "metadata.json")), os.listdir(run_dir)
+    assert not [p for p in os.listdir(run_dir) if p.startswith(".tmp-")], os.listdir(run_dir)
+
+
+CASES: list[Case] = [
+    # ---------------------------------------------------------------------------------- config file
+    Case("config-not-found", "config file", "--config_path names a file that does not exist", 2,
+         ["config file not found", "$TMP/nope.yaml"], yaml=None, config_path="$TMP/nope.yaml"),
+    Case("malformed-yaml", "config file", "a stray colon in a value (`tokenizer: byte: x`)", 2,
+         ["$TMP/config.yaml, line 3", "malformed YAML", "mapping values are not allowed"],
+         yaml=edit(BASE, "tokenizer: byte", "tokenizer: byte: x")),
+    Case("yaml-not-a-mapping", "config file", "the YAML file is a list, not a mapping", 2,
+         ["$TMP/config.yaml", "expected a mapping at the top level", "list"], yaml="- trainer\n- model\n"),
+    Case("unknown-top-level-key", "config file", "a top-level key the config does not have (`trainr:`)", 2,
+         ["$TMP/config.yaml", "`trainr`", "did you mean `trainer`"], yaml=BASE + "trainr: {num_train_steps: 5}\n"),
+    Case("typo-nested-key", "config file", "a typo in a nested key (`trainer.num_train_step`)", 2,
+         ["$TMP/config.yaml", "`trainer`", "`num_train_step`", "did you mean `num_train_steps`"], yaml=edit(BASE, "num_train_steps: 4", "num_train_step: 4")),
+    Case("wrong-type", "config file", "a value of the wrong type (`num_train_steps: ten`)", 2,
+         ["trainer.num_train_steps", "'ten'"], yaml=edit(BASE, "num_train_steps: 4", "num_train_steps: ten")),
+    Case("section-not-a-mapping", "config file", "a section given as a list (`trainer: [..]`)", 2,
+         ["`trainer`", "expected a mapping of TrainerConfig fields", "['num_train_steps', 4]"], yaml=DATA + "trainer: [num_train_steps, 4]\n"),
+    Case("unknown-override", "config file", "a command-line override for a key that does not exist", 2,
+         ["command line", "--trainer.num_train_stepz", "did you mean --trainer.num_train_steps?"],
+         args=["--trainer.num_train_stepz", "5"]),
+    # ---------------------------------------------------------------------------------------- trainer
+    Case("zero-steps", "trainer", "`num_train_steps: 0`", 2, ["trainer.num_train_steps", "0"],
+         args=["--trainer.num_train_steps", "0"]),
+    Case("negative-steps", "trainer", "`num_train_steps: -5`", 2, ["trainer.num_train_steps", "-5"],
+         args=["--trainer.num_train_steps", "-5"]),
+    Case("batch-not-divisible", "trainer", "a batch size the 8 data-parallel devices cannot split", 2,
+         ["trainer.train_batch_size", "12", "data-parallel size 8"], args=["--trainer.train_batch_size", "12"]),
+    Case("microbatch-not-dividing", "trainer", "`per_device_parallelism` whose microbatch does not divide the batch",
+         2, ["trainer.per_device_parallelism=3", "24", "16"],
+         args=["--trainer.train_batch_size", "16", "--trainer.per_device_parallelism", "3"]),
+    Case("batch-schedule-not-at-0", "trainer", "a batch-size schedule whose first entry starts at step 5", 2,
+         ["trainer.train_batch_size", "step 0", "start=5"],
+         args=["--trainer.train_batch_size", "[{start: 5, value: 8}]"]),
+    Case("batch-schedule-not-increasing", "trainer", "batch-size schedule starts that go backwards", 2,
+         ["trainer.train_batch_size", "strictly increasing", "10 then 3"],
+         args=["--trainer.train_batch_size", "[{start: 0, value: 8}, {start: 10, value: 16}, {start: 3, value: 8}]"]),
+    Case("batch-size-zero", "trainer", "`train_batch_size: 0`", 2, ["trainer.train_batch_size", "positive", "0"],
+         args=["--trainer.train_batch_size", "0"]),
+    Case("model-axis-not-dividing", "trainer", "`model_axis_size: 3` on 8 devices", 2,
+         ["trainer.model_axis_size=3", "8 devices"], args=["--trainer.model_axis_size", "3"]),
+    Case("bad-mp-policy", "trainer", "an unparseable mixed-precision policy", 2, ["trainer.mp", "p=f32,c=float99"],
+         args=["--trainer.mp", "p=f32,c=float99"]),
+    Case("require-accelerator-on-cpu", "trainer", "`require_accelerator: true` on a machine with only CPUs", 2,
+         ["trainer.require_accelerator", "false"], args=["--trainer.require_accelerator", "true"]),
+    Case("bad-save-interval", "trainer", "a checkpoint interval that is not a duration", 2,
+         ["trainer.checkpointer.save_interval", "'soon'"], args=["--trainer.checkpointer.save_interval", "soon"]),
+    Case("keep-not-increasing", "trainer", "checkpoint `keep` intervals whose `until` goes backwards", 2,
+         ["trainer.checkpointer.keep", "until=5"],
+         args=["--trainer.checkpointer.keep", "[{every: 2, until: 10}, {every: 5, until: 5}, {every: 10}]"]),
+    Case("checkpoint-dir-unwritable", "trainer", "a checkpoint base path under a regular file", 2,
+         ["trainer.checkpointer.base_path", "$TMP/afile/ckpt", "Not a directory"],
+         args=["--trainer.checkpointer.base_path", "$TMP/afile/ckpt"], setup=block_checkpoint_dir),
+    Case("checkpoint-dir-object-store", "trainer", "a `gs://` checkpoint base path", 2,
+         ["trainer.checkpointer.base_path", "gs://bucket/ckpt", "POSIX"],
+         args=["--trainer.checkpointer.base_path", "gs://bucket/ckpt"]),
+    # ------------------------------------------------------------------------------------------ model
+    Case("unknown-model-type", "model", "`model.type: transformer9000`", 2, ["$TMP/config.yaml", "`model`", "'transformer9000'", "gpt2, llama"],
+         yaml=edit(BASE, "type: gpt2", "type: transformer9000")),
+    Case("heads-not-dividing-hidden", "model", "`hidden_dim: 30` with `num_heads: 4`", 2,
+         ["model.hidden_dim (30)", "model.num_heads (4)"], args=["--model.hidden_dim", "30"]),
+    Case("kv-heads-not-dividing", "model", "a Llama with `num_heads: 6`, `num_kv_heads: 4`", 2,
+         ["model.num_heads (6)", "model.num_kv_heads (4)"],
+         yaml=edit(BASE, "{type: gpt2, hidden_dim: 32, num_heads: 4,",
+                   "{type: llama, hidden_dim: 48, intermediate_dim: 64, num_heads: 6, num_kv_heads: 4,")),
+    Case("seq-len-beyond-positions", "model", "`seq_len: 2048` with `n_positions: 1024`", 2,
+         ["model.seq_len (2048)", "model.n_positions", "1024"],
+         args=["--model.seq_len", "2048", "--model.n_positions", "1024"]),
+    Case("unknown-activation", "model", "`activation_function: swishy`", 2,
+         ["model.activation_function", "'swishy'"], args=["--model.activation_function", "swishy"]),
+    # -------------------------------------------------------------------------------------- optimizer
+    Case("beta1-at-1", "optimizer", "`beta1: 1.0`", 2, ["optimizer.beta1", "1.0", "[0, 1)"],
+         args=["--optimizer.beta1", "1.0"]),
+    Case("unknown-lr-schedule", "optimizer", "`lr_schedule: cosinus`", 2, ["optimizer.lr_schedule", "'cosinus'"],
+         args=["--optimizer.lr_schedule", "cosinus"]),
+    Case("negative-learning-rate", "optimizer", "`learning_rate: -0.001`", 2,
+         ["optimizer.learning_rate", "-0.001"], args=["--optimizer.learning_rate", "-0.001"]),
+    Case("unknown-optimizer", "optimizer", "`optimizer.type: sgd` on the command line", 2,
+         ["--optimizer.type", "'sgd'", "adam"], args=["--optimizer.type", "sgd"]),
+    Case("unknown-optimizer-yaml", "optimizer", "`optimizer: {type: sgd}` in the file", 2,
+         ["`optimizer`", "'sgd'", "known types: adam"], yaml=edit(BASE, "optimizer: {", "optimizer: {type: sgd, ")),
+    # ------------------------------------------------------------------------------------ data/mixture
+    Case("no-train-urls", "data/mixture", "`train_urls: []`", 2, ["data.train_urls", "empty"],
+         args=["--data.train_urls", "[]"]),
+    Case("stage-after-end", "data/mixture", "a stage starting at step 4 of a 4-step run", 2,
+         ["data.train_weights", "step 4", "trainer.num_train_steps is 4"], yaml=edit(MIX, "[2, {", "[4, {")),
+    Case("negative-weight", "data/mixture", "a negative stage weight", 2,
+         ["data.train_weights: stage 1 (step 2)", "'code'", "negative (-0.5)"], yaml=edit(MIX, "code: 0.5}", "code: -0.5}")),
+    Case("all-zero-weights", "data/mixture", "a stage whose weights are all zero", 2,
+         ["data.train_weights: stage 1 (step 2)", "all weights are zero"],
+         yaml=edit(MIX, "{prose: 0.5, code: 0.5}", "{prose: 0, code: 0}")),
+    Case("unknown-source", "data/mixture", "a weight for a source `data.configs` does not have", 2,
+         ["data.train_weights: unknown source 'wiki'", "['code', 'prose']"], yaml=edit(MIX, "{prose: 0.5, code: 0.5}", "{wiki: 1}")),
+    Case("source-never-drawn", "data/mixture", "a source with `train_urls` but weight 0 in every stage", 2,
+         ["data.configs.code", "weight 0 in every stage"],
+         yaml=edit(edit(MIX, "prose: 0.75, code: 0.25", "prose: 1.0"), "prose: 0.5, code: 0.5", "prose: 1.0")),
+    Case("first-stage-not-at-0", "data/mixture", "a first stage that starts at step 1", 2,
+         ["data.train_weights: the first stage must start at step 0", "step 1"],
+         yaml=edit(MIX, "[0, {prose", "[1, {prose")),
+    Case("stages-not-increasing", "data/mixture", "stages listed out of order", 2,
+         ["data.train_weights: stage start steps must be strictly increasing", "3 then 2"],
+         yaml=edit(MIX, "    - [2, {", "    - [3, {code: 1}]\n    - [2, {")),
+    Case("weight-without-urls", "data/mixture", "a source with a training weight but no `train_urls`", 2,
+         ["data.configs.code", "no train_urls"],
+         yaml=edit(MIX, 'code: {train_urls: ["embedded://python-code/validation"]}',
+                   'code: {validation_urls: ["embedded://python-code/validation"]}')),
+    Case("unknown-stop-strategy", "data/mixture", "`stop_strategy: never`", 2, ["data.stop_strategy", "'never'"],
+         yaml=MIX, args=["--data.stop_strategy", "never"]),
+    Case("target-budget", "data/mixture", "upstream's `data.target_budget` (not implemented here)", 2,
+         ["data.target_budget", "not supported"], yaml=MIX, args=["--data.target_budget", "1000000"]),
+    Case("initialize-from-hf", "data/mixture", "upstream's `initialize_from_hf` (needs the HF hub)", 2,
+         ["initialize_from_hf", "not supported"], args=["--initialize_from_hf", "gpt2"]),
+    Case("hf-dataset-id", "data/mixture", "a Hugging Face dataset `id` instead of files (offline build)", 2,
+         ["data.id='openwebtext'", "data.train_urls"], args=["--data.id", "openwebtext", "--data.cache_dir", "$TMP/cache"]),
+    # ------------------------------------------------------------------------------------ files/caches
+    Case("missing-train-file", "files and caches", "a `train_urls` file that does not exist", 2,
+         ["data.train_urls", "file not found", "$TMP/missing.jsonl"], yaml=files_data('["$TMP/missing.jsonl"]')),
+    Case("glob-matches-nothing", "files and caches", "a glob that matches no file", 2,
+         ["data.train_urls", "$TMP/shards/*.jsonl.gz", "matches no files"],
+         yaml=files_data('["$TMP/shards/*.jsonl.gz"]'), setup=write_files({"shards/a.jsonl": GOOD_JSONL})),
+    Case("unknown-format", "files and caches", "a `.csv` train file", 2,
+         ["data.train_urls", "$TMP/data.csv", "unknown format", ".jsonl"], yaml=files_data('["$TMP/data.csv"]'),
+         setup=write_files({"data.csv": "text\nhello\n"})),
+    Case("corrupt-jsonl-line", "files and caches", "a JSON-lines file with a broken line 3", 2,
+         ["$TMP/data.jsonl, line 3", "not valid JSON", "column 12"], yaml=files_data('["$TMP/data.jsonl"]'),
+         setup=write_files({"data.jsonl": '{"text": "a"}\n{"text": "b"}\n{"text": "c\n{"text": "d"}\n'})),
+    Case("missing-text-key", "files and caches", "JSON lines whose text is under another key", 2,
+         ["$TMP/data.jsonl", "line 1", "'text'", "content"], yaml=files_data('["$TMP/data.jsonl"]'),
+         setup=write_files({"data.jsonl": '{"content": "a"}\n'})),
+    Case("wrong-text-key", "files and caches", "`text_key: body` for files that use `text`", 2,
+         ["$TMP/data.jsonl", "line 1", "'body'"], yaml=files_data('["$TMP/data.jsonl"]', text_key="body"),
+         setup=write_files({"data.jsonl": GOOD_JSONL})),
+    Case("truncated-gzip", "files and caches", "a `.jsonl.gz` shard cut short (interrupted download)", 2,
+         ["$TMP/data.jsonl.gz", "cannot read line", "truncated"], yaml=files_data('["$TMP/data.jsonl.gz"]'),
+         setup=lambda t, s: _write(t / "data.jsonl.gz", _half(gzip.compress(GOOD_JSONL.encode())))),
+    Case("not-gzip", "files and caches", "a `.jsonl.gz` shard that is not gzip at all", 2,
+         ["$TMP/data.jsonl.gz", "line 1"], yaml=files_data('["$TMP/data.jsonl.gz"]'),
+         setup=write_files({"data.jsonl.gz": GOOD_JSONL})),
+    Case("invalid-utf8", "files and caches", "a JSON-lines file that is not UTF-8 (Latin-1)", 2,
+         ["$TMP/data.jsonl, line 2", "not valid UTF-8", "byte 0xe9 at column 14"], yaml=files_data('["$TMP/data.jsonl"]'),
+         setup=write_files({"data.jsonl": '{"text": "ok"}\n{"text": "caf\u00e9"}\n'.encode("latin-1")})),
+    Case("txt-not-utf8", "files and caches", "a `.txt` file in another encoding (UTF-16)", 2,
+         ["$TMP/notes.txt, line 1", "not valid UTF-8", "byte 0xff"], yaml=files_data('["$TMP/notes.txt"]'),
+         setup=write_files({"notes.txt": "some notes\n".encode("utf-16")})),
+    Case("corrupt-parquet", "files and caches", "a `.parquet` file that is not parquet", 2,
+         ["$TMP/data.parquet", "not a readable parquet file"], yaml=files_data('["$TMP/data.parquet"]'),
+         setup=write_files({"data.parquet": b"PAR1 but not really"})),
+    Case("unknown-embedded-source", "files and caches", "an `embedded://` source that does not exist", 2,
+         ["data.train_urls", "embedded://wikipedia/train", "python-docs"], args=["--data.train_urls", "[embedded://wikipedia/train]",
+                                               "--data.cache_dir", "$TMP/cache"]),
+    Case("tokenizer-path-missing", "files and caches", "a tokenizer path that does not exist", 2,
+         ["data.tokenizer", "$TMP/tok/tokenizer.json", "does not exist"],
+         args=["--data.tokenizer", "$TMP/tok/tokenizer.json"]),
+    Case("passthrough-without-vocab", "files and caches", "`tokenizer: passthrough` without `vocab_size`", 2,
+         ["data.tokenizer", "'passthrough'", "needs vocab_size"], args=["--data.tokenizer", "passthrough"]),
+    Case("passthrough-no-eos", "files and caches", "pre-tokenized data with the default `enforce_eos: true`", 2,
+         ["enforce_eos", "'passthrough'", "data.enforce_eos: false"],
+         yaml=edit(files_data('["$TMP/ids.jsonl"]'), "tokenizer: byte", "tokenizer: passthrough\n  vocab_size: 300"),
+         setup=write_files({"ids.jsonl": '{"text": [1, 2, 3]}\n'})),
+    Case("passthrough-id-too-big", "files and caches", "pre-tokenized ids beyond `vocab_size`", 2,
+         ["$TMP/ids.jsonl", "document 1", "out of range", "300"],
+         yaml=edit(files_data('["$TMP/ids.jsonl"]'), "tokenizer: byte",
+                   "tokenizer: passthrough\n  vocab_size: 300\n  enforce_eos: false"),
+         setup=write_files({"ids.jsonl": '{"text": [1, 2, 3]}\n{"text": [5, 299, 300]}\n'})),
+    Case("passthrough-given-text", "files and caches", "text files with `tokenizer: passthrough`", 2,
+         ["$TMP/data.jsonl", "document 0", "list of token ids"],
+         yaml=edit(files_data('["$TMP/data.jsonl"]'), "tokenizer: byte",
+                   "tokenizer: passthrough\n  vocab_size: 300\n  enforce_eos: false"),
+         setup=write_files({"data.jsonl": GOOD_JSONL})),
+    Case("cache-other-tokenizer", "files and caches", "reusing a cache built with another tokenizer", 2,
+         ["$SHARED/cache/train", "different settings", "vocab_size: cache has 257, config asks for 320"],
+         args=["--data.vocab_size", "320"], needs=["cache"]),
+    Case("cache-ledger-truncated", "files and caches", "a cache whose ledger file was cut short", 2,
+         ["$TMP/cache/train/shard_ledger.json", "corrupt", "Delete the cache directory"],
+         args=["--data.cache_dir", "$TMP/cache"], setup=truncate_ledger, needs=["cache"]),
+    Case("cache-dataset-no-config", "files and caches", "`cache_dataset` without `--config_path`", 2,
+         ["--config_path is required"], entry="cache_dataset", yaml=None, config_path=None),
+    Case("cache-dataset-corrupt-jsonl", "files and caches", "`cache_dataset` over a broken JSON-lines file", 2,
+         ["$TMP/data.jsonl", "line 2", "not valid JSON"], entry="cache_dataset",
+         yaml=files_data('["$TMP/data.jsonl"]'), setup=write_files({"data.jsonl": '{"text": "a"}\n{text: b}\n'})),
+    Case("cache-dataset-unknown-key", "files and caches", "a data-only config with a misspelled key", 2,
+         ["$TMP/config.yaml", "tokeniser"], entry="cache_dataset",
+         yaml='train_urls: ["embedded://python-docs/validation"]\ntokeniser: byte\n'),
+    Case("data-schedule-unknown-override", "files and caches", "`data_schedule` with a misspelled override", 2,
+         ["command line", "--trainer.batch_size", "did you mean --trainer.train_batch_size?"], entry="data_schedule",
+         args=["--trainer.batch_size", "16"]),
+    Case("data-schedule-bad-dump", "files and caches", "`data_schedule --dump 5:3 out.jsonl`", 2,
+         ["--dump", "5:3"], entry="data_schedule", args=["--dump", "5:3", "$TMP/out.jsonl"]),
+    # ------------------------------------------------------------------------------------- checkpoints
+    Case("checkpoint-chunk-deleted", "checkpoints", "resuming from a checkpoint with a chunk file deleted", 2,
+         ["$TMP/ckpt/bad/step-2", WTE_KEYPATH, "cannot be read"], setup=delete_chunk, needs=["checkpoint"]),
+    Case("checkpoint-chunk-truncated", "checkpoints", "resuming from a checkpoint with a truncated chunk file", 2,
+         ["$TMP/ckpt/bad/step-2", WTE_KEYPATH, "cannot be read"], setup=truncate_chunk, needs=["checkpoint"]),
+    Case("checkpoint-leaf-missing", "checkpoints", "resuming from a checkpoint missing a leaf directory", 2,
+         ["$TMP/ckpt/bad/step-2", WTE_KEYPATH, "is missing"], setup=delete_leaf, needs=["checkpoint"]),
+    Case("checkpoint-metadata-corrupt", "checkpoints", "resuming from a checkpoint whose metadata.json is cut short",
+         2, ["$TMP/ckpt/bad/step-2", "metadata.json", "not valid JSON"], setup=corrupt_checkpoint_metadata,
+         needs=["checkpoint"]),
+    Case("checkpoint-other-model", "checkpoints", "resuming with a model of another shape", 2,
+         ["$TMP/ckpt/bad/step-2", WTE_KEYPATH, "(257, 32)", "(257, 64)"],
+         args=["--model.hidden_dim", "64"], setup=resumable_checkpoint, needs=["checkpoint"]),
+    Case("checkpoint-data-changed", "checkpoints", "resuming after editing the data order (`data_seed`)", 2,
+         ["data schedule changed at step 0", "$TMP/ckpt/bad/step-2", "allow_data_schedule_change"],
+         args=["--data_seed", "7"], setup=resumable_checkpoint, needs=["checkpoint"]),
+    Case("load-checkpoint-none", "checkpoints", "`load_checkpoint: true` with no checkpoint to load", 2,
+         ["trainer.load_checkpoint", "$TMP/ckpt/bad"], args=["--trainer.load_checkpoint", "true"], needs=["cache"]),
+    # ------------------------------------------------------------------------------------- multi-host
+    Case("process-id-out-of-range", "multi-host", "`process_id: 2` with `num_processes: 2`", 2,
+         ["trainer.distributed.process_id=2", "num_processes=2"],
+         args=["--trainer.distributed.coordinator_address", "127.0.0.1:1234",
+               "--trainer.distributed.num_processes", "2", "--trainer.distributed.process_id", "2"]),
+    Case("coordinator-malformed", "multi-host", "a coordinator address without a port", 2,
+         ["trainer.distributed.coordinator_address", "host:port", "'10.0.0.1'"],
+         args=["--trainer.distributed.coordinator_address", "10.0.0.1",
+               "--trainer.distributed.num_processes", "2", "--trainer.distributed.process_id", "0"]),
+    Case("distributed-incomplete", "multi-host", "a coordinator address but no process id", 2,
+         ["trainer.distributed", "process_id", "num_processes"],
+         args=["--trainer.distributed.coordinator_address", "10.0.0.1:1234"]),
+    Case("coordinator-unreachable", "multi-host", "process 1 started while the coordinator never comes up", 1,
+         ["trainer.distributed", "did not answer within 1 s", "127.0.0.1:"],
+         args=["--trainer.distributed.num_processes", "2", "--trainer.distributed.process_id", "1",
+               "--trainer.distributed.initialization_timeout", "1",
+               "--trainer.distributed.coordinator_address", "127.0.0.1:$PORT"]),
+    # ----------------------------------------------------------------------------------------- runtime
+    Case("nan-loss", "runtime", "a learning rate so large the loss blows up (`learning_rate: 1e30`)", 1,
+         ["train/loss", "at step 1", "trainer.crash_on_"], args=["--optimizer.learning_rate", "1e30"], needs=["cache"]),
+    Case("disk-full-on-checkpoint", "runtime", "the disk fills up while a checkpoint is written", 1,
+         ["$TMP/ckpt/bad/step-2", "step 2", "No space left on device"], patch=disk_full, after=no_checkpoint_left,
+         needs=["cache"]),
+]
+
+MIN_CASES = 30
+
+
+# -- running a case -------------------------------------------------------------------------------------
+def _subst(s: str, tmp: Path, shared: Path, port: int) -> str:
+    return s.replace("$TMP", str(tmp)).replace("$SHARED", str(shared)).replace("$PORT", str(port))
+
+
+ENTRIES = {"train_lm": train_lm.cli, "cache_dataset": cache_dataset.cli, "data_schedule": data_schedule.cli}
+
+
+def run_case(case: Case, tmp: Path, shared: Path, capsys, monkeypatch) -> tuple[int, str]:
+    port = free_port()
+    sub = lambda s: _subst(s, tmp, shared, port)  # noqa: E731
+    if case.yaml is not None:
+        _write(tmp / "config.yaml", sub(case.yaml))
+    if case.setup is not None:
+        case.setup(tmp, shared)
+    if case.patch is not None:
+        case.patch(monkeypatch)
+    argv = [] if case.config_path is None else ["--config_path", sub(case.config_path)]
+    argv += [sub(a) for a in case.args]
+    monkeypatch.chdir(tmp)  # anything written to a relative path lands in the case's directory
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        ENTRIES[case.entry](argv)
+    if case.needs:
+        time.sleep(0.1)  # a background thread's late traceback (e.g. from an I/O callback) lands in stderr
+    return exc.value.code, capsys.readouterr().err
+
+
+def error_message(stderr: str) -> str:
+    """The ``error: ...`` paragraph at the end of stderr (progress bars may precede it)."""
+    starts = [m.start() for m in re.finditer(r"(?m)^error: ", stderr)]
+    assert len(starts) == 1, f"expected exactly one 'error:' line in stderr:\n{stderr}"
+    return stderr[starts[0]:].rstrip("\n")
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """The module's directory for artefacts several cases need (made lazily by :func:`ensure`).
+
+    The cases that get as far as compiling (checkpoint restores, the NaN and disk-full runs) compile the
+    same functions for the same shapes; a persistent compilation cache, on for this module only, turns
+    all but the first of each into a cache hit.
+    """
+    import jax
+
+    d = tmp_path_factory.mktemp("bad-inputs-shared")
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    saved = {n: getattr(jax.config, n) for n in names}
+    _reset_compilation_cache()
+    jax.config.update("jax_compilation_cache_dir", str(d / "xla-cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    try:
+        yield d
+    finally:
+        for n, v in saved.items():
+            jax.config.update(n, v)
+        _reset_compilation_cache()
+        _made.clear()
+
+
+def _reset_compilation_cache() -> None:
+    try:  # private API: lets the cache directory change after the first compile of the session
+        from jax._src import compilation_cache
+
+        compilation_cache.reset_cache()
+    except (ImportError, AttributeError):
+        pass
+
+
+_made: set = set()
+
+
+def ensure(what: str, shared: Path) -> None:
+    if what in _made:
+        return
+    if what == "cache":
+        cfg = shared / "cache.yaml"
+        _write(cfg, _subst(BASE, shared / "cache-run", shared, 0))
+        cache_dataset.main(cache_dataset.load_data_config(str(cfg)))
+    elif what == "checkpoint":
+        ensure("cache", shared)
+        from levanter.config import parse_config
+
+        # The base config as the cases write it (same paths relative to the case's directory), so that its
+        # compiled functions are the ones the cases will ask for.
+        _write(shared / "run.yaml", _subst(BASE, shared, shared, 0))
+        cfg = parse_config(train_lm.TrainLmConfig, str(shared / "run.yaml"), ["--trainer.num_train_steps", "2"])
+        assert train_lm.main(cfg)["final_step"] == 2
+        assert (shared / "ckpt" / "bad" / "step-2" / "metadata.json").is_file()
+    _made.add(what)
+
+
+# An exception in a background thread or a callback (e.g. an I/O completion after the event loop closed)
+# prints a traceback under the message in a real run; under pytest it surfaces as one of these warnings.
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input(case: Case, tmp_path, shared, capsys, monkeypatch):
+    for what in case.needs:
+        ensure(what, shared)
+    status, stderr = run_case(case, tmp_path, shared, capsys, monkeypatch)
+    assert "Traceback (most recent call last)" not in stderr, stderr
+    message = error_message(stderr)
+    lines = message.splitlines()
+    assert len(lines) <= 6 and all(line.strip() for line in lines), f"not one short paragraph:\n{message}"
+    for fragment in case.fragments:
+        fragment = _subst(fragment, tmp_path, shared, 0)
+        assert fragment in message, f"{fragment!r} not in the message:\n{message}"
+    assert status == case.status, f"exit status {status}, expected {case.status}:\n{message}"
+    if case.after is not None:
+        case.after(tmp_path, shared)
+
+
+def test_catalogue_is_big_enough_and_documented():
+    ids = [c.id for c in CASES]
+    assert len(ids) == len(set(ids)), "duplicate case ids"
+    assert len(CASES) >= MIN_CASES
+    doc = DOC.read_text()
+    undocumented = [i for i in ids if f"`{i}`" not in doc]
+    assert not undocumented, f"cases missing from {DOC.relative_to(REPO)}: {undocumented}"
