@@ -69,7 +69,7 @@ from draccus.utils import DecodingError
 from jax.experimental.array_serialization import serialization as jax_serialization
 
 from levanter.utils.fault import fault_point
-from levanter.utils.fs import atomic_write_bytes, fsync_dir
+from levanter.utils.fs import atomic_write_bytes, fsync_dir, remove_stale_temporaries
 
 __all__ = [
     "CHECKPOINT_FORMAT_VERSION",
@@ -961,6 +961,9 @@ class Checkpointer:
         self._retire: list[str] = []
         if jax.process_index() == 0:
             delete_stale_temporaries(self.base_path)
+            for _, path in _step_dirs(self.base_path):
+                # A kill inside _make_permanent's metadata rewrite leaves a temporary file in the checkpoint.
+                remove_stale_temporaries(path, METADATA_FILENAME)
         if delete_old_temp_checkpoints:
             for _, path in _step_dirs(self.base_path):
                 if _is_complete(path) and self._is_temporary(path):

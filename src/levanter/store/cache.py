@@ -33,6 +33,7 @@ from ..data._tokenize_worker import encode_in_worker as _encode_in_worker
 from ..data._tokenize_worker import init_worker as _init_worker
 from ..data.sources import check_embedded_url, expand_urls, iter_documents
 from ..utils.fault import fault_point
+from ..utils.fs import remove_stale_temporaries
 from .jagged_array import JaggedArrayStore
 from .ledger import CacheLedger
 
@@ -199,6 +200,9 @@ def build_or_load_cache(
         _check_metadata(cache_dir, ledger.metadata, wanted)
         if ledger.is_finished:
             return TokenCache.open(cache_dir)
+    # A build killed inside a ledger save leaves its temporary file behind; the resumed build must end
+    # byte-identical to an uninterrupted one, so clear it.
+    remove_stale_temporaries(cache_dir, "shard_ledger.json")
     shards = expand_urls(urls, embedded_dir=embedded_dir, what=what)
     if ledger is not None:
         if ledger.metadata.get("shards") != shards:

@@ -43,7 +43,7 @@ from typing import Any, Optional
 import numpy as np
 
 from levanter.tracker.tracker import Tracker, TrackerConfig, normalize_metrics, to_python
-from levanter.utils.fs import atomic_write_bytes, atomic_write_text
+from levanter.utils.fs import atomic_write_bytes, atomic_write_text, remove_stale_temporaries
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +137,8 @@ class JsonTracker(Tracker):
         self.summary_path = os.path.join(run_dir, SUMMARY_FILE)
         self._mirror_logger = mirror_logger
         self._mirror_level = mirror_level
+        for name in (METRICS_FILE, CONFIG_FILE, SUMMARY_FILE):
+            remove_stale_temporaries(run_dir, name)  # left by a run killed inside an atomic rewrite
         prepare_metrics_file(self.metrics_path, resume_step)
         self._hparams = self._read_json(self.config_path)
         self._summary = self._read_json(self.summary_path)

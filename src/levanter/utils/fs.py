@@ -48,3 +48,23 @@ def atomic_write_bytes(path: str, data: bytes, *, mode: int = 0o644) -> None:
 
 def atomic_write_text(path: str, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def remove_stale_temporaries(directory: str, name: str) -> list[str]:
+    """Delete what interrupted :func:`atomic_write_bytes` calls for ``name`` left in ``directory``
+    (``.<name>.<random>.tmp``); returns the removed paths. Call it where a run resumes."""
+    prefix = "." + name + "."
+    try:
+        entries = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    removed = []
+    for entry in entries:
+        if entry.startswith(prefix) and entry.endswith(".tmp"):
+            path = os.path.join(directory, entry)
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+    return removed
