@@ -41,6 +41,7 @@ Usage::
 
 from __future__ import annotations
 
+from _table import print_table  # noqa: E402 -- scripts/bench is on sys.path when run as a script
 import argparse
 import gc
 import json
@@ -67,16 +68,6 @@ GOAL_READ = 0.5
 
 
 # -- helpers -------------------------------------------------------------------------------------------
-def print_table(title: str, columns: list[tuple[str, int]], rows: list[list[str]]) -> None:
-    print()
-    print(title)
-    header = " ".join(f"{name:>{width}}" for name, width in columns)
-    print(header)
-    print("-" * len(header))
-    for row in rows:
-        print(" ".join(f"{cell:>{width}}" for cell, (_, width) in zip(row, columns)))
-
-
 def mstats(xs: list[float]) -> tuple[float, float, float]:
     return statistics.median(xs), min(xs), max(xs)
 

@@ -27,6 +27,7 @@ Usage::
 
 from __future__ import annotations
 
+from _table import print_table  # noqa: E402 -- scripts/bench is on sys.path when run as a script
 import argparse
 import asyncio
 import os
@@ -137,16 +138,6 @@ def fmt_block(block_size: int | None) -> str:
 
 def fmt_step(step: int) -> str:
     return "0" if step == 0 else f"1e{len(str(step)) - 1}"
-
-
-def print_table(title: str, columns: list[tuple[str, int]], rows: list[list[str]]) -> None:
-    print()
-    print(title)
-    header = " ".join(f"{name:>{width}}" for name, width in columns)
-    print(header)
-    print("-" * len(header))
-    for row in rows:
-        print(" ".join(f"{cell:>{width}}" for cell, (_, width) in zip(row, columns)))
 
 
 def stats_rows(block_sizes, per_key: dict, scale: float, fmt: str) -> list[list[str]]:

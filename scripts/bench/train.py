@@ -54,6 +54,7 @@ Usage::
 
 from __future__ import annotations
 
+from _table import print_table  # noqa: E402 -- scripts/bench is on sys.path when run as a script
 import argparse
 import copy
 import dataclasses
@@ -479,16 +480,6 @@ def build_upstream_cache(cfg: dict, args, data: dict, prep: dict) -> str:
 
 # ----------------------------------------------------------------------------------------------------------
 # tables
-
-
-def print_table(title: str, columns: list[tuple[str, int]], rows: list[list[str]]) -> None:
-    print()
-    print(title)
-    header = " ".join(f"{name:>{width}}" for name, width in columns)
-    print(header)
-    print("-" * len(header))
-    for row in rows:
-        print(" ".join(f"{cell:>{width}}" for cell, (_, width) in zip(row, columns)))
 
 
 def fmt(x: Optional[float], spec: str) -> str:
