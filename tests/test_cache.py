@@ -18,6 +18,7 @@ from levanter.data.text import TokenSeqDataset
 from levanter.data.tokenization import ByteTokenizer, load_tokenizer, train_bpe
 from levanter.store.cache import CacheMismatchError, CacheOptions, TokenCache, build_or_load_cache
 from levanter.store.ledger import CorruptLedgerError
+from helpers import tree_bytes
 
 
 def make_docs(n, seed=0):
@@ -50,16 +51,6 @@ def write_shards(directory, docs, n_shards=3, suffix=".jsonl"):
                 f.write(lines)
         paths.append(p)
     return paths
-
-
-def tree_bytes(directory):
-    out = {}
-    for root, _, files in os.walk(directory):
-        for f in files:
-            p = os.path.join(root, f)
-            with open(p, "rb") as fh:
-                out[os.path.relpath(p, directory)] = fh.read()
-    return out
 
 
 def all_rows(cache):

@@ -49,6 +49,7 @@ from levanter.data.mixture import MixtureDataset
 from levanter.store.cache import TokenCache
 from levanter.store.jagged_array import JaggedArrayStore
 from levanter.store.ledger import CacheLedger
+from helpers import tree_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -339,16 +340,6 @@ def write_corpus(directory, n_shards=4, docs_per_shard=650, seed=0):
                 f.write(json.dumps({"text": text}) + "\n")
         paths.append(p)
     return paths
-
-
-def tree_bytes(directory):
-    out = {}
-    for root, _, files in os.walk(directory):
-        for f in files:
-            p = os.path.join(root, f)
-            with open(p, "rb") as fh:
-                out[os.path.relpath(p, directory)] = fh.read()
-    return out
 
 
 @pytest.mark.slow
