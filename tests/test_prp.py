@@ -29,6 +29,18 @@ def test_seed_changes_the_permutation_and_it_shuffles():
     assert (a != np.arange(n)).mean() > 0.9
 
 
+@pytest.mark.parametrize("n", list(range(2, 300)) + [4097, 2**32 + 5, 10**15 + 3])
+def test_small_requests_take_the_int_path_and_agree_with_numpy(n):
+    """Requests of <= SMALL indices are mapped with Python ints; they must be the same function."""
+    perm = FeistelPermutation(n, seed=99)
+    idx = np.arange(min(n, 300), dtype=np.int64) if n <= 300 else np.array([0, 1, n // 3, n - 2, n - 1])
+    big = perm(np.concatenate([idx] * (perm.SMALL // max(1, idx.size) + 2)))[: idx.size]  # numpy path
+    small = np.concatenate([perm(idx[i : i + perm.SMALL]) for i in range(0, idx.size, perm.SMALL)])
+    assert idx.size * (perm.SMALL // max(1, idx.size) + 2) > perm.SMALL
+    assert small.tolist() == big.tolist()
+    assert [perm(int(i)) for i in idx[:5]] == big[:5].tolist()
+
+
 def test_huge_domain_pointwise():
     n = 10**15 + 3
     perm = FeistelPermutation(n, seed=3)

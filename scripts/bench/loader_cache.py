@@ -1,0 +1,293 @@
+#!/usr/bin/env python
+"""Benchmark: our ``DataLoader`` on a tensorstore token cache against a raw tensorstore read of the same rows.
+
+The data is the synthetic corpus of ``_synthetic.py`` (3 sources, byte-level tokens, EOS-terminated
+documents) written straight into our cache format (``JaggedArrayStore`` + a finished ledger whose
+metadata matches the config below, so ``build_or_load_cache`` opens it without rebuilding). The
+dataset is the production path: ``LMMixtureDatasetConfig.train_set(1024, schedule, key)`` -- per
+source ``TokenSeqDataset -> CausalLmDataset -> shuffle`` (Feistel permutation), then a 2-stage
+``MixtureDataset`` (block 2048, ``restart``) -- read by ``DataLoader`` on the first CPU device.
+
+Measured (all functions return plain dicts; ``run_all.py`` drives them and prints the tables):
+
+* ``loader_throughput``: tokens/s over ``n`` consecutive steps that straddle the stage switch, after the
+  first batch (untimed); every batch's arrays are waited for (``block_until_ready``). ``prefetch`` 0 is
+  the loader fetching each step on demand in the caller's thread.
+* ``raw_throughput``: the same rows read straight from each source's ``input_ids/data`` zarr3 array
+  with tensorstore -- the indices (mixture draw + permutation) are computed before the clock starts --
+  as (a) one ``ts.stack`` read per source per batch and (b) one read per window inside a ``ts.Batch``,
+  then ``np.stack``. Tokens only, into one ``int32[B, 1024]`` array: no loss mask, segment ids or
+  device arrays. The faster of the two is the limit the loader is compared with.
+* ``time_to_first_batch``: a fresh ``train_set`` + ``DataLoader`` (timed separately as "build"), then
+  ``iter_from_step(k)`` until the first batch is ready.
+* ``memory_probe`` (run in a fresh process by ``run_all.py``): resident set size before and while
+  iterating, to show that what the loader holds is bounded by prefetch depth x batch bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+import _synthetic as syn
+
+SYNTH_URL = "synthetic://{name}"  # recorded in the cache metadata; never opened (the cache is finished)
+
+
+def write_source(cache_dir: str, index: int, n_tokens: int, url: str) -> int:
+    """Source ``index`` of the synthetic corpus as a finished cache of ours at ``cache_dir``; its tokens."""
+    from levanter.data.tokenization import ByteTokenizer
+    from levanter.store.cache import cache_metadata
+    from levanter.store.jagged_array import JaggedArrayStore
+    from levanter.store.ledger import CacheLedger
+
+    tok = ByteTokenizer()
+    assert tok.eos_token_id == syn.EOS and tok.vocab_size == syn.VOCAB, "ByteTokenizer ids changed"
+    flat, lengths = syn.source_tokens(index, n_tokens)
+    store = JaggedArrayStore.open(os.path.join(cache_dir, "input_ids"), mode="w")
+    store.append_flat(flat, lengths)
+    store.finalize()
+    meta = cache_metadata(tok, urls=[url], text_key="text", enforce_eos=True)
+    CacheLedger(
+        shard_rows={url: len(lengths)}, shard_docs={url: len(lengths)}, finished_shards=[url],
+        total_rows=len(lengths), total_tokens=int(lengths.sum()), is_finished=True,
+        metadata={**meta, "shards": [url]},
+    ).save(cache_dir)
+    return int(lengths.sum())
+
+
+def write_caches(root: str, total_tokens: int) -> dict:
+    """Write the three sources into ``root/<name>/train`` in our format; returns per-source token counts."""
+    return {
+        name: write_source(os.path.join(root, name, "train"), k, n, SYNTH_URL.format(name=name))
+        for k, (name, n) in enumerate(syn.source_sizes(total_tokens).items())
+    }
+
+
+def mixture_config(root: str):
+    from levanter.data.config import LMDatasetSourceConfig, LMMixtureDatasetConfig
+
+    return LMMixtureDatasetConfig(
+        tokenizer="byte",
+        cache_dir=root,
+        configs={
+            name: LMDatasetSourceConfig(train_urls=[SYNTH_URL.format(name=name)], cache_dir=os.path.join(root, name))
+            for name in syn.SOURCES
+        },
+        train_weights=[(s, dict(w)) for s, w in syn.STAGES],
+        shuffle=True,
+        mixture_block_size=2048,
+        stop_strategy="restart",
+    )
+
+
+def make_loader(root: str, batch_size: int, prefetch: int, seq_len: int = syn.SEQ_LEN):
+    import jax
+
+    from levanter.data.loader import DataLoader
+    from levanter.schedule import BatchSchedule
+
+    schedule = BatchSchedule(batch_size)
+    ds = mixture_config(root).train_set(seq_len, schedule, key=jax.random.PRNGKey(0))
+    return DataLoader(ds, schedule, prefetch_depth=prefetch)
+
+
+def first_step(n: int) -> int:
+    """Timed runs cover steps ``[s, s + n]`` around the stage switch (both stages are read)."""
+    return max(0, syn.STAGE_SWITCH_STEP - n // 2)
+
+
+def _ready(batch) -> None:
+    import jax
+
+    jax.block_until_ready(batch.data)
+
+
+def loader_throughput(root: str, batch_size: int, n: int, prefetch: int = 8, seq_len: int = syn.SEQ_LEN) -> dict:
+    loader = make_loader(root, batch_size, prefetch, seq_len)
+    start = first_step(n)
+    with loader.iter_from_step(start, start + n + 1) as it:
+        _ready(next(it))
+        t0 = time.perf_counter()
+        got = 0
+        for batch in it:
+            _ready(batch)
+            got += 1
+        dt = time.perf_counter() - t0
+    assert got == n, (got, n)
+    return {"tokens_per_s": n * batch_size * seq_len / dt, "seconds": dt, "batches": n}
+
+
+def _raw_plan(root: str, batch_size: int, n: int, seq_len: int = syn.SEQ_LEN) -> list:
+    """For each step: ``[(source, rows in the batch, token start of each window)]`` -- what the loader reads."""
+    import asyncio
+
+    loader = make_loader(root, batch_size, 0, seq_len)
+    mixture = loader.dataset
+    start = first_step(n)
+    plan = []
+
+    async def go():
+        for step in range(start, start + n + 1):
+            idx = loader.indices_for_step(step)
+            source, src_index = await mixture.source_indices(step, idx)
+            per = []
+            for s in np.unique(source).tolist():
+                sel = np.flatnonzero(source == s)
+                shuffled = mixture.datasets[s]  # PermutationDataset over CausalLmDataset
+                perm = await shuffled._permutation()
+                windows = perm(src_index[sel])
+                per.append((s, sel, windows * seq_len))
+            plan.append(per)
+
+    asyncio.run(go())
+    return plan
+
+
+def _open_raw(root: str):
+    import tensorstore as ts
+
+    arrays = []
+    for name in syn.SOURCES:
+        path = os.path.join(root, name, "train", "input_ids", "data")
+        arrays.append(ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": path}}, open=True).result())
+    return arrays
+
+
+def raw_throughput(root: str, batch_size: int, n: int, seq_len: int = syn.SEQ_LEN) -> dict:
+    """Raw tensorstore reads of the loader's rows; returns tokens/s of both methods and the best."""
+    import tensorstore as ts
+
+    plan = _raw_plan(root, batch_size, n, seq_len)
+    arrays = _open_raw(root)
+    L = seq_len
+
+    def stacked(per):
+        out = np.empty((batch_size, L), np.int32)
+        futs = [
+            (sel, ts.stack([arrays[s][int(x): int(x) + L].translate_to[0] for x in starts], axis=0).read())
+            for s, sel, starts in per
+        ]
+        for sel, f in futs:
+            out[sel] = f.result()
+        return out
+
+    def windows(per):
+        with ts.Batch() as b:
+            futs = [(sel, [arrays[s][int(x): int(x) + L].read(batch=b) for x in starts]) for s, sel, starts in per]
+        out = np.empty((batch_size, L), np.int32)
+        for sel, fs in futs:
+            out[sel] = np.stack([f.result() for f in fs])
+        return out
+
+    result = {}
+    for name, fn in (("ts_stack", stacked), ("ts_batch", windows)):
+        fn(plan[0])  # warm-up, untimed (as the loader's first batch is)
+        t0 = time.perf_counter()
+        for per in plan[1:]:
+            fn(per)
+        dt = time.perf_counter() - t0
+        result[name] = n * batch_size * L / dt
+    result["tokens_per_s"] = max(result["ts_stack"], result["ts_batch"])
+    return result
+
+
+def check_same_rows(root: str, batch_size: int, step: int) -> None:
+    """The raw plan reads exactly the tokens the loader yields (a guard against benchmarking other rows)."""
+    import tensorstore as ts
+
+    plan = _raw_plan(root, batch_size, 2 * (syn.STAGE_SWITCH_STEP - step))
+    arrays = _open_raw(root)
+    loader = make_loader(root, batch_size, 0)
+    with loader.iter_from_step(step, step + 1) as it:
+        tokens = np.asarray(next(it).data["tokens"])
+    expect = np.empty_like(tokens)
+    for s, sel, starts in plan[0]:
+        expect[sel] = ts.stack([arrays[s][int(x): int(x) + syn.SEQ_LEN].translate_to[0] for x in starts]).read().result()  # noqa: E501
+    if not np.array_equal(tokens, expect):
+        raise AssertionError("raw plan and loader disagree on the rows of a step")
+
+
+def time_to_first_batch(root: str, batch_size: int, step: int, prefetch: int = 8, seq_len: int = syn.SEQ_LEN) -> dict:
+    t0 = time.perf_counter()
+    loader = make_loader(root, batch_size, prefetch, seq_len)
+    t1 = time.perf_counter()
+    it = loader.iter_from_step(step)
+    _ready(next(it))
+    t2 = time.perf_counter()
+    it.close()
+    return {"build_s": t1 - t0, "first_batch_s": t2 - t1}
+
+
+def stall_run(root: str, batch_size: int, steps: int, step_seconds: float, prefetch: int = 8) -> list[float]:
+    """Per-step data wait over ``steps`` steps when each step keeps the consumer busy ``step_seconds``.
+
+    The step is a sleep: on an accelerator the host thread waits for the device while the loader works,
+    which is what a sleep models (the GIL and the cores are free). What the consumer blocks on in
+    ``next()`` is the loader's own ``Batch.wait_seconds``.
+    """
+    loader = make_loader(root, batch_size, prefetch)
+    waits = []
+    with loader.iter_from_step(0, steps) as it:
+        for batch in it:
+            _ready(batch)
+            waits.append(batch.wait_seconds)
+            del batch
+            time.sleep(step_seconds)
+    return waits
+
+
+def rss_bytes() -> tuple[int, int]:
+    """(current, peak) resident set size of this process, from /proc (Linux)."""
+    cur = peak = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                cur = int(line.split()[1]) * 1024
+            elif line.startswith("VmHWM:"):
+                peak = int(line.split()[1]) * 1024
+    return cur, peak
+
+
+def memory_probe(root: str, batch_size: int, steps: int, start: int, prefetch: int) -> dict:
+    """RSS growth while iterating ``steps`` steps from ``start``, against prefetch x batch bytes.
+
+    The baseline is taken after one batch has been fetched and dropped (imports, jax, tensorstore and
+    the first-use allocations are in it); the peak is sampled after every step.
+    """
+    import gc
+
+    loader = make_loader(root, batch_size, prefetch)
+    with loader.iter_from_step(start, start + 1) as it:
+        b = next(it)
+        _ready(b)
+        batch_bytes = sum(x.nbytes for x in jax_leaves(b.data))
+        del b
+    gc.collect()
+    base, _ = rss_bytes()
+    peak = base
+    with loader.iter_from_step(start, start + steps) as it:
+        for batch in it:
+            _ready(batch)
+            peak = max(peak, rss_bytes()[0])
+            del batch
+    return {
+        "base_rss": base, "peak_rss": peak, "growth": peak - base, "batch_bytes": batch_bytes,
+        "bound": (prefetch + 2) * batch_bytes,
+    }
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
+if __name__ == "__main__":  # the memory probe runs here, in a fresh process, for run_all.py
+    import json
+    import sys
+
+    args = json.loads(sys.argv[1])
+    print(json.dumps(memory_probe(**args)))

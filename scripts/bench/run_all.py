@@ -1,0 +1,464 @@
+#!/usr/bin/env python
+"""The benchmark suite: every performance figure of issue 7, side by side in one run, as tables + JSON.
+
+    .venv/bin/python scripts/bench/run_all.py --quick --json bench.json     # < 2 minutes on 2 cores
+    .venv/bin/python scripts/bench/run_all.py --json bench.json             # more repeats and steps
+    scripts/bench/setup_upstream_venv.sh                                    # once, for the upstream columns
+
+Sections (each figure is the median over repeats, shown with min and max; ratios are per repeat):
+
+1. **Loader** -- ``loader_cache.py``: our ``DataLoader`` (prefetch 8, and 0 = fetch on demand) over a
+   3-source, 2-stage, shuffled mixture on tensorstore caches of synthetic byte-level documents, against
+   a raw tensorstore read of exactly the same rows, at 8x1024, 64x1024, 256x1024 and 8x64 (batch x seq).
+   The timed steps straddle the stage switch. Upstream's loader reads the same tokens (its own cache
+   format, written by its own writer) through its own ``train_set`` + ``DataLoader`` in its venv.
+2. **Time to first batch** at steps 0, 1e3, 1e6, 1e9 (fresh dataset + loader, warm process), and the
+   first loader of a fresh process ("cold"), for both sides.
+3. **Stalls** -- 1,000 steps at a fixed step time (the host sleeps as it would while an accelerator
+   computes): data-wait p50 / p99 / max, and the waits > 0.5 s as in Marin issue 7474 (count, first and
+   last spike step, total wait).
+4. **Memory** -- resident memory growth of a fresh process iterating the loader, for a cache and one
+   10x larger, from step 0 and from step 1e6, against prefetch depth x batch bytes.
+5. **Training** -- ``config/gpt2_nano.yaml`` for N steps through ``python -m levanter.main.train_lm`` (fresh
+   subprocess each), and upstream's ``train_lm`` on the mirrored config; both read a pre-written cache
+   of the same synthetic tokens, so neither side builds a cache. Steady step, step 0 (first batch +
+   compile + step), end to end, tokens/s and MFU against the matmul peak measured in the same run.
+
+Upstream needs the venv of ``setup_upstream_venv.sh`` (default ``~/.cache/levanter-bench/upstream-venv``,
+or ``--upstream-venv``); without it the upstream figures are null. See ``docs/performance.md``.
+"""
+
+from __future__ import annotations
+
+from _table import print_table  # noqa: E402 -- scripts/bench is on sys.path when run as a script
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+
+import numpy as np
+import yaml
+
+import _synthetic as syn
+import loader_cache as lc
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+DEFAULT_UPSTREAM = os.path.expanduser("~/.cache/levanter-bench/upstream-venv")
+RESUME_STEPS = (0, 10**3, 10**6, 10**9)
+STALL_THRESHOLD = 0.5
+
+QUICK = dict(
+    repeats=3, tokens=4_000_000, mem_tokens=4_000_000, loader_n={(8, 1024): 150, (64, 1024): 40, (256, 1024): 10,
+                                                                   (8, 64): 300},
+    up_n={(8, 1024): 200, (64, 1024): 60, (8, 64): 400}, up_repeats=1,
+    stall=dict(batch=32, steps=1000, step_s=0.01), train_steps=20, train_repeats=1, ttfb_batches=(64,),
+)
+FULL = dict(
+    repeats=5, tokens=16_000_000, mem_tokens=8_000_000,
+    loader_n={(8, 1024): 600, (64, 1024): 150, (256, 1024): 40, (8, 64): 1200},
+    up_n={(8, 1024): 400, (64, 1024): 150, (256, 1024): 40, (8, 64): 1200}, up_repeats=3,
+    stall=dict(batch=64, steps=1000, step_s=0.05), train_steps=60, train_repeats=3, ttfb_batches=(8, 64),
+)
+
+
+def stats(xs):
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def med(s):
+    return None if s is None else s["median"]
+
+
+def fmt(s, scale=1.0, spec=".2f"):
+    if s is None:
+        return "-"
+    if isinstance(s, dict):
+        return f"{s['median'] * scale:{spec}} [{s['min'] * scale:{spec}}, {s['max'] * scale:{spec}}]"
+    return f"{s * scale:{spec}}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 1 + 2: our loader
+
+
+def bench_ours_loader(root: str, cfg: dict, out: dict) -> None:
+    R = cfg["repeats"]
+    # Cold first: the first loader of this process (imports are done; first-use costs are not).
+    out["ttfb_cold"] = lc.time_to_first_batch(root, 64, 0)
+    results = {}
+    for (bs, L), n in cfg["loader_n"].items():
+        runs = {"loader": [], "prefetch0": [], "raw": [], "raw_batch": [], "raw_stack": []}
+        for r in range(R):
+            methods = ["loader", "prefetch0", "raw"]
+            for m in methods[r % 3:] + methods[: r % 3]:  # rotate the order: drift hits all alike
+                if m == "loader":
+                    runs[m].append(lc.loader_throughput(root, bs, n, 8, L)["tokens_per_s"])
+                elif m == "prefetch0":
+                    runs[m].append(lc.loader_throughput(root, bs, n, 0, L)["tokens_per_s"])
+                else:
+                    raw = lc.raw_throughput(root, bs, n, L)
+                    runs["raw"].append(raw["tokens_per_s"])
+                    runs["raw_batch"].append(raw["ts_batch"])
+                    runs["raw_stack"].append(raw["ts_stack"])
+        results[f"{bs}x{L}"] = {
+            "batch": bs, "seq_len": L, "batches": n,
+            **{k: stats(v) for k, v in runs.items()},
+            "loader_over_raw": stats([a / b for a, b in zip(runs["loader"], runs["raw"])]),
+            "prefetch0_over_raw": stats([a / b for a, b in zip(runs["prefetch0"], runs["raw"])]),
+        }
+    out["loader"] = results
+    ttfb = {}
+    for bs in cfg["ttfb_batches"]:
+        per = {k: [] for k in RESUME_STEPS}
+        builds = []
+        for _ in range(R):
+            for k in RESUME_STEPS:
+                t = lc.time_to_first_batch(root, bs, k)
+                per[k].append(t["first_batch_s"])
+                builds.append(t["build_s"])
+        ttfb[bs] = {"steps": {str(k): stats(v) for k, v in per.items()}, "build": stats(builds)}
+    out["ttfb"] = ttfb
+
+
+# ----------------------------------------------------------------------------------------------------------
+# upstream (subprocesses in its venv)
+
+
+def upstream_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline",
+               RAY_USAGE_STATS_ENABLED="0", JAX_PLATFORMS="cpu")
+    return env
+
+
+def run_upstream_helper(venv: str, script: str, args: list, timeout: float = 900) -> dict:
+    py = os.path.join(venv, "bin", "python")
+    proc = subprocess.run([py, os.path.join(HERE, script), *map(str, args)], capture_output=True, text=True,
+                          env=upstream_env(), timeout=timeout)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+        if script == "upstream_train.py" and line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError(f"{script} {args[0]} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+def bench_upstream_loader(venv: str, work: str, cfg: dict, prep: dict, out: dict) -> None:
+    root = os.path.join(work, "upstream-cache")
+    run_upstream_helper(venv, "upstream_loader.py", ["write", root, cfg["tokens"], prep["tokenizer"]])
+    spec = {
+        "ttfb_batch": 64, "ttfb_steps": list(RESUME_STEPS), "ttfb_repeats": 1,
+        "throughput": [[bs, n, L] for (bs, L), n in cfg["up_n"].items()],
+    }
+    runs = [run_upstream_helper(venv, "upstream_loader.py", ["measure", root, prep["tokenizer"], json.dumps(spec)])
+            for _ in range(cfg["up_repeats"])]
+    thr = {}
+    for (bs, L) in cfg["up_n"]:
+        vals = [t["tokens_per_s"] for r in runs for t in r["throughput"] if t["batch"] == bs and t["seq_len"] == L]
+        thr[f"{bs}x{L}"] = stats(vals)
+    ttfb, errors = {}, {}
+    for k in RESUME_STEPS:
+        ttfb[str(k)] = stats([t["first_batch_s"] for r in runs for t in r["ttfb"] if t["step"] == k and "error" not in t])
+        errs = [t["error"] for r in runs for t in r["ttfb"] if t["step"] == k and "error" in t]
+        if errs:
+            errors[str(k)] = errs[0]
+    out["upstream_loader"] = {
+        "throughput": thr, "ttfb_64": ttfb, "ttfb_errors": errors,
+        "ttfb_cold_64": stats([r["cold"]["first_batch_s"] for r in runs]),
+        "build_cold_64": stats([r["cold"]["build_s"] for r in runs]),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 3: stalls, 4: memory
+
+
+def bench_stalls(root: str, cfg: dict, out: dict) -> None:
+    s = cfg["stall"]
+    waits = lc.stall_run(root, s["batch"], s["steps"], s["step_s"])
+    w = np.asarray(waits)
+    spikes = np.flatnonzero(w > STALL_THRESHOLD)
+    after_first = w[1:]
+    out["stalls"] = {
+        "batch": s["batch"], "seq_len": syn.SEQ_LEN, "steps": len(waits), "step_seconds": s["step_s"],
+        "p50_s": float(np.percentile(after_first, 50)), "p99_s": float(np.percentile(after_first, 99)),
+        "max_s": float(after_first.max()), "first_step_wait_s": float(w[0]),
+        "spikes": int(spikes.size), "first_spike_step": int(spikes[0]) if spikes.size else None,
+        "last_spike_step": int(spikes[-1]) if spikes.size else None,
+        "spike_wait_s": float(w[spikes].sum()), "total_wait_s": float(w.sum()),
+        "wait_fraction": float(after_first.sum() / (after_first.sum() + s["step_s"] * after_first.size)),
+        "spikes_after_step0": int((after_first > STALL_THRESHOLD).sum()),
+    }
+
+
+def bench_memory(work: str, cfg: dict, out: dict) -> None:
+    rows = []
+    for scale in (1, 10):
+        root = os.path.join(work, f"mem-{scale}x")
+        lc.write_caches(root, cfg["mem_tokens"] * scale)
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
+        for start in (0, 10**6):
+            args = {"root": root, "batch_size": 64, "steps": 100, "start": start, "prefetch": 8}
+            proc = subprocess.run([sys.executable, os.path.join(HERE, "loader_cache.py"), json.dumps(args)],
+                                  capture_output=True, text=True, timeout=600)
+            if proc.returncode != 0:
+                raise RuntimeError(f"memory probe failed:\n{proc.stderr[-3000:]}")
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            rows.append({"cache_scale": scale, "cache_bytes": size, "start_step": start, **r})
+        shutil.rmtree(root, ignore_errors=True)
+    out["memory"] = rows
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 5: training
+
+
+def matmul_peak_flops() -> float:
+    """FLOP/s of a jitted f32 1024x1024 matmul chain on this machine's CPU (all cores): the MFU peak."""
+    import jax
+    import jax.numpy as jnp
+
+    n, k = 1024, 8
+
+    @jax.jit
+    def chain(a, b):
+        for _ in range(k):
+            a = (a @ b) * 0.5
+        return a
+
+    a = jnp.ones((n, n), jnp.float32)
+    b = jnp.eye(n, dtype=jnp.float32)
+    chain(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        chain(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 * k / best
+
+
+def bench_training(work: str, cfg: dict, venv: str | None, prep: dict | None, out: dict) -> None:
+    import train as tr  # scripts/bench/train.py
+
+    nano = tr.load_config(os.path.join(REPO, "config", "gpt2_nano.yaml"))
+    nano["data"] = {"tokenizer": "byte", "cache_dir": "cache/synthetic", "shuffle": True,
+                    "train_urls": ["synthetic://nano"], "validation_urls": []}
+    # The pre-written cache: ours under <warm>/synthetic/train, upstream's under <up_warm>/train.
+    warm = os.path.join(work, "train-ours")
+    tokens = 2_000_000
+    lc.write_source(os.path.join(warm, "synthetic", "train"), 0, tokens, "synthetic://nano")
+    args = types.SimpleNamespace(tmp=work, python=sys.executable, timeout=900, keep=False, log_copies=None,
+                                 upstream_venv=venv)
+    up_warm = data = None
+    if venv and prep:
+        up_warm = os.path.join(work, "train-upstream")
+        run_upstream_helper(venv, "upstream_loader.py",
+                            ["write-single", os.path.join(up_warm, "train"), tokens, prep["tokenizer"]])
+        dummy = os.path.join(work, "synthetic-nano.jsonl")
+        with open(dummy, "w") as f:
+            f.write('{"text": "placeholder: the cache is pre-written"}\n')
+        data = {"train": [dummy], "validation": []}
+    steps, skip = cfg["train_steps"], 5
+    ours_runs, up_runs = [], []
+    for i in range(cfg["train_repeats"]):
+        ours_runs.append(tr.run_ours(nano, [], steps, args, warm, i + 1))
+        if up_warm:
+            up_runs.append(tr.run_upstream(nano, steps, args, data, prep, up_warm, i + 1))
+
+    from levanter.config import parse_config
+    from levanter.main.train_lm import TrainLmConfig
+
+    path = os.path.join(work, "nano.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(nano, f)
+    flops_per_token = parse_config(TrainLmConfig, path).model.flops_per_token(syn.VOCAB)
+    peak = matmul_peak_flops()
+
+    def summarize(runs):
+        if not runs:
+            return None
+        per = [tr.run_summary(r, skip) for r in runs]
+        s = {
+            "steady_step_s": stats([p["med"] for p in per]),
+            "step0_s": stats([p["step0"] for p in per]),
+            "end_to_end_s": stats([p["e2e"] for p in per]),
+            "first_step_s": stats([p["first"] for p in per]),
+            "tokens_per_s": stats([p["tok_s"] for p in per]),
+            "data_wait_fraction": stats([p["wait"] for p in per]),
+            "loss_first": per[0]["loss0"], "loss_last": per[0]["loss1"],
+        }
+        s["compile_s"] = stats([p["step0"] - p["med"] for p in per if p["step0"] is not None])
+        s["mfu"] = stats([p["tok_s"] * flops_per_token / peak for p in per if p["tok_s"]])
+        return s
+
+    out["training"] = {
+        "config": "config/gpt2_nano.yaml (data: pre-written synthetic cache)", "steps": steps,
+        "steady_from_step": skip, "flops_per_token": flops_per_token, "matmul_peak_flops": peak,
+        "ours": summarize(ours_runs), "upstream": summarize(up_runs),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# report
+
+
+def report(out: dict) -> dict:
+    lo, up = out.get("loader", {}), (out.get("upstream_loader") or {})
+    rows = []
+    for key, r in lo.items():
+        u = (up.get("throughput") or {}).get(key)
+        rows.append([key, str(r["batches"]), fmt(r["loader"], 1e-6), fmt(r["prefetch0"], 1e-6), fmt(r["raw"], 1e-6),
+                     fmt(r["loader_over_raw"]), fmt(u, 1e-6),
+                     "-" if u is None else f"{med(r['loader']) / med(u):.1f}x"])
+    print_table("Loader: M tokens/s, median [min, max]; 3-source 2-stage shuffled mixture on tensorstore caches",
+                [("batch", 8), ("n", 5), ("ours (prefetch 8)", 22), ("ours (prefetch 0)", 22), ("raw tensorstore", 22),
+                 ("ours/raw", 18), ("upstream", 20), ("ours/up", 7)], rows)
+
+    rows = []
+    for bs, t in out.get("ttfb", {}).items():
+        base = med(t["steps"]["0"])
+        for k, s in t["steps"].items():
+            ups = (up.get("ttfb_64") or {}).get(k) if int(bs) == 64 else None
+            rows.append([str(bs), f"{int(k):.0e}" if int(k) else "0", fmt(s, 1e3, ".1f"), f"{med(s) / base:.2f}x",
+                         fmt(ups, 1e3, ".0f"), "-" if ups is None else f"{med(s) / med(ups):.3f}x"])
+    cold = out.get("ttfb_cold")
+    print_table("Time to first batch (ms; fresh dataset + loader, warm process), median [min, max]",
+                [("batch", 6), ("step", 6), ("ours", 22), ("vs step 0", 9), ("upstream", 20), ("ours/up", 8)], rows)
+    if cold:
+        print(f"cold (first loader of the process, batch 64): ours {cold['first_batch_s'] * 1e3:.1f} ms; upstream "
+              f"{fmt(up.get('ttfb_cold_64'), 1e3, '.0f')} ms")
+    if up.get("ttfb_errors"):
+        print(f"upstream errors: {up['ttfb_errors']}")
+
+    st = out.get("stalls")
+    if st:
+        print_table(
+            f"Stalls: {st['steps']} steps of {st['batch']}x{st['seq_len']}, step time {st['step_seconds'] * 1e3:.0f} ms "
+            f"(host sleeps); waits after step 0",
+            [("p50 ms", 8), ("p99 ms", 8), ("max ms", 8), ("step 0 ms", 9), ("wait %", 7), (f"> {STALL_THRESHOLD}s", 7),
+             ("first spike", 11), ("last spike", 10), ("spike wait s", 12), ("total wait s", 12)],
+            [[f"{st['p50_s'] * 1e3:.3f}", f"{st['p99_s'] * 1e3:.3f}", f"{st['max_s'] * 1e3:.2f}",
+              f"{st['first_step_wait_s'] * 1e3:.1f}", f"{st['wait_fraction'] * 100:.3f}", str(st["spikes"]),
+              str(st["first_spike_step"]), str(st["last_spike_step"]), f"{st['spike_wait_s']:.2f}",
+              f"{st['total_wait_s']:.3f}"]])
+
+    mem = out.get("memory")
+    if mem:
+        print_table("Memory: RSS growth while iterating 100 steps of 64x1024, prefetch 8 (MiB)",
+                    [("cache", 6), ("cache MiB", 9), ("start step", 10), ("base RSS", 9), ("growth", 7),
+                     ("batch", 6), ("bound (d+2)*batch", 17)],
+                    [[f"{m['cache_scale']}x", f"{m['cache_bytes'] / 2**20:.0f}", str(m["start_step"]),
+                      f"{m['base_rss'] / 2**20:.0f}", f"{m['growth'] / 2**20:.1f}", f"{m['batch_bytes'] / 2**20:.2f}",
+                      f"{m['bound'] / 2**20:.1f}"] for m in mem])
+
+    tr = out.get("training")
+    if tr:
+        o, u = tr["ours"], tr["upstream"]
+        rows = []
+        for name, key, scale, spec in (("steady step (ms)", "steady_step_s", 1e3, ".1f"),
+                                       ("step 0 (ms)", "step0_s", 1e3, ".0f"),
+                                       ("compile ~ step0 - steady (s)", "compile_s", 1, ".2f"),
+                                       ("time to first step (s)", "first_step_s", 1, ".2f"),
+                                       ("end to end (s)", "end_to_end_s", 1, ".1f"),
+                                       ("tokens/s", "tokens_per_s", 1, ",.0f"),
+                                       ("MFU (vs matmul peak)", "mfu", 100, ".1f"),
+                                       ("data wait (% of step)", "data_wait_fraction", 100, ".2f")):
+            a, b = o.get(key), (u or {}).get(key)
+            ratio = "-" if not (a and b and med(b)) else f"{med(a) / med(b):.2f}x"
+            rows.append([name, fmt(a, scale, spec), fmt(b, scale, spec), ratio])
+        print_table(f"Training: gpt2_nano, {tr['steps']} steps, steady = steps >= {tr['steady_from_step']}; "
+                    f"{tr['flops_per_token'] / 1e6:.1f} MFLOP/token, matmul peak "
+                    f"{tr['matmul_peak_flops'] / 1e9:.0f} GFLOP/s",
+                    [("metric", 28), ("ours", 28), ("upstream", 28), ("ours/up", 8)], rows)
+
+    def pick(d, *path):
+        for p in path:
+            if d is None:
+                return None
+            d = d.get(p)
+        return med(d) if isinstance(d, dict) and "median" in d else d
+
+    return {
+        "loader_tokens_per_s": pick(out, "loader", "64x1024", "loader"),
+        "raw_read_tokens_per_s": pick(out, "loader", "64x1024", "raw"),
+        "upstream_loader_tokens_per_s": pick(out, "upstream_loader", "throughput", "64x1024"),
+        "ttfb_step0_s": pick(out, "ttfb", 64, "steps", "0"),
+        "ttfb_step1e9_s": pick(out, "ttfb", 64, "steps", str(10**9)),
+        "data_wait_p99_s": pick(out, "stalls", "p99_s"),
+        "train_step_s": pick(out, "training", "ours", "steady_step_s"),
+        "upstream_train_step_s": pick(out, "training", "upstream", "steady_step_s"),
+    }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer repeats and steps: < 2 minutes on 2 cores")
+    p.add_argument("--json", default=None, help="write every figure to this JSON file")
+    p.add_argument("--upstream-venv", default=DEFAULT_UPSTREAM, help="upstream levanter venv (setup_upstream_venv.sh)")
+    p.add_argument("--no-upstream", action="store_true", help="skip the upstream columns")
+    p.add_argument("--only", default=None, help="comma-separated sections: loader,upstream,stalls,memory,training")
+    args = p.parse_args(argv)
+    cfg = QUICK if args.quick else FULL
+    sections = set((args.only or "loader,upstream,stalls,memory,training").split(","))
+    t_start = time.perf_counter()
+    import jax
+
+    venv = None if args.no_upstream else args.upstream_venv
+    why = None
+    if venv and not os.path.exists(os.path.join(venv, "bin", "python")):
+        why, venv = f"no upstream venv at {venv} (make one with scripts/bench/setup_upstream_venv.sh)", None
+    print(f"# run_all{' --quick' if args.quick else ''}: python {platform.python_version()}, jax {jax.__version__}, "
+          f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), load average "
+          + "%.2f %.2f %.2f" % os.getloadavg() + (f"; upstream: {why}" if why else ""))
+    out: dict = {"mode": "quick" if args.quick else "full", "machine": {
+        "cpus": os.cpu_count(), "python": platform.python_version(), "jax": jax.__version__,
+        "platform": platform.platform()}}
+    work = tempfile.mkdtemp(prefix="levanter-bench-")
+    timings = {}
+    try:
+        prep = None
+        if venv and ({"upstream", "training"} & sections):
+            prep = run_upstream_helper(venv, "upstream_train.py", ["prepare", os.path.join(work, "prep")])
+        root = os.path.join(work, "cache")
+        if {"loader", "stalls"} & sections:
+            lc.write_caches(root, cfg["tokens"])
+            lc.check_same_rows(root, 64, syn.STAGE_SWITCH_STEP - 1)
+        for name, fn in (
+            ("loader", lambda: bench_ours_loader(root, cfg, out)),
+            ("upstream", lambda: venv and bench_upstream_loader(venv, work, cfg, prep, out)),
+            ("stalls", lambda: bench_stalls(root, cfg, out)),
+            ("memory", lambda: bench_memory(work, cfg, out)),
+            ("training", lambda: bench_training(work, cfg, venv, prep, out)),
+        ):
+            if name in sections:
+                t0 = time.perf_counter()
+                fn()
+                timings[name] = time.perf_counter() - t0
+                print(f"# {name}: {timings[name]:.1f} s", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    headline = report(out)
+    out.update(headline)
+    out["section_seconds"] = timings
+    out["total_seconds"] = time.perf_counter() - t_start
+    print()
+    print("headline: " + ", ".join(f"{k}={'null' if v is None else f'{v:.4g}'}" for k, v in headline.items()))
+    print(f"# total {out['total_seconds']:.1f} s; load average now " + "%.2f %.2f %.2f" % os.getloadavg())
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
