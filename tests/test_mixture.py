@@ -240,3 +240,80 @@ def test_largest_remainder_rounding():
         c = largest_remainder_counts([Fraction(1, 7), Fraction(2, 7), Fraction(4, 7)], total)
         assert c.sum() == total
         assert all(abs(c[i] - f * total) < 1 for i, f in enumerate([Fraction(1, 7), Fraction(2, 7), Fraction(4, 7)]))
+
+
+# -- one combined read per step (ReadPlan) ---------------------------------------------------------------
+
+
+def _token_sources(tmp_path):
+    """Three token-window sources on real stores, behind different index-mapping wrappers, and a fourth
+    behind a wrapper that cannot plan (a per-example map), which forces the per-source path."""
+    from levanter.data.text import CausalLmDataset, TokenSeqDataset
+    from levanter.store.jagged_array import JaggedArrayStore
+
+    rng = np.random.default_rng(0)
+    out = {}
+    for k, n in enumerate((700, 450, 300, 260)):
+        flat = rng.integers(0, 50, n * 8).astype(np.int32)
+        flat[rng.random(flat.size) < 0.05] = 99  # EOS
+        store = JaggedArrayStore.open(tmp_path / f"s{k}", mode="w", data_chunk=64)
+        store.append_flat(flat, np.array([flat.size]))
+        store.finalize()
+        out[k] = CausalLmDataset(TokenSeqDataset(store, 8), eos_id=99)
+    return {
+        "shuffled": out[0].shuffle(key=1),
+        "blocks": out[1].block_shuffle(16, key=2),
+        "epochs": out[2].slice_dataset(5, 290).epochs(),
+        "mapped": out[3].map(lambda x: x),
+    }
+
+
+@pytest.mark.parametrize("names", [("shuffled", "blocks", "epochs"), ("shuffled", "blocks", "mapped")])
+def test_combined_read_equals_reading_each_source(tmp_path, monkeypatch, names):
+    """Every step of two stages: the mixture's batch (one tensorstore read per step when every source can
+    plan, else per-source reads) equals each source's own get_batch of the rows the mixture drew."""
+    from levanter.data.dataset import StackedBatch
+    from levanter.store.jagged_array import JaggedArrayStore
+
+    reads = []
+    real_read = JaggedArrayStore._read
+    monkeypatch.setattr(JaggedArrayStore, "_read", lambda self, view: reads.append(1) or real_read(self, view))
+
+    def columns(batch):
+        if isinstance(batch, StackedBatch):
+            return batch.tree
+        return {k: np.stack([np.asarray(ex[k]) for ex in batch]) for k in batch[0]}
+
+    srcs = _token_sources(tmp_path)
+    sources = {n: srcs[n] for n in names}
+    schedule = BatchSchedule(12)
+    weights = [(0, {names[0]: 0.5, names[1]: 0.3, names[2]: 0.2}), (9, {names[0]: 0.1, names[1]: 0.2, names[2]: 0.7})]
+    mix = MixtureDataset(sources, weights, batch_schedule=schedule, block_size=None, key=3)
+
+    mixture_reads = []
+
+    async def check():
+        planned = 0
+        for step in range(20):
+            idx = np.arange(schedule.global_data_offset_by_step(step), schedule.global_data_offset_by_step(step + 1))
+            before = len(reads)
+            got = columns(await mix.get_batch(step, idx))
+            mixture_reads.append(len(reads) - before)
+            source, src_index = await mix.source_indices(step, idx)
+            expect = {k: np.empty((idx.size, 8), v.dtype) for k, v in got.items()}
+            for s in np.unique(source).tolist():
+                sel = np.flatnonzero(source == s)
+                rows = columns(await mix.datasets[s].get_batch(step, src_index[sel]))
+                for k in expect:
+                    expect[k][sel] = rows[k]
+            for k in expect:
+                np.testing.assert_array_equal(got[k], expect[k], err_msg=f"step {step} column {k}")
+            plans = [await d.plan_read(step, np.array([0])) for d in mix.datasets]
+            planned += all(p is not None for p in plans)
+        return planned
+
+    planned = asyncio.run(check())
+    if "mapped" not in names:
+        assert planned == 20 and mixture_reads == [1] * 20  # one tensorstore read per step
+    else:
+        assert planned == 0 and max(mixture_reads) > 1  # per-source reads

@@ -322,3 +322,29 @@ def test_tied_llama_and_scaled_gpt2_run():
     scaled = tiny_gpt2(scale_attn_by_inverse_layer_idx=True, upcast_attn=False, gradient_checkpointing=False)
     model = scaled.build(Vocab, key=jax.random.PRNGKey(0))
     assert bool(jnp.all(jnp.isfinite(forward(model, random_ids(0, model.Pos)).array)))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_unrolled_layers_are_the_same_model(name):
+    """scan_layers=False only changes how the layer loop is traced: same parameters, same outputs and
+    gradients (up to float reassociation) as the scanned model."""
+    scanned = CONFIGS[name](num_layers=3).build(Vocab, key=jax.random.PRNGKey(3))
+    unrolled = CONFIGS[name](num_layers=3, scan_layers=False).build(Vocab, key=jax.random.PRNGKey(3))
+    leaves_s = jax.tree.leaves(eqx.filter(scanned, eqx.is_array))
+    leaves_u = jax.tree.leaves(eqx.filter(unrolled, eqx.is_array))
+    assert len(leaves_s) == len(leaves_u)
+    for a, b in zip(leaves_s, leaves_u):
+        assert a.shape == b.shape and bool(jnp.all(a == b))
+    Pos = scanned.config.Pos
+    ids = random_ids(5, Pos)
+    seg = hax.named(jnp.array([[0] * 8 + [1] * 8, [0] * 16]), (Batch, Pos))
+    np.testing.assert_allclose(forward(scanned, ids, seg).array, forward(unrolled, ids, seg).array, rtol=2e-5, atol=2e-5)
+
+    def loss(m):
+        return next_token_loss(m(ids, seg), ids)
+
+    grad = eqx.filter_jit(eqx.filter_grad(loss))
+    gs = grad(scanned)
+    gu = grad(unrolled)
+    for a, b in zip(jax.tree.leaves(gs), jax.tree.leaves(gu)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

@@ -239,16 +239,17 @@ def stall_run(root: str, batch_size: int, steps: int, step_seconds: float, prefe
     return waits
 
 
-def rss_bytes() -> tuple[int, int]:
-    """(current, peak) resident set size of this process, from /proc (Linux)."""
-    cur = peak = 0
+def rss_bytes() -> dict:
+    """Resident memory of this process from /proc (Linux): total, anonymous, and file-backed (pages of
+    mapped files -- tensorstore reads files through mmap, so touched cache pages show up here although
+    they are page cache the kernel can drop, not memory the loader holds)."""
+    out = {}
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
-                cur = int(line.split()[1]) * 1024
-            elif line.startswith("VmHWM:"):
-                peak = int(line.split()[1]) * 1024
-    return cur, peak
+            key = line.split(":")[0]
+            if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
+                out[key] = int(line.split()[1]) * 1024
+    return out
 
 
 def memory_probe(root: str, batch_size: int, steps: int, start: int, prefetch: int) -> dict:
@@ -266,16 +267,19 @@ def memory_probe(root: str, batch_size: int, steps: int, start: int, prefetch: i
         batch_bytes = sum(x.nbytes for x in jax_leaves(b.data))
         del b
     gc.collect()
-    base, _ = rss_bytes()
-    peak = base
+    base = rss_bytes()
+    peak_anon = peak_total = 0
     with loader.iter_from_step(start, start + steps) as it:
         for batch in it:
             _ready(batch)
-            peak = max(peak, rss_bytes()[0])
+            now = rss_bytes()
+            peak_anon = max(peak_anon, now["RssAnon"])
+            peak_total = max(peak_total, now["VmRSS"])
             del batch
     return {
-        "base_rss": base, "peak_rss": peak, "growth": peak - base, "batch_bytes": batch_bytes,
-        "bound": (prefetch + 2) * batch_bytes,
+        "base_rss": base["VmRSS"], "base_anon": base["RssAnon"], "peak_rss": peak_total, "peak_anon": peak_anon,
+        "growth": peak_total - base["VmRSS"], "growth_anon": peak_anon - base["RssAnon"],
+        "batch_bytes": batch_bytes, "bound": (prefetch + 2) * batch_bytes,
     }
 
 

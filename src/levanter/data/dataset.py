@@ -18,11 +18,21 @@ allowed). Datasets hold no event-loop-bound state, so the loader may drive them 
 Trade-off: ``get_batch`` returns a ``Sequence`` of examples (a list, or a numpy array whose rows are
 the examples). Per-example Python objects cost time at large batches; datasets that can read whole
 batches at once (stores) return arrays.
+
+Read plans: ``plan_read(step, indices)`` is an optional second way in. A dataset backed by token
+windows of a store answers with a :class:`ReadPlan` -- the store views to read and the function that
+turns the rows read into what ``get_batch`` would have returned -- instead of reading; index-mapping
+wrappers pass it through. A mixture asks each source for a plan and reads all sources' windows in
+*one* tensorstore operation per step, where separate reads would cost a future, a callback on a
+tensorstore thread and an event-loop wake-up each (measured: one combined read per batch of 8 was
+~1.6x the throughput of three per-source reads with 8 steps in flight). Datasets that cannot plan
+return None and are read with ``get_batch``; both ways return the same data.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -75,6 +85,20 @@ def as_index_array(indices: Sequence[int]) -> np.ndarray:
     return arr
 
 
+@dataclasses.dataclass(frozen=True)
+class ReadPlan:
+    """A deferred read: ``views`` (tensorstore views of equal shape and dtype, one per example) and
+    ``finish``, mapping the stacked rows read (``array[len(views), ...]``) to the dataset's examples."""
+
+    views: list
+    finish: Callable[[np.ndarray], Any]
+
+    def then(self, fn: Callable[[Any], Any]) -> "ReadPlan":
+        """The same reads, with ``fn`` applied to this plan's result."""
+        inner = self.finish
+        return ReadPlan(self.views, lambda rows: fn(inner(rows)))
+
+
 def _check_range(idx: np.ndarray, length: int, what: str) -> None:
     if idx.size and (idx.min() < 0 or idx.max() >= length):
         bad = int(idx[(idx < 0) | (idx >= length)][0])
@@ -98,6 +122,10 @@ class AsyncDataset(abc.ABC, Generic[T]):
     @abc.abstractmethod
     def is_finite(self) -> bool:
         """Whether :meth:`async_len` is defined."""
+
+    async def plan_read(self, step: int, indices: Sequence[int]) -> ReadPlan | None:
+        """A :class:`ReadPlan` for ``get_batch(step, indices)``, or None (the default): read it instead."""
+        return None
 
     # -- combinators ---------------------------------------------------------------------------------
     def map(self, fn: Callable[[T], U]) -> "MappedAsyncDataset[T, U]":
@@ -154,6 +182,19 @@ class _Wrapper(AsyncDataset[T]):
         return self.dataset.is_finite()
 
 
+class _IndexMapWrapper(_Wrapper[T]):
+    """A wrapper that only translates indices (:meth:`_inner_indices`): reads and plans pass through."""
+
+    async def _inner_indices(self, indices: Sequence[int]) -> np.ndarray:
+        raise NotImplementedError
+
+    async def get_batch(self, step: int, indices: Sequence[int]) -> Sequence[T]:
+        return await self.dataset.get_batch(step, await self._inner_indices(indices))
+
+    async def plan_read(self, step: int, indices: Sequence[int]) -> ReadPlan | None:
+        return await self.dataset.plan_read(step, await self._inner_indices(indices))
+
+
 class MappedAsyncDataset(_Wrapper[U], Generic[T, U]):
     """Applies ``fn`` to each example. Indices and ``step`` pass through unchanged."""
 
@@ -180,7 +221,7 @@ class BatchMappedAsyncDataset(_Wrapper[U], Generic[T, U]):
         return out
 
 
-class SlicedAsyncDataset(_Wrapper[T]):
+class SlicedAsyncDataset(_IndexMapWrapper[T]):
     """Rows ``[start, end)`` of the inner dataset: this index ``i`` is inner index ``start + i``."""
 
     def __init__(self, dataset: AsyncDataset[T], start: int = 0, end: int | None = None):
@@ -189,13 +230,13 @@ class SlicedAsyncDataset(_Wrapper[T]):
             raise ValueError(f"invalid slice [{start}, {end})")
         self.start, self.end = start, end
 
-    async def get_batch(self, step: int, indices: Sequence[int]) -> Sequence[T]:
+    async def _inner_indices(self, indices: Sequence[int]) -> np.ndarray:
         idx = as_index_array(indices)
         if self.end is not None:
             _check_range(idx, self.end - self.start, "SlicedAsyncDataset")
         elif idx.size and idx.min() < 0:
             raise IndexError(f"SlicedAsyncDataset: negative index {int(idx.min())}")
-        return await self.dataset.get_batch(step, idx + self.start)
+        return idx + self.start
 
     async def async_len(self) -> int:
         inner = await self.dataset.async_len()
@@ -206,7 +247,7 @@ class SlicedAsyncDataset(_Wrapper[T]):
         return self.end is not None or self.dataset.is_finite()
 
 
-class EpochDataset(_Wrapper[T]):
+class EpochDataset(_IndexMapWrapper[T]):
     """Repeats a finite dataset: this index ``i`` is inner index ``i mod len``.
 
     With ``max_epochs`` the dataset has ``max_epochs * len`` examples and raises
@@ -221,7 +262,7 @@ class EpochDataset(_Wrapper[T]):
             raise ValueError(f"max_epochs must be >= 1, got {max_epochs}")
         self.max_epochs = max_epochs
 
-    async def get_batch(self, step: int, indices: Sequence[int]) -> Sequence[T]:
+    async def _inner_indices(self, indices: Sequence[int]) -> np.ndarray:
         idx = as_index_array(indices)
         n = await self.dataset.async_len()
         if n == 0:
@@ -230,7 +271,7 @@ class EpochDataset(_Wrapper[T]):
             _check_range(idx, n * self.max_epochs, "EpochDataset")
         elif idx.size and idx.min() < 0:
             raise IndexError(f"EpochDataset: negative index {int(idx.min())}")
-        return await self.dataset.get_batch(step, idx % n)
+        return idx % n
 
     async def async_len(self) -> int:
         if self.max_epochs is None:
@@ -241,7 +282,7 @@ class EpochDataset(_Wrapper[T]):
         return self.max_epochs is not None
 
 
-class PermutationDataset(_Wrapper[T]):
+class PermutationDataset(_IndexMapWrapper[T]):
     """A full pseudo-random permutation of a finite dataset: this index ``i`` is inner index
     ``perm(i)``, with ``perm`` a stateless Feistel bijection on ``[0, len)`` keyed by ``key``.
 
@@ -260,14 +301,14 @@ class PermutationDataset(_Wrapper[T]):
             self._perm = FeistelPermutation(await self.dataset.async_len(), self.seed)
         return self._perm
 
-    async def get_batch(self, step: int, indices: Sequence[int]) -> Sequence[T]:
+    async def _inner_indices(self, indices: Sequence[int]) -> np.ndarray:
         perm = await self._permutation()
         idx = as_index_array(indices)
         _check_range(idx, perm.n, "PermutationDataset")
-        return await self.dataset.get_batch(step, perm(idx))
+        return perm(idx)
 
 
-class BlockShufflingDataset(_Wrapper[T]):
+class BlockShufflingDataset(_IndexMapWrapper[T]):
     """Shuffles within fixed-size blocks of the inner dataset and, optionally, the order of blocks.
 
     This index ``i`` lies in this block ``b = i // block_size`` at offset ``o = i % block_size``. The
@@ -289,13 +330,13 @@ class BlockShufflingDataset(_Wrapper[T]):
         self.seed = seed_from_key(key)
         self._len: int | None = None
 
-    async def get_batch(self, step: int, indices: Sequence[int]) -> Sequence[T]:
+    async def _inner_indices(self, indices: Sequence[int]) -> np.ndarray:
         if self._len is None:
             self._len = await self.dataset.async_len()
         n = self._len
         idx = as_index_array(indices)
         _check_range(idx, n, "BlockShufflingDataset")
-        return await self.dataset.get_batch(step, self.inner_indices(idx, n))
+        return self.inner_indices(idx, n)
 
     def inner_indices(self, idx: np.ndarray, n: int) -> np.ndarray:
         k = self.block_size

@@ -7,7 +7,8 @@ computed from EOS tokens, so attention never crosses a boundary.
 
 Both read whole batches at once (one batched tensorstore read per ``get_batch``) and return column-wise
 :class:`~levanter.data.dataset.StackedBatch` / numpy arrays; there is no per-example Python in the path.
-``step`` is forwarded unchanged.
+``step`` is forwarded unchanged. Both also answer ``plan_read`` (the store views plus the column
+computation), so a mixture can read all of its sources' windows in one operation.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .dataset import AsyncDataset, StackedBatch, _check_range, as_index_array
+from .dataset import AsyncDataset, ReadPlan, StackedBatch, _check_range, as_index_array
 
 
 class TokenSeqDataset(AsyncDataset[np.ndarray]):
@@ -39,11 +40,23 @@ class TokenSeqDataset(AsyncDataset[np.ndarray]):
         _check_range(idx, len(self), f"TokenSeqDataset(seq_len={self.seq_len})")
         return await self.store.read_windows(idx * self.seq_len, self.seq_len)
 
+    async def plan_read(self, step: int, indices: Sequence[int]) -> ReadPlan | None:
+        window_views = getattr(self.store, "window_views", None)
+        if window_views is None:
+            return None
+        idx = as_index_array(indices)
+        _check_range(idx, len(self), f"TokenSeqDataset(seq_len={self.seq_len})")
+        return ReadPlan(window_views(idx * self.seq_len, self.seq_len), _identity)
+
     async def async_len(self) -> int:
         return len(self)
 
     def is_finite(self) -> bool:
         return True
+
+
+def _identity(x):
+    return x
 
 
 def causal_lm_columns(tokens: np.ndarray, eos_id: int | None) -> dict[str, np.ndarray]:
@@ -76,6 +89,13 @@ class CausalLmDataset(AsyncDataset[dict]):
     async def get_batch(self, step: int, indices: Sequence[int]) -> StackedBatch:
         windows = np.asarray(await self.dataset.get_batch(step, indices))
         return StackedBatch(causal_lm_columns(windows, self.eos_id))
+
+    async def plan_read(self, step: int, indices: Sequence[int]) -> ReadPlan | None:
+        plan = await self.dataset.plan_read(step, indices)
+        if plan is None:
+            return None
+        eos = self.eos_id
+        return plan.then(lambda windows: StackedBatch(causal_lm_columns(np.asarray(windows), eos)))
 
     async def async_len(self) -> int:
         return await self.dataset.async_len()

@@ -82,6 +82,10 @@ class Gpt2Config(LmConfig):
     upcast_attn: bool = True
     use_bias: bool = True
     gradient_checkpointing: bool = True
+    # True: the layers run as one lax.scan (compile time independent of depth). False: the same stacked
+    # parameters, but the loop is unrolled when traced, which lets XLA fuse across layers: on 2 CPU cores
+    # the nano configs' step took ~0.65x the scanned time and compiled faster. Large models keep True.
+    scan_layers: bool = True
     # Accepted for upstream config compatibility and ignored: attention here is always the plain
     # materialised implementation in levanter.models.attention.
     use_flash_attention: bool = False
@@ -250,7 +254,8 @@ class Gpt2LMHeadModel(LmHeadModel):
         mask = causal_segment_mask(Pos, segment_ids)
         layer_idx = hax.arange(self.config.Layers)  # scanned with the blocks (inverse-layer-idx scaling)
         block_keys = None if k_blocks is None else jax.random.split(k_blocks, self.config.num_layers)
-        x = self.blocks.fold(x, mask, layer_idx, key=block_keys)
+        # scan_layers=False unrolls the loop at trace time; the parameters stay stacked either way.
+        x = self.blocks.fold(x, mask, layer_idx, key=block_keys, unroll=not self.config.scan_layers)
 
         x = self.ln_f(x)
         return hax.dot(x, self.wte.weight, axis=self.config.Embed)
