@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from levanter.data._prp import FeistelPermutation, derive_seed, seed_from_key
+from levanter.data._prp import FeistelPermutation, derive_seed, permute_many, seed_from_key
 
 
 @pytest.mark.parametrize("n", list(range(1, 70)) + [1000, 4096, 4097])
@@ -66,3 +66,19 @@ def test_seed_derivation():
     assert seed_from_key(jax.random.PRNGKey(0)) != seed_from_key(jax.random.PRNGKey(1))
     with pytest.raises(ValueError, match="seed is required"):
         seed_from_key(None)
+
+
+@pytest.mark.parametrize("sizes", [(1, 1), (3, 40, 2), (21, 22, 21), (0, 50, 7), (64,)])
+def test_permute_many_is_each_permutation(sizes):
+    """One vectorised pass over several permutations (different lengths, widths, keys) equals each."""
+    lengths = [1, 2, 5, 70, 1000, 4097, 10**6, 2**32 + 5]
+    rng = np.random.default_rng(len(sizes) * 100 + sum(sizes))
+    reqs = []
+    for i, k in enumerate(sizes):
+        n = lengths[(i * 3 + k) % len(lengths)]
+        reqs.append((FeistelPermutation(n, seed=i + 7), rng.integers(0, n, k)))
+    got = permute_many(reqs)
+    for (perm, idx), out in zip(reqs, got):
+        assert out.tolist() == [perm(int(i)) for i in idx]
+    with pytest.raises(IndexError):
+        permute_many([(FeistelPermutation(10, seed=0), np.arange(40)), (FeistelPermutation(10, seed=1), np.array([10]))])

@@ -53,18 +53,21 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 DEFAULT_UPSTREAM = os.path.expanduser("~/.cache/levanter-bench/upstream-venv")
 RESUME_STEPS = (0, 10**3, 10**6, 10**9)
+TRAIN_TOKENS = 2_000_000  # the training comparison's pre-written cache (same tokens on both sides)
 STALL_THRESHOLD = 0.5
 
 QUICK = dict(
-    repeats=3, tokens=4_000_000, mem_tokens=4_000_000, loader_n={(8, 1024): 150, (64, 1024): 40, (256, 1024): 10,
-                                                                   (8, 64): 300},
+    repeats=3, tokens=4_000_000, mem_tokens=4_000_000, loader_n={(8, 1024): 300, (64, 1024): 80, (256, 1024): 16,
+                                                                   (8, 64): 400},
     up_n={(8, 1024): 150, (64, 1024): 48, (8, 64): 300}, up_repeats=1, mem_steps=50,
+    mem_cases=((1, 0), (10, 0), (10, 10**6)),
     stall=dict(batch=32, steps=1000, step_s=0.01), train_steps=20, train_repeats=1, ttfb_batches=(64,),
 )
 FULL = dict(
     repeats=5, tokens=16_000_000, mem_tokens=8_000_000,
     loader_n={(8, 1024): 600, (64, 1024): 150, (256, 1024): 40, (8, 64): 1200},
     up_n={(8, 1024): 400, (64, 1024): 150, (256, 1024): 40, (8, 64): 1200}, up_repeats=3, mem_steps=300,
+    mem_cases=((1, 0), (1, 10**6), (10, 0), (10, 10**6)),
     stall=dict(batch=64, steps=1000, step_s=0.05), train_steps=60, train_repeats=3, ttfb_batches=(8, 64),
 )
 
@@ -98,7 +101,7 @@ def bench_ours_loader(root: str, cfg: dict, out: dict) -> None:
     out["ttfb_cold"] = lc.time_to_first_batch(root, 64, 0)
     results = {}
     for (bs, L), n in cfg["loader_n"].items():
-        runs = {"loader": [], "prefetch0": [], "raw": [], "raw_batch": [], "raw_stack": []}
+        runs = {"loader": [], "prefetch0": [], "raw": [], "raw_batch": [], "raw_stack": [], "raw_in_flight8": []}
         for r in range(R):
             methods = ["loader", "prefetch0", "raw"]
             for m in methods[r % 3:] + methods[: r % 3]:  # rotate the order: drift hits all alike
@@ -111,6 +114,7 @@ def bench_ours_loader(root: str, cfg: dict, out: dict) -> None:
                     runs["raw"].append(raw["tokens_per_s"])
                     runs["raw_batch"].append(raw["ts_batch"])
                     runs["raw_stack"].append(raw["ts_stack"])
+                    runs["raw_in_flight8"].append(raw["in_flight8"])
         results[f"{bs}x{L}"] = {
             "batch": bs, "seq_len": L, "batches": n,
             **{k: stats(v) for k, v in runs.items()},
@@ -149,35 +153,40 @@ def run_upstream_helper(venv: str, script: str, args: list, timeout: float = 900
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
-        if script == "upstream_train.py" and line.startswith("{"):
-            return json.loads(line)
     raise RuntimeError(f"{script} {args[0]} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
-def bench_upstream_loader(venv: str, work: str, cfg: dict, prep: dict, out: dict) -> None:
-    root = os.path.join(work, "upstream-cache")
-    run_upstream_helper(venv, "upstream_loader.py", ["write", root, cfg["tokens"], prep["tokenizer"]])
-    spec = {
-        "ttfb_batch": 64, "ttfb_steps": list(RESUME_STEPS), "ttfb_repeats": 1,
-        "throughput": [[bs, n, L] for (bs, L), n in cfg["up_n"].items()],
-    }
-    runs = [run_upstream_helper(venv, "upstream_loader.py", ["measure", root, prep["tokenizer"], json.dumps(spec)])
-            for _ in range(cfg["up_repeats"])]
-    thr = {}
-    for (bs, L) in cfg["up_n"]:
-        vals = [t["tokens_per_s"] for r in runs for t in r["throughput"] if t["batch"] == bs and t["seq_len"] == L]
-        thr[f"{bs}x{L}"] = stats(vals)
-    ttfb, errors = {}, {}
-    for k in RESUME_STEPS:
-        ttfb[str(k)] = stats([t["first_batch_s"] for r in runs for t in r["ttfb"] if t["step"] == k and "error" not in t])
-        errs = [t["error"] for r in runs for t in r["ttfb"] if t["step"] == k and "error" in t]
-        if errs:
-            errors[str(k)] = errs[0]
-    out["upstream_loader"] = {
-        "throughput": thr, "ttfb_64": ttfb, "ttfb_errors": errors,
-        "ttfb_cold_64": stats([r["cold"]["first_batch_s"] for r in runs]),
-        "build_cold_64": stats([r["cold"]["build_s"] for r in runs]),
-    }
+def bench_upstream(venv: str, work: str, cfg: dict, sections: set, out: dict) -> dict:
+    """One process in upstream's venv: its tokenizer/HF-cache preparation, the caches (loader and
+    training), and -- if the loader section is on -- its loader measurements. Returns ``prep`` paths."""
+    spec: dict = {}
+    if "training" in sections:
+        spec["train_cache"] = [os.path.join(work, "train-upstream", "train"), TRAIN_TOKENS]
+    if "upstream" in sections:
+        spec["loader"] = {
+            "tokens": cfg["tokens"], "repeats": cfg["up_repeats"],
+            "ttfb_batch": 64, "ttfb_steps": list(RESUME_STEPS), "ttfb_repeats": 1,
+            "throughput": [[bs, n, L] for (bs, L), n in cfg["up_n"].items()],
+        }
+    res = run_upstream_helper(venv, "upstream_loader.py", ["all", work, json.dumps(spec)])
+    runs = res.get("loader") or []
+    if runs:
+        thr = {}
+        for (bs, L) in cfg["up_n"]:
+            vals = [t["tokens_per_s"] for r in runs for t in r["throughput"] if t["batch"] == bs and t["seq_len"] == L]
+            thr[f"{bs}x{L}"] = stats(vals)
+        ttfb, errors = {}, {}
+        for k in RESUME_STEPS:
+            ttfb[str(k)] = stats([t["first_batch_s"] for r in runs for t in r["ttfb"] if t["step"] == k and "error" not in t])
+            errs = [t["error"] for r in runs for t in r["ttfb"] if t["step"] == k and "error" in t]
+            if errs:
+                errors[str(k)] = errs[0]
+        out["upstream_loader"] = {
+            "throughput": thr, "ttfb_64": ttfb, "ttfb_errors": errors,
+            "ttfb_cold_64": stats([r["cold"]["first_batch_s"] for r in runs]),
+            "build_cold_64": stats([r["cold"]["build_s"] for r in runs]),
+        }
+    return res["prep"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -209,6 +218,8 @@ def bench_memory(work: str, cfg: dict, out: dict) -> None:
         lc.write_caches(root, cfg["mem_tokens"] * scale)
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
         for start in (0, 10**6):
+            if (scale, start) not in cfg["mem_cases"]:
+                continue
             args = {"root": root, "batch_size": 64, "steps": cfg["mem_steps"], "start": start, "prefetch": 8}
             proc = subprocess.run([sys.executable, os.path.join(HERE, "loader_cache.py"), json.dumps(args)],
                                   capture_output=True, text=True, timeout=600)
@@ -256,15 +267,12 @@ def bench_training(work: str, cfg: dict, venv: str | None, prep: dict | None, ou
                     "train_urls": ["synthetic://nano"], "validation_urls": []}
     # The pre-written cache: ours under <warm>/synthetic/train, upstream's under <up_warm>/train.
     warm = os.path.join(work, "train-ours")
-    tokens = 2_000_000
-    lc.write_source(os.path.join(warm, "synthetic", "train"), 0, tokens, "synthetic://nano")
+    lc.write_source(os.path.join(warm, "synthetic", "train"), 0, TRAIN_TOKENS, "synthetic://nano")
     args = types.SimpleNamespace(tmp=work, python=sys.executable, timeout=900, keep=False, log_copies=None,
                                  upstream_venv=venv)
     up_warm = data = None
     if venv and prep:
-        up_warm = os.path.join(work, "train-upstream")
-        run_upstream_helper(venv, "upstream_loader.py",
-                            ["write-single", os.path.join(up_warm, "train"), tokens, prep["tokenizer"]])
+        up_warm = os.path.join(work, "train-upstream")  # written by bench_upstream
         dummy = os.path.join(work, "synthetic-nano.jsonl")
         with open(dummy, "w") as f:
             f.write('{"text": "placeholder: the cache is pre-written"}\n')
@@ -319,11 +327,11 @@ def report(out: dict) -> dict:
     for key, r in lo.items():
         u = (up.get("throughput") or {}).get(key)
         rows.append([key, str(r["batches"]), fmt(r["loader"], 1e-6), fmt(r["prefetch0"], 1e-6), fmt(r["raw"], 1e-6),
-                     fmt(r["loader_over_raw"]), fmt(u, 1e-6),
+                     fmt(r["loader_over_raw"]), fmt(r["raw_in_flight8"], 1e-6), fmt(u, 1e-6),
                      "-" if u is None else f"{med(r['loader']) / med(u):.1f}x"])
     print_table("Loader: M tokens/s, median [min, max]; 3-source 2-stage shuffled mixture on tensorstore caches",
                 [("batch", 8), ("n", 5), ("ours (prefetch 8)", 22), ("ours (prefetch 0)", 22), ("raw tensorstore", 22),
-                 ("ours/raw", 18), ("upstream", 20), ("ours/up", 7)], rows)
+                 ("ours/raw", 18), ("raw, 8 in flight", 22), ("upstream", 20), ("ours/up", 7)], rows)
 
     rows = []
     for bs, t in out.get("ttfb", {}).items():
@@ -429,20 +437,23 @@ def main(argv=None) -> None:
     timings = {}
     try:
         prep = None
-        if venv and ({"upstream", "training"} & sections):
-            prep = run_upstream_helper(venv, "upstream_train.py", ["prepare", os.path.join(work, "prep")])
         root = os.path.join(work, "cache")
         if {"loader", "stalls"} & sections:
             lc.write_caches(root, cfg["tokens"])
             lc.check_same_rows(root, 64, syn.STAGE_SWITCH_STEP - 1)
+        if venv and ({"upstream", "training"} & sections):
+            t0 = time.perf_counter()
+            prep = bench_upstream(venv, work, cfg, sections, out)
+            timings["upstream"] = time.perf_counter() - t0
+            print(f"# upstream (preparation, caches, loader): {timings['upstream']:.1f} s", flush=True)
         for name, fn in (
             ("loader", lambda: bench_ours_loader(root, cfg, out)),
-            ("upstream", lambda: venv and bench_upstream_loader(venv, work, cfg, prep, out)),
+            ("upstream", lambda: None),  # measured together with upstream's preparation, below
             ("stalls", lambda: bench_stalls(root, cfg, out)),
             ("memory", lambda: bench_memory(work, cfg, out)),
             ("training", lambda: bench_training(work, cfg, venv, prep, out)),
         ):
-            if name in sections:
+            if name in sections and name != "upstream":
                 t0 = time.perf_counter()
                 fn()
                 timings[name] = time.perf_counter() - t0

@@ -7,6 +7,8 @@
 one row per document, the fields of the byte tokenizer's output exemplar (``input_ids`` plus whatever
 else it returns, zero-filled), and a finished ledger. The tokens are the ones our side caches.
 
+``all WORK SPEC_JSON`` does what ``run_all.py`` needs in one process (see :func:`run_all_steps`).
+
 ``measure ROOT TOKENIZER_DIR SPEC_JSON`` builds the dataset the way upstream's ``train_lm`` does --
 ``LMMixtureDatasetConfig(configs={name: {cache_dir}}, train_weights=<the 2 stages>, shuffle=True,
 mixture_block_size=2048).train_set(Pos, BatchSchedule(B), key=PRNGKey(0))`` (no URLs, so the caches are
@@ -169,6 +171,26 @@ def measure(root: str, tokenizer_dir: str, spec: dict) -> dict:
     return out
 
 
+def run_all_steps(work: str, spec: dict) -> dict:
+    """Everything ``run_all.py`` needs from upstream's venv in one process (its imports take seconds):
+    the offline tokenizer + fake HF cache (``upstream_train.prepare``), the loader caches, the training
+    cache, and the loader measurements, each if asked for in ``spec``."""
+    import upstream_train
+
+    out: dict = {}
+    prep_dir = os.path.join(work, "prep")
+    upstream_train.prepare(prep_dir)
+    out["prep"] = prep = {"tokenizer": os.path.join(prep_dir, "tokenizer"), "hf_home": os.path.join(prep_dir, "hf_home")}
+    if spec.get("train_cache"):
+        path, tokens = spec["train_cache"]
+        out["train_cache"] = write_single(path, tokens, prep["tokenizer"])
+    if spec.get("loader"):
+        root = os.path.join(work, "upstream-cache")
+        write(root, spec["loader"]["tokens"], prep["tokenizer"])
+        out["loader"] = [measure(root, prep["tokenizer"], spec["loader"]) for _ in range(spec["loader"].get("repeats", 1))]
+    return out
+
+
 def main(argv: list[str]) -> None:
     import logging
 
@@ -178,6 +200,8 @@ def main(argv: list[str]) -> None:
         result = write(argv[1], int(argv[2]), argv[3])
     elif cmd == "write-single":
         result = write_single(argv[1], int(argv[2]), argv[3])
+    elif cmd == "all":
+        result = run_all_steps(argv[1], json.loads(argv[2]))
     elif cmd == "measure":
         result = measure(argv[1], argv[2], json.loads(argv[3]))
     else:

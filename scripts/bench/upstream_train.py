@@ -67,7 +67,7 @@ def check_tokenizer(fast) -> None:
         raise SystemExit(f"byte tokenizer: want 257 tokens, EOS 256; got {len(fast)}, {fast.eos_token_id}")
 
 
-def prepare(out: str) -> None:
+def prepare(out: str) -> dict:
     from transformers import GPT2Config
 
     fast = byte_tokenizer()
@@ -83,7 +83,7 @@ def prepare(out: str) -> None:
         f.write(FAKE_COMMIT)
     GPT2Config(vocab_size=257, bos_token_id=256, eos_token_id=256).save_pretrained(snap)
     fast.save_pretrained(snap)
-    print(json.dumps({"tokenizer": tok_dir, "hf_home": os.path.join(out, "hf_home")}))
+    return {"tokenizer": tok_dir, "hf_home": os.path.join(out, "hf_home")}
 
 
 def main(argv=None) -> None:
@@ -93,7 +93,7 @@ def main(argv=None) -> None:
     sp.add_argument("out")
     args = p.parse_args(argv)
     if args.cmd == "prepare":
-        prepare(args.out)
+        print(json.dumps(prepare(args.out)))
 
 
 if __name__ == "__main__":

@@ -302,10 +302,16 @@ class PermutationDataset(_IndexMapWrapper[T]):
         return self._perm
 
     async def _inner_indices(self, indices: Sequence[int]) -> np.ndarray:
+        perm, idx = await self.permutation_request(indices)
+        return perm(idx)
+
+    async def permutation_request(self, indices: Sequence[int]) -> tuple[FeistelPermutation, np.ndarray]:
+        """``(perm, idx)`` with ``perm(idx)`` the inner indices: lets a caller holding several sources
+        evaluate all their permutations in one pass (:func:`~levanter.data._prp.permute_many`)."""
         perm = await self._permutation()
         idx = as_index_array(indices)
         _check_range(idx, perm.n, "PermutationDataset")
-        return perm(idx)
+        return perm, idx
 
 
 class BlockShufflingDataset(_IndexMapWrapper[T]):

@@ -49,8 +49,8 @@ import jax
 import numpy as np
 
 from ..schedule import BatchSchedule
-from ._prp import FeistelPermutation, derive_seed, seed_from_key
-from .dataset import AsyncDataset, DatasetExhausted, StackedBatch, as_index_array
+from ._prp import FeistelPermutation, derive_seed, permute_many, seed_from_key
+from .dataset import AsyncDataset, DatasetExhausted, PermutationDataset, StackedBatch, as_index_array
 
 T = TypeVar("T")
 
@@ -351,11 +351,22 @@ class MixtureDataset(AsyncDataset[T]):
         """Each present source's examples. When every source can plan its read (token windows of a
         store, see ``ReadPlan``) and the windows agree in shape and dtype, all of them are read in one
         tensorstore operation; otherwise each source is read with ``get_batch``, concurrently."""
+        datasets = [self.datasets[s] for s in present]
+        inner = [src_index[sel] for sel in selections]
+        # Shuffled sources (the config's default): their permutations are evaluated together, in one
+        # vectorised pass, and their inner datasets are read with the permuted indices -- exactly what
+        # each PermutationDataset would have done, at a third of the numpy calls for three sources.
+        shuffled = [i for i, d in enumerate(datasets) if type(d) is PermutationDataset]
+        if len(shuffled) > 1:
+            requests = [await datasets[i].permutation_request(inner[i]) for i in shuffled]
+            for i, mapped in zip(shuffled, permute_many(requests)):
+                datasets[i], inner[i] = datasets[i].dataset, mapped
         # Planning does no I/O: awaited in turn, not as tasks (three tasks per step cost more than the plans).
-        plans = [await self.datasets[s].plan_read(step, src_index[sel]) for s, sel in zip(present, selections)]
+        plans = [await d.plan_read(step, idx) for d, idx in zip(datasets, inner)]
         if plans and all(p is not None for p in plans):
             views = [v for p in plans for v in p.views]
-            kinds = {(tuple(v.shape), v.dtype) for v in views}
+            # A plan's views share shape and dtype (ReadPlan's contract): compare one view per plan.
+            kinds = {(tuple(p.views[0].shape), p.views[0].dtype) for p in plans if p.views}
             if views and len(kinds) == 1:
                 from ..store.jagged_array import read_stacked
 
@@ -365,9 +376,7 @@ class MixtureDataset(AsyncDataset[T]):
                     out.append(p.finish(rows[start : start + len(p.views)]))
                     start += len(p.views)
                 return out
-        return await asyncio.gather(
-            *[self.datasets[s].get_batch(step, src_index[sel]) for s, sel in zip(present, selections)]
-        )
+        return await asyncio.gather(*[d.get_batch(step, idx) for d, idx in zip(datasets, inner)])
 
     async def source_indices(self, step: int, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """``(source_id, source_index)`` actually read for each global index of ``step``, after the stop

@@ -30,7 +30,7 @@ import levanter.config
 from levanter.checkpoint import CheckpointSaveError
 from levanter.data.config import DataConfig, UrlSingleDatasetLMConfig
 from levanter.data.dataset import AsyncDataset
-from levanter.data.loader import DataLoader, DataLoadError
+from levanter.data.loader import DataLoader, DataLoadError, use_prefetch_switch_interval
 from levanter.data._prp import seed_from_key
 from levanter.data.fingerprint import batch_fingerprint, step_provenance
 from levanter.data.mixture import MixtureDataset
@@ -191,6 +191,7 @@ def main(config: TrainLmConfig) -> dict:
     """Train; returns a summary ``{"run_id", "final_step", "final_loss"}``."""
     config.trainer.distributed.initialize()  # before anything asks JAX about devices
     config.trainer.apply_jax_config()
+    use_prefetch_switch_interval()  # the data loader's read-ahead thread hands reads back sooner
     tokenizer = validate(config)
     check_same_config_everywhere(_config_dict(config))
     tcfg = config.trainer

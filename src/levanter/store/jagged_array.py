@@ -39,13 +39,17 @@ import tensorstore as ts
 __all__ = ["JaggedArrayStore", "DEFAULT_DATA_CHUNK", "DEFAULT_OFFSETS_CHUNK", "read_stacked"]
 
 # Chunk sizes, in elements. A zarr3 chunk without sharding is read whole, so a random window costs a
-# whole-chunk read: smaller chunks mean less read amplification, larger ones fewer files. Measured on a
-# 20M-token int32 store (2 shared cores, warm page cache), 256 random 1024-token windows per call:
-# ~20 ms at 2**16-element chunks (256 KiB) against ~29 ms at 2**18 (1 MiB), medians of 40 interleaved
-# calls; 1-token windows cost the same, so the price is per chunk touched, not per token served. 2**14
-# was a little faster again in a raw tensorstore test but quadruples the file count (1B int32 tokens at
-# 2**16 is ~15k chunk files; at 2**14, ~61k).
-DEFAULT_DATA_CHUNK = 2**16
+# whole-chunk read: smaller chunks mean less read amplification, larger ones fewer files. Measured on an
+# 8M-token int32 store (2 shared cores, warm page cache), random windows, us per batch:
+#   chunk   files/8M tok   8x64   8x1024   64x1024
+#   2**12        1935       440     372     1626
+#   2**14         484       521     501     2194
+#   2**16         121       749     776     4177
+# Chunk buffers are also what a prefetching loader holds: with 2**16 a batch of 64 windows touched 16 MiB
+# of chunks, and with 8 steps in flight the loader's memory grew with the number of distinct chunks,
+# i.e. with the dataset; at 2**14 the growth was flat from a 15 MiB to a 150 MiB cache (run_all.py).
+# 2**14 (64 KiB) is the compromise: 1B tokens is ~61k chunk files.
+DEFAULT_DATA_CHUNK = 2**14
 # Offsets are read two per row at random rows, so their chunks are kept small too: 2**13 int64 is
 # 64 KiB per chunk, and a million rows still fit in ~120 files.
 DEFAULT_OFFSETS_CHUNK = 2**13
