@@ -605,3 +605,30 @@ def test_abandoned_iterator_releases_its_thread():
     gc.collect()
     thread.join(timeout=2.0)
     assert not thread.is_alive()
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_closing_mid_read_leaves_no_stray_errors(tmp_path, capfd):
+    """Closing a prefetching iterator while tensorstore reads are in flight cancels them cleanly: nothing
+    is printed later from a tensorstore thread about a closed event loop, and reading again works."""
+    import gc
+
+    from levanter.data.text import CausalLmDataset, TokenSeqDataset
+    from levanter.store.jagged_array import JaggedArrayStore
+
+    store = JaggedArrayStore.open(tmp_path / "s", mode="w", data_chunk=256)
+    store.append_flat(np.arange(64 * 2000, dtype=np.int32) % 97, np.array([64 * 2000]))
+    store.finalize()
+    ds = CausalLmDataset(TokenSeqDataset(store, 64), eos_id=96).shuffle(key=0)
+    loader = DataLoader(ds, 16, prefetch_depth=8)
+    for _ in range(50):
+        it = loader.iter_from_step(0)
+        next(it)
+        it.close()
+    del it
+    gc.collect()
+    time.sleep(0.5)
+    err = capfd.readouterr().err
+    assert "Event loop is closed" not in err and "Traceback" not in err, err
+    with loader.iter_from_step(3, 5) as it2:
+        assert [b.step for b in it2] == [3, 4]

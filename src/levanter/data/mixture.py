@@ -368,9 +368,9 @@ class MixtureDataset(AsyncDataset[T]):
             # A plan's views share shape and dtype (ReadPlan's contract): compare one view per plan.
             kinds = {(tuple(p.views[0].shape), p.views[0].dtype) for p in plans if p.views}
             if views and len(kinds) == 1:
-                from ..store.jagged_array import read_stacked
+                from ..store.jagged_array import awaited, read_stacked
 
-                rows = await read_stacked(views)
+                rows = await awaited(read_stacked(views))
                 out, start = [], 0
                 for p in plans:
                     out.append(p.finish(rows[start : start + len(p.views)]))

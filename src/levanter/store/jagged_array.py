@@ -29,6 +29,7 @@ random 1024-token windows took ~84 ms instead of ~10 ms. ``codec="zstd"`` is the
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -36,7 +37,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-__all__ = ["JaggedArrayStore", "DEFAULT_DATA_CHUNK", "DEFAULT_OFFSETS_CHUNK", "read_stacked"]
+__all__ = ["JaggedArrayStore", "DEFAULT_DATA_CHUNK", "DEFAULT_OFFSETS_CHUNK", "awaited", "read_stacked"]
 
 # Chunk sizes, in elements. A zarr3 chunk without sharding is read whole, so a random window costs a
 # whole-chunk read: smaller chunks mean less read amplification, larger ones fewer files. Measured on an
@@ -435,7 +436,7 @@ class JaggedArrayStore:
         idx = self._check_rows(rows)
         if idx.size == 0:
             return np.empty(0, np.int64), np.empty(0, np.int64)
-        bounds = await self._offsets_future(idx)
+        bounds = await awaited(self._offsets_future(idx))
         return bounds[: idx.size], bounds[idx.size :]
 
     async def read_rows(self, rows: Sequence[int]) -> list[np.ndarray]:
@@ -446,9 +447,9 @@ class JaggedArrayStore:
         idx = self._check_rows(rows)
         if idx.size == 0:
             return []
-        bounds = await self._offsets_future(idx)
+        bounds = await awaited(self._offsets_future(idx))
         fut = self._rows_future(bounds)
-        return self._split(bounds, None if fut is None else await fut)
+        return self._split(bounds, None if fut is None else await awaited(fut))
 
     def read_rows_sync(self, rows: Sequence[int]) -> list[np.ndarray]:
         """Blocking :meth:`read_rows`, for code outside an event loop."""
@@ -492,7 +493,7 @@ class JaggedArrayStore:
         fut, n = self._windows_future(starts, length)
         if fut is None:
             return np.empty((n, length), dtype=self.dtype)
-        return await fut
+        return await awaited(fut)
 
     def read_windows_sync(self, starts: Any, length: int) -> np.ndarray:
         """Blocking :meth:`read_windows`."""
@@ -500,6 +501,39 @@ class JaggedArrayStore:
         if fut is None:
             return np.empty((n, length), dtype=self.dtype)
         return fut.result()
+
+
+async def awaited(fut: ts.Future):
+    """``await fut`` through our own bridge from tensorstore's thread to the event loop.
+
+    tensorstore's own ``__await__`` wakes the loop from a tensorstore thread even after the loop has
+    closed (a loader closed mid-read), which prints "Event loop is closed" tracebacks; this bridge drops
+    the wake-up instead, and cancels the read if the awaiting task is cancelled.
+    """
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def on_done(f: ts.Future) -> None:
+        try:
+            loop.call_soon_threadsafe(_transfer, waiter, f)
+        except RuntimeError:  # the loop has closed: nobody waits for this read any more
+            pass
+
+    fut.add_done_callback(on_done)
+    try:
+        return await waiter
+    except asyncio.CancelledError:
+        fut.cancel()
+        raise
+
+
+def _transfer(waiter: asyncio.Future, fut: ts.Future) -> None:
+    if waiter.done():  # cancelled meanwhile
+        return
+    try:
+        waiter.set_result(fut.result())
+    except BaseException as e:  # noqa: BLE001 -- handed to the awaiting task
+        waiter.set_exception(e)
 
 
 def read_stacked(views: Sequence[ts.TensorStore]) -> ts.Future:
