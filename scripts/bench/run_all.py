@@ -57,17 +57,17 @@ TRAIN_TOKENS = 2_000_000  # the training comparison's pre-written cache (same to
 STALL_THRESHOLD = 0.5
 
 QUICK = dict(
-    repeats=3, tokens=4_000_000, mem_tokens=4_000_000, loader_n={(8, 1024): 300, (64, 1024): 80, (256, 1024): 16,
-                                                                   (8, 64): 400},
-    up_n={(8, 1024): 150, (64, 1024): 48, (8, 64): 300}, up_repeats=1, mem_steps=50,
-    mem_cases=((1, 0), (10, 0), (10, 10**6)),
+    repeats=3, tokens=4_000_000, mem_tokens=4_000_000, loader_n={(8, 1024): 300, (64, 1024): 80, (256, 1024): 12,
+                                                                   (8, 64): 300},
+    up_n={(8, 1024): 120, (64, 1024): 48, (8, 64): 300}, up_repeats=1, mem_steps=50,
+    mem_cases=((1, 0, 8), (10, 0, 8), (10, 10**6, 8)),
     stall=dict(batch=32, steps=1000, step_s=0.01), train_steps=20, train_repeats=1, ttfb_batches=(64,),
 )
 FULL = dict(
     repeats=5, tokens=16_000_000, mem_tokens=8_000_000,
     loader_n={(8, 1024): 600, (64, 1024): 150, (256, 1024): 40, (8, 64): 1200},
     up_n={(8, 1024): 400, (64, 1024): 150, (256, 1024): 40, (8, 64): 1200}, up_repeats=3, mem_steps=300,
-    mem_cases=((1, 0), (1, 10**6), (10, 0), (10, 10**6)),
+    mem_cases=((1, 0, 8), (1, 10**6, 8), (10, 0, 8), (10, 10**6, 8), (10, 0, 2), (10, 0, 32)),
     stall=dict(batch=64, steps=1000, step_s=0.05), train_steps=60, train_repeats=3, ttfb_batches=(8, 64),
 )
 
@@ -217,16 +217,17 @@ def bench_memory(work: str, cfg: dict, out: dict) -> None:
         root = os.path.join(work, f"mem-{scale}x")
         lc.write_caches(root, cfg["mem_tokens"] * scale)
         size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
-        for start in (0, 10**6):
-            if (scale, start) not in cfg["mem_cases"]:
+        for case_scale, start, depth in cfg["mem_cases"]:
+            if case_scale != scale:
                 continue
-            args = {"root": root, "batch_size": 64, "steps": cfg["mem_steps"], "start": start, "prefetch": 8}
+            args = {"root": root, "batch_size": 64, "steps": cfg["mem_steps"], "start": start, "prefetch": depth}
             proc = subprocess.run([sys.executable, os.path.join(HERE, "loader_cache.py"), json.dumps(args)],
                                   capture_output=True, text=True, timeout=600)
             if proc.returncode != 0:
                 raise RuntimeError(f"memory probe failed:\n{proc.stderr[-3000:]}")
             r = json.loads(proc.stdout.strip().splitlines()[-1])
-            rows.append({"cache_scale": scale, "cache_bytes": size, "start_step": start, "steps": args["steps"], **r})
+            rows.append({"cache_scale": scale, "cache_bytes": size, "start_step": start, "steps": args["steps"],
+                         "prefetch": depth, **r})
         shutil.rmtree(root, ignore_errors=True)
     out["memory"] = rows
 
@@ -363,11 +364,11 @@ def report(out: dict) -> dict:
 
     mem = out.get("memory")
     if mem:
-        print_table(f"Memory: resident memory growth while iterating {mem[0]['steps']} steps of 64x1024, prefetch 8 "
-                    "(MiB; anon = anonymous memory, what the process itself holds)",
-                    [("cache", 6), ("cache MiB", 9), ("start step", 10), ("base RSS", 9), ("growth", 7),
-                     ("anon growth", 11), ("batch", 6), ("(d+2)*batch", 11)],
-                    [[f"{m['cache_scale']}x", f"{m['cache_bytes'] / 2**20:.0f}", str(m["start_step"]),
+        print_table(f"Memory: resident memory growth while iterating {mem[0]['steps']} steps of 64x1024 "
+                    "(MiB; anon = anonymous memory, what the process itself holds; fresh process per row)",
+                    [("cache", 6), ("cache MiB", 9), ("start step", 10), ("prefetch d", 10), ("base RSS", 9),
+                     ("growth", 7), ("anon growth", 11), ("batch", 6), ("(d+2)*batch", 11)],
+                    [[f"{m['cache_scale']}x", f"{m['cache_bytes'] / 2**20:.0f}", str(m["start_step"]), str(m["prefetch"]),
                       f"{m['base_rss'] / 2**20:.0f}", f"{m['growth'] / 2**20:.1f}", f"{m['growth_anon'] / 2**20:.1f}",
                       f"{m['batch_bytes'] / 2**20:.2f}", f"{m['bound'] / 2**20:.1f}"] for m in mem])
 
