@@ -61,14 +61,14 @@ QUICK = dict(
                                                                    (8, 64): 300},
     up_n={(8, 1024): 120, (64, 1024): 48, (8, 64): 300}, up_repeats=1, mem_steps=50,
     mem_cases=((1, 0, 8), (10, 0, 8), (10, 10**6, 8)),
-    stall=dict(batch=32, steps=1000, step_s=0.01), train_steps=20, train_repeats=1, ttfb_batches=(64,),
+    stall=dict(batch=32, steps=1000, step_s=0.01), train_steps=20, train_repeats=1, ttfb_batches=(64,), ttfb_repeats=7,
 )
 FULL = dict(
     repeats=5, tokens=16_000_000, mem_tokens=8_000_000,
     loader_n={(8, 1024): 600, (64, 1024): 150, (256, 1024): 40, (8, 64): 1200},
     up_n={(8, 1024): 400, (64, 1024): 150, (256, 1024): 40, (8, 64): 1200}, up_repeats=3, mem_steps=300,
     mem_cases=((1, 0, 8), (1, 10**6, 8), (10, 0, 8), (10, 10**6, 8), (10, 0, 2), (10, 0, 32)),
-    stall=dict(batch=64, steps=1000, step_s=0.05), train_steps=60, train_repeats=3, ttfb_batches=(8, 64),
+    stall=dict(batch=64, steps=1000, step_s=0.05), train_steps=60, train_repeats=3, ttfb_batches=(8, 64), ttfb_repeats=15,
 )
 
 
@@ -126,7 +126,7 @@ def bench_ours_loader(root: str, cfg: dict, out: dict) -> None:
     for bs in cfg["ttfb_batches"]:
         per = {k: [] for k in RESUME_STEPS}
         builds = []
-        for _ in range(R):
+        for _ in range(cfg["ttfb_repeats"]):  # milliseconds each: many repeats for a stable median
             for k in RESUME_STEPS:
                 t = lc.time_to_first_batch(root, bs, k)
                 per[k].append(t["first_batch_s"])

@@ -1,0 +1,51 @@
+"""The benchmark suite's JSON contract (scripts/bench/run_all.py): the headline keys are always present,
+null where a section was not measured, and taken from the right figures when it was."""
+
+import os
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench")
+KEYS = {
+    "loader_tokens_per_s", "raw_read_tokens_per_s", "upstream_loader_tokens_per_s", "ttfb_step0_s",
+    "ttfb_step1e9_s", "data_wait_p99_s", "train_step_s", "upstream_train_step_s",
+}
+
+
+@pytest.fixture(scope="module")
+def run_all():
+    sys.path.insert(0, BENCH)
+    try:
+        import run_all
+
+        yield run_all
+    finally:
+        sys.path.remove(BENCH)
+
+
+def test_headline_keys_are_null_when_nothing_was_measured(run_all, capsys):
+    assert run_all.report({}) == {k: None for k in KEYS}
+
+
+def test_headline_keys_come_from_the_measured_sections(run_all, capsys):
+    s = run_all.stats
+    out = {
+        "loader": {"64x1024": {"batch": 64, "seq_len": 1024, "batches": 3, "loader": s([3.0, 1.0, 2.0]),
+                               "prefetch0": s([1.0]), "raw": s([4.0, 5.0, 6.0]), "loader_over_raw": s([0.5]),
+                               "raw_in_flight8": s([9.0])}},
+        "upstream_loader": {"throughput": {"64x1024": s([0.25])}, "ttfb_64": {}},
+        "ttfb": {64: {"steps": {"0": s([0.01, 0.03, 0.02]), str(10**9): s([0.02])}, "build": s([0.001])}},
+        "stalls": {"batch": 8, "seq_len": 1024, "steps": 3, "step_seconds": 0.01, "p50_s": 0.0, "p99_s": 0.004,
+                   "max_s": 0.005, "first_step_wait_s": 0.1, "spikes": 0, "first_spike_step": None,
+                   "last_spike_step": None, "spike_wait_s": 0.0, "total_wait_s": 0.11, "wait_fraction": 0.001},
+    }
+    head = run_all.report(out)
+    assert set(head) == KEYS
+    assert head["loader_tokens_per_s"] == 2.0 and head["raw_read_tokens_per_s"] == 5.0
+    assert head["upstream_loader_tokens_per_s"] == 0.25
+    assert head["ttfb_step0_s"] == 0.02 and head["ttfb_step1e9_s"] == 0.02
+    assert head["data_wait_p99_s"] == 0.004
+    assert head["train_step_s"] is None and head["upstream_train_step_s"] is None
+    printed = capsys.readouterr().out
+    assert "64x1024" in printed and "8.0x" in printed  # ours / upstream = 2.0 / 0.25
