@@ -262,22 +262,34 @@ def _token_sources(tmp_path):
         out[k] = CausalLmDataset(TokenSeqDataset(store, 8), eos_id=99)
     return {
         "shuffled": out[0].shuffle(key=1),
+        "shuffled2": out[2].shuffle(key=5),  # with "shuffled": permutations evaluated in one pass
         "blocks": out[1].block_shuffle(16, key=2),
         "epochs": out[2].slice_dataset(5, 290).epochs(),
         "mapped": out[3].map(lambda x: x),
     }
 
 
-@pytest.mark.parametrize("names", [("shuffled", "blocks", "epochs"), ("shuffled", "blocks", "mapped")])
+@pytest.mark.parametrize(
+    "names",
+    [("shuffled", "blocks", "epochs"), ("shuffled", "shuffled2", "blocks"), ("shuffled", "blocks", "mapped"),
+     ("shuffled", "shuffled2", "mapped")],
+)
 def test_combined_read_equals_reading_each_source(tmp_path, monkeypatch, names):
     """Every step of two stages: the mixture's batch (one tensorstore read per step when every source can
     plan, else per-source reads) equals each source's own get_batch of the rows the mixture drew."""
     from levanter.data.dataset import StackedBatch
     from levanter.store.jagged_array import JaggedArrayStore
 
+    import levanter.data.mixture as mixture_module
+
     reads = []
     real_read = JaggedArrayStore._read
     monkeypatch.setattr(JaggedArrayStore, "_read", lambda self, view: reads.append(1) or real_read(self, view))
+    permuted = []
+    real_many = mixture_module.permute_many
+    monkeypatch.setattr(
+        mixture_module, "permute_many", lambda reqs: permuted.append(sum(len(i) for _, i in reqs)) or real_many(reqs)
+    )
 
     def columns(batch):
         if isinstance(batch, StackedBatch):
@@ -286,7 +298,9 @@ def test_combined_read_equals_reading_each_source(tmp_path, monkeypatch, names):
 
     srcs = _token_sources(tmp_path)
     sources = {n: srcs[n] for n in names}
-    schedule = BatchSchedule(12)
+    # 48 rows per step: more than FeistelPermutation.SMALL, so the shuffled sources' permutations take the
+    # vectorised multi-permutation pass.
+    schedule = BatchSchedule(48)
     weights = [(0, {names[0]: 0.5, names[1]: 0.3, names[2]: 0.2}), (9, {names[0]: 0.1, names[1]: 0.2, names[2]: 0.7})]
     mix = MixtureDataset(sources, weights, batch_schedule=schedule, block_size=None, key=3)
 
@@ -313,6 +327,12 @@ def test_combined_read_equals_reading_each_source(tmp_path, monkeypatch, names):
         return planned
 
     planned = asyncio.run(check())
+    from levanter.data._prp import FeistelPermutation
+
+    if "shuffled2" in names:  # the vectorised pass over both shuffled sources ran, on more than SMALL indices
+        assert permuted and max(permuted) > FeistelPermutation.SMALL
+    else:
+        assert not permuted
     if "mapped" not in names:
         assert planned == 20 and mixture_reads == [1] * 20  # one tensorstore read per step
     else:
