@@ -40,43 +40,34 @@ def load_tokenizer(tokenizer_dir: str):
     return tok
 
 
-def write(root: str, total_tokens: int, tokenizer_dir: str) -> dict:
+def write_source(cache_dir: str, index: int, n_tokens: int, tokenizer_dir: str) -> int:
+    """Source ``index`` of the synthetic corpus as a finished upstream cache at ``cache_dir``; its tokens."""
     import numpy as np
     from levanter.data.text import BatchTokenizer
     from levanter.store.cache import CacheMetadata, SerialCacheWriter
 
-    tok = load_tokenizer(tokenizer_dir)
-    processor = BatchTokenizer(tok, enforce_bos=True, enforce_eos=True)
+    processor = BatchTokenizer(load_tokenizer(tokenizer_dir), enforce_bos=True, enforce_eos=True)
     exemplar = processor.output_exemplar
-    counts = {}
-    for k, (name, n) in enumerate(syn.source_sizes(total_tokens).items()):
-        flat, lengths = syn.source_tokens(k, n)
-        docs = np.split(flat, np.cumsum(lengths)[:-1])
-        rows = [{f: (d if f == "input_ids" else np.zeros_like(d)) for f in exemplar} for d in docs]
-        cache_dir = os.path.join(root, name, "train")
-        with SerialCacheWriter(cache_dir, exemplar, CacheMetadata(processor.metadata)) as w:
-            for i in range(0, len(rows), 1024):
-                w.write_batch(rows[i : i + 1024])
-        counts[name] = int(lengths.sum())
-    return counts
-
-
-def write_single(cache_dir: str, total_tokens: int, tokenizer_dir: str) -> dict:
-    """Source 0 of the synthetic corpus as one cache at ``cache_dir`` (the training comparison's data)."""
-    import numpy as np
-    from levanter.data.text import BatchTokenizer
-    from levanter.store.cache import CacheMetadata, SerialCacheWriter
-
-    tok = load_tokenizer(tokenizer_dir)
-    processor = BatchTokenizer(tok, enforce_bos=True, enforce_eos=True)
-    exemplar = processor.output_exemplar
-    flat, lengths = syn.source_tokens(0, total_tokens)
+    flat, lengths = syn.source_tokens(index, n_tokens)
     docs = np.split(flat, np.cumsum(lengths)[:-1])
     rows = [{f: (d if f == "input_ids" else np.zeros_like(d)) for f in exemplar} for d in docs]
     with SerialCacheWriter(cache_dir, exemplar, CacheMetadata(processor.metadata)) as w:
         for i in range(0, len(rows), 1024):
             w.write_batch(rows[i : i + 1024])
-    return {"tokens": int(lengths.sum())}
+    return int(lengths.sum())
+
+
+def write(root: str, total_tokens: int, tokenizer_dir: str) -> dict:
+    """The three sources into ``root/<name>/train``; returns per-source token counts."""
+    return {
+        name: write_source(os.path.join(root, name, "train"), k, n, tokenizer_dir)
+        for k, (name, n) in enumerate(syn.source_sizes(total_tokens).items())
+    }
+
+
+def write_single(cache_dir: str, total_tokens: int, tokenizer_dir: str) -> dict:
+    """Source 0 of the synthetic corpus as one cache at ``cache_dir`` (the training comparison's data)."""
+    return {"tokens": write_source(cache_dir, 0, total_tokens, tokenizer_dir)}
 
 
 def make_loader(root: str, tokenizer_dir: str, batch_size: int, seq_len: int = syn.SEQ_LEN):
