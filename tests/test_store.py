@@ -11,6 +11,8 @@ import pytest
 from levanter.store import CacheLedger, CorruptLedgerError, JaggedArrayStore, TreeStore
 from levanter.store.ledger import LEDGER_FILENAME
 
+from helpers import tree_bytes
+
 SMALL = dict(data_chunk=16, offsets_chunk=8)  # tiny chunks so rows and windows cross chunk boundaries
 
 
@@ -19,16 +21,6 @@ def ragged_rows(n, seed=0, max_len=40, dtype=np.int32):
     lengths = rng.integers(0, max_len, n)
     lengths[::7] = 0  # plenty of empty rows, including the first
     return [rng.integers(0, 50_000, int(k)).astype(dtype) for k in lengths]
-
-
-def tree_bytes(root):
-    out = {}
-    for d, _, files in os.walk(root):
-        for f in files:
-            p = os.path.join(d, f)
-            with open(p, "rb") as fh:
-                out[os.path.relpath(p, root)] = fh.read()
-    return out
 
 
 def build(path, batches, **kw):
