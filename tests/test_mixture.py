@@ -266,21 +266,31 @@ def _token_sources(tmp_path):
         "blocks": out[1].block_shuffle(16, key=2),
         "epochs": out[2].slice_dataset(5, 290).epochs(),
         "mapped": out[3].map(lambda x: x),
+        # Plans that can share a read but not a finish (another EOS id): finished per source, then merged.
+        "other_eos": CausalLmDataset(out[1].dataset, eos_id=49).shuffle(key=7),
     }
 
 
 @pytest.mark.parametrize(
     "names",
     [("shuffled", "blocks", "epochs"), ("shuffled", "shuffled2", "blocks"), ("shuffled", "blocks", "mapped"),
-     ("shuffled", "shuffled2", "mapped")],
+     ("shuffled", "shuffled2", "mapped"), ("shuffled", "blocks", "other_eos")],
 )
 def test_combined_read_equals_reading_each_source(tmp_path, monkeypatch, names):
     """Every step of two stages: the mixture's batch (one tensorstore read per step when every source can
-    plan, else per-source reads) equals each source's own get_batch of the rows the mixture drew."""
+    plan, else per-source reads; one causal-LM finish of the whole batch when the plans share it) equals
+    each source's own get_batch of the rows the mixture drew."""
     from levanter.data.dataset import StackedBatch
     from levanter.store.jagged_array import JaggedArrayStore
 
     import levanter.data.mixture as mixture_module
+    import levanter.data.text as text_module
+
+    finishes = []
+    real_columns = text_module.causal_lm_columns
+    monkeypatch.setattr(
+        text_module, "causal_lm_columns", lambda t, e: finishes.append(len(t)) or real_columns(t, e)
+    )
 
     reads = []
     real_read = JaggedArrayStore._read
@@ -304,15 +314,16 @@ def test_combined_read_equals_reading_each_source(tmp_path, monkeypatch, names):
     weights = [(0, {names[0]: 0.5, names[1]: 0.3, names[2]: 0.2}), (9, {names[0]: 0.1, names[1]: 0.2, names[2]: 0.7})]
     mix = MixtureDataset(sources, weights, batch_schedule=schedule, block_size=None, key=3)
 
-    mixture_reads = []
+    mixture_reads, mixture_finishes = [], []
 
     async def check():
         planned = 0
         for step in range(20):
             idx = np.arange(schedule.global_data_offset_by_step(step), schedule.global_data_offset_by_step(step + 1))
-            before = len(reads)
+            before, finished_before = len(reads), len(finishes)
             got = columns(await mix.get_batch(step, idx))
             mixture_reads.append(len(reads) - before)
+            mixture_finishes.append(finishes[finished_before:])
             source, src_index = await mix.source_indices(step, idx)
             expect = {k: np.empty((idx.size, 8), v.dtype) for k, v in got.items()}
             for s in np.unique(source).tolist():
@@ -329,7 +340,8 @@ def test_combined_read_equals_reading_each_source(tmp_path, monkeypatch, names):
     planned = asyncio.run(check())
     from levanter.data._prp import FeistelPermutation
 
-    if "shuffled2" in names:  # the vectorised pass over both shuffled sources ran, on more than SMALL indices
+    if sum(n in ("shuffled", "shuffled2", "other_eos") for n in names) > 1:
+        # the vectorised pass over the shuffled sources ran, on more than SMALL indices
         assert permuted and max(permuted) > FeistelPermutation.SMALL
     else:
         assert not permuted
@@ -337,3 +349,7 @@ def test_combined_read_equals_reading_each_source(tmp_path, monkeypatch, names):
         assert planned == 20 and mixture_reads == [1] * 20  # one tensorstore read per step
     else:
         assert planned == 0 and max(mixture_reads) > 1  # per-source reads
+    if "mapped" in names or "other_eos" in names:  # a finish per source present in the step
+        assert max(len(f) for f in mixture_finishes) > 1
+    else:  # the whole batch finished at once
+        assert mixture_finishes == [[48]] * 20

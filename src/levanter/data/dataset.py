@@ -88,15 +88,25 @@ def as_index_array(indices: Sequence[int]) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class ReadPlan:
     """A deferred read: ``views`` (tensorstore views of equal shape and dtype, one per example) and
-    ``finish``, mapping the stacked rows read (``array[len(views), ...]``) to the dataset's examples."""
+    ``finish``, mapping the stacked rows read (``array[len(views), ...]``) to the dataset's examples.
+
+    ``row_key``, when not None, promises that ``finish`` works row by row (``finish`` of stacked rows is
+    the stack of ``finish`` of each row) and equals the ``finish`` of every plan with an equal key. A
+    mixture whose sources' plans share a key reads their views in batch order and finishes the whole
+    batch once, instead of finishing each source and merging the columns (about a third of a step's
+    CPU at batch 64).
+    """
 
     views: list
     finish: Callable[[np.ndarray], Any]
+    row_key: Any = None
 
-    def then(self, fn: Callable[[Any], Any]) -> "ReadPlan":
-        """The same reads, with ``fn`` applied to this plan's result."""
+    def then(self, fn: Callable[[Any], Any], row_key: Any = None) -> "ReadPlan":
+        """The same reads, with ``fn`` applied to this plan's result. Pass ``row_key`` (hashable, equal
+        for equal functions) only if ``fn`` is row-wise too; the result keeps a key only if both have one."""
         inner = self.finish
-        return ReadPlan(self.views, lambda rows: fn(inner(rows)))
+        key = None if row_key is None or self.row_key is None else (self.row_key, row_key)
+        return ReadPlan(self.views, lambda rows: fn(inner(rows)), key)
 
 
 def _check_range(idx: np.ndarray, length: int, what: str) -> None:

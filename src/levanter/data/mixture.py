@@ -347,10 +347,12 @@ class MixtureDataset(AsyncDataset[T]):
             raise ValueError(f"MixtureDataset with stop_strategy={self.stop_strategy!r} never ends")
         return end
 
-    async def _read_sources(self, step: int, present: list, selections: list, src_index: np.ndarray) -> list:
-        """Each present source's examples. When every source can plan its read (token windows of a
-        store, see ``ReadPlan``) and the windows agree in shape and dtype, all of them are read in one
-        tensorstore operation; otherwise each source is read with ``get_batch``, concurrently."""
+    async def _read_sources(self, step: int, present: list, selections: list, src_index: np.ndarray):
+        """``(whole batch, None)`` or ``(None, each present source's examples)``. When every source can
+        plan its read (token windows of a store, see ``ReadPlan``) and the windows agree in shape and
+        dtype, all of them are read in one tensorstore operation -- and if the plans share a row-wise
+        ``finish``, in batch order and finished once, giving the whole batch; otherwise each source is
+        read with ``get_batch``, concurrently."""
         datasets = [self.datasets[s] for s in present]
         inner = [src_index[sel] for sel in selections]
         # Shuffled sources (the config's default): their permutations are evaluated together, in one
@@ -364,19 +366,27 @@ class MixtureDataset(AsyncDataset[T]):
         # Planning does no I/O: awaited in turn, not as tasks (three tasks per step cost more than the plans).
         plans = [await d.plan_read(step, idx) for d, idx in zip(datasets, inner)]
         if plans and all(p is not None for p in plans):
-            views = [v for p in plans for v in p.views]
             # A plan's views share shape and dtype (ReadPlan's contract): compare one view per plan.
             kinds = {(tuple(p.views[0].shape), p.views[0].dtype) for p in plans if p.views}
-            if views and len(kinds) == 1:
+            if len(kinds) == 1:
                 from ..store.jagged_array import awaited, read_stacked
 
-                rows = await awaited(read_stacked(views))
+                if plans[0].row_key is not None and all(p.row_key == plans[0].row_key for p in plans):
+                    # Same row-wise finish everywhere: read the views in batch order, finish once.
+                    ordered: list = [None] * sum(len(sel) for sel in selections)
+                    for sel, p in zip(selections, plans):
+                        if len(p.views) != len(sel):
+                            raise ValueError(f"a read plan has {len(p.views)} views for {len(sel)} indices")
+                        for pos, view in zip(sel.tolist(), p.views):
+                            ordered[pos] = view
+                    return plans[0].finish(await awaited(read_stacked(ordered))), None
+                rows = await awaited(read_stacked([v for p in plans for v in p.views]))
                 out, start = [], 0
                 for p in plans:
                     out.append(p.finish(rows[start : start + len(p.views)]))
                     start += len(p.views)
-                return out
-        return await asyncio.gather(*[d.get_batch(step, idx) for d, idx in zip(datasets, inner)])
+                return None, out
+        return None, await asyncio.gather(*[d.get_batch(step, idx) for d, idx in zip(datasets, inner)])
 
     async def source_indices(self, step: int, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """``(source_id, source_index)`` actually read for each global index of ``step``, after the stop
@@ -401,7 +411,9 @@ class MixtureDataset(AsyncDataset[T]):
         source, src_index = await self.source_indices(step, indices)
         present = np.unique(source).tolist()
         selections = [np.flatnonzero(source == s) for s in present]
-        results = await self._read_sources(step, present, selections, src_index)
+        whole, results = await self._read_sources(step, present, selections, src_index)
+        if whole is not None:
+            return whole
         if results and all(isinstance(r, StackedBatch) for r in results):
             n = len(source)
 

@@ -46,7 +46,7 @@ class TokenSeqDataset(AsyncDataset[np.ndarray]):
             return None
         idx = as_index_array(indices)
         _check_range(idx, len(self), f"TokenSeqDataset(seq_len={self.seq_len})")
-        return ReadPlan(window_views(idx * self.seq_len, self.seq_len), _identity)
+        return ReadPlan(window_views(idx * self.seq_len, self.seq_len), _identity, row_key=("windows",))
 
     async def async_len(self) -> int:
         return len(self)
@@ -95,7 +95,9 @@ class CausalLmDataset(AsyncDataset[dict]):
         if plan is None:
             return None
         eos = self.eos_id
-        return plan.then(lambda windows: StackedBatch(causal_lm_columns(np.asarray(windows), eos)))
+        return plan.then(
+            lambda windows: StackedBatch(causal_lm_columns(np.asarray(windows), eos)), row_key=("causal_lm", eos)
+        )
 
     async def async_len(self) -> int:
         return await self.dataset.async_len()
