@@ -402,6 +402,34 @@ def test_meshes_give_same_global_batches_and_each_device_holds_its_slice(prefetc
                 np.testing.assert_array_equal(np.asarray(leaf), to_numpy(reference[b.step].data)[key])
 
 
+@pytest.mark.parametrize("layout", ["one_device", "data8", "data4_model2", "data_and_model_as_data_axes"])
+def test_global_arrays_of_the_fast_path_equal_make_array_from_callback(layout):
+    """The loader builds a shape's first array with jax.make_array_from_callback and later ones with the
+    transfer that function ends in; both give the same values, sharding and per-device shards."""
+    devices = devices8()
+    mesh, axes = {
+        "one_device": (Mesh(devices[:1], ("data",)), "data"),
+        "data8": (Mesh(devices, ("data",)), "data"),
+        "data4_model2": (Mesh(devices.reshape(4, 2), ("data", "model")), "data"),
+        "data_and_model_as_data_axes": (Mesh(devices.reshape(2, 4), ("data", "model")), ("data", "model")),
+    }[layout]
+    loader = DataLoader(ListAsyncDataset([0]), 16, mesh=mesh, data_axis=axes, prefetch_depth=0)
+    rows = loader.local_rows(16)
+    rng = np.random.default_rng(0)
+    for dtype in (np.int32, np.bool_, np.float32, np.int64):
+        for attempt in range(3):
+            leaf = rng.integers(0, 50, (16, 5, 3)).astype(dtype)
+            got = loader._to_global(leaf, rows, 16)
+            ref = jax.make_array_from_callback(leaf.shape, loader.sharding, lambda idx: leaf[idx])
+            assert got.dtype == ref.dtype and got.shape == ref.shape and got.sharding == ref.sharding
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+            ref_shards = {s.device: np.asarray(s.data) for s in ref.addressable_shards}
+            for shard in got.addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), ref_shards[shard.device])
+        # Every dtype jax keeps takes the fast path after its first array; int64 (narrowed without x64) never.
+        assert (((16, 5, 3), np.dtype(dtype)) in loader._fast_put) == (dtype != np.int64 or jax.config.jax_enable_x64)
+
+
 def test_process_rows_single_process_has_all_rows():
     devices = devices8()
     for mesh in (Mesh(devices.reshape(8), ("data",)), Mesh(devices.reshape(4, 2), ("data", "model"))):
