@@ -340,11 +340,9 @@ def test_combined_read_equals_reading_each_source(tmp_path, monkeypatch, names):
     planned = asyncio.run(check())
     from levanter.data._prp import FeistelPermutation
 
-    if sum(n in ("shuffled", "shuffled2", "other_eos") for n in names) > 1:
-        # the vectorised pass over the shuffled sources ran, on more than SMALL indices
-        assert permuted and max(permuted) > FeistelPermutation.SMALL
-    else:
-        assert not permuted
+    # The shuffled sources' permutations ran in the mixture's passes over several steps at once (planned
+    # ahead: fewer passes than steps), vectorised (more than SMALL indices).
+    assert permuted and len(permuted) < 20 and max(permuted) > FeistelPermutation.SMALL
     if "mapped" not in names:
         assert planned == 20 and mixture_reads == [1] * 20  # one tensorstore read per step
     else:
@@ -353,3 +351,50 @@ def test_combined_read_equals_reading_each_source(tmp_path, monkeypatch, names):
         assert max(len(f) for f in mixture_finishes) > 1
     else:  # the whole batch finished at once
         assert mixture_finishes == [[48]] * 20
+
+
+# -- planning ahead never changes what is read ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_size", [None, 5, 2048])
+@pytest.mark.parametrize("stop_strategy", ["restart", "first_exhausted"])
+def test_planning_ahead_never_changes_what_is_read(block_size, stop_strategy):
+    """A sequential reader gets its later steps from draws planned ahead; every answer -- sequential runs
+    over the whole batch and over a process's rows, a batch-size change, a stage switch, out-of-order and
+    repeated steps, rows other than predicted, the end of a finite mixture -- equals what a fresh mixture
+    (nothing planned) returns for that single request."""
+    schedule = BatchSchedule([ScheduleStep(0, 8), ScheduleStep(9, 12)])
+    weights = [(0, {"a": 0.5, "b": 0.3, "c": 0.2}), (7, {"a": 0.1, "b": 0.2, "c": 0.7})]
+    lengths = (400, 90, 10**5)
+
+    def make():
+        srcs = sources(lengths)
+        srcs["a"] = srcs["a"].shuffle(key=1)
+        srcs["c"] = srcs["c"].shuffle(key=2)
+        return MixtureDataset(srcs, weights, batch_schedule=schedule, block_size=block_size, key=4,
+                              stop_strategy=stop_strategy)
+
+    def rows_of(step, rows=None):
+        first, end = schedule.step_range(step)
+        idx = np.arange(first, end)
+        return idx if rows is None else idx[rows]
+
+    requests = [(s, rows_of(s)) for s in range(30)]  # whole batches, across the stage and size changes
+    requests += [(s, rows_of(s, slice(2, 6))) for s in range(3, 25)]  # one process's rows, sequentially
+    requests += [(12, rows_of(12)), (11, rows_of(11, [0, 5])), (13, rows_of(13, [1])), (14, rows_of(14)),
+                 (14, rows_of(14)), (40, rows_of(40)), (41, rows_of(41, [3, 2, 3]))]  # out of order, repeats
+    requests += [(s, rows_of(s)) for s in range(60, 120)]  # far on: a finite mixture ends meanwhile
+    mix = make()
+    ended = 0
+    for step, idx in requests:
+        try:
+            expect = np.asarray(asyncio.run(make().get_batch(step, idx)))
+        except DatasetExhausted:
+            with pytest.raises(DatasetExhausted):
+                asyncio.run(mix.get_batch(step, idx))
+            ended += 1
+            continue
+        got = np.asarray(asyncio.run(mix.get_batch(step, idx)))
+        np.testing.assert_array_equal(got, expect, err_msg=f"step {step}, indices {idx.tolist()}")
+    assert (ended > 0) == (stop_strategy == "first_exhausted")  # the end was reached where there is one
+    assert mix._planned  # and draws were planned ahead on the way

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import dataclasses
 import math
 import numbers
 from collections import OrderedDict
@@ -130,6 +131,23 @@ class _BlockLayout:
         self.rank[order] = np.arange(size, dtype=np.int64) - group_start[self.source[order]]
 
 
+# How far a sequential reader's steps are planned at once (see MixtureDataset._draws): about this many
+# indices, at most this many steps.
+_PLAN_AHEAD_INDICES = 512
+_PLAN_AHEAD_MAX_STEPS = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepDraws:
+    """The reads behind one ``get_batch(step, indices)`` of a mixture."""
+
+    indices: np.ndarray  # the global indices asked for
+    sources: list  # present source ids, ascending
+    selections: list  # per present source: positions in ``indices`` it fills, ascending
+    datasets: list  # per present source: the dataset read (a shuffle's inner one: see ``inner``)
+    inner: list  # per present source: indices into that dataset
+
+
 class MixtureDataset(AsyncDataset[T]):
     """Draws from ``datasets`` with per-stage ``weights``; the stage comes from the ``step`` argument.
 
@@ -179,6 +197,8 @@ class MixtureDataset(AsyncDataset[T]):
         for drawn in per_stage:
             self.consumed_before_stage.append(self.consumed_before_stage[-1] + drawn.astype(object))
         self._lengths: list[int | None] | None = None
+        self._planned: dict[int, _StepDraws] = {}  # step -> draws, planned ahead for a sequential reader
+        self._last_step: int | None = None
 
     # -- pure index maps ----------------------------------------------------------------------------
     def stage_at_step(self, step: int) -> int:
@@ -249,10 +269,17 @@ class MixtureDataset(AsyncDataset[T]):
             before = base + self._drawn_in_stage(stage, step)
             src_index[:] = np.asarray(before, dtype=np.int64)[source] + lay.rank[pos]
             return source, src_index
+        return self._block_source_indices(stage, idx)
+
+    def _block_source_indices(self, stage: int, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``unwrapped_source_indices`` for global indices of stage ``stage`` (any number of its steps),
+        when ``block_size`` is set: the layout depends on the stage and the block, not on the step."""
+        source = np.empty_like(idx)
+        src_index = np.empty_like(idx)
         k = self.block_size
         block, pos = np.divmod(idx - self.stage_start_offsets[stage], k)
         counts = self.counts_per_block(stage, k)
-        base64 = np.asarray(base, dtype=np.int64)
+        base64 = np.asarray(self.consumed_before_stage[stage], dtype=np.int64)
         for b in np.unique(block).tolist():
             sel = block == b
             lay = self._layout(stage, b, k)
@@ -347,22 +374,13 @@ class MixtureDataset(AsyncDataset[T]):
             raise ValueError(f"MixtureDataset with stop_strategy={self.stop_strategy!r} never ends")
         return end
 
-    async def _read_sources(self, step: int, present: list, selections: list, src_index: np.ndarray):
+    async def _read_sources(self, step: int, draws: "_StepDraws"):
         """``(whole batch, None)`` or ``(None, each present source's examples)``. When every source can
         plan its read (token windows of a store, see ``ReadPlan``) and the windows agree in shape and
         dtype, all of them are read in one tensorstore operation -- and if the plans share a row-wise
         ``finish``, in batch order and finished once, giving the whole batch; otherwise each source is
         read with ``get_batch``, concurrently."""
-        datasets = [self.datasets[s] for s in present]
-        inner = [src_index[sel] for sel in selections]
-        # Shuffled sources (the config's default): their permutations are evaluated together, in one
-        # vectorised pass, and their inner datasets are read with the permuted indices -- exactly what
-        # each PermutationDataset would have done, at a third of the numpy calls for three sources.
-        shuffled = [i for i, d in enumerate(datasets) if type(d) is PermutationDataset]
-        if len(shuffled) > 1:
-            requests = [await datasets[i].permutation_request(inner[i]) for i in shuffled]
-            for i, mapped in zip(shuffled, permute_many(requests)):
-                datasets[i], inner[i] = datasets[i].dataset, mapped
+        datasets, inner, selections = draws.datasets, draws.inner, draws.selections
         # Planning does no I/O: awaited in turn, not as tasks (three tasks per step cost more than the plans).
         plans = [await d.plan_read(step, idx) for d, idx in zip(datasets, inner)]
         if plans and all(p is not None for p in plans):
@@ -373,7 +391,7 @@ class MixtureDataset(AsyncDataset[T]):
 
                 if plans[0].row_key is not None and all(p.row_key == plans[0].row_key for p in plans):
                     # Same row-wise finish everywhere: read the views in batch order, finish once.
-                    ordered: list = [None] * sum(len(sel) for sel in selections)
+                    ordered: list = [None] * draws.indices.size
                     for sel, p in zip(selections, plans):
                         if len(p.views) != len(sel):
                             raise ValueError(f"a read plan has {len(p.views)} views for {len(sel)} indices")
@@ -407,13 +425,119 @@ class MixtureDataset(AsyncDataset[T]):
                 src_index[sel] %= n
         return source, src_index
 
+    # -- planning ahead -------------------------------------------------------------------------------
+    async def _draws(self, step: int, indices: Sequence[int]) -> "_StepDraws":
+        """What ``get_batch(step, indices)`` reads: each present source, the positions it fills and the
+        indices to read from it (a shuffled source's permutation already applied).
+
+        A prefetching loader asks for steps ``s, s+1, ...`` in order, each for the same rows of its batch.
+        The index math (layout lookups, stop strategy, permutations) costs ~30 numpy calls per step
+        whatever the batch size -- most of a small batch's CPU -- so on a step not yet planned, right after
+        a request for the step before it, the draws of the next steps (same rows, same batch size, up to
+        ``_PLAN_AHEAD_INDICES`` indices) are computed in one vectorised pass and kept. A request whose
+        indices differ from the prediction is planned on its own. Draws are a pure function of ``(step,
+        indices)``: what is kept never changes what is read.
+        """
+        idx = as_index_array(indices)
+        sequential = self._last_step == step - 1
+        self._last_step = step
+        kept = self._planned.get(step)
+        if kept is not None and np.array_equal(kept.indices, idx):
+            return kept
+        self.check_indices_belong_to_step(step, idx)
+        end = await self._end_index()
+        if end is not None and idx.size and idx.max() >= end:
+            raise DatasetExhausted(
+                f"MixtureDataset ({self.stop_strategy}): step {step} needs global index {int(idx.max())}, "
+                f"but the mixture ends at {end}"
+            )
+        steps, requests = [step], [idx]
+        if sequential and idx.size:
+            bs = self.schedule.batch_size_at_step(step)
+            rows = idx - self.schedule.global_data_offset_by_step(step)
+            for ahead in range(step + 1, step + min(_PLAN_AHEAD_MAX_STEPS, _PLAN_AHEAD_INDICES // idx.size)):
+                if self.schedule.batch_size_at_step(ahead) != bs:
+                    break
+                predicted = self.schedule.global_data_offset_by_step(ahead) + rows
+                if end is not None and predicted.max() >= end:
+                    break
+                steps.append(ahead)
+                requests.append(predicted)
+        draws = await self._plan(steps, requests)
+        planned = {s: d for s, d in self._planned.items() if step < s < steps[0] + _PLAN_AHEAD_MAX_STEPS}
+        planned.update(zip(steps, draws))
+        self._planned = planned  # replaced, never mutated: other tasks may be reading the old one
+        return draws[0]
+
+    async def _plan(self, steps: list[int], requests: list[np.ndarray]) -> list["_StepDraws"]:
+        """:class:`_StepDraws` of consecutive ``steps`` (already checked), computed together."""
+        sizes = [r.size for r in requests]
+        flat = np.concatenate(requests)
+        source = np.empty_like(flat)
+        src_index = np.empty_like(flat)
+        starts = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+        i = 0
+        while i < len(steps):  # runs of steps in one stage: one pass each when the layout is per block
+            stage = self.stage_at_step(steps[i])
+            j = i + 1
+            while j < len(steps) and self.stage_at_step(steps[j]) == stage:
+                j += 1
+            if self.block_size is not None:
+                a, b = starts[i], starts[j]
+                source[a:b], src_index[a:b] = self._block_source_indices(stage, flat[a:b])
+            else:
+                for k in range(i, j):
+                    a, b = starts[k], starts[k + 1]
+                    source[a:b], src_index[a:b] = self.unwrapped_source_indices(steps[k], requests[k])
+            i = j
+        lengths = await self._source_lengths()
+        for s, n in enumerate(lengths):  # stop strategies wrap finite sources
+            if n is not None:
+                sel = source == s
+                src_index[sel] %= n
+        # Shuffled sources (the config's default): their permutations are evaluated here, all in one
+        # vectorised pass, and their inner datasets are read -- what each PermutationDataset would do.
+        inner = src_index
+        read_from = list(self.datasets)
+        perm_requests, perm_positions = [], []
+        for s, d in enumerate(self.datasets):
+            if type(d) is PermutationDataset:
+                read_from[s] = d.dataset
+                at = np.flatnonzero(source == s)
+                if at.size:
+                    perm_requests.append(await d.permutation_request(src_index[at]))
+                    perm_positions.append(at)
+        if perm_requests:
+            inner = src_index.copy()
+            for at, mapped in zip(perm_positions, permute_many(perm_requests)):
+                inner[at] = mapped
+        # Split by (step, source): one stable sort keeps each source's positions ascending within a step.
+        n_sources = len(self.datasets)
+        key = np.repeat(np.arange(len(steps), dtype=np.int64), sizes) * n_sources + source
+        order = np.argsort(key, kind="stable")
+        cuts = np.searchsorted(key[order], np.arange(len(steps) * n_sources + 1)).tolist()
+        position = (np.arange(flat.size) - np.repeat(starts[:-1], sizes))[order]
+        inner = inner[order]
+        out = []
+        for k, request in enumerate(requests):
+            present, selections, datasets, indices = [], [], [], []
+            for s in range(n_sources):
+                lo, hi = cuts[k * n_sources + s], cuts[k * n_sources + s + 1]
+                if hi > lo:
+                    present.append(s)
+                    selections.append(position[lo:hi])
+                    datasets.append(read_from[s])
+                    indices.append(inner[lo:hi])
+            out.append(_StepDraws(request, present, selections, datasets, indices))
+        return out
+
     async def get_batch(self, step: int, indices: Sequence[int]) -> Sequence[T]:
-        source, src_index = await self.source_indices(step, indices)
-        present = np.unique(source).tolist()
-        selections = [np.flatnonzero(source == s) for s in present]
-        whole, results = await self._read_sources(step, present, selections, src_index)
+        draws = await self._draws(step, indices)
+        selections = draws.selections
+        whole, results = await self._read_sources(step, draws)
         if whole is not None:
             return whole
+        source = draws.indices
         if results and all(isinstance(r, StackedBatch) for r in results):
             n = len(source)
 
