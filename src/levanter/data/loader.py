@@ -511,7 +511,8 @@ class DataLoaderIterator(Iterator[Batch[T]]):
             raise AssertionError(f"loader produced step {batch.step} where {self.next_step} was due")
         self.wait_seconds[batch.step] = waited
         self.next_step += 1
-        return dataclasses.replace(batch, wait_seconds=waited)
+        return Batch(step=batch.step, global_offset=batch.global_offset, batch_size=batch.batch_size, data=batch.data,
+                     wait_seconds=waited)
 
     def close(self) -> None:
         """Stop background work; safe to call more than once. Later ``next()`` calls stop iteration."""

@@ -461,29 +461,32 @@ class JaggedArrayStore:
         return self._split(bounds, None if fut is None else fut.result())
 
     def window_views(self, starts: Any, length: int) -> list[ts.TensorStore]:
-        """Validated origin-0 views ``data[start : start + length]``, unread (for :func:`read_stacked`)."""
+        """Validated views ``data[start : start + length]``, unread (for :func:`read_stacked`).
+
+        The views keep their store positions as their domains; :func:`read_stacked` lines them up.
+        """
         s = np.asarray(starts, dtype=np.int64)
         if s.ndim != 1:
             raise ValueError(f"starts must be 1-D, got shape {s.shape}")
         if length < 0:
             raise ValueError(f"length must be >= 0, got {length}")
-        if s.size and (s.min() < 0 or s.max() + length > self._data_size):
-            bad = int(s[(s < 0) | (s + length > self._data_size)][0])
+        firsts = s.tolist()
+        # Python's min/max over the list: a few windows per source and step, where numpy's reductions
+        # cost more than the comparisons.
+        if firsts and (min(firsts) < 0 or max(firsts) + length > self._data_size):
+            bad = next(x for x in firsts if x < 0 or x + length > self._data_size)
             raise IndexError(
                 f"window [{bad}, {bad + length}) out of range for store {self.path!r} with "
                 f"{self._data_size} elements"
             )
         data = self._data
-        return [data[x : x + length].translate_to[0] for x in s.tolist()]
+        return [data[x : x + length] for x in firsts]
 
-    def _windows_future(self, starts: Any, length: int) -> tuple[ts.Future | None, int]:
+    def _windows_future(self, starts: Any, length: int):
         views = self.window_views(starts, length)
         if not views or length == 0:
             return None, len(views)
-        # ts.stack of origin-0 views is one read that fills the (n, length) result directly; measured
-        # ~2x faster than a batch of per-window reads stacked afterwards, and far faster than one
-        # index-array read (which walks an int64 index per element).
-        return self._read(ts.stack(views, axis=0)), len(views)
+        return read_stacked(views), len(views)
 
     async def read_windows(self, starts: Any, length: int) -> np.ndarray:
         """``data[start : start + length]`` for each start, as an array of shape ``(len(starts), length)``.
@@ -536,13 +539,46 @@ def _transfer(waiter: asyncio.Future, fut: ts.Future) -> None:
         waiter.set_exception(e)
 
 
-def read_stacked(views: Sequence[ts.TensorStore]) -> ts.Future:
-    """One read of equally shaped views, possibly of different stores: ``array[len(views), ...]``.
+def read_stacked(views: Sequence[ts.TensorStore]):
+    """One read of equally shaped views, possibly of different stores: a future of ``array[len(views), ...]``.
 
     The mixture reads every source's windows of a step with this (see ``ReadPlan`` in
-    :mod:`levanter.data.dataset`): one tensorstore operation and one completion per step.
+    :mod:`levanter.data.dataset`): one tensorstore operation and one completion per step. One-dimensional
+    views (token windows) are concatenated and the result reshaped: a plain slice is the cheapest view
+    to make (~30 % less Python per window than an origin-0 one), and ``ts.stack`` needs origin 0. Both
+    are one read that fills the result directly -- ~2x faster than per-window reads stacked afterwards,
+    and far faster than one index-array read, which walks an int64 index per element.
     """
-    return JaggedArrayStore._read(None, ts.stack(list(views), axis=0))  # type: ignore[arg-type]
+    views = list(views)
+    if views and views[0].rank == 1:
+        shape = (len(views), views[0].shape[0])
+        return _Reshaped(JaggedArrayStore._read(None, ts.concat(views, axis=0)), shape)  # type: ignore[arg-type]
+    return JaggedArrayStore._read(None, ts.stack([v.translate_to[0] for v in views], axis=0))  # type: ignore[arg-type]
+
+
+class _Reshaped:
+    """A tensorstore future whose result is reshaped: what :func:`awaited` and callers of ``result()`` use."""
+
+    __slots__ = ("_future", "_shape")
+
+    def __init__(self, future: ts.Future, shape: tuple[int, ...]):
+        self._future = future
+        self._shape = shape
+
+    def result(self) -> np.ndarray:
+        flat = self._future.result()
+        if flat.size != int(np.prod(self._shape)):
+            raise ValueError(f"read_stacked: views of unequal lengths (read {flat.size} values for {self._shape})")
+        return flat.reshape(self._shape)
+
+    def add_done_callback(self, callback) -> None:
+        self._future.add_done_callback(lambda _: callback(self))
+
+    def cancel(self) -> bool:
+        return self._future.cancel()
+
+    def done(self) -> bool:
+        return self._future.done()
 
 
 def append_together(stores: Sequence[JaggedArrayStore], rows: Sequence[Sequence[Any]]) -> None:
