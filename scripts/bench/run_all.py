@@ -101,7 +101,8 @@ def bench_ours_loader(root: str, cfg: dict, out: dict) -> None:
     out["ttfb_cold"] = lc.time_to_first_batch(root, 64, 0)
     results = {}
     for (bs, L), n in cfg["loader_n"].items():
-        runs = {"loader": [], "prefetch0": [], "raw": [], "raw_batch": [], "raw_stack": [], "raw_in_flight8": []}
+        runs = {"loader": [], "prefetch0": [], "raw": [], "raw_batch": [], "raw_stack": [], "raw_concat": [],
+                "raw_in_flight8": []}
         for r in range(R):
             methods = ["loader", "prefetch0", "raw"]
             for m in methods[r % 3:] + methods[: r % 3]:  # rotate the order: drift hits all alike
@@ -114,6 +115,7 @@ def bench_ours_loader(root: str, cfg: dict, out: dict) -> None:
                     runs["raw"].append(raw["tokens_per_s"])
                     runs["raw_batch"].append(raw["ts_batch"])
                     runs["raw_stack"].append(raw["ts_stack"])
+                    runs["raw_concat"].append(raw["ts_concat"])
                     runs["raw_in_flight8"].append(raw["in_flight8"])
         results[f"{bs}x{L}"] = {
             "batch": bs, "seq_len": L, "batches": n,
