@@ -406,3 +406,28 @@ def test_sigterm_checkpoints_and_exits_with_the_preemption_status(tmp_path):
     steps = train_losses(metrics(tmp_path, "pre"))
     done = max(steps) + 1
     assert os.path.isdir(tmp_path / "ckpt" / "pre" / f"step-{done}")
+
+
+def test_initial_parameters_are_bit_identical_on_every_mesh():
+    """The one-off init program (compiled with its own CPU options, see trainer._init_compile_options)
+    gives the same parameters, bit for bit, however the mesh shards them, and the same on a second call."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    import equinox as eqx
+    import haliax as hax
+
+    from levanter.trainer import Trainer
+
+    model_cfg = Gpt2Config(hidden_dim=32, num_heads=2, num_layers=2, seq_len=16)
+    vocab = hax.Axis("vocab", 61)
+    params = []
+    for model_axis_size, tp in ((8, None), (1, None), (2, ["mlp", "heads"]), (1, None)):
+        tcfg = TrainerConfig(model_axis_size=model_axis_size, tensor_parallel_axes=tp, train_batch_size=8,
+                             require_accelerator=False)
+        trainer = Trainer(tcfg, AdamConfig().build(10), lambda m, b: (0.0, 1.0))
+        state = trainer.initial_state(lambda k: model_cfg.build(vocab, key=k), key=jax.random.PRNGKey(3))
+        params.append([np.asarray(x) for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_array))])
+    for other in params[1:]:
+        assert len(other) == len(params[0])
+        for a, b in zip(params[0], other):
+            np.testing.assert_array_equal(a, b)

@@ -224,6 +224,21 @@ class StepMismatchError(RuntimeError):
     """The loader handed the trainer a batch for a step other than the state's."""
 
 
+def _init_compile_options(mesh) -> dict:
+    """Compiler options for the one-off parameter-initialisation program.
+
+    On CPU, XLA's LLVM pipeline spends ~3.5 s optimising the random-number code of a nano model's init
+    (threefry rounds and the normal transform for every parameter), to run it once in milliseconds; at
+    backend optimisation level 0 it compiles in ~1 s. The values are deterministic either way, but not
+    bit-identical between the two levels (contraction of multiply-adds in the float transform), so the
+    level is fixed here for every CPU run. Accelerators keep their defaults: their init is not this
+    slow to compile, and large models' init is worth optimising.
+    """
+    if all(d.platform == "cpu" for d in np.asarray(mesh.devices).flat):
+        return {"compiler_options": {"xla_backend_optimization_level": 0}}
+    return {}
+
+
 class Trainer:
     """Runs the step loop for a loss ``loss_fn(model, batch) -> (sum_of_losses, num_loss_tokens)``.
 
@@ -258,7 +273,7 @@ class Trainer:
             return TrainerState(jnp.zeros((), jnp.int32), model, opt_state, train_key)
 
         with hax.partitioning.set_mesh(self.mesh), hax.axis_mapping(self.param_mapping):
-            return hax.named_jit(init, axis_resources=self.param_mapping)()
+            return hax.named_jit(init, axis_resources=self.param_mapping, **_init_compile_options(self.mesh))()
 
     def maybe_restore(self, state: TrainerState, run_id: str) -> Tuple[TrainerState, Optional[str]]:
         """``(state, checkpoint path)`` from the latest complete checkpoint of this run (or
