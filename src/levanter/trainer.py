@@ -230,8 +230,8 @@ def _init_compile_options(mesh) -> dict:
     On CPU, XLA's LLVM pipeline spends ~3.5 s optimising the random-number code of a nano model's init
     (threefry rounds and the normal transform for every parameter), to run it once in milliseconds; at
     backend optimisation level 0 it compiles in ~1 s. The values are deterministic either way, but not
-    bit-identical between the two levels (contraction of multiply-adds in the float transform), so the
-    level is fixed here for every CPU run. Accelerators keep their defaults: their init is not this
+    bit-identical between the two levels (LLVM compiles the float code of the normal transform
+    differently), so the level is fixed here for every CPU run. Accelerators keep their defaults: their init is not this
     slow to compile, and large models' init is worth optimising.
     """
     if all(d.platform == "cpu" for d in np.asarray(mesh.devices).flat):

@@ -93,8 +93,8 @@ class ReadPlan:
     ``row_key``, when not None, promises that ``finish`` works row by row (``finish`` of stacked rows is
     the stack of ``finish`` of each row) and equals the ``finish`` of every plan with an equal key. A
     mixture whose sources' plans share a key reads their views in batch order and finishes the whole
-    batch once, instead of finishing each source and merging the columns (about a third of a step's
-    CPU at batch 64).
+    batch once, instead of finishing each source and merging the columns (measured: ~1.1-1.2x the
+    loader's throughput at batches of 8 and 64).
     """
 
     views: list
