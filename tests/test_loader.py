@@ -427,7 +427,8 @@ def test_global_arrays_of_the_fast_path_equal_make_array_from_callback(layout):
             for shard in got.addressable_shards:
                 np.testing.assert_array_equal(np.asarray(shard.data), ref_shards[shard.device])
         # Every dtype jax keeps takes the fast path after its first array; int64 (narrowed without x64) never.
-        assert (((16, 5, 3), np.dtype(dtype)) in loader._fast_put) == (dtype != np.int64 or jax.config.jax_enable_x64)
+        fast = ((16, 5, 3), np.dtype(dtype)) in loader._fast_put
+        assert fast == (dtype != np.int64 or jax.config.jax_enable_x64)
 
 
 def test_process_rows_single_process_has_all_rows():

@@ -199,7 +199,8 @@ def raw_throughput(root: str, batch_size: int, n: int, seq_len: int = syn.SEQ_LE
         return out
 
     def in_flight(pers):
-        """One read per batch (all sources concatenated), 8 batches in flight at once (what a prefetcher could overlap)."""
+        """One read per batch (all sources concatenated), 8 batches in flight at once (what a prefetcher
+        could overlap)."""
         futs = []
         for per in pers:
             order = np.concatenate([sel for _, sel, _ in per])

@@ -231,8 +231,8 @@ def _init_compile_options(mesh) -> dict:
     (threefry rounds and the normal transform for every parameter), to run it once in milliseconds; at
     backend optimisation level 0 it compiles in ~1 s. The values are deterministic either way, but not
     bit-identical between the two levels (LLVM compiles the float code of the normal transform
-    differently), so the level is fixed here for every CPU run. Accelerators keep their defaults: their init is not this
-    slow to compile, and large models' init is worth optimising.
+    differently), so the level is fixed here for every CPU run. Accelerators keep their defaults: their
+    init is not this slow to compile, and large models' init is worth optimising.
     """
     if all(d.platform == "cpu" for d in np.asarray(mesh.devices).flat):
         return {"compiler_options": {"xla_backend_optimization_level": 0}}
@@ -273,7 +273,8 @@ class Trainer:
             return TrainerState(jnp.zeros((), jnp.int32), model, opt_state, train_key)
 
         with hax.partitioning.set_mesh(self.mesh), hax.axis_mapping(self.param_mapping):
-            return hax.named_jit(init, axis_resources=self.param_mapping, **_init_compile_options(self.mesh))()
+            options = _init_compile_options(self.mesh)
+            return hax.named_jit(init, axis_resources=self.param_mapping, **options)()
 
     def maybe_restore(self, state: TrainerState, run_id: str) -> Tuple[TrainerState, Optional[str]]:
         """``(state, checkpoint path)`` from the latest complete checkpoint of this run (or

@@ -292,7 +292,7 @@ class DataLoader(Generic[T]):
             return leaf[lo : lo + (stop - start)]
 
         out = jax.make_array_from_callback(shape, self.sharding, cb)
-        # Only where jax keeps the dtype (it narrows int64/float64 without x64, which the fast path would not).
+        # Only where jax keeps the dtype (without x64 it narrows int64/float64; the fast path would not).
         if _batched_device_put is not None and out.dtype == leaf.dtype:
             index_map = self.sharding.addressable_devices_indices_map(shape)
             devices = list(index_map)
@@ -511,8 +511,8 @@ class DataLoaderIterator(Iterator[Batch[T]]):
             raise AssertionError(f"loader produced step {batch.step} where {self.next_step} was due")
         self.wait_seconds[batch.step] = waited
         self.next_step += 1
-        return Batch(step=batch.step, global_offset=batch.global_offset, batch_size=batch.batch_size, data=batch.data,
-                     wait_seconds=waited)
+        return Batch(step=batch.step, global_offset=batch.global_offset, batch_size=batch.batch_size,
+                     data=batch.data, wait_seconds=waited)
 
     def close(self) -> None:
         """Stop background work; safe to call more than once. Later ``next()`` calls stop iteration."""

@@ -96,7 +96,8 @@ class CausalLmDataset(AsyncDataset[dict]):
             return None
         eos = self.eos_id
         return plan.then(
-            lambda windows: StackedBatch(causal_lm_columns(np.asarray(windows), eos)), row_key=("causal_lm", eos)
+            lambda windows: StackedBatch(causal_lm_columns(np.asarray(windows), eos)),
+            row_key=("causal_lm", eos),
         )
 
     async def async_len(self) -> int:

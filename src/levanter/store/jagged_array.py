@@ -550,10 +550,11 @@ def read_stacked(views: Sequence[ts.TensorStore]):
     and far faster than one index-array read, which walks an int64 index per element.
     """
     views = list(views)
+    read = JaggedArrayStore._read
     if views and views[0].rank == 1:
         shape = (len(views), views[0].shape[0])
-        return _Reshaped(JaggedArrayStore._read(None, ts.concat(views, axis=0)), shape)  # type: ignore[arg-type]
-    return JaggedArrayStore._read(None, ts.stack([v.translate_to[0] for v in views], axis=0))  # type: ignore[arg-type]
+        return _Reshaped(read(None, ts.concat(views, axis=0)), shape)  # type: ignore[arg-type]
+    return read(None, ts.stack([v.translate_to[0] for v in views], axis=0))  # type: ignore[arg-type]
 
 
 class _Reshaped:
@@ -568,7 +569,9 @@ class _Reshaped:
     def result(self) -> np.ndarray:
         flat = self._future.result()
         if flat.size != int(np.prod(self._shape)):
-            raise ValueError(f"read_stacked: views of unequal lengths (read {flat.size} values for {self._shape})")
+            raise ValueError(
+                f"read_stacked: views of unequal lengths (read {flat.size} values for {self._shape})"
+            )
         return flat.reshape(self._shape)
 
     def add_done_callback(self, callback) -> None:
