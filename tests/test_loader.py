@@ -664,3 +664,39 @@ def test_closing_mid_read_leaves_no_stray_errors(tmp_path, capfd):
     assert "Event loop is closed" not in err and "Traceback" not in err, err
     with loader.iter_from_step(3, 5) as it2:
         assert [b.step for b in it2] == [3, 4]
+
+
+def test_cancelling_a_read_leaves_the_tensorstore_future_alone():
+    """The bridge never cancels (or lets go of) a tensorstore future whose callback may be running: both
+    wait, holding the GIL, for a callback that needs the GIL -- a deadlock that froze CI in
+    ``test_closing_mid_read_leaves_no_stray_errors``. A cancelled task's read finishes unobserved and is
+    released only by its own callback; a read that completes is handed over as before."""
+    import tensorstore as ts
+
+    from levanter.store import jagged_array as ja
+
+    async def scenario():
+        promise, fut = ts.Promise.new()
+        task = asyncio.create_task(ja.awaited(fut))
+        await asyncio.sleep(0)
+        assert id(fut) in ja._callbacks_pending
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not fut.cancelled() and not fut.done()
+        assert id(fut) in ja._callbacks_pending  # still held: only its callback lets it go
+        promise.set_result(np.arange(3))
+        for _ in range(100):
+            if id(fut) not in ja._callbacks_pending:
+                break
+            await asyncio.sleep(0.01)
+        assert id(fut) not in ja._callbacks_pending
+
+        promise2, fut2 = ts.Promise.new()
+        task2 = asyncio.create_task(ja.awaited(fut2))
+        await asyncio.sleep(0)
+        promise2.set_result(np.arange(4))
+        np.testing.assert_array_equal(await task2, np.arange(4))
+        assert id(fut2) not in ja._callbacks_pending
+
+    asyncio.run(scenario())

@@ -506,28 +506,38 @@ class JaggedArrayStore:
         return fut.result()
 
 
+# Futures handed to ``awaited`` whose done-callback has not run yet, by id. Holding them here means a
+# future is never deallocated (which unregisters its callback, and waits for a running one) by a thread
+# that holds the GIL while the callback waits for the GIL in a tensorstore thread: see ``awaited``.
+_callbacks_pending: dict[int, Any] = {}
+
+
 async def awaited(fut: ts.Future):
     """``await fut`` through our own bridge from tensorstore's thread to the event loop.
 
     tensorstore's own ``__await__`` wakes the loop from a tensorstore thread even after the loop has
     closed (a loader closed mid-read), which prints "Event loop is closed" tracebacks; this bridge drops
-    the wake-up instead, and cancels the read if the awaiting task is cancelled.
+    the wake-up instead.
+
+    A read whose awaiting task is cancelled is left to finish and its result dropped: it is never
+    cancelled. ``Future.cancel()`` (and the deallocation of a future with a registered callback) waits,
+    holding the GIL, for a callback that is running in a tensorstore thread -- which needs the GIL to
+    finish: a deadlock that froze a loader closed mid-read about once in a few thousand closes under
+    load. Only ``on_done`` drops the last reference we hold, from within the callback itself.
     """
     loop = asyncio.get_running_loop()
     waiter = loop.create_future()
 
-    def on_done(f: ts.Future) -> None:
+    def on_done(f: Any) -> None:
+        _callbacks_pending.pop(id(f), None)  # ``f`` is ``fut``: still referenced until we return
         try:
             loop.call_soon_threadsafe(_transfer, waiter, f)
         except RuntimeError:  # the loop has closed: nobody waits for this read any more
             pass
 
+    _callbacks_pending[id(fut)] = fut
     fut.add_done_callback(on_done)
-    try:
-        return await waiter
-    except asyncio.CancelledError:
-        fut.cancel()
-        raise
+    return await waiter
 
 
 def _transfer(waiter: asyncio.Future, fut: ts.Future) -> None:
@@ -576,9 +586,6 @@ class _Reshaped:
 
     def add_done_callback(self, callback) -> None:
         self._future.add_done_callback(lambda _: callback(self))
-
-    def cancel(self) -> bool:
-        return self._future.cancel()
 
     def done(self) -> bool:
         return self._future.done()
