@@ -296,19 +296,23 @@ def test_prefetch_never_runs_more_than_depth_steps_ahead():
 # ---------------------------------------------------------------------------------------------------
 # concurrency does not change the data
 # ---------------------------------------------------------------------------------------------------
-def test_random_latency_with_prefetch_gives_same_batches_as_sync():
+@pytest.mark.parametrize("depth", [8, 3, 2, 1])
+def test_random_latency_with_prefetch_gives_same_batches_as_sync(depth):
+    """Reads that finish out of order are yielded in order, at every depth (the producer relaunches when
+    half its window is free: depths 1-3 are the edge cases of that rule, and must never stall)."""
     n_steps = 40
     sync = drain(DataLoader(make_mixture(SPEC_2SEG, latency=True), schedule_of(SPEC_2SEG), prefetch_depth=0)
                  .iter_from_step(0, n_steps))
 
     rec = RecordingDataset(make_mixture(SPEC_2SEG, latency=True))
-    prefetched = drain(DataLoader(rec, schedule_of(SPEC_2SEG), prefetch_depth=8).iter_from_step(0, n_steps))
+    prefetched = drain(DataLoader(rec, schedule_of(SPEC_2SEG), prefetch_depth=depth).iter_from_step(0, n_steps))
 
     assert [b.step for b in prefetched] == list(range(n_steps))
     assert_batches_equal(prefetched, sync)
     # The test only means something if reads really finished out of order.
     assert sorted(rec.completed) == list(range(n_steps))
-    assert rec.completed != list(range(n_steps)), "reads completed in order; latency did not reorder them"
+    if depth > 1:
+        assert rec.completed != list(range(n_steps)), "reads completed in order; latency did not reorder them"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -675,28 +679,31 @@ def test_cancelling_a_read_leaves_the_tensorstore_future_alone():
 
     from levanter.store import jagged_array as ja
 
+    def held(f) -> bool:
+        return any(v is f for v in ja._callbacks_pending.values())
+
     async def scenario():
         promise, fut = ts.Promise.new()
         task = asyncio.create_task(ja.awaited(fut))
         await asyncio.sleep(0)
-        assert id(fut) in ja._callbacks_pending
+        assert held(fut)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         assert not fut.cancelled() and not fut.done()
-        assert id(fut) in ja._callbacks_pending  # still held: only its callback lets it go
+        assert held(fut)  # still held: only its callback lets it go
         promise.set_result(np.arange(3))
         for _ in range(100):
-            if id(fut) not in ja._callbacks_pending:
+            if not held(fut):
                 break
             await asyncio.sleep(0.01)
-        assert id(fut) not in ja._callbacks_pending
+        assert not held(fut)
 
         promise2, fut2 = ts.Promise.new()
         task2 = asyncio.create_task(ja.awaited(fut2))
         await asyncio.sleep(0)
         promise2.set_result(np.arange(4))
         np.testing.assert_array_equal(await task2, np.arange(4))
-        assert id(fut2) not in ja._callbacks_pending
+        assert not held(fut2)
 
     asyncio.run(scenario())

@@ -343,14 +343,19 @@ def test_combined_read_equals_reading_each_source(tmp_path, monkeypatch, names):
     # The shuffled sources' permutations ran in the mixture's passes over several steps at once (planned
     # ahead: fewer passes than steps), vectorised (more than SMALL indices).
     assert permuted and len(permuted) < 20 and max(permuted) > FeistelPermutation.SMALL
-    if "mapped" not in names:
-        assert planned == 20 and mixture_reads == [1] * 20  # one tensorstore read per step
-    else:
+    if "mapped" in names:
         assert planned == 0 and max(mixture_reads) > 1  # per-source reads
+    elif "other_eos" in names:  # plans that differ in their finish: one read per step, never coalesced
+        assert planned == 20 and mixture_reads == [1] * 20
+    else:
+        # One tensorstore read per step at most; this sequential reader's later steps are read together
+        # (2 x 48 rows fit in one coalesced read): fewer reads than steps, each finished once, whole.
+        assert planned == 20 and set(mixture_reads) <= {0, 1} and mixture_reads[0] == 1
+        assert sum(mixture_reads) < 20
+        assert all(len(f) == 1 and f[0] % 48 == 0 for f in mixture_finishes if f)
+        assert sum(f[0] for f in mixture_finishes if f) >= 20 * 48
     if "mapped" in names or "other_eos" in names:  # a finish per source present in the step
         assert max(len(f) for f in mixture_finishes) > 1
-    else:  # the whole batch finished at once
-        assert mixture_finishes == [[48]] * 20
 
 
 # -- planning ahead never changes what is read ------------------------------------------------------------
@@ -398,3 +403,62 @@ def test_planning_ahead_never_changes_what_is_read(block_size, stop_strategy):
         np.testing.assert_array_equal(got, expect, err_msg=f"step {step}, indices {idx.tolist()}")
     assert (ended > 0) == (stop_strategy == "first_exhausted")  # the end was reached where there is one
     assert mix._planned  # and draws were planned ahead on the way
+
+
+@pytest.mark.parametrize("block_size", [None, 5])
+@pytest.mark.parametrize("stop_strategy", ["restart", "first_exhausted"])
+def test_coalesced_reads_never_change_what_is_read(tmp_path, monkeypatch, block_size, stop_strategy):
+    """Store-backed sources: a sequential reader's next steps are read together with the step asked for
+    (one tensorstore operation) and kept for their own requests. Every answer -- sequential whole batches
+    and one process's rows, a batch-size change, a stage switch, out-of-order and repeated steps, rows
+    other than predicted, the end of a finite mixture, a reader that stops and starts again -- equals
+    what a fresh mixture returns for that single request; and there are fewer reads than requests."""
+    from levanter.data.dataset import StackedBatch
+    from levanter.store.jagged_array import JaggedArrayStore
+
+    import levanter.data.mixture as mixture_module
+
+    # Small enough that batches of 8 and 12 rows coalesce 2-3 steps, and batch-size changes cut groups.
+    monkeypatch.setattr(mixture_module, "_COALESCE_ROWS", 24)
+    reads = []
+    real_read = JaggedArrayStore._read
+    monkeypatch.setattr(JaggedArrayStore, "_read", lambda self, view: reads.append(1) or real_read(self, view))
+    srcs = _token_sources(tmp_path)
+    schedule = BatchSchedule([ScheduleStep(0, 8), ScheduleStep(9, 12)])
+    weights = [(0, {"a": 0.5, "b": 0.3, "c": 0.2}), (7, {"a": 0.1, "b": 0.2, "c": 0.7})]
+
+    def make():
+        return MixtureDataset({"a": srcs["shuffled"], "b": srcs["blocks"], "c": srcs["epochs"]}, weights,
+                              batch_schedule=schedule, block_size=block_size, key=4, stop_strategy=stop_strategy)
+
+    def rows_of(step, rows=None):
+        first, end = schedule.step_range(step)
+        idx = np.arange(first, end)
+        return idx if rows is None else idx[rows]
+
+    requests = [(s, rows_of(s)) for s in range(30)]  # whole batches, across the stage and size changes
+    requests += [(s, rows_of(s, slice(2, 6))) for s in range(3, 25)]  # one process's rows, sequentially
+    requests += [(12, rows_of(12)), (11, rows_of(11, [0, 5])), (13, rows_of(13, [1])), (14, rows_of(14)),
+                 (14, rows_of(14)), (40, rows_of(40)), (41, rows_of(41, [3, 2, 3]))]  # out of order, repeats
+    requests += [(s, rows_of(s)) for s in range(44, 48)] + [(s, rows_of(s)) for s in range(45, 50)]  # again
+    requests += [(s, rows_of(s)) for s in range(100, 260)]  # far on: a finite mixture ends meanwhile
+    mix = make()
+    ended = mix_reads = 0
+    for step, idx in requests:
+        try:
+            expect = asyncio.run(make().get_batch(step, idx))
+        except DatasetExhausted:
+            with pytest.raises(DatasetExhausted):
+                asyncio.run(mix.get_batch(step, idx))
+            ended += 1
+            continue
+        before = len(reads)
+        got = asyncio.run(mix.get_batch(step, idx))
+        mix_reads += len(reads) - before
+        assert isinstance(got, StackedBatch) and isinstance(expect, StackedBatch)
+        assert set(got.tree) == set(expect.tree)
+        for k in expect.tree:
+            np.testing.assert_array_equal(got.tree[k], expect.tree[k], err_msg=f"step {step}, {idx.tolist()}, {k}")
+    assert (ended > 0) == (stop_strategy == "first_exhausted")
+    answered = len(requests) - ended
+    assert mix_reads < 0.7 * answered, (mix_reads, answered)  # steps were read together

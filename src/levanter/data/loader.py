@@ -334,6 +334,7 @@ class _Prefetcher:
         self.loop = asyncio.new_event_loop()
         self.wake: asyncio.Event | None = None
         self.waiting = False  # the producer is (about to be) blocked on ``wake``
+        self.launched = start  # one past the last step launched; written by the producer only
         self._start = start
         self.thread = threading.Thread(target=self._run, name="levanter-data-prefetch", daemon=True)
         self.thread.start()
@@ -365,20 +366,21 @@ class _Prefetcher:
                     task = tasks[launch] = asyncio.create_task(self.loader.fetch(launch))
                     task.add_done_callback(_set_event(wake))
                     launch += 1
+                self.launched = launch
                 # Clear before re-checking so that a wake-up between the check and the wait is kept.
                 wake.clear()
                 if deliver not in tasks:
                     if bound is not None and deliver >= bound:
                         self._post(deliver, "end", None)
                         return
-                    # Everything launched was delivered: wait for the consumer to free a slot.
-                    await self._wait_unless(wake, lambda: launch - self.taken < self.depth)
+                    # Everything launched was delivered: wait until the consumer has freed half the slots.
+                    await self._wait_unless(wake, lambda: self._room(launch, self.depth))
                     continue
                 task = tasks[deliver]
                 if not task.done():
-                    # Wake on any fetch finishing, or on the consumer freeing a slot (launch more).
+                    # Wake on any fetch finishing, or on the consumer freeing half the slots (launch more).
                     await self._wait_unless(
-                        wake, lambda: (bound is None or launch < bound) and launch - self.taken < window
+                        wake, lambda: (bound is None or launch < bound) and self._room(launch, window)
                     )
                     continue
                 del tasks[deliver]
@@ -399,6 +401,13 @@ class _Prefetcher:
             if tasks:
                 await asyncio.gather(*tasks.values(), return_exceptions=True)
 
+    def _room(self, launch: int, window: int) -> bool:
+        """Whether the producer should launch more: half of ``window`` is free. Launching (and waking the
+        producer) per freed slot costs a cross-thread wake-up per step -- the largest cost left in a
+        small batch's step once its reads are coalesced; in halves, one per ``window / 2`` steps, while
+        the other half stays fetched ahead."""
+        return launch - self.taken <= window // 2
+
     async def _wait_unless(self, wake: asyncio.Event, can_go_on: Callable[[], bool]) -> None:
         """Wait for ``wake`` unless ``can_go_on()`` (re-checked after announcing the wait, so a consumer
         that frees a slot in between either is seen here or sees ``waiting`` and nudges)."""
@@ -415,9 +424,10 @@ class _Prefetcher:
                 self.cond.wait()
             item = self.ready.pop(step)
         self.taken = step + 1
-        # Wake the producer only if it waits: a cross-thread wake-up costs a syscall and a loop iteration,
-        # ~5 % of the loader's CPU at small batches when done on every step.
-        if self.waiting:
+        # Wake the producer only if it waits and there is room (``_room``; ``launched`` read after
+        # ``waiting``, both published before the producer re-checks ``taken``): a cross-thread wake-up
+        # costs a syscall, context switches and a loop iteration.
+        if self.waiting and self.launched - self.taken <= self.depth // 2:
             self._nudge()
         return item
 

@@ -506,8 +506,9 @@ class JaggedArrayStore:
         return fut.result()
 
 
-# Futures handed to ``awaited`` whose done-callback has not run yet, by id. Holding them here means a
-# future is never deallocated (which unregisters its callback, and waits for a running one) by a thread
+# Futures handed to ``awaited`` whose done-callback has not run yet, by the id of the asyncio future
+# waiting for each (one future may be awaited several times: a coalesced read). Holding them here means
+# a future is never deallocated (which unregisters its callback, and waits for a running one) by a thread
 # that holds the GIL while the callback waits for the GIL in a tensorstore thread: see ``awaited``.
 _callbacks_pending: dict[int, Any] = {}
 
@@ -529,13 +530,13 @@ async def awaited(fut: ts.Future):
     waiter = loop.create_future()
 
     def on_done(f: Any) -> None:
-        _callbacks_pending.pop(id(f), None)  # ``f`` is ``fut``: still referenced until we return
+        _callbacks_pending.pop(id(waiter), None)  # ``f`` is ``fut``: still referenced until we return
         try:
             loop.call_soon_threadsafe(_transfer, waiter, f)
         except RuntimeError:  # the loop has closed: nobody waits for this read any more
             pass
 
-    _callbacks_pending[id(fut)] = fut
+    _callbacks_pending[id(waiter)] = fut
     fut.add_done_callback(on_done)
     return await waiter
 
