@@ -644,14 +644,13 @@ def test_check_finite_flags():
     check_finite(float("inf"), 5, TrainerConfig(crash_on_nan=False, crash_on_inf=False))
 
 
-# Poisoning: the test marks a step's batch by setting segment_ids[0, 0] (always 0 in real data) to -1
-# (NaN) or -2 (inf); the wrapped loss restores the 0 and multiplies the loss by NaN or inf, so the loss
-# *and* every gradient of that step are non-finite -- what a real divergence looks like to the trainer.
+# Poisoning: every step's batch gains a "poison" column, zero but for a mark at [0, 0] on the chosen steps:
+# -1 (NaN) or -2 (inf); the wrapped loss drops the column and multiplies the loss by NaN or inf, so the
+# loss *and* every gradient of that step are non-finite -- what a real divergence looks like to the trainer.
 NAN_MARK, INF_MARK = -1, -2
 
 
 def test_non_finite_steps_are_skipped_when_allowed(tmp_path, monkeypatch):
-    import haliax as hax
     import jax.numpy as jnp
 
     from levanter.main import train_lm
@@ -660,29 +659,26 @@ def test_non_finite_steps_are_skipped_when_allowed(tmp_path, monkeypatch):
     poison = {2: NAN_MARK, 4: INF_MARK}
     original_loss, original_fetch = train_lm.lm_loss_fn, DataLoader.fetch
 
-    def poisoned_loss_fn(z_loss_weight=0.0):
-        inner = original_loss(z_loss_weight)
+    def poisoned_loss_fn(z_loss_weight=0.0, eos_id=None):
+        inner = original_loss(z_loss_weight, eos_id)
 
         def loss(model, batch):
-            seg = batch["segment_ids"]
-            marks = seg.array[0, 0]
+            marks = batch["poison"].array[0, 0]
             scale = jnp.where(marks == NAN_MARK, jnp.nan, jnp.where(marks == INF_MARK, jnp.inf, 1.0))
-            clean = hax.named(jnp.maximum(seg.array, 0), seg.axes)
-            total, count = inner(model, {**batch, "segment_ids": clean})
+            total, count = inner(model, {k: v for k, v in batch.items() if k != "poison"})
             return total * scale, count
 
         return loss
 
     async def poisoned_fetch(self, step):
+        # Every step's batch gains a "poison" column (the same structure each step): zeros, but for a
+        # mark at [0, 0] on the poisoned steps, which the loss turns into a NaN or an Inf.
         batch = await original_fetch(self, step)
-        if step not in poison:
-            return batch
-        arr = batch.data["segment_ids"]
-        host = np.array(arr)
-        assert host[0, 0] == 0
-        host[0, 0] = poison[step]
+        arr = batch.data["tokens"]
+        host = np.zeros(arr.shape, np.int32)
+        host[0, 0] = poison.get(step, 0)
         marked = jax.make_array_from_callback(host.shape, arr.sharding, lambda idx: host[idx])
-        return dataclasses.replace(batch, data={**batch.data, "segment_ids": marked})
+        return dataclasses.replace(batch, data={**batch.data, "poison": marked})
 
     monkeypatch.setattr(train_lm, "lm_loss_fn", poisoned_loss_fn)
     monkeypatch.setattr(DataLoader, "fetch", poisoned_fetch)

@@ -245,7 +245,7 @@ def test_largest_remainder_rounding():
 # -- one combined read per step (ReadPlan) ---------------------------------------------------------------
 
 
-def _token_sources(tmp_path):
+def _token_sources(tmp_path, tokens_only=False):
     """Three token-window sources on real stores, behind different index-mapping wrappers, and a fourth
     behind a wrapper that cannot plan (a per-example map), which forces the per-source path."""
     from levanter.data.text import CausalLmDataset, TokenSeqDataset
@@ -256,10 +256,13 @@ def _token_sources(tmp_path):
     for k, n in enumerate((700, 450, 300, 260)):
         flat = rng.integers(0, 50, n * 8).astype(np.int32)
         flat[rng.random(flat.size) < 0.05] = 99  # EOS
-        store = JaggedArrayStore.open(tmp_path / f"s{k}", mode="w", data_chunk=64)
-        store.append_flat(flat, np.array([flat.size]))
-        store.finalize()
-        out[k] = CausalLmDataset(TokenSeqDataset(store, 8), eos_id=99)
+        path = tmp_path / f"s{k}"
+        if not path.exists():
+            store = JaggedArrayStore.open(path, mode="w", data_chunk=64)
+            store.append_flat(flat, np.array([flat.size]))
+            store.finalize()
+        store = JaggedArrayStore.open(path, mode="r")
+        out[k] = CausalLmDataset(TokenSeqDataset(store, 8), eos_id=99, tokens_only=tokens_only)
     return {
         "shuffled": out[0].shuffle(key=1),
         "shuffled2": out[2].shuffle(key=5),  # with "shuffled": permutations evaluated in one pass
@@ -267,7 +270,7 @@ def _token_sources(tmp_path):
         "epochs": out[2].slice_dataset(5, 290).epochs(),
         "mapped": out[3].map(lambda x: x),
         # Plans that can share a read but not a finish (another EOS id): finished per source, then merged.
-        "other_eos": CausalLmDataset(out[1].dataset, eos_id=49).shuffle(key=7),
+        "other_eos": CausalLmDataset(out[1].dataset, eos_id=49, tokens_only=tokens_only).shuffle(key=7),
     }
 
 
@@ -356,6 +359,33 @@ def test_combined_read_equals_reading_each_source(tmp_path, monkeypatch, names):
         assert sum(f[0] for f in mixture_finishes if f) >= 20 * 48
     if "mapped" in names or "other_eos" in names:  # a finish per source present in the step
         assert max(len(f) for f in mixture_finishes) > 1
+
+
+def test_tokens_only_mixture_reads_the_tokens_of_the_full_one(tmp_path, monkeypatch):
+    """``tokens_only`` sources (what train_lm reads): every step's batch is ``{tokens}``, equal to the
+    full mixture's tokens; sources with other EOS ids now share a read plan and its coalesced reads."""
+    from levanter.store.jagged_array import JaggedArrayStore
+
+    names = ("shuffled", "blocks", "other_eos")
+    full, only = _token_sources(tmp_path), _token_sources(tmp_path, tokens_only=True)
+    schedule = BatchSchedule(8)
+    weights = [(0, {"shuffled": 0.5, "blocks": 0.3, "other_eos": 0.2}),
+               (9, {"shuffled": 0.1, "blocks": 0.2, "other_eos": 0.7})]
+    full_mix, only_mix = (MixtureDataset({n: srcs[n] for n in names}, weights, batch_schedule=schedule, key=3)
+                          for srcs in (full, only))
+    reads = []
+    real_read = JaggedArrayStore._read
+    monkeypatch.setattr(JaggedArrayStore, "_read", lambda self, view: reads.append(1) or real_read(self, view))
+    only_reads = []
+    for step in range(20):
+        idx = np.arange(step * 8, step * 8 + 8)
+        want = asyncio.run(full_mix.get_batch(step, idx)).tree
+        before = len(reads)
+        got = asyncio.run(only_mix.get_batch(step, idx)).tree
+        only_reads.append(len(reads) - before)
+        assert set(got) == {"tokens"} and got["tokens"].dtype == np.int32
+        np.testing.assert_array_equal(got["tokens"], want["tokens"], err_msg=f"step {step}")
+    assert max(only_reads) == 1 and sum(only_reads) < 20  # one read per step at most, coalesced
 
 
 # -- planning ahead never changes what is read ------------------------------------------------------------

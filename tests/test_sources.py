@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from levanter.data.sources import SourceError, detect_format, expand_braces, expand_urls, iter_documents
-from levanter.data.text import causal_lm_columns
+from levanter.data.text import causal_lm_columns, causal_lm_columns_jax
 
 DOCS = ["first document", "second, with unicode: héllo ✓", "", "fourth\nspans\nlines"]
 
@@ -115,3 +115,21 @@ def test_causal_lm_columns_keep_documents_apart():
     np.testing.assert_array_equal(cols["loss_mask"], [[1, 1, 0, 1, 1, 0, 1, 0]])
     no_eos = causal_lm_columns(tokens, None)
     assert (no_eos["segment_ids"] == 0).all() and no_eos["loss_mask"][0, :-1].all()
+
+
+@pytest.mark.parametrize("eos", [9, None])
+def test_device_columns_equal_host_columns_on_every_short_pattern(eos):
+    """``causal_lm_columns_jax`` (what a tokens-only batch gets in the train step) equals the host
+    columns, values and dtypes, for every pattern of EOS / other tokens of lengths 1-7 (one row each)."""
+    import itertools
+
+    for length in range(1, 8):
+        rows = np.array([[9 if b else 3 + i for i, b in enumerate(bits)]
+                         for bits in itertools.product([0, 1], repeat=length)], dtype=np.int32)
+        host = causal_lm_columns(rows, eos)
+        device = causal_lm_columns_jax(rows, eos)
+        assert set(device) == set(host)
+        for k in host:
+            got = np.asarray(device[k])
+            assert got.dtype == host[k].dtype, (k, got.dtype, host[k].dtype)
+            np.testing.assert_array_equal(got, host[k], err_msg=f"length {length}, {k}")

@@ -4,7 +4,8 @@
 The data is the synthetic corpus of ``_synthetic.py`` (3 sources, byte-level tokens, EOS-terminated
 documents) written straight into our cache format (``JaggedArrayStore`` + a finished ledger whose
 metadata matches the config below, so ``build_or_load_cache`` opens it without rebuilding). The
-dataset is the production path: ``LMMixtureDatasetConfig.train_set(1024, schedule, key)`` -- per
+dataset is the production path: ``LMMixtureDatasetConfig.train_set(1024, schedule, key, tokens_only=True)``
+(as ``train_lm`` builds it: tokens only, the loss mask and segment ids are derived in the train step) -- per
 source ``TokenSeqDataset -> CausalLmDataset -> shuffle`` (Feistel permutation), then a 2-stage
 ``MixtureDataset`` (block 2048, ``restart``) -- read by ``DataLoader`` on the first CPU device.
 
@@ -17,10 +18,12 @@ Measured (all functions return plain dicts; ``run_all.py`` drives them and print
   with tensorstore -- the indices (mixture draw + permutation) are computed before the clock starts --
   one batch at a time as (a) one ``ts.stack`` read per source per batch, (a') one ``ts.concat`` of plain
   slices per source per batch (what our loader issues, for the whole batch) and (b) one read per window
-  inside a ``ts.Batch``, then ``np.stack``. Tokens only, into one ``int32[B, 1024]`` array: no loss
-  mask, segment ids or device arrays. The fastest of the three is the limit the loader is compared with
-  (upstream's baseline measured its raw read the same way). For reference, (c) one concatenated read per
-  batch with 8 batches in flight shows what tensorstore alone reaches with read-ahead.
+  inside a ``ts.Batch``, then ``np.stack``. Tokens only (what the loader ships), into one host
+  ``int32[B, 1024]`` array: no index math, no device arrays. The fastest of the three is the limit the
+  loader is compared with (upstream's baseline measured its raw read the same way). For reference, (c) one
+  concatenated read per batch with 8 batches in flight and (d) one concatenated read of 8 batches' rows
+  at a time (what the loader's coalesced reads do for batches of <= 16 rows) show what tensorstore alone
+  reaches with read-ahead.
 * ``time_to_first_batch``: a fresh ``train_set`` + ``DataLoader`` (timed separately as "build"), then
   ``iter_from_step(k)`` until the first batch is ready.
 * ``memory_probe`` (run in a fresh process by ``run_all.py``): resident set size before and while
@@ -95,7 +98,8 @@ def make_loader(root: str, batch_size: int, prefetch: int, seq_len: int = syn.SE
     from levanter.schedule import BatchSchedule
 
     schedule = BatchSchedule(batch_size)
-    ds = mixture_config(root).train_set(seq_len, schedule, key=jax.random.PRNGKey(0))
+    # tokens_only, as train_lm reads it: loss mask and segment ids are derived in the train step.
+    ds = mixture_config(root).train_set(seq_len, schedule, key=jax.random.PRNGKey(0), tokens_only=True)
     return DataLoader(ds, schedule, prefetch_depth=prefetch)
 
 
@@ -210,6 +214,17 @@ def raw_throughput(root: str, batch_size: int, n: int, seq_len: int = syn.SEQ_LE
             out = np.empty((batch_size, L), np.int32)
             out[order] = f.result().reshape(-1, L)
 
+    def coalesced(pers):
+        """One read of several batches' rows (all sources concatenated), split afterwards."""
+        orders, views = [], []
+        for per in pers:
+            orders.append(np.concatenate([sel for _, sel, _ in per]))
+            views += [arrays[s][int(x): int(x) + L] for s, _, starts in per for x in starts]
+        rows = ts.concat(views, axis=0).read().result().reshape(-1, L)
+        for k, order in enumerate(orders):
+            out = np.empty((batch_size, L), np.int32)
+            out[order] = rows[k * batch_size: (k + 1) * batch_size]
+
     result = {}
     for name, fn in (("ts_stack", stacked), ("ts_concat", concat), ("ts_batch", windows)):
         fn(plan[0])  # warm-up, untimed (as the loader's first batch is)
@@ -222,6 +237,10 @@ def raw_throughput(root: str, batch_size: int, n: int, seq_len: int = syn.SEQ_LE
     for i in range(1, len(plan), 8):
         in_flight(plan[i: i + 8])
     result["in_flight8"] = n * batch_size * L / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for i in range(1, len(plan), 8):
+        coalesced(plan[i: i + 8])
+    result["coalesced8"] = n * batch_size * L / (time.perf_counter() - t0)
     # The limit the loader is judged against: the faster sequential read (one batch at a time).
     result["tokens_per_s"] = max(result["ts_stack"], result["ts_concat"], result["ts_batch"])
     return result

@@ -102,7 +102,7 @@ def bench_ours_loader(root: str, cfg: dict, out: dict) -> None:
     results = {}
     for (bs, L), n in cfg["loader_n"].items():
         runs = {"loader": [], "prefetch0": [], "raw": [], "raw_batch": [], "raw_stack": [], "raw_concat": [],
-                "raw_in_flight8": []}
+                "raw_in_flight8": [], "raw_coalesced8": []}
         for r in range(R):
             methods = ["loader", "prefetch0", "raw"]
             for m in methods[r % 3:] + methods[: r % 3]:  # rotate the order: drift hits all alike
@@ -117,6 +117,7 @@ def bench_ours_loader(root: str, cfg: dict, out: dict) -> None:
                     runs["raw_stack"].append(raw["ts_stack"])
                     runs["raw_concat"].append(raw["ts_concat"])
                     runs["raw_in_flight8"].append(raw["in_flight8"])
+                    runs["raw_coalesced8"].append(raw["coalesced8"])
         results[f"{bs}x{L}"] = {
             "batch": bs, "seq_len": L, "batches": n,
             **{k: stats(v) for k, v in runs.items()},
@@ -330,11 +331,13 @@ def report(out: dict) -> dict:
     for key, r in lo.items():
         u = (up.get("throughput") or {}).get(key)
         rows.append([key, str(r["batches"]), fmt(r["loader"], 1e-6), fmt(r["prefetch0"], 1e-6), fmt(r["raw"], 1e-6),
-                     fmt(r["loader_over_raw"]), fmt(r["raw_in_flight8"], 1e-6), fmt(u, 1e-6),
+                     fmt(r["loader_over_raw"]), fmt(r["raw_in_flight8"], 1e-6),
+                     fmt(r.get("raw_coalesced8"), 1e-6), fmt(u, 1e-6),
                      "-" if u is None else f"{med(r['loader']) / med(u):.1f}x"])
     print_table("Loader: M tokens/s, median [min, max]; 3-source 2-stage shuffled mixture on tensorstore caches",
                 [("batch", 8), ("n", 5), ("ours (prefetch 8)", 22), ("ours (prefetch 0)", 22), ("raw tensorstore", 22),
-                 ("ours/raw", 18), ("raw, 8 in flight", 22), ("upstream", 20), ("ours/up", 7)], rows)
+                 ("ours/raw", 18), ("raw, 8 in flight", 22), ("raw, 8 per read", 22), ("upstream", 20),
+                 ("ours/up", 7)], rows)
 
     rows = []
     for bs, t in out.get("ttfb", {}).items():

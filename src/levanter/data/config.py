@@ -162,14 +162,14 @@ class LMTaskConfig:
             expand_urls([u for u in urls if not u.startswith("embedded://")] or [], what=f"{what}.{split}_urls",
                         allow_empty=True)
 
-    def _dataset(self, cache, seq_len: int) -> AsyncDataset:
+    def _dataset(self, cache, seq_len: int, tokens_only: bool = False) -> AsyncDataset:
         tokens = TokenSeqDataset(cache.store, seq_len)
         if len(tokens) == 0:
             raise ValueError(
                 f"the cache at {cache.cache_dir!r} has {cache.store.data_size} tokens, fewer than one sequence "
                 f"of seq_len={seq_len}"
             )
-        return CausalLmDataset(tokens, cache.eos_id)
+        return CausalLmDataset(tokens, cache.eos_id, tokens_only=tokens_only)
 
     def _shuffled(self, ds: AsyncDataset, seed: int) -> AsyncDataset:
         if self.shuffle is True:
@@ -195,11 +195,17 @@ class UrlSingleDatasetLMConfig(LMTaskConfig, LMDatasetSourceConfig):
         self._check_task_fields()
         return self._cache(self, self.cache_dir or "cache/", split, self.the_tokenizer(), f"data.{split}_urls")
 
-    def train_set(self, seq_len: int, batch_schedule: BatchSchedule | int, *, key) -> AsyncDataset:
+    def train_eos_ids(self) -> set:
+        """The EOS ids the training caches were built with (a set: one id when they agree)."""
+        cache = self.build_caches("train")
+        return set() if cache is None else {cache.eos_id}
+
+    def train_set(self, seq_len: int, batch_schedule: BatchSchedule | int, *, key, tokens_only: bool = False) -> AsyncDataset:
+        """The training examples; ``tokens_only``: ``{tokens}`` alone (see :class:`CausalLmDataset`)."""
         cache = self.build_caches("train")
         if cache is None:
             raise ValueError("data.train_urls is empty: nothing to train on")
-        return self._shuffled(self._dataset(cache, seq_len), derive_seed(seed_from_key(key), 0))
+        return self._shuffled(self._dataset(cache, seq_len, tokens_only), derive_seed(seed_from_key(key), 0))
 
     def validation_sets(self, seq_len: int) -> Dict[str, AsyncDataset]:
         cache = self.build_caches("validation")
@@ -308,14 +314,20 @@ class LMMixtureDatasetConfig(LMTaskConfig):
                 out[name] = cache
         return out
 
-    def train_set(self, seq_len: int, batch_schedule: BatchSchedule | int, *, key) -> AsyncDataset:
+    def train_eos_ids(self) -> set:
+        """The EOS ids the drawn sources' training caches were built with (a set: one id when they agree)."""
+        return {c.eos_id for c in self.build_caches("train").values()}
+
+    def train_set(self, seq_len: int, batch_schedule: BatchSchedule | int, *, key, tokens_only: bool = False) -> AsyncDataset:
+        """The training mixture; ``tokens_only``: examples are ``{tokens}`` alone (see :class:`CausalLmDataset`)."""
         seed = seed_from_key(key)
         caches = self.build_caches("train")
         datasets = {}
         for name in self.configs:
             if name in caches:
                 # Keyed by the source's name, not its position: adding a source leaves the others' order alone.
-                datasets[name] = self._shuffled(self._dataset(caches[name], seq_len), derive_seed(seed, 1, _name_id(name)))
+                ds = self._dataset(caches[name], seq_len, tokens_only)
+                datasets[name] = self._shuffled(ds, derive_seed(seed, 1, _name_id(name)))
         stages = [(s, {n: w for n, w in m.items() if n in datasets}) for s, m in self.stages()]
         return MixtureDataset(
             datasets,

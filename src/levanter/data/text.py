@@ -9,6 +9,12 @@ Both read whole batches at once (one batched tensorstore read per ``get_batch``)
 :class:`~levanter.data.dataset.StackedBatch` / numpy arrays; there is no per-example Python in the path.
 ``step`` is forwarded unchanged. Both also answer ``plan_read`` (the store views plus the column
 computation), so a mixture can read all of its sources' windows in one operation.
+
+``loss_mask`` and ``segment_ids`` are a pure function of the tokens and the EOS id
+(:func:`causal_lm_columns`, and :func:`causal_lm_columns_jax`, the same function in jax). A
+``CausalLmDataset(..., tokens_only=True)`` ships the tokens alone and leaves the other two to the
+device, inside the jitted step (``train_lm`` does this): one host array and one transfer per step
+instead of three, and no host cumsum -- 1.1-1.25x the loader's throughput, measured.
 """
 
 from __future__ import annotations
@@ -79,21 +85,50 @@ def causal_lm_columns(tokens: np.ndarray, eos_id: int | None) -> dict[str, np.nd
     return {"tokens": tokens.astype(np.int32, copy=False), "loss_mask": loss_mask, "segment_ids": segment_ids}
 
 
-class CausalLmDataset(AsyncDataset[dict]):
-    """Causal-LM examples ``{tokens, loss_mask, segment_ids}`` over a dataset of token windows."""
+def causal_lm_columns_jax(tokens, eos_id: int | None) -> dict:
+    """:func:`causal_lm_columns` in jax (to run inside a jitted step): the same values and dtypes."""
+    import jax.numpy as jnp
 
-    def __init__(self, token_dataset: AsyncDataset[np.ndarray], eos_id: int | None):
+    tokens = jnp.asarray(tokens)
+    if eos_id is None:
+        is_eos = jnp.zeros(tokens.shape, dtype=bool)
+    else:
+        is_eos = tokens == eos_id
+    before = jnp.cumsum(is_eos[:, :-1].astype(jnp.int32), axis=1, dtype=jnp.int32)
+    segment_ids = jnp.concatenate([jnp.zeros_like(tokens[:, :1], dtype=jnp.int32), before], axis=1)
+    last = jnp.arange(tokens.shape[1]) == tokens.shape[1] - 1
+    loss_mask = ~is_eos & ~last[None, :]
+    return {"tokens": tokens.astype(jnp.int32), "loss_mask": loss_mask, "segment_ids": segment_ids}
+
+
+def _tokens_column(windows) -> StackedBatch:
+    return StackedBatch({"tokens": np.asarray(windows).astype(np.int32, copy=False)})
+
+
+class CausalLmDataset(AsyncDataset[dict]):
+    """Causal-LM examples ``{tokens, loss_mask, segment_ids}`` over a dataset of token windows.
+
+    With ``tokens_only=True`` the examples are ``{tokens}``: whoever consumes them derives the other two
+    columns with :func:`causal_lm_columns_jax` and this dataset's ``eos_id``.
+    """
+
+    def __init__(self, token_dataset: AsyncDataset[np.ndarray], eos_id: int | None, *, tokens_only: bool = False):
         self.dataset = token_dataset
         self.eos_id = eos_id
+        self.tokens_only = tokens_only
 
     async def get_batch(self, step: int, indices: Sequence[int]) -> StackedBatch:
         windows = np.asarray(await self.dataset.get_batch(step, indices))
+        if self.tokens_only:
+            return _tokens_column(windows)
         return StackedBatch(causal_lm_columns(windows, self.eos_id))
 
     async def plan_read(self, step: int, indices: Sequence[int]) -> ReadPlan | None:
         plan = await self.dataset.plan_read(step, indices)
         if plan is None:
             return None
+        if self.tokens_only:  # no EOS in the key: the rows are the same whatever the EOS id
+            return plan.then(_tokens_column, row_key=("causal_lm_tokens",))
         eos = self.eos_id
         return plan.then(
             lambda windows: StackedBatch(causal_lm_columns(np.asarray(windows), eos)),

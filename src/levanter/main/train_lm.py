@@ -35,6 +35,7 @@ from levanter.data._prp import seed_from_key
 from levanter.data.fingerprint import batch_fingerprint, step_provenance
 from levanter.data.mixture import MixtureDataset
 from levanter.data.schedule_record import data_schedule_record, first_difference
+from levanter.data.text import causal_lm_columns_jax
 from levanter.distributed import DistributedStartupError, barrier, check_same_config_everywhere
 from levanter.tracker import NoopTracker
 from levanter.models import LlamaConfig, LmConfig
@@ -136,12 +137,23 @@ def check_data_schedule(checkpoint_path: str, record: dict, start_step: int, *, 
     logger.warning("data schedule edited from step %d: %s (checkpoint at step %d)", step, what, start_step)
 
 
-def lm_loss_fn(z_loss_weight: float = 0.0):
-    """``(sum of next-token cross-entropies over loss positions, number of loss positions)``."""
+def lm_loss_fn(z_loss_weight: float = 0.0, eos_id: int | None = None):
+    """``(sum of next-token cross-entropies over loss positions, number of loss positions)``.
+
+    A batch of ``{tokens}`` alone (the training set ``train_lm`` reads, ``tokens_only``) gets its loss mask
+    and segment ids from the tokens and ``eos_id``, on the device (:func:`causal_lm_columns_jax`: the
+    same values the dataset would have shipped); a batch that has them uses its own.
+    """
 
     def loss(model, batch):
-        tokens, mask, seg = batch["tokens"], batch["loss_mask"], batch["segment_ids"]
+        tokens = batch["tokens"]
         Batch, Pos = tokens.axes
+        if "loss_mask" in batch:
+            mask, seg = batch["loss_mask"], batch["segment_ids"]
+        else:
+            derived = causal_lm_columns_jax(tokens.array, eos_id)
+            mask = hax.named(derived["loss_mask"], tokens.axes)
+            seg = hax.named(derived["segment_ids"], tokens.axes)
         logits = model(tokens, seg)
         logits = logits.rearrange((Batch, Pos, model.Vocab)).array.astype(jnp.float32)
         targets = jnp.roll(tokens.array, -1, axis=1)
@@ -213,7 +225,12 @@ def main(config: TrainLmConfig) -> dict:
         config.data.build_caches("train")
         config.data.build_caches("validation")
     barrier("levanter-caches-built")
-    train_set = config.data.train_set(config.model.seq_len, schedule, key=dkey)
+    # The loader ships tokens alone and the step derives loss mask and segment ids on the device (fewer
+    # host arrays and transfers per step), which takes one EOS id for every source; caches built with
+    # different ones (different tokenizers) keep the three host columns.
+    eos_ids = config.data.train_eos_ids()
+    tokens_only = len(eos_ids) == 1
+    train_set = config.data.train_set(config.model.seq_len, schedule, key=dkey, tokens_only=tokens_only)
     eval_sets = config.data.validation_sets(config.model.seq_len)
     mixture = train_set if isinstance(train_set, MixtureDataset) else None
     # Evaluate the model as it stands before the first update of each new stage, so that two runs'
@@ -223,7 +240,7 @@ def main(config: TrainLmConfig) -> dict:
 
     optimizer = config.optimizer.build(tcfg.num_train_steps)
     lr_schedule = config.optimizer.lr_scheduler(tcfg.num_train_steps)
-    trainer = Trainer(tcfg, optimizer, lm_loss_fn(config.z_loss_weight))
+    trainer = Trainer(tcfg, optimizer, lm_loss_fn(config.z_loss_weight, next(iter(eos_ids)) if tokens_only else None))
     state = trainer.initial_state(lambda k: config.model.build(Vocab, key=k), key=jax.random.fold_in(model_key, 0))
     state, restored_from = trainer.maybe_restore(state, run_id)
     start_step = int(state.step)
