@@ -305,7 +305,8 @@ def test_random_latency_with_prefetch_gives_same_batches_as_sync(depth):
                  .iter_from_step(0, n_steps))
 
     rec = RecordingDataset(make_mixture(SPEC_2SEG, latency=True))
-    prefetched = drain(DataLoader(rec, schedule_of(SPEC_2SEG), prefetch_depth=depth).iter_from_step(0, n_steps))
+    loader = DataLoader(rec, schedule_of(SPEC_2SEG), prefetch_depth=depth)
+    prefetched = drain(loader.iter_from_step(0, n_steps))
 
     assert [b.step for b in prefetched] == list(range(n_steps))
     assert_batches_equal(prefetched, sync)

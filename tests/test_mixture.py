@@ -375,7 +375,7 @@ def test_tokens_only_mixture_reads_the_tokens_of_the_full_one(tmp_path, monkeypa
                           for srcs in (full, only))
     reads = []
     real_read = JaggedArrayStore._read
-    monkeypatch.setattr(JaggedArrayStore, "_read", lambda self, view: reads.append(1) or real_read(self, view))
+    monkeypatch.setattr(JaggedArrayStore, "_read", lambda self, v: reads.append(1) or real_read(self, v))
     only_reads = []
     for step in range(20):
         idx = np.arange(step * 8, step * 8 + 8)
@@ -452,14 +452,15 @@ def test_coalesced_reads_never_change_what_is_read(tmp_path, monkeypatch, block_
     monkeypatch.setattr(mixture_module, "_COALESCE_ROWS", 24)
     reads = []
     real_read = JaggedArrayStore._read
-    monkeypatch.setattr(JaggedArrayStore, "_read", lambda self, view: reads.append(1) or real_read(self, view))
+    monkeypatch.setattr(JaggedArrayStore, "_read", lambda self, v: reads.append(1) or real_read(self, v))
     srcs = _token_sources(tmp_path)
     schedule = BatchSchedule([ScheduleStep(0, 8), ScheduleStep(9, 12)])
     weights = [(0, {"a": 0.5, "b": 0.3, "c": 0.2}), (7, {"a": 0.1, "b": 0.2, "c": 0.7})]
 
     def make():
         return MixtureDataset({"a": srcs["shuffled"], "b": srcs["blocks"], "c": srcs["epochs"]}, weights,
-                              batch_schedule=schedule, block_size=block_size, key=4, stop_strategy=stop_strategy)
+                              batch_schedule=schedule, block_size=block_size, key=4,
+                              stop_strategy=stop_strategy)
 
     def rows_of(step, rows=None):
         first, end = schedule.step_range(step)
@@ -488,7 +489,8 @@ def test_coalesced_reads_never_change_what_is_read(tmp_path, monkeypatch, block_
         assert isinstance(got, StackedBatch) and isinstance(expect, StackedBatch)
         assert set(got.tree) == set(expect.tree)
         for k in expect.tree:
-            np.testing.assert_array_equal(got.tree[k], expect.tree[k], err_msg=f"step {step}, {idx.tolist()}, {k}")
+            where = f"step {step}, {idx.tolist()}, {k}"
+            np.testing.assert_array_equal(got.tree[k], expect.tree[k], err_msg=where)
     assert (ended > 0) == (stop_strategy == "first_exhausted")
     answered = len(requests) - ended
     assert mix_reads < 0.7 * answered, (mix_reads, answered)  # steps were read together

@@ -200,7 +200,9 @@ class UrlSingleDatasetLMConfig(LMTaskConfig, LMDatasetSourceConfig):
         cache = self.build_caches("train")
         return set() if cache is None else {cache.eos_id}
 
-    def train_set(self, seq_len: int, batch_schedule: BatchSchedule | int, *, key, tokens_only: bool = False) -> AsyncDataset:
+    def train_set(
+        self, seq_len: int, batch_schedule: BatchSchedule | int, *, key, tokens_only: bool = False
+    ) -> AsyncDataset:
         """The training examples; ``tokens_only``: ``{tokens}`` alone (see :class:`CausalLmDataset`)."""
         cache = self.build_caches("train")
         if cache is None:
@@ -318,8 +320,10 @@ class LMMixtureDatasetConfig(LMTaskConfig):
         """The EOS ids the drawn sources' training caches were built with (a set: one id when they agree)."""
         return {c.eos_id for c in self.build_caches("train").values()}
 
-    def train_set(self, seq_len: int, batch_schedule: BatchSchedule | int, *, key, tokens_only: bool = False) -> AsyncDataset:
-        """The training mixture; ``tokens_only``: examples are ``{tokens}`` alone (see :class:`CausalLmDataset`)."""
+    def train_set(
+        self, seq_len: int, batch_schedule: BatchSchedule | int, *, key, tokens_only: bool = False
+    ) -> AsyncDataset:
+        """The training mixture; ``tokens_only``: examples are ``{tokens}`` alone (``CausalLmDataset``)."""
         seed = seed_from_key(key)
         caches = self.build_caches("train")
         datasets = {}

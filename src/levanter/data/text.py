@@ -112,7 +112,9 @@ class CausalLmDataset(AsyncDataset[dict]):
     columns with :func:`causal_lm_columns_jax` and this dataset's ``eos_id``.
     """
 
-    def __init__(self, token_dataset: AsyncDataset[np.ndarray], eos_id: int | None, *, tokens_only: bool = False):
+    def __init__(
+        self, token_dataset: AsyncDataset[np.ndarray], eos_id: int | None, *, tokens_only: bool = False
+    ):
         self.dataset = token_dataset
         self.eos_id = eos_id
         self.tokens_only = tokens_only

@@ -240,7 +240,8 @@ def main(config: TrainLmConfig) -> dict:
 
     optimizer = config.optimizer.build(tcfg.num_train_steps)
     lr_schedule = config.optimizer.lr_scheduler(tcfg.num_train_steps)
-    trainer = Trainer(tcfg, optimizer, lm_loss_fn(config.z_loss_weight, next(iter(eos_ids)) if tokens_only else None))
+    eos_id = next(iter(eos_ids)) if tokens_only else None
+    trainer = Trainer(tcfg, optimizer, lm_loss_fn(config.z_loss_weight, eos_id))
     state = trainer.initial_state(lambda k: config.model.build(Vocab, key=k), key=jax.random.fold_in(model_key, 0))
     state, restored_from = trainer.maybe_restore(state, run_id)
     start_step = int(state.step)
