@@ -391,6 +391,31 @@ def test_tokens_only_mixture_reads_the_tokens_of_the_full_one(tmp_path, monkeypa
 # -- planning ahead never changes what is read ------------------------------------------------------------
 
 
+# The request mix both "never changes what is read" tests replay: a batch-size change at step 9, a stage
+# switch at step 7, and every way a reader can leave the sequential path.
+PLAN_SCHEDULE = BatchSchedule([ScheduleStep(0, 8), ScheduleStep(9, 12)])
+PLAN_WEIGHTS = [(0, {"a": 0.5, "b": 0.3, "c": 0.2}), (7, {"a": 0.1, "b": 0.2, "c": 0.7})]
+
+
+def _plan_rows(step, rows=None):
+    first, end = PLAN_SCHEDULE.step_range(step)
+    idx = np.arange(first, end)
+    return idx if rows is None else idx[rows]
+
+
+def _mixed_requests(far: range, restarts: bool = False) -> list:
+    """``(step, indices)``: whole batches across the stage and size changes, one process's rows in order,
+    out-of-order and repeated steps and other rows, (a reader that stops and starts again,) then ``far``."""
+    r = _plan_rows
+    requests = [(s, r(s)) for s in range(30)]
+    requests += [(s, r(s, slice(2, 6))) for s in range(3, 25)]
+    requests += [(12, r(12)), (11, r(11, [0, 5])), (13, r(13, [1])), (14, r(14)), (14, r(14)), (40, r(40)),
+                 (41, r(41, [3, 2, 3]))]
+    if restarts:
+        requests += [(s, r(s)) for s in range(44, 48)] + [(s, r(s)) for s in range(45, 50)]
+    return requests + [(s, r(s)) for s in far]
+
+
 @pytest.mark.parametrize("block_size", [None, 5, 2048])
 @pytest.mark.parametrize("stop_strategy", ["restart", "first_exhausted"])
 def test_planning_ahead_never_changes_what_is_read(block_size, stop_strategy):
@@ -398,27 +423,16 @@ def test_planning_ahead_never_changes_what_is_read(block_size, stop_strategy):
     over the whole batch and over a process's rows, a batch-size change, a stage switch, out-of-order and
     repeated steps, rows other than predicted, the end of a finite mixture -- equals what a fresh mixture
     (nothing planned) returns for that single request."""
-    schedule = BatchSchedule([ScheduleStep(0, 8), ScheduleStep(9, 12)])
-    weights = [(0, {"a": 0.5, "b": 0.3, "c": 0.2}), (7, {"a": 0.1, "b": 0.2, "c": 0.7})]
     lengths = (400, 90, 10**5)
 
     def make():
         srcs = sources(lengths)
         srcs["a"] = srcs["a"].shuffle(key=1)
         srcs["c"] = srcs["c"].shuffle(key=2)
-        return MixtureDataset(srcs, weights, batch_schedule=schedule, block_size=block_size, key=4,
+        return MixtureDataset(srcs, PLAN_WEIGHTS, batch_schedule=PLAN_SCHEDULE, block_size=block_size, key=4,
                               stop_strategy=stop_strategy)
 
-    def rows_of(step, rows=None):
-        first, end = schedule.step_range(step)
-        idx = np.arange(first, end)
-        return idx if rows is None else idx[rows]
-
-    requests = [(s, rows_of(s)) for s in range(30)]  # whole batches, across the stage and size changes
-    requests += [(s, rows_of(s, slice(2, 6))) for s in range(3, 25)]  # one process's rows, sequentially
-    requests += [(12, rows_of(12)), (11, rows_of(11, [0, 5])), (13, rows_of(13, [1])), (14, rows_of(14)),
-                 (14, rows_of(14)), (40, rows_of(40)), (41, rows_of(41, [3, 2, 3]))]  # out of order, repeats
-    requests += [(s, rows_of(s)) for s in range(60, 120)]  # far on: a finite mixture ends meanwhile
+    requests = _mixed_requests(far=range(60, 120))  # far on: a finite mixture ends meanwhile
     mix = make()
     ended = 0
     for step, idx in requests:
@@ -454,25 +468,13 @@ def test_coalesced_reads_never_change_what_is_read(tmp_path, monkeypatch, block_
     real_read = JaggedArrayStore._read
     monkeypatch.setattr(JaggedArrayStore, "_read", lambda self, v: reads.append(1) or real_read(self, v))
     srcs = _token_sources(tmp_path)
-    schedule = BatchSchedule([ScheduleStep(0, 8), ScheduleStep(9, 12)])
-    weights = [(0, {"a": 0.5, "b": 0.3, "c": 0.2}), (7, {"a": 0.1, "b": 0.2, "c": 0.7})]
 
     def make():
-        return MixtureDataset({"a": srcs["shuffled"], "b": srcs["blocks"], "c": srcs["epochs"]}, weights,
-                              batch_schedule=schedule, block_size=block_size, key=4,
+        return MixtureDataset({"a": srcs["shuffled"], "b": srcs["blocks"], "c": srcs["epochs"]}, PLAN_WEIGHTS,
+                              batch_schedule=PLAN_SCHEDULE, block_size=block_size, key=4,
                               stop_strategy=stop_strategy)
 
-    def rows_of(step, rows=None):
-        first, end = schedule.step_range(step)
-        idx = np.arange(first, end)
-        return idx if rows is None else idx[rows]
-
-    requests = [(s, rows_of(s)) for s in range(30)]  # whole batches, across the stage and size changes
-    requests += [(s, rows_of(s, slice(2, 6))) for s in range(3, 25)]  # one process's rows, sequentially
-    requests += [(12, rows_of(12)), (11, rows_of(11, [0, 5])), (13, rows_of(13, [1])), (14, rows_of(14)),
-                 (14, rows_of(14)), (40, rows_of(40)), (41, rows_of(41, [3, 2, 3]))]  # out of order, repeats
-    requests += [(s, rows_of(s)) for s in range(44, 48)] + [(s, rows_of(s)) for s in range(45, 50)]  # again
-    requests += [(s, rows_of(s)) for s in range(100, 260)]  # far on: a finite mixture ends meanwhile
+    requests = _mixed_requests(far=range(100, 260), restarts=True)  # far on: a finite mixture ends meanwhile
     mix = make()
     ended = mix_reads = 0
     for step, idx in requests:
