@@ -126,6 +126,91 @@ def test_gqa_attention_matches_reference():
         causal_attention(q, k, v, mask.astype(jnp.float32))
 
 
+def _autodiff_attention(q, k, v, mask):
+    """The same forward as softmax_attention, differentiated by JAX."""
+    scores = jnp.where(mask, jnp.einsum("...qd,...kd->...qk", q, k), -1e9)
+    return jnp.einsum("...qk,...kd->...qd", jax.nn.softmax(scores, axis=-1), v)
+
+
+@pytest.mark.parametrize("segments", [None, [0, 0, 1, 1, 1, 2, 2, 2]])
+@pytest.mark.parametrize("lead", [(), (3,), (2, 3)])
+def test_softmax_attention_gradients_match_autodiff(lead, segments):
+    from levanter.models.attention import softmax_attention
+
+    n, d = 8, 4
+    kq, kk, kv, kg = jax.random.split(jax.random.PRNGKey(len(lead) + 7 * (segments is None)), 4)
+    q, k, v, g = (jax.random.normal(key, (*lead, n, d)) for key in (kq, kk, kv, kg))
+    mask = np.tril(np.ones((n, n), bool))
+    if segments is not None:
+        seg = np.asarray(segments)
+        mask &= seg[:, None] == seg[None, :]
+    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v, jnp.asarray(mask)) * g)  # noqa: E731
+    ours, ours_grads = jax.value_and_grad(loss(softmax_attention), argnums=(0, 1, 2))(q, k, v)
+    ref, ref_grads = jax.value_and_grad(loss(_autodiff_attention), argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5)
+    for name, a, b in zip("qkv", ours_grads, ref_grads):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=f"d{name}")
+    # under jit too (the compiled backward is the one training uses)
+    jitted = jax.jit(jax.grad(loss(softmax_attention), argnums=(0, 1, 2)))(q, k, v)
+    for a, b in zip(jitted, ref_grads):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_causal_attention_gradients_match_the_reference():
+    """Grouped heads, packed segments and the scale, through causal_attention's custom backward."""
+    sizes = {"position": 6, "heads": 4, "kv_heads": 2, "head_size": 8}
+    Pos, Heads, KVHeads, HeadSize = (hax.Axis(n, s) for n, s in sizes.items())
+    kq, kk, kv, kg = jax.random.split(jax.random.PRNGKey(5), 4)
+    q = hax.random.normal(kq, (Batch, Pos, Heads, HeadSize))
+    k = hax.random.normal(kk, (Batch, Pos, KVHeads, HeadSize))
+    v = hax.random.normal(kv, (Batch, Pos, KVHeads, HeadSize))
+    g = jax.random.normal(kg, (2, 6, 4, 8))
+    seg = hax.named(jnp.array([[0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 0, 0]]), (Batch, Pos))
+    mask = causal_segment_mask(Pos, seg)
+
+    def ours(q, k, v):
+        named = [hax.named(a, ax) for a, ax in zip((q, k, v), (q_axes, kv_axes, kv_axes))]
+        return jnp.sum(causal_attention(*named, mask).array * g)
+
+    def reference(q, k, v):
+        k, v = jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(8)
+        scores = jnp.where(mask.array[:, None], scores, -jnp.inf)
+        return jnp.sum(jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v) * g)
+
+    q_axes, kv_axes = q.axes, k.axes
+    args = (q.array, k.array, v.array)
+    for a, b in zip(jax.grad(ours, argnums=(0, 1, 2))(*args), jax.grad(reference, argnums=(0, 1, 2))(*args)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_token_dot_equals_the_named_dot():
+    from levanter.models.token_dot import linear, token_dot
+
+    sizes = [("batch", 2), ("position", 3), ("embed", 4), ("heads", 2), ("hd", 5)]
+    B, P, E, H, D = (hax.Axis(n, s) for n, s in sizes)
+    x = hax.random.normal(jax.random.PRNGKey(0), (B, P, E))
+    w = hax.random.normal(jax.random.PRNGKey(1), (H, D, E))
+    out = token_dot(x, w, E)
+    ref = hax.dot(x, w, axis=E)
+    assert out.axes == (B, P, H, D)
+    np.testing.assert_allclose(out.array, ref.rearrange(out.axes).array, rtol=1e-6)
+    # several contracted axes, given in an order other than the array's
+    x2 = hax.random.normal(jax.random.PRNGKey(2), (B, H, P, D))
+    w2 = hax.random.normal(jax.random.PRNGKey(3), (H, D, E))
+    out2 = token_dot(x2, w2, (D, H))
+    assert out2.axes == (B, P, E)
+    np.testing.assert_allclose(out2.array, hax.dot(x2, w2, axis=(H, D)).rearrange(out2.axes).array, rtol=1e-5)
+    # an outer axis shared with the weight is a batch axis of the product: the plain dot is used
+    w3 = hax.random.normal(jax.random.PRNGKey(4), (B, E, H))
+    np.testing.assert_allclose(token_dot(x, w3, E).array, hax.dot(x, w3, axis=E).array, rtol=1e-6)
+    # linear() = the Linear module, bias included
+    layer = hax.nn.Linear.init(E, (H, D), key=jax.random.PRNGKey(5), use_bias=True)
+    layer = eqx.tree_at(lambda m: m.bias, layer, hax.random.normal(jax.random.PRNGKey(6), (H, D)))
+    np.testing.assert_allclose(linear(layer, x).array, layer(x).rearrange((B, P, H, D)).array, rtol=1e-5)
+    assert linear(layer, x).axes == (B, P, H, D)
+
+
 def test_gqa_model_matches_repeated_kv_mha():
     """A 2-kv-head Llama equals a 4-kv-head Llama whose k/v weights repeat each kv head twice."""
     gqa = tiny_llama(num_kv_heads=2).build(Vocab, key=jax.random.PRNGKey(5))

@@ -29,6 +29,7 @@ from haliax import Axis, NamedArray
 
 from .attention import causal_attention, causal_segment_mask
 from .lm_model import LAYERS, LmConfig, LmHeadModel, check_input_length, split_key
+from .token_dot import linear, token_dot
 
 ACTIVATIONS: dict[str, Callable[[NamedArray], NamedArray]] = {
     "gelu_new": lambda x: hnn.gelu(x, approximate=True),
@@ -165,7 +166,7 @@ class Gpt2Attention(eqx.Module):
 
     def __call__(self, x: NamedArray, mask: NamedArray, layer_idx: NamedArray, *, key=None) -> NamedArray:
         c = self.config
-        qkv = self.c_attn(x)
+        qkv = linear(self.c_attn, x)
         q, k, v = (qkv["qkv", i] for i in range(3))
         scale = 1.0 / math.sqrt(c.HeadSize.size)
         if c.scale_attn_by_inverse_layer_idx:
@@ -174,7 +175,7 @@ class Gpt2Attention(eqx.Module):
         attn = causal_attention(
             q, k, v, mask, scale=scale, upcast=c.upcast_attn, dropout=c.attn_pdrop, key=key
         )
-        return self.c_proj(attn)
+        return linear(self.c_proj, attn)
 
 
 class Gpt2Mlp(eqx.Module):
@@ -192,7 +193,7 @@ class Gpt2Mlp(eqx.Module):
         return Gpt2Mlp(c_fc, c_proj, config.activation_function)
 
     def __call__(self, x: NamedArray) -> NamedArray:
-        return self.c_proj(ACTIVATIONS[self.activation_function](self.c_fc(x)))
+        return linear(self.c_proj, ACTIVATIONS[self.activation_function](linear(self.c_fc, x)))
 
 
 def _layer_norm(config: Gpt2Config) -> hnn.LayerNorm:
@@ -258,4 +259,4 @@ class Gpt2LMHeadModel(LmHeadModel):
         x = self.blocks.fold(x, mask, layer_idx, key=block_keys, unroll=not self.config.scan_layers)
 
         x = self.ln_f(x)
-        return hax.dot(x, self.wte.weight, axis=self.config.Embed)
+        return token_dot(x, self.wte.weight, self.config.Embed)

@@ -35,6 +35,7 @@ from haliax import Axis, NamedArray
 from .attention import causal_attention, causal_segment_mask
 from .gpt2 import ACTIVATIONS, _check_activation, _check_positive, normal_embedding, normal_linear
 from .lm_model import LAYERS, LmConfig, LmHeadModel, check_input_length
+from .token_dot import linear, token_dot
 
 HEAD_SIZE = "head_size"
 
@@ -192,11 +193,11 @@ class LlamaAttention(eqx.Module):
         return LlamaAttention(q_proj, k_proj, v_proj, o_proj, config)
 
     def __call__(self, x: NamedArray, mask: NamedArray, cos: NamedArray, sin: NamedArray) -> NamedArray:
-        q = apply_rotary(self.q_proj(x), cos, sin)
-        k = apply_rotary(self.k_proj(x), cos, sin)
-        v = self.v_proj(x)
+        q = apply_rotary(linear(self.q_proj, x), cos, sin)
+        k = apply_rotary(linear(self.k_proj, x), cos, sin)
+        v = linear(self.v_proj, x)
         attn = causal_attention(q, k, v, mask, upcast=self.config.upcast_attn)
-        return self.o_proj(attn)
+        return linear(self.o_proj, attn)
 
 
 class LlamaMlp(eqx.Module):
@@ -217,8 +218,8 @@ class LlamaMlp(eqx.Module):
         )
 
     def __call__(self, x: NamedArray) -> NamedArray:
-        gate = ACTIVATIONS[self.activation_function](self.gate_proj(x))
-        return self.down_proj(gate * self.up_proj(x))
+        gate = ACTIVATIONS[self.activation_function](linear(self.gate_proj, x))
+        return linear(self.down_proj, gate * linear(self.up_proj, x))
 
 
 def _rms_norm(config: LlamaConfig) -> hnn.RmsNorm:
@@ -292,5 +293,5 @@ class LlamaLMHeadModel(LmHeadModel):
 
         x = self.norm(x)
         if self.lm_head is None:
-            return hax.dot(x, self.embed_tokens.weight, axis=self.config.Embed)
-        return self.lm_head(x)
+            return token_dot(x, self.embed_tokens.weight, self.config.Embed)
+        return linear(self.lm_head, x)
