@@ -26,7 +26,8 @@ Reported per repeat (and over all repeats), from the subprocess and ``<log_dir>/
 **Upstream comparison** (``--upstream-venv PATH``, a venv made by ``scripts/bench/setup_upstream_venv.sh``):
 the same model and data through upstream Levanter 1.2.dev1644 (jax 0.7.2), offline. Only gpt2 configs with
 a single data source are mirrored: model ``hidden_dim / num_heads / num_layers / seq_len`` (gradient
-checkpointing off, as ours), ``train_batch_size``, ``mp``, ``steps_per_eval``, ``max_eval_batches`` and the
+checkpointing off, as ours), ``train_batch_size``, ``mp``, ``steps_per_eval``, ``max_eval_batches``,
+``per_device_parallelism`` (gradient accumulation) and the
 optimizer block are copied from our (overridden) config; embedded URLs are materialised as jsonl with
 ``levanter.data.embedded.materialize``; the byte tokenizer becomes an HF tokenizer directory with the
 same 257 ids, and ``gpt2``'s hard-coded hub reference is served from a fake HF cache
@@ -243,8 +244,9 @@ def upstream_config(cfg: dict, workdir: str, steps: int, data: dict, prep: dict,
         "log_jaxprs": False,
         "log_xla_hlo": False,
     }
-    if t.get("max_eval_batches") is not None:
-        trainer["max_eval_batches"] = t["max_eval_batches"]
+    for k in ("max_eval_batches", "per_device_parallelism"):
+        if t.get(k) is not None:
+            trainer[k] = t[k]
     return {
         "data": {
             "train_urls": data["train"],
