@@ -294,10 +294,9 @@ class _FlatStep:
         shardings = hax.partitioning.infer_resource_partitions(
             out_shape, self._param_mapping, preserve_existing_shardings=False
         )
-        out_shardings = jax.tree_util.tree_leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
-        if len(out_shardings) != out_treedef.num_leaves or not all(
-            isinstance(x, jax.sharding.Sharding) for x in out_shardings
-        ):
+        is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)  # noqa: E731
+        out_shardings = jax.tree_util.tree_leaves(shardings, is_leaf=is_sharding)
+        if len(out_shardings) != out_treedef.num_leaves or not all(map(is_sharding, out_shardings)):
             return None
         jitted = jax.jit(flat, out_shardings=tuple(out_shardings), donate_argnums=(0,))
         return jitted, n_state, out_treedef
