@@ -14,6 +14,12 @@ FLOP/s is known), ``data/wait_seconds`` and, for mixtures, ``data/source_counts/
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    # Before the heavy imports, so that re-executing costs only an interpreter start-up.
+    from levanter.utils.malloc import reexec_with_hugepage_malloc
+
+    reexec_with_hugepage_malloc()
+
 import dataclasses
 import logging
 import os
@@ -381,4 +387,7 @@ def cli(argv=None) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if os.environ.get("LEVANTER_MALLOC_REEXEC") == "1":
+        logger.info("re-executed with GLIBC_TUNABLES=%s (levanter/utils/malloc.py; LEVANTER_MALLOC_HUGETLB=0 "
+                    "turns this off)", os.environ.get("GLIBC_TUNABLES"))
     cli()

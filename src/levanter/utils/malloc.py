@@ -1,0 +1,72 @@
+"""Large allocations on transparent huge pages for the training command, on Linux with glibc.
+
+Why: XLA on CPU allocates each run's temporary buffer with ``malloc`` (~288 MB for the nano GPT-2 train
+step at batch 32). glibc serves an allocation that large with a fresh ``mmap`` and unmaps it on
+``free``, so every step the kernel faults in ~73,000 zeroed 4 KiB pages: ~150 ms of system time per
+~320 ms step on the 2-core VM this project is benchmarked on. glibc's tunable ``glibc.malloc.hugetlb=1``
+(glibc >= 2.35) makes malloc ask for transparent huge pages (``madvise``) on the memory it maps: ~600
+faults per step, and the nano step falls from ~320 to ~265 ms (docs/performance.md). Accelerator
+runs are unaffected either way (their buffers are the device's), so the setting is harmless there.
+
+glibc reads tunables once, when a process starts, so ``python -m levanter.main.train_lm`` re-executes
+itself once, before its heavy imports (a second interpreter start-up, ~50 ms), with the tunable added to
+``GLIBC_TUNABLES``. It does not when the platform is not Linux/glibc >= 2.35, when transparent huge
+pages are disabled (``never``), when ``GLIBC_TUNABLES`` already sets ``glibc.malloc.hugetlb`` (the
+user's value wins, and it also ends the re-execution), or when ``LEVANTER_MALLOC_HUGETLB=0``.
+``main(config)`` called from Python is never re-executed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Mapping, Optional
+
+TUNABLE = "glibc.malloc.hugetlb"
+OPT_OUT = "LEVANTER_MALLOC_HUGETLB"  # "0" disables the re-execution
+MARKER = "LEVANTER_MALLOC_REEXEC"  # set in the re-executed process (for its log line)
+_THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def hugepage_tunables(current: Optional[str], libc_version: Optional[str]) -> Optional[str]:
+    """The ``GLIBC_TUNABLES`` value to re-execute with, or None when nothing should change.
+
+    ``libc_version`` is ``os.confstr("CS_GNU_LIBC_VERSION")`` (e.g. ``"glibc 2.36"``).
+    """
+    if not libc_version or not libc_version.startswith("glibc "):
+        return None
+    try:
+        major, minor = (int(x) for x in libc_version.split()[1].split(".")[:2])
+    except ValueError:
+        return None
+    if (major, minor) < (2, 35):
+        return None
+    entries = [e for e in (current or "").split(":") if e]
+    if any(e.split("=", 1)[0] == TUNABLE for e in entries):
+        return None
+    return ":".join([*entries, f"{TUNABLE}=1"])
+
+
+def _thp_possible() -> bool:
+    try:
+        with open(_THP_ENABLED) as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+def reexec_with_hugepage_malloc(environ: Mapping[str, str] = os.environ) -> None:
+    """Replace this process with the same command and ``glibc.malloc.hugetlb=1``, when that applies."""
+    if sys.platform != "linux" or environ.get(OPT_OUT) == "0" or not hasattr(sys, "orig_argv"):
+        return
+    try:
+        libc = os.confstr("CS_GNU_LIBC_VERSION")
+    except (ValueError, OSError):
+        return
+    tunables = hugepage_tunables(environ.get("GLIBC_TUNABLES"), libc)
+    if tunables is None or not _thp_possible():
+        return
+    env = dict(environ, GLIBC_TUNABLES=tunables, **{MARKER: "1"})
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
