@@ -512,3 +512,27 @@ def test_flat_dispatch_step_equals_named_jit(model_axis_size, tp):
     for (a, sa), (b, sb) in zip(flat, named):
         np.testing.assert_array_equal(a, b)
         assert sa.is_equivalent_to(sb, a.ndim), (sa, sb)
+
+
+@pytest.mark.parametrize("mp", ["f32", "bfloat16", "p=f32,c=bfloat16"])
+def test_the_train_step_compiles_once_and_keeps_every_dtype(mp):
+    """With bfloat16 parameters the float32 optimizer updates used to promote parameters and moments to
+    float32 after step 0, so step 1 compiled the step again (train_lm's recompile check stops a run on
+    that). Every leaf of the state keeps its dtype, and three steps compile once."""
+    import haliax as hax
+
+    from levanter.trainer import Trainer
+
+    model_cfg = Gpt2Config(hidden_dim=32, num_heads=2, num_layers=2, seq_len=16)
+    tcfg = TrainerConfig(mp=mp, train_batch_size=8, require_accelerator=False)
+    trainer = Trainer(tcfg, AdamConfig(learning_rate=1e-2).build(10), train_lm.lm_loss_fn(0.0, 60))
+    vocab = hax.Axis("vocab", 61)
+    state = trainer.initial_state(lambda k: model_cfg.build(vocab, key=k), key=jax.random.PRNGKey(3))
+    dtypes = [x.dtype for x in jax.tree.leaves(state)]
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        data = {"tokens": jax.device_put(rng.integers(0, 61, (8, 16)).astype(np.int32))}
+        state, metrics = trainer.train_step(state, train_lm._named_batch(data, model_cfg.Pos, "batch"), 8)
+        assert np.isfinite(float(metrics["loss"]))
+    assert [x.dtype for x in jax.tree.leaves(state)] == dtypes
+    assert trainer.compile_count() == 1

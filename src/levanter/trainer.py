@@ -424,9 +424,11 @@ class Trainer:
             updates, opt_state = optimizer.update(grads, state.opt_state, params)
             new_params = eqx.apply_updates(params, updates)
             # A non-finite loss or gradient never reaches the parameters: the update is skipped (the host
-            # then stops the run, or logs the skip, per crash_on_nan / crash_on_inf).
+            # then stops the run, or logs the skip, per crash_on_nan / crash_on_inf). Every leaf keeps its
+            # dtype: with bfloat16 parameters (mp: bfloat16) the float32 updates would otherwise promote the
+            # parameters and moments to float32 after the first step, and the step would compile again.
             finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
-            keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+            keep = lambda new, old: jnp.where(finite, new, old).astype(old.dtype)  # noqa: E731
             new_params = jax.tree.map(keep, new_params, params)
             opt_state = jax.tree.map(keep, opt_state, state.opt_state)
             model = eqx.combine(new_params, static)
