@@ -184,6 +184,24 @@ def test_causal_attention_gradients_match_the_reference():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_attention_dropout_path_matches_the_custom_backward_path():
+    """With a dropout rate too small to drop anything, the dropout path (JAX's derivative) gives the same
+    output as the default path (written-out backward), for multi-head and grouped heads."""
+    sizes = {"position": 6, "heads": 4, "kv_heads": 2, "head_size": 8}
+    Pos, Heads, KVHeads, HeadSize = (hax.Axis(n, s) for n, s in sizes.items())
+    keys = jax.random.split(jax.random.PRNGKey(9), 3)
+    q = hax.random.normal(keys[0], (Batch, Pos, Heads, HeadSize))
+    seg = hax.named(jnp.array([[0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]]), (Batch, Pos))
+    mask = causal_segment_mask(Pos, seg)
+    for KV in (Heads, KVHeads):
+        k = hax.random.normal(keys[1], (Batch, Pos, KV, HeadSize))
+        v = hax.random.normal(keys[2], (Batch, Pos, KV, HeadSize))
+        plain = causal_attention(q, k, v, mask)
+        dropped = causal_attention(q, k, v, mask, dropout=1e-12, key=jax.random.PRNGKey(0))
+        assert dropped.axes == plain.axes
+        np.testing.assert_allclose(dropped.array, plain.array, rtol=1e-5, atol=1e-6)
+
+
 def test_token_dot_equals_the_named_dot():
     from levanter.models.token_dot import linear, token_dot
 
