@@ -456,16 +456,22 @@ def test_planning_ahead_never_changes_what_is_read(block_size, stop_strategy):
 
 @pytest.mark.parametrize("block_size", [None, 5])
 @pytest.mark.parametrize("stop_strategy", ["restart", "first_exhausted"])
-def test_coalesced_reads_never_change_what_is_read(tmp_path, monkeypatch, block_size, stop_strategy):
+@pytest.mark.parametrize("index_array_blocks", [True, False])
+def test_coalesced_reads_never_change_what_is_read(tmp_path, monkeypatch, block_size, stop_strategy,
+                                                    index_array_blocks):
     """Store-backed sources: a sequential reader's next steps are read together with the step asked for
-    (one tensorstore operation) and kept for their own requests. Every answer -- sequential whole batches
-    and one process's rows, a batch-size change, a stage switch, out-of-order and repeated steps, rows
-    other than predicted, the end of a finite mixture, a reader that stops and starts again -- equals
-    what a fresh mixture returns for that single request; and there are fewer reads than requests."""
+    (one tensorstore operation, of one index-array block or one view per window from each source) and
+    kept for their own requests. Every answer -- sequential whole batches and one process's rows, a
+    batch-size change, a stage switch, out-of-order and repeated steps, rows other than predicted, the
+    end of a finite mixture, a reader that stops and starts again -- equals what a fresh mixture returns
+    for that single request; and there are fewer reads than requests."""
     from levanter.data.dataset import StackedBatch
     from levanter.store.jagged_array import JaggedArrayStore
 
     import levanter.data.mixture as mixture_module
+    import levanter.data.text as text_module
+
+    monkeypatch.setattr(text_module, "BLOCK_MAX_SEQ_LEN", 8 if index_array_blocks else 7)  # windows of 8
 
     # Small enough that batches of 8 and 12 rows coalesce 2-3 steps, and batch-size changes cut groups.
     monkeypatch.setattr(mixture_module, "_COALESCE_ROWS", 24)
@@ -564,3 +570,28 @@ def test_groups_read_ahead_stay_bounded_and_a_failed_one_is_read_again(tmp_path,
     # The sixth read was a group read ahead: each of its steps failed once, then was read afresh.
     assert len(failed) == group_steps and failed == list(range(failed[0], failed[0] + group_steps)), failed
     assert len(reads) < 90 // 2
+
+
+@pytest.mark.parametrize("index_array_blocks", [True, False])
+def test_plan_reads_of_several_steps_read_each_steps_batch(tmp_path, monkeypatch, index_array_blocks):
+    """``plan_reads(steps, indices)`` through every wrapper a source config builds: its rows, read and
+    finished, are each step's ``get_batch`` back to back; a source that cannot plan says None."""
+    import levanter.data.text as text_module
+    from levanter.store.jagged_array import read_blocks, read_stacked
+
+    monkeypatch.setattr(text_module, "BLOCK_MAX_SEQ_LEN", 8 if index_array_blocks else 7)  # windows of 8
+    rng = np.random.default_rng(3)
+    for name, source in _token_sources(tmp_path).items():
+        n = asyncio.run(source.async_len()) if source.is_finite() else 1000
+        steps = [4, 5, 6]
+        indices = [rng.integers(0, n, size) for size in (3, 1, 5)]
+        plan = asyncio.run(source.plan_reads(steps, indices))
+        if name == "mapped":  # a per-example map cannot plan
+            assert plan is None
+            continue
+        assert plan.num_rows == 9 and (plan.block is not None) == index_array_blocks, name
+        rows = (read_blocks([plan.block]) if plan.block is not None else read_stacked(plan.views)).result()
+        got = plan.finish(rows).tree
+        want = [asyncio.run(source.get_batch(s, i)).tree for s, i in zip(steps, indices)]
+        for k in want[0]:
+            np.testing.assert_array_equal(got[k], np.concatenate([w[k] for w in want]), err_msg=f"{name} {k}")

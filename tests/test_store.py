@@ -178,6 +178,31 @@ def test_out_of_range_reads(tmp_path):
         store.read_windows_sync([-1], 4)
 
 
+def test_window_blocks_read_what_window_views_read(tmp_path):
+    """An index-array block of windows (from one store or several) holds the same rows as one view per
+    window; bad windows are refused before any read, naming the window and the store's size."""
+    from levanter.store.jagged_array import read_blocks, read_stacked
+
+    a = build(tmp_path / "a", [ragged_rows(40, seed=8)])
+    b = build(tmp_path / "b", [ragged_rows(30, seed=9)])
+    starts_a, starts_b = np.array([5, 0, 5, a.data_size - 7]), np.array([b.data_size - 7, 3])
+    views = a.window_views(starts_a, 7) + b.window_views(starts_b, 7)
+    want = read_stacked(views).result()
+    got = read_blocks([a.window_block(starts_a, 7), b.window_block(starts_b, 7)]).result()
+    assert got.shape == (6, 7) and got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(read_blocks([a.window_block([2], 3)]).result(), a.read_windows_sync([2], 3))
+    n = a.data_size
+    with pytest.raises(IndexError, match=rf"\[{n - 3}, {n + 1}\) .* {n} elements"):
+        a.window_block([0, n - 3], 4)
+    with pytest.raises(IndexError, match=r"\[-1, 3\)"):
+        a.window_block([-1], 4)
+    with pytest.raises(ValueError, match="non-empty"):
+        a.window_block([], 4)
+    with pytest.raises(ValueError, match="length"):
+        a.window_block([0], 0)
+
+
 def test_open_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         JaggedArrayStore.open(tmp_path / "nowhere", mode="r")

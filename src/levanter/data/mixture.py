@@ -39,12 +39,13 @@ from __future__ import annotations
 import asyncio
 import bisect
 import dataclasses
+import functools
 import math
 import numbers
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -191,6 +192,11 @@ class _CoalescedRead:
         return whole[lo:hi]
 
 
+def _gather_rows(gather: np.ndarray, finish: Callable, rows: np.ndarray):
+    """``finish`` of ``rows`` put in the order ``gather`` (row-wise finishes: the same as gathering after)."""
+    return finish(rows[gather])
+
+
 def _view_kinds(plans: list) -> set:
     """``(shape, dtype)`` of the plans' views (a plan's views share them: one view per plan is enough)."""
     return {(tuple(p.views[0].shape), p.views[0].dtype) for p in plans if p.views}
@@ -260,6 +266,7 @@ class MixtureDataset(AsyncDataset[T]):
         # step -> (its draws, the coalesced read holding its rows, lo, hi): reads started ahead.
         self._reads: dict[int, tuple[_StepDraws, _CoalescedRead, int, int]] = {}
         self._last_step: int | None = None
+        self._ungrouped: set[frozenset] = set()  # sets of sources whose rows cannot be planned as a group
 
     # -- pure index maps ----------------------------------------------------------------------------
     def stage_at_step(self, step: int) -> int:
@@ -436,11 +443,16 @@ class MixtureDataset(AsyncDataset[T]):
         return end
 
     async def _read_sources(self, step: int, draws: "_StepDraws"):
-        """``(whole batch, None)`` or ``(None, each present source's examples)``. When every source can
-        plan its read (token windows of a store, see ``ReadPlan``) and the windows agree in shape and
+        """``(whole batch, None)`` or ``(None, each present source's examples)``. A sequential reader's
+        step is read together with the next planned steps (``_read_ahead``). Otherwise, when every source
+        can plan its read (token windows of a store, see ``ReadPlan``) and the windows agree in shape and
         dtype, all of them are read in one tensorstore operation -- and if the plans share a row-wise
         ``finish``, in batch order and finished once, giving the whole batch; otherwise each source is
         read with ``get_batch``, concurrently."""
+        coalesced = await self._read_ahead(step, draws, served=True, lower=step)
+        if coalesced is not None:
+            await self._read_next_group(step, draws, coalesced)
+            return await coalesced.rows(0, draws.indices.size), None
         datasets, inner = draws.datasets, draws.inner
         # Planning does no I/O: awaited in turn, not as tasks (three tasks per step cost more than the plans).
         plans = [await d.plan_read(step, idx) for d, idx in zip(datasets, inner)]
@@ -452,10 +464,6 @@ class MixtureDataset(AsyncDataset[T]):
                 if plans[0].row_key is not None and all(p.row_key == plans[0].row_key for p in plans):
                     # Same row-wise finish everywhere: read the views in batch order, finish once.
                     ordered = _in_batch_order(draws, plans)
-                    coalesced = await self._read_ahead(step, draws, ordered, plans, served=True, lower=step)
-                    if coalesced is not None:
-                        await self._read_next_group(step, draws, coalesced)
-                        return await coalesced.rows(0, len(ordered)), None
                     return plans[0].finish(await awaited(read_stacked(ordered))), None
                 rows = await awaited(read_stacked([v for p in plans for v in p.views]))
                 out, start = [], 0
@@ -466,46 +474,90 @@ class MixtureDataset(AsyncDataset[T]):
         return None, await asyncio.gather(*[d.get_batch(step, idx) for d, idx in zip(datasets, inner)])
 
     async def _read_ahead(
-        self, step: int, draws: "_StepDraws", ordered: list, plans: list, *, served: bool, lower: int
+        self, step: int, draws: "_StepDraws", *, served: bool, lower: int
     ) -> "_CoalescedRead | None":
-        """One read of ``step``'s rows (``ordered``, from ``plans``) and of as many following planned steps
-        as fit in ``_COALESCE_ROWS`` rows whose plans finish alike (a sequential reader's). ``served``: the
-        caller takes ``step``'s rows from the result itself, and None is returned if no following step
-        qualifies; otherwise every step's rows are kept for its own ``get_batch``. Rows kept for steps
-        ``<= lower`` (the step being served) are dropped."""
-        from ..store.jagged_array import read_stacked
-
-        n_rows = len(ordered)
-        if 2 * n_rows > _COALESCE_ROWS:
+        """One read of ``step``'s rows and of the following planned steps' (a sequential reader's), as many
+        as fit in ``_COALESCE_ROWS`` rows. ``served``: the caller takes ``step``'s rows from the result
+        itself, and None is returned if no following step is planned; otherwise every step's rows are kept
+        for its own ``get_batch``. None too where the sources cannot plan the rows (``_group_read``). Rows
+        kept for steps ``<= lower`` (the step being served) are dropped."""
+        n_rows = draws.indices.size
+        if not n_rows or 2 * n_rows > _COALESCE_ROWS:
             return None
-        kinds, row_key = _view_kinds(plans), plans[0].row_key
-        group = [(step, draws, ordered)]
+        group = [(step, draws)]
         ahead = step + 1
         while n_rows < _COALESCE_ROWS and len(group) < _COALESCE_MAX_STEPS:
             later = self._planned.get(ahead)
             if later is None or n_rows + later.indices.size > _COALESCE_ROWS or ahead in self._reads:
                 break
-            next_plans = [await d.plan_read(ahead, idx) for d, idx in zip(later.datasets, later.inner)]
-            if not all(p is not None and p.row_key == row_key for p in next_plans):
-                break
-            if _view_kinds(next_plans) != kinds:
-                break
-            views = _in_batch_order(later, next_plans)
-            group.append((ahead, later, views))
-            n_rows += len(views)
+            group.append((ahead, later))
+            n_rows += later.indices.size
             ahead += 1
         if served and len(group) == 1:
             return None
-        views = [v for _, _, step_views in group for v in step_views]
-        coalesced = _CoalescedRead(read_stacked(views), plans[0].finish, step, ahead)
+        read = await self._group_read(group)
+        if read is None:
+            return None
+        coalesced = _CoalescedRead(read[0], read[1], step, ahead)
         # Kept only for steps still ahead of the one served (a reader that moved elsewhere leaves nothing).
         reads = {s: r for s, r in self._reads.items() if lower < s < lower + _READS_KEPT_STEPS}
-        lo = len(ordered) if served else 0
-        for s, step_draws, step_views in group[1:] if served else group:
-            reads[s] = (step_draws, coalesced, lo, lo + len(step_views))
-            lo += len(step_views)
+        lo = draws.indices.size if served else 0
+        for s, step_draws in group[1:] if served else group:
+            reads[s] = (step_draws, coalesced, lo, lo + step_draws.indices.size)
+            lo += step_draws.indices.size
         self._reads = reads  # replaced, never mutated: other tasks may be reading the old one
         return coalesced
+
+    async def _group_read(self, group: list) -> "tuple[Any, Callable] | None":
+        """``(future, finish)``: one read of the rows of ``group`` (``[(step, draws), ...]``, consecutive),
+        finished into the steps' batches back to back, each in batch order.
+
+        Each present source plans its rows of all the group's steps at once (``plan_reads``: one plan,
+        one set of views or one index-array view, instead of one plan per source and step); the rows come
+        back source by source and are put in batch order by one gather before the (row-wise) finish. None
+        where a source cannot plan or the plans do not finish alike: such a set of sources is remembered
+        and not planned as a group again.
+        """
+        from ..store.jagged_array import read_blocks, read_stacked
+
+        by_source: dict[int, tuple] = {}
+        first_row = 0
+        for s, d in group:
+            for src, sel, dataset, idx in zip(d.sources, d.selections, d.datasets, d.inner):
+                entry = by_source.get(src)
+                if entry is None:
+                    entry = by_source[src] = (dataset, [], [], [])
+                entry[1].append(s)
+                entry[2].append(idx)
+                entry[3].append(sel + first_row)
+            first_row += d.indices.size
+        present = frozenset(by_source)
+        if present in self._ungrouped:
+            return None
+        plans, group_rows = [], []
+        for src in sorted(by_source):
+            dataset, steps, indices, rows = by_source[src]
+            plan = await dataset.plan_reads(steps, indices)
+            if plan is None or plan.row_key is None or (plans and plan.row_key != plans[0].row_key):
+                self._ungrouped.add(present)
+                return None
+            n = sum(i.size for i in indices)
+            if plan.num_rows != n:
+                raise ValueError(f"a read plan has {plan.num_rows} rows for {n} indices")
+            plans.append(plan)
+            group_rows.extend(rows)
+        blocks = [p.block for p in plans]
+        if all(b is not None for b in blocks) and len({(tuple(b.shape[1:]), b.dtype) for b in blocks}) == 1:
+            future = read_blocks(blocks)
+        elif all(b is None for b in blocks) and len(_view_kinds(plans)) == 1:
+            future = read_stacked([v for p in plans for v in p.views])
+        else:
+            self._ungrouped.add(present)
+            return None
+        order = np.concatenate(group_rows)  # the read's row i is the group's row order[i]
+        gather = np.empty_like(order)
+        gather[order] = np.arange(order.size, dtype=order.dtype)
+        return future, functools.partial(_gather_rows, gather, plans[0].finish)
 
     async def _read_next_group(self, step: int, draws: "_StepDraws", group: "_CoalescedRead") -> None:
         """Make sure the ``_GROUPS_AHEAD`` groups of steps after ``group`` are being read, as its first step
@@ -536,13 +588,7 @@ class MixtureDataset(AsyncDataset[T]):
             next_draws = await self._plan_next(step, draws.indices, first)
             if next_draws is None:
                 return None
-        plans = [await d.plan_read(first, idx) for d, idx in zip(next_draws.datasets, next_draws.inner)]
-        if not plans or any(p is None or p.row_key is None or p.row_key != plans[0].row_key for p in plans):
-            return None
-        if len(_view_kinds(plans)) != 1:
-            return None
-        ordered = _in_batch_order(next_draws, plans)
-        return await self._read_ahead(first, next_draws, ordered, plans, served=False, lower=step)
+        return await self._read_ahead(first, next_draws, served=False, lower=step)
 
     async def _plan_next(self, step: int, indices: np.ndarray, first: int) -> "_StepDraws | None":
         """Draws of ``first`` (and the steps planned with it) for a reader that reads the same rows of

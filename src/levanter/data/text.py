@@ -26,6 +26,15 @@ import numpy as np
 from .dataset import AsyncDataset, ReadPlan, StackedBatch, _check_range, as_index_array
 
 
+# Windows of at most this many tokens are planned many at a time as one index-array view
+# (``JaggedArrayStore.window_block``) instead of a view each: making a view costs ~4.6 us of Python per
+# window, and tensorstore reads 64-token windows from an index array with no more CPU than from
+# separate views (loader at 8x64: 2.17 vs 1.94 M tokens/s, 383 vs 417 us of CPU a step). It walks an
+# index array element by element, though: at 128 tokens the two measured alike, and at 1024 one
+# index-array read of 64 windows took 2x the CPU of separate views (2 cores, measured).
+BLOCK_MAX_SEQ_LEN = 64
+
+
 class TokenSeqDataset(AsyncDataset[np.ndarray]):
     """Window ``i`` of ``seq_len`` tokens of a store's flat token stream; returns ``int32[n, seq_len]``.
 
@@ -53,6 +62,19 @@ class TokenSeqDataset(AsyncDataset[np.ndarray]):
         idx = as_index_array(indices)
         _check_range(idx, len(self), f"TokenSeqDataset(seq_len={self.seq_len})")
         return ReadPlan(window_views(idx * self.seq_len, self.seq_len), _identity, row_key=("windows",))
+
+    async def plan_reads(self, steps: Sequence[int], indices: Sequence[Sequence[int]]) -> ReadPlan | None:
+        """One plan for several steps' windows (the step does not change a window): one view per window,
+        or for short windows one index-array view of them all (see :data:`BLOCK_MAX_SEQ_LEN`)."""
+        if getattr(self.store, "window_views", None) is None or not len(indices):
+            return None
+        idx = np.concatenate([as_index_array(i) for i in indices])
+        _check_range(idx, len(self), f"TokenSeqDataset(seq_len={self.seq_len})")
+        starts = idx * self.seq_len
+        window_block = getattr(self.store, "window_block", None)
+        if window_block is not None and idx.size and self.seq_len <= BLOCK_MAX_SEQ_LEN:
+            return ReadPlan([], _identity, row_key=("windows",), block=window_block(starts, self.seq_len))
+        return ReadPlan(self.store.window_views(starts, self.seq_len), _identity, row_key=("windows",))
 
     async def async_len(self) -> int:
         return len(self)
@@ -126,7 +148,12 @@ class CausalLmDataset(AsyncDataset[dict]):
         return StackedBatch(causal_lm_columns(windows, self.eos_id))
 
     async def plan_read(self, step: int, indices: Sequence[int]) -> ReadPlan | None:
-        plan = await self.dataset.plan_read(step, indices)
+        return self._then(await self.dataset.plan_read(step, indices))
+
+    async def plan_reads(self, steps: Sequence[int], indices: Sequence[Sequence[int]]) -> ReadPlan | None:
+        return self._then(await self.dataset.plan_reads(steps, indices))
+
+    def _then(self, plan: ReadPlan | None) -> ReadPlan | None:
         if plan is None:
             return None
         if self.tokens_only:  # no EOS in the key: the rows are the same whatever the EOS id

@@ -37,7 +37,14 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-__all__ = ["JaggedArrayStore", "DEFAULT_DATA_CHUNK", "DEFAULT_OFFSETS_CHUNK", "awaited", "read_stacked"]
+__all__ = [
+    "JaggedArrayStore",
+    "DEFAULT_DATA_CHUNK",
+    "DEFAULT_OFFSETS_CHUNK",
+    "awaited",
+    "read_blocks",
+    "read_stacked",
+]
 
 # Chunk sizes, in elements. A zarr3 chunk without sharding is read whole, so a random window costs a
 # whole-chunk read: smaller chunks mean less read amplification, larger ones fewer files. Measured on an
@@ -484,6 +491,27 @@ class JaggedArrayStore:
         oindex = data.oindex
         return [oindex[x : x + length] for x in firsts]
 
+    def window_block(self, starts: Any, length: int) -> ts.TensorStore:
+        """One validated view of shape ``(len(starts), length)`` whose row ``i`` is
+        ``data[starts[i] : starts[i] + length]`` (an index-array view), unread, for :func:`read_blocks`.
+
+        Many short windows in one view instead of one view each (see ``BLOCK_MAX_SEQ_LEN`` in
+        :mod:`levanter.data.text`: tensorstore walks the index array element by element, so long
+        windows read faster as :meth:`window_views`).
+        """
+        s = np.asarray(starts, dtype=np.int64)
+        if s.ndim != 1 or not s.size:
+            raise ValueError(f"starts must be a non-empty 1-D array, got shape {s.shape}")
+        if length < 1:
+            raise ValueError(f"length must be >= 1, got {length}")
+        if s.min() < 0 or s.max() + length > self._data_size:
+            bad = int(s[(s < 0) | (s + length > self._data_size)][0])
+            raise IndexError(
+                f"window [{bad}, {bad + length}) out of range for store {self.path!r} with "
+                f"{self._data_size} elements"
+            )
+        return self._data[s[:, None] + np.arange(length, dtype=np.int64)]
+
     def _windows_future(self, starts: Any, length: int):
         views = self.window_views(starts, length)
         if not views or length == 0:
@@ -568,6 +596,14 @@ def read_stacked(views: Sequence[ts.TensorStore]):
         shape = (len(views), views[0].shape[0])
         return _Reshaped(read(None, ts.concat(views, axis=0)), shape)  # type: ignore[arg-type]
     return read(None, ts.stack([v.translate_to[0] for v in views], axis=0))  # type: ignore[arg-type]
+
+
+def read_blocks(blocks: Sequence[ts.TensorStore]):
+    """One read of 2-D views (:meth:`JaggedArrayStore.window_block`, possibly of different stores) with
+    equal row shapes: a future of their rows, concatenated."""
+    blocks = list(blocks)
+    view = ts.concat(blocks, axis=0) if len(blocks) > 1 else blocks[0]
+    return JaggedArrayStore._read(None, view)  # type: ignore[arg-type]
 
 
 class _Reshaped:
