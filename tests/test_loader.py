@@ -293,6 +293,27 @@ def test_prefetch_never_runs_more_than_depth_steps_ahead():
         it.close()
 
 
+def test_a_slow_consumer_is_refilled_without_waking_the_producer(monkeypatch):
+    """A consumer slower than the producer never has to wake it up (a wake-up from ``next()`` costs the
+    consumer the GIL while the producer fetches): the producer finds the room by itself and the consumer
+    keeps finding its steps ready, in order."""
+    import levanter.data.loader as loader_module
+
+    woken = []
+    real_nudge = loader_module._Prefetcher._nudge
+    monkeypatch.setattr(loader_module._Prefetcher, "_nudge", lambda self: woken.append(1) or real_nudge(self))
+    loader = DataLoader(RecordingDataset(identity_dataset()), 8, prefetch_depth=8)
+    with loader.iter_from_step(0) as it:
+        steps = []
+        for _ in range(40):
+            steps.append(next(it).step)
+            time.sleep(0.01)  # 5x the producer's polling interval
+        from_next = len(woken)
+    assert steps == list(range(40))
+    assert from_next <= 2, from_next  # (the first steps may find the producer not yet ahead)
+    assert woken, "close() wakes the producer up"
+
+
 # ---------------------------------------------------------------------------------------------------
 # concurrency does not change the data
 # ---------------------------------------------------------------------------------------------------
