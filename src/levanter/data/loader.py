@@ -335,6 +335,7 @@ class _Prefetcher:
         self.wake: asyncio.Event | None = None
         self.waiting = False  # the producer is (about to be) blocked on ``wake``
         self.launched = start  # one past the last step launched; written by the producer only
+        self.poll = _ROOM_POLL_SECONDS[0]  # the producer's next look for room, if nothing wakes it first
         self._start = start
         self.thread = threading.Thread(target=self._run, name="levanter-data-prefetch", daemon=True)
         self.thread.start()
@@ -371,6 +372,7 @@ class _Prefetcher:
                     task = tasks[launch] = asyncio.create_task(self.loader.fetch(launch))
                     task.add_done_callback(_set_event(wake))
                     launch += 1
+                    self.poll = _ROOM_POLL_SECONDS[0]
                 self.launched = launch
                 # Clear before re-checking so that a wake-up between the check and the wait is kept.
                 wake.clear()
@@ -423,13 +425,15 @@ class _Prefetcher:
         return launch - self.taken <= window // 2
 
     async def _wait_unless(self, wake: asyncio.Event, can_go_on: Callable[[], bool]) -> None:
-        """Wait for ``wake``, or at most ``_ROOM_POLL_SECONDS``, unless ``can_go_on()`` (re-checked after
-        announcing the wait, so a consumer that leaves few steps ahead in between either is seen here or
-        sees ``waiting`` and nudges)."""
+        """Wait for ``wake``, or at most ``self.poll`` (doubled after each wait, down to the least of
+        ``_ROOM_POLL_SECONDS`` after each launch), unless ``can_go_on()`` (re-checked after announcing the
+        wait, so a consumer that leaves few steps ahead in between either is seen here or sees
+        ``waiting`` and nudges)."""
         self.waiting = True
         try:
             if not can_go_on() and not self.closed:
-                timer = self.loop.call_later(_ROOM_POLL_SECONDS, wake.set)
+                timer = self.loop.call_later(self.poll, wake.set)
+                self.poll = min(2 * self.poll, _ROOM_POLL_SECONDS[1])
                 try:
                     await wake.wait()
                 finally:
@@ -445,7 +449,7 @@ class _Prefetcher:
         self.taken = step + 1
         # Wake the producer only if it waits and few steps are left ahead (``launched`` read after
         # ``waiting``, both published before the producer re-checks ``taken``); with room for half the
-        # window it finds out by itself within ``_ROOM_POLL_SECONDS``. A wake-up from here is a syscall
+        # window it finds out by itself (``_ROOM_POLL_SECONDS``). A wake-up from here is a syscall
         # after which this thread needs the GIL back while the producer, just woken, fetches a burst of
         # steps: the consumer waited 2-13 ms for it in ~1 take in 8 (stall runs: 64x1024, 50 ms steps).
         if self.waiting and self.launched - self.taken <= self.depth // 4:
@@ -467,9 +471,11 @@ class _Prefetcher:
 
 
 # How often a waiting producer looks for room by itself (the consumer wakes it only when few steps are
-# left ahead; see ``_Prefetcher.take``). A look costs a loop iteration (~20 us); with half of the window
-# still fetched ahead, a refill up to this late costs no wait unless half a window of steps takes less.
-_ROOM_POLL_SECONDS = 0.002
+# left ahead; see ``_Prefetcher.take``): 1 ms after a launch, then twice as long after each look, up to
+# 16 ms. A look costs a loop iteration (~20 us): an idle producer beside slow steps looks ~70 times a
+# second, not 1,000; and room is seen at most about as late as it has been waited for so far, while a
+# quarter of the window is still fetched ahead.
+_ROOM_POLL_SECONDS = (0.001, 0.016)
 
 
 def _set_event(event: asyncio.Event) -> Callable[[Any], None]:
