@@ -13,7 +13,9 @@ hold (model-parallel replicas that share rows are read once).
 Prefetch: with ``prefetch_depth = d > 0`` a background thread runs an asyncio loop that keeps up to
 ``d`` steps in flight or waiting to be consumed, so at most ``d`` batches are held at once whatever the
 dataset size or step. Fetches run concurrently and may finish in any order; a reorder buffer hands
-them out as ``s, s+1, s+2, ...``. ``d = 0`` fetches each step on demand in the caller's thread.
+them out as ``s, s+1, s+2, ...``. Slots freed by the consumer are refilled in halves; the producer
+looks for them itself, and ``next()`` wakes it only when few steps are left ahead (a wake-up costs the
+consumer the GIL while the producer works). ``d = 0`` fetches each step on demand in the caller's thread.
 Everything the background work needs (mesh, sharding, process index) is captured explicitly at
 construction; nothing reads thread-local context.
 
