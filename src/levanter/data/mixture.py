@@ -162,10 +162,10 @@ class _StepDraws:
 
 
 class _CoalescedRead:
-    """One read of consecutive steps ``[first_step, end_step)``' rows (each step's views in batch order,
-    steps in order), finished once when first needed; each step takes its rows ``[lo, hi)``. Only plans
-    with a common ``row_key`` are coalesced, so finishing the rows together equals finishing each step's
-    alone."""
+    """One read of the rows of consecutive steps ``[first_step, end_step)`` (each step's in batch order,
+    steps in order once finished), finished once when first needed; each step takes its rows
+    ``[lo, hi)``. Only plans with a common ``row_key`` are coalesced, so finishing the rows together
+    equals finishing each step's alone."""
 
     __slots__ = ("future", "finish", "finished", "first_step", "end_step")
 
