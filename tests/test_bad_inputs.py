@@ -443,6 +443,11 @@ CASES: list[Case] = [
     Case("disk-full-on-checkpoint", "runtime", "the disk fills up while a checkpoint is written", 1,
          ["$TMP/ckpt/bad/step-2", "step 2", "No space left on device"], patch=disk_full, after=no_checkpoint_left,
          needs=["cache"]),
+    # ------------------------------------------------------------------------------------ cache reads
+    # ------------------------------------------------------------------------- inputs and cache builds
+    # ---------------------------------------------------------------------------- runs and checkpoints
+    # -------------------------------------------------------------------------------- training values
+    # ------------------------------------------------------------------------ config file and CLI (more)
 ]
 
 MIN_CASES = 30

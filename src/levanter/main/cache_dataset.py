@@ -16,6 +16,7 @@ import draccus
 
 from ..config import ConfigError, _split_config_path, load_yaml
 from ..data.config import DataConfig, LMMixtureDatasetConfig
+from ..errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,9 @@ def cli(argv: Sequence[str] | None = None) -> None:
     try:
         config = load_data_config(path, rest)
         main(config)
+    except OutOfSpaceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(OUT_OF_SPACE_EXIT_CODE) from None
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

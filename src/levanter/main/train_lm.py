@@ -42,6 +42,7 @@ from levanter.data.fingerprint import batch_fingerprint, step_provenance
 from levanter.data.mixture import MixtureDataset
 from levanter.data.schedule_record import data_schedule_record, first_difference
 from levanter.data.text import causal_lm_columns_jax
+from levanter.errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError
 from levanter.distributed import DistributedStartupError, barrier, check_same_config_everywhere
 from levanter.tracker import NoopTracker
 from levanter.models import LlamaConfig, LmConfig
@@ -376,6 +377,9 @@ def cli(argv=None) -> None:
     Neither prints a traceback. ``docs/reference/errors.md`` lists the cases."""
     try:
         cli_main(argv=argv)
+    except OutOfSpaceError as e:  # a full disk: free space and rerun (resumes from the latest checkpoint)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(OUT_OF_SPACE_EXIT_CODE)
     except (ValueError, FileNotFoundError) as e:  # bad config or input: fix it and rerun
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
