@@ -1,6 +1,7 @@
 """Document readers and URL expansion: every format yields the same documents; bad input names the file."""
 
 import gzip
+import os
 import json
 
 import numpy as np
@@ -133,3 +134,85 @@ def test_device_columns_equal_host_columns_on_every_short_pattern(eos):
             got = np.asarray(device[k])
             assert got.dtype == host[k].dtype, (k, got.dtype, host[k].dtype)
             np.testing.assert_array_equal(got, host[k], err_msg=f"length {length}, {k}")
+
+
+def _varied_jsonl(n=200):
+    return "".join(json.dumps({"text": " ".join(str(i * j) for j in range(60))}) + "\n" for i in range(n)).encode()
+
+
+@pytest.mark.parametrize("cut", ["half", "mid_line", "one_byte_short"])
+def test_truncated_zstd_is_reported_as_truncated(tmp_path, cut):
+    import zstandard
+
+    blob = zstandard.ZstdCompressor().compress(_varied_jsonl())
+    n = {"half": len(blob) // 2, "mid_line": len(blob) - 40, "one_byte_short": len(blob) - 1}[cut]
+    p = tmp_path / "cut.jsonl.zst"
+    p.write_bytes(blob[:n])
+    with pytest.raises(SourceError, match=r"cut\.jsonl\.zst.*truncated"):
+        list(iter_documents(str(p)))
+
+
+def test_multi_frame_zstd_reads_every_frame(tmp_path):
+    import zstandard
+
+    data = _varied_jsonl(30)
+    lines = data.splitlines(keepends=True)
+    c = zstandard.ZstdCompressor()
+    p = tmp_path / "frames.jsonl.zst"
+    p.write_bytes(c.compress(b"".join(lines[:10])) + c.compress(b"".join(lines[10:])))
+    assert len(list(iter_documents(str(p)))) == 30
+
+
+def test_not_zstd_names_the_file(tmp_path):
+    p = tmp_path / "plain.jsonl.zst"
+    p.write_bytes(_varied_jsonl(3))
+    with pytest.raises(SourceError, match=r"plain\.jsonl\.zst.*(truncated or damaged|not zstd)"):
+        list(iter_documents(str(p)))
+
+
+def test_plain_jsonl_cut_mid_line_says_truncated(tmp_path):
+    p = tmp_path / "cut.jsonl"
+    p.write_bytes(_varied_jsonl(5)[:-30])
+    with pytest.raises(SourceError, match=r"cut\.jsonl, line 5: not valid JSON.*truncated"):
+        list(iter_documents(str(p)))
+
+
+@pytest.mark.parametrize("layout", ["one_line", "pretty"])
+def test_json_array_file_gets_a_one_object_per_line_hint(tmp_path, layout):
+    p = tmp_path / "docs.json"
+    p.write_text(json.dumps([{"text": "a"}, {"text": "b"}], indent=2 if layout == "pretty" else None))
+    with pytest.raises(SourceError, match=r"docs\.json, line 1: .*one JSON object per line"):
+        list(iter_documents(str(p)))
+
+
+def test_directory_as_input_names_the_key_and_suggests_a_glob(tmp_path):
+    (tmp_path / "shards").mkdir()
+    write_jsonl(tmp_path / "shards" / "a.jsonl", ["d"])
+    with pytest.raises(SourceError, match=r"data\.train_urls: .*shards' is a directory.*shards/\*\.jsonl"):
+        expand_urls([str(tmp_path / "shards")], what="data.train_urls")
+    (tmp_path / "more.jsonl").mkdir()  # a directory whose name looks like a data file, matched by a glob
+    with pytest.raises(SourceError, match=r"more\.jsonl' is a directory"):
+        expand_urls([str(tmp_path / "*.jsonl")], what="data.train_urls")
+
+
+def test_document_locations_are_one_based_lines_and_rows(tmp_path, shards):
+    from levanter.data.sources import iter_located_documents
+
+    p = tmp_path / "gaps.jsonl"
+    p.write_text('{"text": "a"}\n\n{"text": "b"}\n', encoding="utf-8")
+    assert list(iter_located_documents(str(p))) == [("line 1", "a"), ("line 3", "b")]
+    rows = list(iter_located_documents(str(shards["parquet"])))
+    assert [w for w, _ in rows] == [f"row {i + 1}" for i in range(len(DOCS))]
+
+
+def test_file_identity_tracks_content_size_and_mtime(tmp_path):
+    from levanter.data.sources import file_identity
+
+    p = tmp_path / "a.jsonl"
+    p.write_bytes(b"x" * 100)
+    first = file_identity(str(p))
+    assert first == file_identity(str(p))
+    st = os.stat(p)
+    p.write_bytes(b"y" * 100)
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size and mtime: only the hash can tell
+    assert file_identity(str(p))["sha256"] != first["sha256"]

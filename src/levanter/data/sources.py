@@ -6,14 +6,24 @@ line, text under ``text_key``), ``.jsonl.gz``, ``.jsonl.zst`` / ``.jsonl.zstd``,
 embedded default corpus (:mod:`levanter.data.embedded`), materialised to a local file on first use.
 
 Everything is deterministic: a URL list expands to the same ordered shard list every time (glob results
-sorted), and a shard yields its documents in file order. Errors name the file (and line) at fault.
-Blank lines in JSON-lines files are skipped (consistently, so document counts are stable).
+sorted), and a shard yields its documents in file order. Errors name the file and the 1-based line (or
+parquet row) at fault. Blank lines in JSON-lines files are skipped (consistently, so document counts are
+stable).
+
+Completeness: a compressed shard that ends early is an error saying "truncated", never a shorter corpus.
+gzip checks this itself; zstd does not (a stream cut inside a block decodes to nothing, silently), so
+``.zst`` shards are read through :class:`_ZstdReader`, which raises when the input ends inside a frame.
+
+:func:`file_identity` is what a token cache records about each input file (size, modification time, and a
+content hash of local files) so that a cache is never reused after its inputs changed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
+import os
 import re
 from collections.abc import Iterator, Sequence
 
@@ -27,7 +37,9 @@ __all__ = [
     "detect_format",
     "expand_braces",
     "expand_urls",
+    "file_identity",
     "iter_documents",
+    "iter_located_documents",
 ]
 
 FORMATS = {
@@ -88,12 +100,30 @@ def check_embedded_url(url: str, *, what: str = "train_urls") -> None:
         raise SourceError(f"{what}: {url!r}: {e}") from None
 
 
+def _is_local(fs) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol in ("file", "local")
+
+
+def _directory_error(what: str, path: str) -> SourceError:
+    return SourceError(
+        f"{what}: {path!r} is a directory, not a data file; list its files or use a glob like "
+        f"'{path.rstrip('/')}/*.jsonl'"
+    )
+
+
 def expand_urls(
-    urls: Sequence[str], *, embedded_dir: str | None = None, what: str = "train_urls", allow_empty: bool = False
+    urls: Sequence[str],
+    *,
+    embedded_dir: str | None = None,
+    what: str = "train_urls",
+    allow_empty: bool = False,
+    missing_ok: bool = False,
 ) -> list[str]:
     """Expand braces and globs into an ordered list of existing files (shards).
 
-    Raises :class:`SourceError` naming the URL for a missing file or a glob that matches nothing.
+    Raises :class:`SourceError` naming the URL for a missing file, a glob that matches nothing, or a
+    directory; ``missing_ok`` skips missing files and empty globs instead (to see which inputs remain).
     """
     if isinstance(urls, str):
         urls = [urls]
@@ -111,13 +141,22 @@ def expand_urls(
             fs, _, _ = fsspec.core.get_fs_token_paths(pattern)
             protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
             if any(ch in pattern for ch in "*?["):
-                matches = sorted(fs.glob(pattern))
-                if not matches:
+                matches = fs.glob(pattern, detail=True)
+                if not matches and not missing_ok:
                     raise SourceError(f"{what}: the pattern {pattern!r} matches no files")
-                found = [m if protocol in ("file", "local") else f"{protocol}://{m}" for m in matches]
+                found = []
+                for m in sorted(matches):
+                    name = m if _is_local(fs) else f"{protocol}://{m}"
+                    if matches[m].get("type") == "directory":
+                        raise _directory_error(what, name)
+                    found.append(name)
             else:
                 if not fs.exists(pattern):
+                    if missing_ok:
+                        continue
                     raise SourceError(f"{what}: file not found: {pattern!r}")
+                if fs.isdir(pattern):
+                    raise _directory_error(what, pattern)
                 found = [pattern]
             for f in found:
                 try:
@@ -131,13 +170,103 @@ def expand_urls(
     return shards
 
 
+# -- input identity ----------------------------------------------------------------------------------
+_WHOLE_FILE_HASH_LIMIT = 4 * 2**20
+_SAMPLE = 2**20
+
+
+def file_identity(path: str) -> dict:
+    """What identifies the content of input file ``path``: ``size``, ``mtime`` and, for local files,
+    ``sha256`` of the whole file (up to 4 MiB) or of its first and last MiB plus the size (``sampled``).
+
+    Remote files get no hash: reading them costs a request per shard, and their modification time (or
+    ETag) already changes with every upload.
+    """
+    fs, _, (fpath,) = fsspec.core.get_fs_token_paths(path)
+    if _is_local(fs):
+        st = os.stat(fpath)
+        ident: dict = {"size": int(st.st_size), "mtime": str(st.st_mtime_ns)}
+        h = hashlib.sha256()
+        with open(fpath, "rb") as f:
+            if st.st_size <= _WHOLE_FILE_HASH_LIMIT:
+                h.update(f.read())
+            else:
+                h.update(f.read(_SAMPLE))
+                f.seek(st.st_size - _SAMPLE)
+                h.update(f.read(_SAMPLE))
+                h.update(str(st.st_size).encode())
+                ident["sampled"] = True
+        ident["sha256"] = h.hexdigest()
+        return ident
+    info = fs.info(fpath)
+    stamp = next((info[k] for k in ("mtime", "updated", "LastModified", "last_modified", "ETag", "etag")
+                  if info.get(k) is not None), None)
+    return {"size": int(info.get("size") or 0), "mtime": None if stamp is None else str(stamp)}
+
+
+class _ZstdReader(io.RawIOBase):
+    """Decompressed bytes of a (possibly multi-frame) zstd stream; ``EOFError`` if the input ends inside a
+    frame, ``OSError`` if it is not zstd data."""
+
+    def __init__(self, raw):
+        import zstandard
+
+        self._raw = raw
+        self._zstd = zstandard
+        self._dec = zstandard.ZstdDecompressor().decompressobj()
+        self._in_frame = False  # whether the current frame has received input but not ended
+        self._pending = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def _decompress(self, data: bytes) -> bytes:
+        out = []
+        while data:
+            self._in_frame = True
+            try:
+                out.append(self._dec.decompress(data))
+            except self._zstd.ZstdError as e:
+                raise OSError(f"not zstd data or damaged ({e})") from None
+            if not self._dec.eof:
+                break
+            self._in_frame = False
+            data = self._dec.unused_data
+            self._dec = self._zstd.ZstdDecompressor().decompressobj()
+        return b"".join(out)
+
+    def readinto(self, buf) -> int:
+        while not self._pending:
+            chunk = self._raw.read(1 << 18)
+            if not chunk:
+                if self._in_frame:
+                    raise EOFError("the zstd data ends inside a frame")
+                return 0
+            self._pending = self._decompress(chunk)
+        n = min(len(buf), len(self._pending))
+        buf[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
+
+    def close(self) -> None:
+        try:
+            self._raw.close()
+        finally:
+            super().close()
+
+
 def _open_text(path: str):
     # Invalid UTF-8 is decoded to lone surrogates instead of raising, and reported by _check_utf8 with the
     # line it is on: a strict reader decodes ahead in blocks and fails on whatever line starts the block.
     try:
+        if path.lower().endswith((".zst", ".zstd")):
+            raw = fsspec.open(path, "rb").open()
+            return io.TextIOWrapper(io.BufferedReader(_ZstdReader(raw)), encoding="utf-8", errors="surrogateescape")
         return fsspec.open(path, "rt", compression="infer", encoding="utf-8", errors="surrogateescape").open()
     except FileNotFoundError as e:
         raise SourceError(f"file not found: {path!r}") from e
+    except IsADirectoryError:
+        raise SourceError(f"{path!r} is a directory, not a data file") from None
     except ValueError as e:  # e.g. an unknown compression
         raise SourceError(f"cannot open {path!r}: {e}") from e
 
@@ -158,9 +287,22 @@ def _check_utf8(path: str, text: str, first_line: int) -> None:
     )
 
 
+_ONE_PER_LINE = (
+    "JSON-lines files hold one JSON object per line; convert a file holding one JSON array with "
+    "`jq -c '.[]' in.json > out.jsonl`"
+)
+
+
 def iter_documents(path: str, *, text_key: str = "text") -> Iterator[object]:
     """Documents of one shard, in file order: ``str`` for text, or whatever JSON value sits under
     ``text_key`` (a list of token ids for pre-tokenized data)."""
+    for _, doc in iter_located_documents(path, text_key=text_key):
+        yield doc
+
+
+def iter_located_documents(path: str, *, text_key: str = "text") -> Iterator[tuple[str, object]]:
+    """``(where, document)`` pairs of one shard in file order; ``where`` is ``"line N"`` (1-based, for
+    JSON lines and text files) or ``"row N"`` (1-based, for parquet), as error messages name it."""
     fmt = detect_format(path)
     if fmt == "txt":
         with _open_text(path) as f:
@@ -169,7 +311,7 @@ def iter_documents(path: str, *, text_key: str = "text") -> Iterator[object]:
             except (OSError, EOFError) as e:
                 raise SourceError(f"{path}: cannot read the file ({type(e).__name__}: {e})") from e
         _check_utf8(path, text, 1)
-        yield text
+        yield "line 1", text
         return
     if fmt == "jsonl":
         with _open_text(path) as f:
@@ -192,16 +334,24 @@ def iter_documents(path: str, *, text_key: str = "text") -> Iterator[object]:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
                     why = e.msg[: -len(" at")] if e.msg.endswith(" at") else e.msg
+                    hint = ""
+                    if lineno == 1 and line.lstrip().startswith("["):
+                        hint = f"; {_ONE_PER_LINE}"
+                    elif not line.endswith("\n"):
+                        hint = "; it is the last line and has no newline: the file looks truncated"
                     raise SourceError(
-                        f"{path}, line {lineno}: not valid JSON ({why} at column {e.colno})"
+                        f"{path}, line {lineno}: not valid JSON ({why} at column {e.colno}){hint}"
                     ) from None
                 if not isinstance(obj, dict):
-                    raise SourceError(f"{path}, line {lineno}: expected a JSON object, got {type(obj).__name__}")
+                    hint = f"; {_ONE_PER_LINE}" if isinstance(obj, list) else ""
+                    raise SourceError(
+                        f"{path}, line {lineno}: expected a JSON object, got {type(obj).__name__}{hint}"
+                    )
                 if text_key not in obj:
                     raise SourceError(
                         f"{path}, line {lineno}: no key {text_key!r} (text_key); keys present: {sorted(obj)[:10]}"
                     )
-                yield obj[text_key]
+                yield f"line {lineno}", obj[text_key]
     elif fmt == "parquet":
         import pyarrow.parquet as pq
 
@@ -210,9 +360,14 @@ def iter_documents(path: str, *, text_key: str = "text") -> Iterator[object]:
                 pf = pq.ParquetFile(io.BytesIO(f.read()))
         except FileNotFoundError as e:
             raise SourceError(f"file not found: {path!r}") from e
+        except IsADirectoryError:
+            raise SourceError(f"{path!r} is a directory, not a data file") from None
         except Exception as e:  # noqa: BLE001 -- pyarrow raises several types for corrupt files
             raise SourceError(f"{path}: not a readable parquet file ({e})") from e
         if text_key not in pf.schema_arrow.names:
             raise SourceError(f"{path}: no column {text_key!r} (text_key); columns: {pf.schema_arrow.names}")
+        row = 0
         for batch in pf.iter_batches(columns=[text_key], batch_size=1024):
-            yield from batch.column(0).to_pylist()
+            for value in batch.column(0).to_pylist():
+                row += 1
+                yield f"row {row}", value
