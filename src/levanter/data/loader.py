@@ -19,6 +19,13 @@ consumer the GIL while the producer works). ``d = 0`` fetches each step on deman
 Everything the background work needs (mesh, sharding, process index) is captured explicitly at
 construction; nothing reads thread-local context.
 
+Failed reads: a storage failure that may pass (a chunk missing, corrupt or unreadable for a moment, an
+unavailable or slow store: :func:`~levanter.store.jagged_array.storage_fault` reads tensorstore's status,
+``OSError`` s count too) is retried with exponential backoff, the same indices for the same step. One that
+outlasts the retries, or any other error (a bug, a bad request), becomes one :class:`DataLoadError` that
+names the step, and for a storage failure the chunk, the cache and what to do. A read never returns fill
+values for missing data (the stores refuse to), so a failure never turns into a batch of token 0.
+
 End of data: for a finite dataset the last step is the last one whose whole range fits in
 ``async_len()`` (the same on every process); a trailing partial batch is not yielded. A dataset that
 raises :class:`~levanter.data.dataset.DatasetExhausted` ends the iteration at that step too.
@@ -40,6 +47,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..schedule import BatchSchedule
+from ..store.jagged_array import StorageFault, storage_fault
 from .dataset import AsyncDataset, DatasetExhausted, StackedBatch
 
 logger = logging.getLogger(__name__)
@@ -76,7 +84,18 @@ class TransientDataError(OSError):
 
 
 # Failures of storage and networks: worth retrying. Anything else is a bug or bad data: not retried.
+# tensorstore reports storage failures as ``ValueError`` with a status code: see ``is_transient``.
 TRANSIENT_ERRORS = (TransientDataError, TimeoutError, ConnectionError, OSError)
+
+
+def is_transient(err: BaseException) -> bool:
+    """Whether retrying the read that raised ``err`` may succeed: an error of :data:`TRANSIENT_ERRORS`, or
+    a tensorstore storage status (missing, corrupt or unreadable chunk, unavailable store). On object
+    storage even a missing chunk or a checksum mismatch can be a read that raced a write or a replica
+    that lagged; what stays wrong is reported once the retries are spent."""
+    if isinstance(err, TRANSIENT_ERRORS):
+        return True
+    return isinstance(err, ValueError) and storage_fault(err) is not None
 
 
 def _describe_indices(indices: np.ndarray) -> str:
@@ -88,15 +107,32 @@ def _describe_indices(indices: np.ndarray) -> str:
 
 
 class DataLoadError(RuntimeError):
-    """Reading a step's batch failed for good: names the step and the indices."""
+    """Reading a step's batch failed for good: names the step and the indices, and for a storage failure
+    (:attr:`fault`) the chunk, the cache it belongs to and what to do."""
 
-    def __init__(self, step: int, indices: np.ndarray, cause: BaseException, *, attempts: int):
+    def __init__(
+        self, step: int, indices: np.ndarray, cause: BaseException, *, attempts: int, seconds: float = 0.0
+    ):
         self.step = step
         self.indices = np.asarray(indices)
-        super().__init__(
-            f"data loading failed at step {step} for {_describe_indices(indices)} after {attempts} attempt"
-            f"{'s' if attempts > 1 else ''}: {type(cause).__name__}: {cause}"
-        )
+        self.fault: StorageFault | None = storage_fault(cause) if is_transient(cause) else None
+        tries = f"{attempts} attempt{'s' if attempts > 1 else ''}"
+        if self.fault is not None:
+            f = self.fault
+            chunk = f"chunk {f.chunk}" if f.chunk else "a chunk"
+            if f.cache:
+                chunk += f" of the cache at {f.cache}"
+            what = f.what().replace(f"chunk {f.chunk}" if f.chunk else "a chunk", chunk, 1)
+            message = (
+                f"data loading failed at step {step} for {_describe_indices(indices)}: {what}, still after "
+                f"{tries} over {seconds:.1f} s. {f.advice()[0].upper()}{f.advice()[1:]}."
+            )
+        else:
+            message = (
+                f"data loading failed at step {step} for {_describe_indices(indices)} after {tries}: "
+                f"{type(cause).__name__}: {cause}"
+            )
+        super().__init__(message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,20 +278,21 @@ class DataLoader(Generic[T]):
         :class:`DataLoadError` naming the step and the indices.
         """
         delay = self.retry_backoff
+        t0 = time.monotonic()
         for attempt in range(self.retries + 1):
             try:
                 return await self.dataset.get_batch(step, indices)
             except DatasetExhausted:
                 raise
-            except TRANSIENT_ERRORS as e:
-                if attempt == self.retries:
-                    raise DataLoadError(step, indices, e, attempts=attempt + 1) from e
+            except Exception as e:  # noqa: BLE001 -- classified: retried, or one error naming the step
+                if not is_transient(e) or attempt == self.retries:
+                    raise DataLoadError(
+                        step, indices, e, attempts=attempt + 1, seconds=time.monotonic() - t0
+                    ) from e
                 logger.warning("transient error reading step %d (attempt %d of %d): %s; retrying in %.2f s", step,
                                attempt + 1, self.retries + 1, e, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30.0)
-            except Exception as e:  # noqa: BLE001 -- a permanent error: name the step and the rows
-                raise DataLoadError(step, indices, e, attempts=attempt + 1) from e
 
     async def fetch(self, step: int) -> Batch[T]:
         """Read and assemble one step's batch (no ordering guarantees; used by the iterators)."""

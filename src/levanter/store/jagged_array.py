@@ -22,6 +22,17 @@ Reads are batched: every read method issues one tensorstore operation per step (
 however many rows or windows it serves, so a 2000-row request costs a couple of I/O round trips, not
 2000. Out-of-range requests raise ``IndexError`` naming the bad row or range and the store's size.
 
+Integrity: a read never returns data that was not written. Arrays are opened with
+``fill_missing_data_reads: false``, so a chunk file that is missing (deleted, or not visible for a moment
+on object storage) is an error instead of a run of fill values (token 0); and since a chunk that equals
+the fill value must then exist on disk, every chunk is stored (``store_data_equal_to_fill_value``).
+Arrays created here end their codec chain with zarr3's ``crc32c``, so a flipped bit is an error
+(``DATA_LOSS``), not a token; stores written without it are read as they are (the codecs come from each
+array's ``zarr.json``). Opening a store read-only with a committed row count checks that every chunk the
+committed rows need is there (one directory listing per array on local disk), so a damaged cache is
+refused before training starts. :func:`storage_fault` reads tensorstore's error text (status code, chunk
+file) for the loader, which retries what may pass and names the damaged cache otherwise.
+
 Trade-off: chunks are not compressed by default. A random window decodes a whole chunk, and on local
 disk that costs more than the bytes saved: with zstd a 20M-token store shrank from 77 to 49 MB but 256
 random 1024-token windows took ~84 ms instead of ~10 ms. ``codec="zstd"`` is there for remote storage.
@@ -30,7 +41,9 @@ random 1024-token windows took ~84 ms instead of ~10 ms. ``codec="zstd"`` is the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -41,9 +54,12 @@ __all__ = [
     "JaggedArrayStore",
     "DEFAULT_DATA_CHUNK",
     "DEFAULT_OFFSETS_CHUNK",
+    "DamagedStoreError",
+    "StorageFault",
     "awaited",
     "read_blocks",
     "read_stacked",
+    "storage_fault",
 ]
 
 # Chunk sizes, in elements. A zarr3 chunk without sharding is read whole, so a random window costs a
@@ -72,6 +88,38 @@ _SHORTHAND_CODECS: dict[str, dict[str, Any]] = {
 }
 
 
+# Options of every array open. A missing chunk is an error, never fill values: a read must return what was
+# written or fail. With that, a chunk equal to the fill value (all-zero tokens or offsets) must be written
+# too, where tensorstore would by default delete it and rely on the fill value.
+_ARRAY_OPTIONS: dict[str, Any] = {"fill_missing_data_reads": False, "store_data_equal_to_fill_value": True}
+
+# The last codec of every array created here: a CRC-32C of each encoded chunk, checked on every read.
+_CHECKSUM_CODEC: dict[str, Any] = {"name": "crc32c"}
+
+
+class DamagedStoreError(ValueError):
+    """A store (or the cache holding it) is missing files or holds unreadable ones: delete it to rebuild."""
+
+
+def cache_root(store_path: str) -> str:
+    """The directory to delete to rebuild the store at ``store_path``: the token cache holding it (the
+    nearest directory up to two levels above with a ``shard_ledger.json``), else the store itself."""
+    p = os.fspath(store_path).rstrip("/")
+    if "://" in p:
+        return p
+    up = p
+    for _ in range(3):
+        if os.path.isfile(os.path.join(up, "shard_ledger.json")):
+            return up
+        up = os.path.dirname(up)
+    return p
+
+
+def _damaged(store_path: str, what: str) -> DamagedStoreError:
+    root = cache_root(store_path)
+    return DamagedStoreError(f"the cache at {root} is damaged ({what}); delete it to rebuild")
+
+
 def _kvstore(path: str | os.PathLike, sub: str) -> str | dict[str, Any]:
     """Kvstore spec of ``<path>/<sub>/``: a local path becomes the ``file`` driver, a URL is passed on."""
     p = os.fspath(path)
@@ -93,18 +141,20 @@ def _capacity(needed: int, chunk: int) -> int:
     return cap
 
 
-def _codecs(codec: str | Mapping[str, Any] | None) -> list[dict[str, Any]]:
+def _codecs(codec: str | Mapping[str, Any] | None, checksum: bool = True) -> list[dict[str, Any]]:
+    """The codec chain: ``bytes``, then the compression codec if any, then ``crc32c`` (zarr3 puts
+    bytes-to-bytes codecs after ``bytes``; the checksum covers the chunk as stored, compressed or not)."""
     codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
-    if codec is None:
-        return codecs
     if isinstance(codec, str):
         if codec not in _SHORTHAND_CODECS:
             raise ValueError(
                 f"unknown codec {codec!r}; use one of {sorted(_SHORTHAND_CODECS)} or a zarr3 codec dict"
             )
         codecs.append(dict(_SHORTHAND_CODECS[codec]))
-    else:
+    elif codec is not None:
         codecs.append(dict(codec))
+    if checksum and not any(c.get("name") == _CHECKSUM_CODEC["name"] for c in codecs):
+        codecs.append(dict(_CHECKSUM_CODEC))
     return codecs
 
 
@@ -112,14 +162,24 @@ def _is_not_found(err: Exception) -> bool:
     return "NOT_FOUND" in str(err)
 
 
-def _open_array(kvstore, *, context: ts.Context) -> ts.TensorStore | None:
-    """Open an existing zarr3 array, or None when there is none at ``kvstore``."""
+def _open_array(kvstore, *, context: ts.Context, store_path: str | None = None) -> ts.TensorStore | None:
+    """Open an existing zarr3 array, or None when there is none at ``kvstore``.
+
+    With ``store_path`` (a store opened for reading) an unreadable ``zarr.json`` is reported as a damaged
+    cache; otherwise tensorstore's error is passed on.
+    """
+    spec = {"driver": "zarr3", "kvstore": kvstore, **_ARRAY_OPTIONS}
     try:
-        return ts.open({"driver": "zarr3", "kvstore": kvstore}, open=True, context=context).result()
+        return ts.open(spec, open=True, context=context).result()
     except ValueError as e:
         if _is_not_found(e):
             return None
-        raise
+        if store_path is None:
+            raise
+        where = kvstore if isinstance(kvstore, str) else kvstore["path"]
+        fault = storage_fault(e)
+        reason = fault.detail if fault is not None else _status_text(e)
+        raise _damaged(store_path, f"{where}zarr.json cannot be read: {reason}") from e
 
 
 def _create_array(kvstore, *, dtype: np.dtype, chunk: int, codecs, context: ts.Context) -> ts.TensorStore:
@@ -131,7 +191,7 @@ def _create_array(kvstore, *, dtype: np.dtype, chunk: int, codecs, context: ts.C
         "codecs": codecs,
         "fill_value": False if dtype == np.bool_ else 0,
     }
-    spec = {"driver": "zarr3", "kvstore": kvstore, "metadata": metadata}
+    spec = {"driver": "zarr3", "kvstore": kvstore, "metadata": metadata, **_ARRAY_OPTIONS}
     return ts.open(spec, create=True, delete_existing=True, context=context).result()
 
 
@@ -160,6 +220,136 @@ def _truncate(arr: ts.TensorStore, size: int) -> ts.TensorStore:
             arr = arr.resize(exclusive_max=[boundary]).result()
         arr[size:boundary].write(np.zeros(boundary - size, dtype=arr.dtype.numpy_dtype)).result()
     return arr.resize(exclusive_max=[size]).result()
+
+
+def _join(path: str, sub: str) -> str:
+    return path.rstrip("/") + "/" + sub if "://" in path else os.path.join(path, sub)
+
+
+def _check_chunks(path: str, name: str, arr: ts.TensorStore, size: int) -> None:
+    """Refuse a local store whose array ``name`` lacks a chunk file that its first ``size`` elements need.
+
+    One directory listing; for other kvstores and chunk key encodings nothing is checked here (a missing
+    chunk is still an error when it is read).
+    """
+    if "://" in path or size <= 0:
+        return
+    meta = arr.spec().to_json().get("metadata", {})
+    encoding = meta.get("chunk_key_encoding", {"name": "default"})
+    if encoding.get("name") != "default" or encoding.get("configuration", {}).get("separator", "/") != "/":
+        return
+    chunk_dir = os.path.join(path, name, "c")
+    try:
+        present = set(os.listdir(chunk_dir))
+    except FileNotFoundError:
+        present = set()
+    except OSError as e:
+        raise _damaged(path, f"{chunk_dir} cannot be listed: {e.strerror or e}") from e
+    needed = -(-size // _chunk(arr))
+    missing = [k for k in range(needed) if str(k) not in present]
+    if missing:
+        shown = ", ".join(os.path.join(chunk_dir, str(k)) for k in missing[:3])
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        plural = len(missing) > 1
+        raise _damaged(path, f"chunk file{'s' if plural else ''} {shown}{more} {'are' if plural else 'is'} missing")
+
+
+# -- storage errors ----------------------------------------------------------------------------------
+# tensorstore's status codes that mean "the storage did not deliver this chunk", as opposed to a bad
+# request (INVALID_ARGUMENT, OUT_OF_RANGE: a bug). On object storage every one of them may pass, so a
+# reader retries them all; a chunk that stays missing or corrupt means the cache is damaged.
+_MISSING = "NOT_FOUND"
+_CORRUPT = ("DATA_LOSS", "FAILED_PRECONDITION")
+_UNREADABLE = ("PERMISSION_DENIED",)
+_UNAVAILABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "RESOURCE_EXHAUSTED", "CANCELLED", "UNKNOWN",
+                "INTERNAL")
+_STORAGE_CODES = (_MISSING, *_CORRUPT, *_UNREADABLE, *_UNAVAILABLE)
+_STATUS = re.compile(r"^([A-Z][A-Z_]+): ")
+_QUOTED = re.compile(r'"([^"]+)"')
+_CHUNK_INDEX = re.compile(r"chunk \{([\d, ]+)\}")
+
+
+_PAYLOAD = re.compile(r" \[[A-Za-z_ ]+='")
+
+
+def _status_text(err: BaseException) -> str:
+    """tensorstore's message without its trailing payloads (``[tensorstore_spec='...']``, source
+    locations), which repeat the open spec in JSON."""
+    return _PAYLOAD.split(str(err), 1)[0].strip()
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageFault:
+    """What a failed read says about the storage: see :func:`storage_fault`."""
+
+    code: str  # tensorstore's status code ("NOT_FOUND", "DATA_LOSS", ...), or "OS_ERROR"
+    chunk: str | None  # the chunk's file or key, when the message names it
+    cache: str | None  # the directory to delete to rebuild (see :func:`cache_root`)
+    detail: str  # the message
+
+    @property
+    def damaged(self) -> bool:
+        """A missing or corrupt chunk: if it outlasts the retries, the cache must be rebuilt."""
+        return self.code == _MISSING or self.code in _CORRUPT
+
+    def what(self) -> str:
+        """``chunk <file> is missing`` and the like, for a message."""
+        chunk = f"chunk {self.chunk}" if self.chunk else "a chunk"
+        if self.code == _MISSING:
+            return f"{chunk} is missing"
+        if "Digest mismatch" in self.detail:
+            return f"{chunk} is corrupt (checksum mismatch)"
+        if self.code in _CORRUPT:
+            return f"{chunk} is corrupt ({self.detail})"
+        if self.code in _UNREADABLE:
+            return f"{chunk} cannot be read (permission denied)"
+        return f"{chunk} cannot be read ({self.detail})"
+
+    def advice(self) -> str:
+        where = self.cache or "the cache"
+        if self.damaged:
+            return f"the cache is damaged: delete {where} to rebuild it"
+        if self.code in _UNREADABLE:
+            return f"give the run read access to {where}, or delete it to rebuild it"
+        return "the storage did not answer; rerun once it does (the run resumes from its last checkpoint)"
+
+
+def storage_fault(err: BaseException) -> StorageFault | None:
+    """The storage failure behind ``err`` (a tensorstore ``ValueError`` or an ``OSError``), or None when
+    ``err`` is not one (a bug or a bad request, which retrying cannot fix)."""
+    if isinstance(err, OSError):
+        name = getattr(err, "filename", None)
+        chunk = os.fspath(name) if name else None
+        code = {2: _MISSING, 13: "PERMISSION_DENIED"}.get(err.errno or 0, "UNAVAILABLE")
+        return StorageFault(code, chunk, _cache_of(chunk), err.strerror or str(err))
+    if not isinstance(err, ValueError):
+        return None
+    text = _status_text(err)
+    m = _STATUS.match(text)
+    if m is None or m.group(1) not in _STORAGE_CODES:
+        return None
+    code = m.group(1)
+    raw = str(err)
+    if code in ("UNKNOWN", "INTERNAL") and "os_error" not in raw and "OS error" not in raw:
+        return None  # an internal failure without an OS error behind it: a bug, not the storage
+    quoted = _QUOTED.search(text)
+    chunk = quoted.group(1) if quoted else None
+    if chunk is None:
+        idx = _CHUNK_INDEX.search(text)
+        chunk = f"{{{idx.group(1)}}}" if idx else None
+    detail = text[m.end():]
+    if quoted is not None and '": ' in detail:  # 'Error reading local file "...": <the reason>'
+        detail = detail.rsplit('": ', 1)[-1]
+    return StorageFault(code, chunk, _cache_of(chunk), detail)
+
+
+def _cache_of(chunk: str | None) -> str | None:
+    """The cache holding ``chunk`` (``<store>/<array>/c/<key>``), or None if it does not look like one."""
+    if not chunk or "/c/" not in chunk:
+        return None
+    array_dir = chunk.rsplit("/c/", 1)[0]
+    store = array_dir.rsplit("/", 1)[0] if "/" in array_dir else array_dir
+    return cache_root(store)
 
 
 class JaggedArrayStore:
@@ -199,6 +389,7 @@ class JaggedArrayStore:
         data_chunk: int = DEFAULT_DATA_CHUNK,
         offsets_chunk: int = DEFAULT_OFFSETS_CHUNK,
         codec: str | Mapping[str, Any] | None = None,
+        checksum: bool = True,
     ) -> "JaggedArrayStore":
         """Open the store at ``path`` (a local path or a tensorstore kvstore URL such as ``memory://x``).
 
@@ -214,6 +405,11 @@ class JaggedArrayStore:
 
         ``data_chunk``, ``offsets_chunk``, ``codec`` apply when creating; an existing store keeps its own.
         ``codec`` is ``None`` (raw little-endian), ``"zstd"``, ``"gzip"`` or a zarr3 codec JSON dict.
+        ``checksum`` (when creating) ends the codec chain with ``crc32c``; ``False`` writes stores as they
+        were before checksums (for comparisons; such stores stay readable).
+
+        Read-only with ``num_rows`` (a cache's committed rows): a missing or unreadable array or chunk is a
+        :class:`DamagedStoreError` naming the cache to delete.
         """
         if mode not in ("r", "w", "a"):
             raise ValueError(f"mode must be 'r', 'w' or 'a', got {mode!r}")
@@ -225,14 +421,20 @@ class JaggedArrayStore:
         if mode == "w":
             if num_rows not in (None, 0):
                 raise ValueError(f"mode 'w' creates an empty store; num_rows={num_rows} makes no sense")
-            return cls._create(path, want or np.dtype(np.int32), data_chunk, offsets_chunk, codec)
-        data = _open_array(_kvstore(path, "data"), context=_CONTEXT)
-        offsets = _open_array(_kvstore(path, "offsets"), context=_CONTEXT)
+            return cls._create(path, want or np.dtype(np.int32), data_chunk, offsets_chunk, codec, checksum)
+        # A read-only store with committed rows is a cache that must be whole: damage is reported as such.
+        strict = mode == "r" and num_rows is not None
+        data = _open_array(_kvstore(path, "data"), context=_CONTEXT, store_path=path if strict else None)
+        offsets = _open_array(_kvstore(path, "offsets"), context=_CONTEXT, store_path=path if strict else None)
         half_created = data is None or offsets is None or _length(offsets) < 1
         if mode == "a" and num_rows == 0 and half_created:
             # Nothing committed and a writer died while creating the arrays: start afresh.
-            return cls._create(path, want or np.dtype(np.int32), data_chunk, offsets_chunk, codec)
+            return cls._create(path, want or np.dtype(np.int32), data_chunk, offsets_chunk, codec, checksum)
         if data is None or offsets is None:
+            if mode == "r" and (strict or data is not None or offsets is not None):
+                missing = [n for n, a in (("data", data), ("offsets", offsets)) if a is None]
+                what = " and ".join(f"{_join(path, n)}/zarr.json" for n in missing)
+                raise _damaged(path, f"{what} {'is' if len(missing) == 1 else 'are'} missing")
             if mode == "r" or (data is not None or offsets is not None):
                 missing = "data" if data is None else "offsets"
                 raise FileNotFoundError(
@@ -243,7 +445,7 @@ class JaggedArrayStore:
                 raise FileNotFoundError(
                     f"no JaggedArrayStore at {path!r}, but num_rows={num_rows} was expected"
                 )
-            return cls._create(path, want or np.dtype(np.int32), data_chunk, offsets_chunk, codec)
+            return cls._create(path, want or np.dtype(np.int32), data_chunk, offsets_chunk, codec, checksum)
 
         stored = np.dtype(data.dtype.numpy_dtype)
         if want is not None and want != stored:
@@ -254,9 +456,21 @@ class JaggedArrayStore:
         n_offsets = _length(offsets)
         if n_offsets < 1:
             raise ValueError(f"store at {path!r} is corrupt: its offsets array is empty")
+        if strict:
+            _check_chunks(path, "offsets", offsets, min(num_rows + 1, n_offsets))
         if num_rows is None:
             num_rows = n_offsets - 1
-            data_size = int(offsets[num_rows].read().result())
+            try:
+                data_size = int(offsets[num_rows].read().result())
+            except ValueError as e:
+                # A store that was not finalized has capacity past its end, never written.
+                fault = storage_fault(e)
+                if fault is None or fault.code != _MISSING:
+                    raise
+                raise ValueError(
+                    f"store at {path!r} was not finalized or is damaged ({fault.what()}); pass num_rows "
+                    "from the cache ledger"
+                ) from e
             if data_size != _length(data):
                 raise ValueError(
                     f"store at {path!r} was not finalized (last offset {data_size}, data length "
@@ -268,12 +482,20 @@ class JaggedArrayStore:
                     f"store at {path!r} holds at most {n_offsets - 1} rows but num_rows={num_rows} is "
                     "committed; the store is truncated or the ledger belongs to another cache"
                 )
-            data_size = int(offsets[num_rows].read().result())
+            try:
+                data_size = int(offsets[num_rows].read().result())
+            except ValueError as e:
+                fault = storage_fault(e)
+                if not strict or fault is None:
+                    raise
+                raise _damaged(path, fault.what()) from e
             if not 0 <= data_size <= _length(data):
                 raise ValueError(
                     f"store at {path!r} is corrupt: row {num_rows} ends at {data_size}, outside the data "
                     f"array of length {_length(data)}"
                 )
+        if strict:
+            _check_chunks(path, "data", data, data_size)
         if mode == "a":
             # Reset the garbage past the committed end now, so the store is what a clean build of the
             # committed rows would be whatever the next appends write.
@@ -282,12 +504,12 @@ class JaggedArrayStore:
         return cls(path, data, offsets, num_rows=num_rows, data_size=data_size, writable=mode == "a")
 
     @classmethod
-    def _create(cls, path, dtype, data_chunk, offsets_chunk, codec) -> "JaggedArrayStore":
+    def _create(cls, path, dtype, data_chunk, offsets_chunk, codec, checksum=True) -> "JaggedArrayStore":
         if data_chunk < 1 or offsets_chunk < 1:
             raise ValueError(
                 f"chunk sizes must be >= 1, got data_chunk={data_chunk}, offsets_chunk={offsets_chunk}"
             )
-        codecs = _codecs(codec)
+        codecs = _codecs(codec, checksum)
         data = _create_array(
             _kvstore(path, "data"), dtype=dtype, chunk=data_chunk, codecs=codecs, context=_CONTEXT
         )
