@@ -197,7 +197,7 @@ def test_corrupt_ledger_is_a_clear_error(tmp_path, damage):
 def test_bad_documents_are_named(tmp_path):
     p = tmp_path / "bad.jsonl"
     p.write_text('{"text": "fine"}\n{"text": 12}\n', encoding="utf-8")
-    with pytest.raises(SourceError, match=r"bad\.jsonl, document 1: expected text"):
+    with pytest.raises(SourceError, match=r"bad\.jsonl, line 2: expected text"):
         build_or_load_cache([str(p)], str(tmp_path / "c"), ByteTokenizer(), options=CacheOptions(1, 16), progress=False)
 
 
@@ -237,3 +237,232 @@ def test_finished_cache_serves_without_raw_files_and_embedded_sources_build(tmp_
     assert emb.ledger.total_rows == len(docs)
     assert emb.ledger.total_tokens == sum(len(t.encode("utf-8")) + 1 for t in docs)
     assert emb.metadata["embedded"][url]  # the corpus fingerprint is recorded
+
+
+# -- stale inputs ------------------------------------------------------------------------------------------
+def _jsonl(path, n, seed=0):
+    docs = make_docs(n, seed=seed)
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    return docs
+
+
+def _build(urls, d, **kw):
+    return build_or_load_cache([str(u) for u in urls], str(d), ByteTokenizer(), options=CacheOptions(1, 16),
+                               progress=False, **kw)
+
+
+def test_edited_input_file_is_refused_not_reused(tmp_path):
+    p = tmp_path / "data.jsonl"
+    _jsonl(p, 100)
+    assert _build([p], tmp_path / "c").ledger.total_rows == 100
+    _jsonl(p, 300, seed=1)
+    with pytest.raises(CacheMismatchError, match=r"data\.jsonl changed size .*delete .*/c to rebuild"):
+        _build([p], tmp_path / "c")
+
+
+def test_same_size_edit_is_caught_by_the_content_hash_and_a_touch_is_not(tmp_path):
+    p = tmp_path / "data.jsonl"
+    p.write_text('{"text": "aaaa"}\n', encoding="utf-8")
+    _build([p], tmp_path / "c")
+    st = os.stat(p)
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched: same bytes
+    assert _build([p], tmp_path / "c").ledger.total_rows == 1
+    p.write_text('{"text": "bbbb"}\n', encoding="utf-8")
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns + 2 * 10**9))
+    with pytest.raises(CacheMismatchError, match="same size, different content"):
+        _build([p], tmp_path / "c")
+
+
+def test_shard_added_to_or_removed_from_a_glob_is_refused(tmp_path):
+    (tmp_path / "shards").mkdir()
+    _jsonl(tmp_path / "shards" / "a.jsonl", 20)
+    _jsonl(tmp_path / "shards" / "b.jsonl", 20, seed=1)
+    glob_url = tmp_path / "shards" / "*.jsonl"
+    _build([glob_url], tmp_path / "c")
+    _jsonl(tmp_path / "shards" / "c.jsonl", 20, seed=2)
+    with pytest.raises(CacheMismatchError, match=r"new file .*shards/c\.jsonl"):
+        _build([glob_url], tmp_path / "c")
+    os.remove(tmp_path / "shards" / "c.jsonl")
+    os.remove(tmp_path / "shards" / "b.jsonl")
+    with pytest.raises(CacheMismatchError, match=r"shards/b\.jsonl is gone"):
+        _build([glob_url], tmp_path / "c")
+
+
+def test_cache_without_recorded_identities_still_serves_with_a_warning(tmp_path, caplog):
+    from levanter.store.ledger import CacheLedger
+
+    p = tmp_path / "data.jsonl"
+    _jsonl(p, 30)
+    _build([p], tmp_path / "c")
+    ledger = CacheLedger.load(tmp_path / "c")
+    del ledger.metadata["inputs"]  # as written before identities were recorded
+    ledger.save(tmp_path / "c")
+    _jsonl(p, 40, seed=1)
+    with caplog.at_level("WARNING"):
+        assert _build([p], tmp_path / "c").ledger.total_rows == 30
+    assert "cannot be checked" in caplog.text
+
+
+def test_embedded_sources_are_identified_by_their_fingerprint(tmp_path):
+    url = "embedded://python-docs/validation"
+    first = _build([url], tmp_path / "c", embedded_dir=str(tmp_path / "raw"))
+    assert first.metadata["inputs"] == {} and first.metadata["embedded"][url]
+    again = _build([url], tmp_path / "c", embedded_dir=str(tmp_path / "raw"))
+    assert again.ledger.total_rows == first.ledger.total_rows
+
+
+def test_interrupted_build_over_an_edited_file_is_refused(tmp_path):
+    shards = write_shards(str(tmp_path), make_docs(240, seed=11), n_shards=2)
+    script = tmp_path / "build.py"
+    script.write_text(BUILD_SCRIPT)
+    out = tmp_path / "out"
+    assert run_build(script, out, shards, kill_at="cache_after_commit:3").returncode == -signal.SIGKILL
+    with open(shards[0], "a", encoding="utf-8") as f:
+        f.write(json.dumps({"text": "one more"}) + "\n")
+    with pytest.raises(CacheMismatchError, match=r"interrupted cache build.*shard0\.jsonl changed size"):
+        _build(shards, out)
+
+
+# -- builds that produce nothing ------------------------------------------------------------------------------
+def test_build_with_no_text_is_not_left_finished_and_is_rebuilt_once_fixed(tmp_path):
+    p = tmp_path / "data.jsonl"
+    p.write_text("\n\n", encoding="utf-8")
+    with pytest.raises(SourceError, match=r"no text in .*data\.jsonl"):
+        _build([p], tmp_path / "c")
+    with pytest.raises(SourceError, match="no text in"):  # the same files: the same error, never a cache
+        _build([p], tmp_path / "c")
+    _jsonl(p, 25)
+    assert _build([p], tmp_path / "c").ledger.total_rows == 25
+
+
+# -- unwritable cache directories and full disks -----------------------------------------------------------
+def test_unwritable_cache_dir_is_named_before_tokenizing(tmp_path):
+    p = tmp_path / "data.jsonl"
+    _jsonl(p, 5)
+    (tmp_path / "afile").write_text("a regular file, not a directory")
+    with pytest.raises(ValueError, match=r"data\.cache_dir: cannot write the token cache at .*afile/c"):
+        _build([p], tmp_path / "afile" / "c", cache_key="data.cache_dir")
+
+
+def _fail_after(calls: int, exc):
+    state = {"n": 0}
+
+    def maybe_fail():
+        state["n"] += 1
+        if state["n"] > calls:
+            raise exc()
+
+    return maybe_fail
+
+
+@pytest.mark.parametrize("where", ["store", "ledger"])
+def test_disk_full_during_a_build_is_out_of_space_and_resumes(tmp_path, monkeypatch, where):
+    import errno
+
+    from levanter.errors import OutOfSpaceError
+    from levanter.store.jagged_array import JaggedArrayStore
+    from levanter.store.ledger import CacheLedger
+
+    shards = write_shards(str(tmp_path), make_docs(160, seed=12), n_shards=2)
+    ref = _build(shards, tmp_path / "ref")
+    if where == "store":
+        # tensorstore's shape of a failed write on a full disk
+        fail = _fail_after(3, lambda: ValueError(
+            "UNKNOWN: Error writing local file \"x/c/0\": [OS error: No space left on device] "
+            "[os_error_code='28'] [source locations='tensorstore/kvstore/file/file_key_value_store.cc:460']"))
+        real = JaggedArrayStore.append_flat
+
+        def append_flat(self, *a, **k):
+            fail()
+            return real(self, *a, **k)
+
+        monkeypatch.setattr(JaggedArrayStore, "append_flat", append_flat)
+    else:
+        fail = _fail_after(4, lambda: OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+        real_fsync = os.fsync
+
+        def fsync(fd):
+            fail()
+            return real_fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(OutOfSpaceError, match=r"out of disk space while building the token cache at .*/out"):
+        _build(shards, tmp_path / "out")
+    monkeypatch.undo()
+    ledger = CacheLedger.load(tmp_path / "out")
+    assert not ledger.is_finished and 0 < ledger.total_rows < 160
+    done = _build(shards, tmp_path / "out")
+    assert [r.tolist() for r in all_rows(done)] == [r.tolist() for r in all_rows(ref)]
+
+
+# -- tokenizer workers die with their parent -----------------------------------------------------------------
+POOL_BUILD_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from levanter.data.tokenization import ByteTokenizer
+    from levanter.store.cache import CacheOptions, build_or_load_cache
+
+    if __name__ == "__main__":
+        out, shards = sys.argv[1], sys.argv[2:]
+        build_or_load_cache(shards, out, ByteTokenizer(), options=CacheOptions(2, 8, min_bytes_for_pool=0),
+                            progress=False)
+    """
+)
+
+
+def _children(pid):
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
+def _is_pool_worker(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"spawn_main" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds processes through /proc")
+def test_sigkill_of_a_build_takes_its_tokenizer_workers_with_it(tmp_path):
+    import time
+
+    shards = write_shards(str(tmp_path), make_docs(6000, seed=13), n_shards=2)
+    script = tmp_path / "build.py"
+    script.write_text(POOL_BUILD_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "out"), *shards])
+    try:
+        deadline = time.monotonic() + 60
+        workers = []
+        while time.monotonic() < deadline and len(workers) < 2 and proc.poll() is None:
+            workers = [c for c in _children(proc.pid) if _is_pool_worker(c)]
+            time.sleep(0.05)
+        assert len(workers) >= 2, "the build never started two workers (or finished first)"
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(w) for w in workers):
+            time.sleep(0.1)
+        assert not [w for w in workers if _alive(w)], "tokenizer workers outlived their killed parent"
+    finally:
+        proc.kill()
+        for w in workers:
+            if _alive(w):
+                os.kill(w, signal.SIGKILL)

@@ -175,9 +175,10 @@ _WHOLE_FILE_HASH_LIMIT = 4 * 2**20
 _SAMPLE = 2**20
 
 
-def file_identity(path: str) -> dict:
-    """What identifies the content of input file ``path``: ``size``, ``mtime`` and, for local files,
-    ``sha256`` of the whole file (up to 4 MiB) or of its first and last MiB plus the size (``sampled``).
+def file_identity(path: str, *, content_hash: bool = True) -> dict:
+    """What identifies the content of input file ``path``: ``size``, ``mtime`` and, for local files (unless
+    ``content_hash`` is false), ``sha256`` of the whole file (up to 4 MiB) or of its first and last MiB plus
+    the size (``sampled``).
 
     Remote files get no hash: reading them costs a request per shard, and their modification time (or
     ETag) already changes with every upload.
@@ -186,6 +187,8 @@ def file_identity(path: str) -> dict:
     if _is_local(fs):
         st = os.stat(fpath)
         ident: dict = {"size": int(st.st_size), "mtime": str(st.st_mtime_ns)}
+        if not content_hash:
+            return ident
         h = hashlib.sha256()
         with open(fpath, "rb") as f:
             if st.st_size <= _WHOLE_FILE_HASH_LIMIT:

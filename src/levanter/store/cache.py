@@ -13,6 +13,18 @@ a killed writer and are overwritten on the next run, which skips the documents t
 counts. A killed build therefore resumes and ends byte-identical to an uninterrupted one. A finished
 cache is never rewritten, and a cache whose recorded settings (tokenizer, text key, EOS, shard list)
 differ from the requested ones is refused, never silently reused.
+
+Stale inputs: the ledger records each input file's identity (:func:`~levanter.data.sources.file_identity`:
+size, modification time, content hash). Before a finished cache is served, or an interrupted build
+resumed, the configured URLs are expanded again and compared: a file that was edited, added to a glob or
+removed is refused with one error naming it. A finished cache whose input files are all gone still serves
+(the files are not needed once tokenized); a cache recorded without identities is served with a warning
+that it cannot be checked. ``embedded://`` sources are identified by their corpus fingerprint instead.
+
+A build that produced no tokens is never marked finished, and one that committed no tokens restarts
+from scratch when its inputs changed. A full disk is reported as
+:class:`~levanter.errors.OutOfSpaceError` naming the cache; the ledger only ever counts rows whose writes
+landed, so the next run resumes from the last commit.
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import tempfile
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -31,7 +44,9 @@ import numpy as np
 from ..data._tokenize_worker import encode as _encode
 from ..data._tokenize_worker import encode_in_worker as _encode_in_worker
 from ..data._tokenize_worker import init_worker as _init_worker
-from ..data.sources import check_embedded_url, expand_urls, iter_documents
+from ..data.errors import SourceError
+from ..data.sources import check_embedded_url, expand_urls, file_identity, iter_located_documents
+from ..errors import OutOfSpaceError, is_out_of_space, out_of_space_error
 from ..utils.fault import fault_point
 from ..utils.fs import remove_stale_temporaries
 from .jagged_array import JaggedArrayStore
@@ -125,7 +140,7 @@ def cache_metadata(tokenizer, *, urls: Sequence[str], text_key: str, enforce_eos
 
 
 def _check_metadata(cache_dir: str, found: dict, wanted: dict) -> None:
-    keys = (set(found) | set(wanted)) - {"shards"}
+    keys = (set(found) | set(wanted)) - {"shards", "inputs"}
     diffs = [k for k in sorted(keys) if found.get(k) != wanted.get(k)]
     if diffs:
         pairs = [(k, *_differing(found.get(k), wanted.get(k))) for k in diffs]
@@ -157,21 +172,101 @@ def _total_bytes(paths: Sequence[str]) -> int:
     return total
 
 
-def _doc_batches(shard: str, text_key: str, skip: int, batch_size: int) -> Iterator[tuple[int, list]]:
-    """``(index of first document, documents)`` batches of one shard, after skipping ``skip`` documents."""
-    batch: list = []
-    first = skip
-    for k, doc in enumerate(iter_documents(shard, text_key=text_key)):
+def _doc_batches(shard: str, text_key: str, skip: int, batch_size: int) -> Iterator[tuple[list, list]]:
+    """``(locations, documents)`` batches of one shard, after skipping ``skip`` documents; a location is
+    what errors call the document (``"line 6"``)."""
+    docs: list = []
+    where: list = []
+    for k, (loc, doc) in enumerate(iter_located_documents(shard, text_key=text_key)):
         if k < skip:
             continue
-        if not batch:
-            first = k
-        batch.append(doc)
-        if len(batch) == batch_size:
-            yield first, batch
-            batch = []
-    if batch:
-        yield first, batch
+        docs.append(doc)
+        where.append(loc)
+        if len(docs) == batch_size:
+            yield where, docs
+            docs, where = [], []
+    if docs:
+        yield where, docs
+
+
+# -- input identities ------------------------------------------------------------------------------------
+def _file_inputs(urls: Sequence[str], what: str) -> list[str]:
+    """The files the non-embedded ``urls`` name now (missing files and empty globs skipped)."""
+    return expand_urls([u for u in urls if not u.startswith("embedded://")], what=what, allow_empty=True,
+                       missing_ok=True)
+
+
+def _input_identities(urls: Sequence[str], shards: Sequence[str], what: str) -> dict:
+    files = set(_file_inputs(urls, what))
+    return {sh: file_identity(sh) for sh in shards if sh in files}
+
+
+def _identity_change(path: str, old: dict) -> str | None:
+    """How ``path`` differs from its recorded identity ``old`` (None: unchanged). Hashes only when the
+    size is equal and the modification time is not, so an unchanged corpus costs one stat per file."""
+    now = file_identity(path, content_hash=False)
+    if now.get("size") != old.get("size"):
+        return f"{path} changed size ({old.get('size')} -> {now.get('size')} bytes)"
+    if now.get("mtime") == old.get("mtime"):
+        return None
+    if "sha256" not in old:
+        return f"{path} was modified (modification time {old.get('mtime')} -> {now.get('mtime')})"
+    now = file_identity(path)
+    if now.get("sha256") != old["sha256"]:
+        return f"{path} was modified (same size, different content)"
+    if old.get("sampled"):
+        logger.warning("%s has a new modification time but the same size and sampled content; treating it "
+                       "as unchanged", path)
+    return None
+
+
+def _describe(items: list[str], limit: int = 3) -> str:
+    shown = "; ".join(items[:limit])
+    return shown if len(items) <= limit else f"{shown}; and {len(items) - limit} more"
+
+
+def verify_inputs(cache_dir: str, ledger: CacheLedger, urls: Sequence[str], *, what: str = "train_urls") -> None:
+    """Refuse (:class:`CacheMismatchError`) when the input files of the cache ``ledger`` describes differ
+    from what ``urls`` name now: an edited file, a file added to or gone from the shard list.
+
+    Where none of the recorded files exists any more the cache is served unchecked (tokenized data needs
+    no raw files); a cache recorded without identities gets a warning that it cannot be checked.
+    """
+    recorded = ledger.metadata.get("inputs")
+    if recorded is None:
+        logger.warning("the token cache at %s records no identities of its input files (an older cache): it "
+                       "cannot be checked against %s; delete it to rebuild if the files changed", cache_dir, what)
+        return
+    current = _file_inputs(urls, what)
+    if not current and recorded:
+        logger.info("none of the input files of the token cache at %s exist here; serving it unchecked",
+                    cache_dir)
+        return
+    changes = [f"new file {p}" for p in current if p not in recorded]
+    changes += [f"{p} is gone" for p in recorded if p not in current]
+    changes += [c for p in current if p in recorded and (c := _identity_change(p, recorded[p])) is not None]
+    if changes:
+        raise CacheMismatchError(
+            f"the input files of {what} changed since the token cache at {cache_dir!r} was built: "
+            f"{_describe(changes)}. The cache holds the old data: delete {cache_dir} to rebuild it from the "
+            "current files, or use another cache_dir."
+        )
+
+
+def check_writable(cache_dir: str, key: str = "cache_dir") -> None:
+    """Fail before any tokenizing when ``cache_dir`` cannot be created or written; ``key`` names the config
+    key in the message."""
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=cache_dir, prefix=".write-probe-"):
+            pass
+    except OSError as e:
+        if is_out_of_space(e):
+            raise out_of_space_error("creating the token cache", cache_dir) from None
+        raise ValueError(
+            f"{key}: cannot write the token cache at {cache_dir} ({e.strerror or e}); point {key} at a "
+            "writable directory"
+        ) from None
 
 
 def build_or_load_cache(
@@ -184,12 +279,14 @@ def build_or_load_cache(
     options: CacheOptions = CacheOptions(),
     embedded_dir: str | None = None,
     what: str = "train_urls",
+    cache_key: str = "cache_dir",
     progress: bool = True,
 ) -> TokenCache:
     """Open the finished cache at ``cache_dir``, or build (or resume building) it from ``urls``.
 
     ``urls`` are expanded by :func:`~levanter.data.sources.expand_urls` (``embedded://`` sources are
-    materialised under ``embedded_dir``); ``what`` names the config key in errors.
+    materialised under ``embedded_dir``); ``what`` names the config key of the inputs in errors and
+    ``cache_key`` that of the cache directory.
     """
     for u in urls:
         if u.startswith("embedded://"):
@@ -199,23 +296,47 @@ def build_or_load_cache(
     if ledger is not None:
         _check_metadata(cache_dir, ledger.metadata, wanted)
         if ledger.is_finished:
+            verify_inputs(cache_dir, ledger, urls, what=what)
             return TokenCache.open(cache_dir)
+    check_writable(cache_dir, cache_key)
+    try:
+        return _build(urls, cache_dir, tokenizer, ledger, wanted, text_key=text_key, enforce_eos=enforce_eos,
+                      options=options, embedded_dir=embedded_dir, what=what, progress=progress)
+    except OutOfSpaceError:
+        raise
+    except Exception as e:
+        # tensorstore reports a full disk as a ValueError; neither it nor the OSError of a ledger save is
+        # the config's fault, and the ledger never counts rows whose writes failed.
+        if is_out_of_space(e):
+            raise out_of_space_error("building the token cache", cache_dir) from None
+        raise
+
+
+def _build(urls, cache_dir, tokenizer, ledger, wanted, *, text_key, enforce_eos, options, embedded_dir, what,
+           progress) -> TokenCache:
     # A build killed inside a ledger save leaves its temporary file behind; the resumed build must end
     # byte-identical to an uninterrupted one, so clear it.
     remove_stale_temporaries(cache_dir, "shard_ledger.json")
     shards = expand_urls(urls, embedded_dir=embedded_dir, what=what)
     if ledger is not None:
-        if ledger.metadata.get("shards") != shards:
+        changed = _resume_mismatch(ledger, urls, shards, what)
+        if changed is not None and ledger.total_tokens == 0:
+            # Nothing of value was committed (e.g. a build that found no text): start again from the
+            # current files rather than make the user delete the directory.
+            logger.info("restarting the cache build at %s: %s", cache_dir, changed)
+            ledger = None
+        elif changed is not None:
             raise CacheMismatchError(
-                f"the input files of {what} changed since the interrupted cache build at {cache_dir!r} "
-                f"(was {ledger.metadata.get('shards')}, now {shards}); delete the cache directory to rebuild"
+                f"the input files of {what} changed since the interrupted cache build at {cache_dir!r}: "
+                f"{changed}. Delete {cache_dir} to rebuild it from the current files."
             )
-        logger.info("resuming the cache build at %s from %d documents", cache_dir, ledger.total_rows)
-    else:
+        else:
+            logger.info("resuming the cache build at %s from %d documents", cache_dir, ledger.total_rows)
+    if ledger is None:
         os.makedirs(cache_dir, exist_ok=True)
         ledger = CacheLedger(
             shard_rows={}, shard_docs={}, finished_shards=[], total_rows=0, total_tokens=0, is_finished=False,
-            metadata={**wanted, "shards": shards},
+            metadata={**wanted, "shards": shards, "inputs": _input_identities(urls, shards, what)},
         )
         ledger.save(cache_dir)
     store = JaggedArrayStore.open(os.path.join(cache_dir, "input_ids"), mode="a", num_rows=ledger.total_rows)
@@ -248,10 +369,10 @@ def build_or_load_cache(
     use_pool = workers > 1 and _total_bytes(todo) >= options.min_bytes_for_pool
 
     def tasks():
-        """``(shard, first_doc, docs)`` in commit order; ``docs`` None marks the end of a shard."""
+        """``(shard, locations, docs)`` in commit order; ``docs`` None marks the end of a shard."""
         for shard in todo:
-            for first, docs in _doc_batches(shard, text_key, ledger.shard_docs.get(shard, 0), options.batch_size):
-                yield shard, first, docs
+            for where, docs in _doc_batches(shard, text_key, ledger.shard_docs.get(shard, 0), options.batch_size):
+                yield shard, where, docs
             yield shard, None, None
 
     def finish_shard(shard: str) -> None:
@@ -263,17 +384,17 @@ def build_or_load_cache(
     pool = None
     try:
         if not use_pool:
-            for shard, first, docs in tasks():
+            for shard, where, docs in tasks():
                 if docs is None:
                     finish_shard(shard)
                 else:
-                    commit(shard, *_encode(tokenizer, eos, docs, shard, first))
+                    commit(shard, *_encode(tokenizer, eos, docs, shard, where))
         else:
             pool = cf.ProcessPoolExecutor(
                 max_workers=workers,
                 mp_context=multiprocessing.get_context("spawn"),
                 initializer=_init_worker,
-                initargs=(tokenizer, eos),
+                initargs=(tokenizer, eos, os.getpid()),
             )
             # One pool for all shards and a bounded window of tasks, committed strictly in order.
             in_flight: deque = deque()
@@ -285,13 +406,20 @@ def build_or_load_cache(
                 else:
                     commit(shard, *fut.result())
 
-            for shard, first, docs in tasks():
-                fut = None if docs is None else pool.submit(_encode_in_worker, docs, shard, first)
+            for shard, where, docs in tasks():
+                fut = None if docs is None else pool.submit(_encode_in_worker, docs, shard, where)
                 in_flight.append((shard, fut))
                 while sum(f is not None for _, f in in_flight) > 2 * workers:
                     drain_one()
             while in_flight:
                 drain_one()
+        if ledger.total_tokens == 0:
+            # A finished empty cache would be reused as is after the files are fixed; left unfinished,
+            # the next run restarts it from the current files.
+            raise SourceError(
+                f"{what}: no text in {_describe(list(shards))}: the cache build produced 0 tokens. Check "
+                "the files (and text_key); the next run rebuilds the cache."
+            )
         store.finalize()
         fault_point("cache_after_finalize")
         ledger.is_finished = True
@@ -302,3 +430,17 @@ def build_or_load_cache(
         if bar is not None:
             bar.close()
     return TokenCache.open(cache_dir)
+
+
+def _resume_mismatch(ledger: CacheLedger, urls: Sequence[str], shards: list[str], what: str) -> str | None:
+    """How the inputs of an interrupted build differ from ``shards`` (None: they match)."""
+    before = ledger.metadata.get("shards") or []
+    if before != shards:
+        changes = [f"new file {p}" for p in shards if p not in before]
+        changes += [f"{p} is gone" for p in before if p not in shards]
+        return _describe(changes or [f"the shard order changed (was {before}, now {shards})"])
+    recorded = ledger.metadata.get("inputs")
+    if recorded is None:
+        return None
+    changes = [c for p, old in recorded.items() if p in shards and (c := _identity_change(p, old)) is not None]
+    return _describe(changes) if changes else None

@@ -142,7 +142,7 @@ class CacheLedger:
         try:
             with open(path, "rb") as f:
                 raw = f.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # no cache there (yet); writing it will say why not
             return None
         try:
             text = raw.decode("utf-8")
