@@ -352,3 +352,263 @@ def test_corrupt_ledger_raises_clear_error(tmp_path, mutate, message):
         CacheLedger.load(tmp_path)
     assert path in str(info.value) and "Delete the cache directory" in str(info.value)
     assert isinstance(info.value, ValueError)
+
+
+# -- integrity: missing chunks, checksums, damaged stores, storage errors ---------------------------
+
+
+def _chunk_files(store_dir, array="data"):
+    d = os.path.join(store_dir, array, "c")
+    return sorted((os.path.join(d, f) for f in os.listdir(d)), key=lambda p: int(os.path.basename(p)))
+
+
+def _flip_byte(path, at=3):
+    data = bytearray(open(path, "rb").read())
+    data[at] ^= 0x10
+    open(path, "wb").write(bytes(data))
+
+
+def _every_read_path(store, starts, length):
+    """Each way a store is read, as a thunk returning what it read."""
+    from levanter.store.jagged_array import read_blocks, read_stacked
+
+    rows = list(range(store.num_rows))
+    return {
+        "read_rows": lambda: run(store.read_rows(rows)),
+        "read_rows_sync": lambda: store.read_rows_sync(rows),
+        "read_windows": lambda: run(store.read_windows(starts, length)),
+        "read_windows_sync": lambda: store.read_windows_sync(starts, length),
+        "read_stacked": lambda: read_stacked(store.window_views(starts, length)).result(),
+        "read_blocks": lambda: read_blocks([store.window_block(starts, length)]).result(),
+    }
+
+
+def test_a_missing_chunk_is_an_error_on_every_read_path(tmp_path):
+    rows = [np.arange(1, 41, dtype=np.int32) + 100 * i for i in range(10)]  # no token is 0
+    build(tmp_path / "s", [rows])
+    store = JaggedArrayStore.open(tmp_path / "s", mode="r")
+    starts = np.arange(0, 380, 20)
+    before = {name: read() for name, read in _every_read_path(store, starts, 20).items()}
+    victim = _chunk_files(tmp_path / "s")[5]  # elements 80..95: inside every read above
+    os.remove(victim)
+    for name, read in _every_read_path(store, starts, 20).items():
+        with pytest.raises(ValueError, match=r"NOT_FOUND.*" + victim) as info:
+            read()
+        assert "is missing" in str(info.value), name
+    # An offsets chunk too: rows 8..15 end in offsets chunk 1.
+    os.remove(_chunk_files(tmp_path / "s", "offsets")[1])
+    with pytest.raises(ValueError, match="NOT_FOUND"):
+        run(store.read_offsets([9]))
+    assert all(len(v) for v in before.values())
+
+
+def test_chunks_equal_to_the_fill_value_are_stored_and_read_back(tmp_path):
+    # Whole chunks of token 0 (and of offset 0: empty rows) must exist on disk, or a strict reader
+    # would take them for missing.
+    rows = [np.zeros(0, np.int32)] * 9 + [np.zeros(64, np.int32), np.arange(5, dtype=np.int32)]
+    build(tmp_path / "z", [rows])
+    assert len(_chunk_files(tmp_path / "z")) == 5 and len(_chunk_files(tmp_path / "z", "offsets")) == 2
+    store = JaggedArrayStore.open(tmp_path / "z", mode="r", num_rows=len(rows))
+    for got, want in zip(store.read_rows_sync(range(len(rows))), rows):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_sparse_capacity_of_an_unfinalized_store_reads_and_resumes(tmp_path):
+    # Capacity past the committed end was never written: reading committed rows must not touch it, and
+    # a resumed build still ends byte-identical to a clean one.
+    rows = ragged_rows(100, seed=9)
+    build(tmp_path / "clean", [rows])
+    s = JaggedArrayStore.open(tmp_path / "grow", mode="w", **SMALL)
+    s.append(rows[:60])
+    reader = JaggedArrayStore.open(tmp_path / "grow", mode="r", num_rows=60)
+    for got, want in zip(reader.read_rows_sync(range(60)), rows):
+        np.testing.assert_array_equal(got, want)
+    n = reader.data_size // 16 * 16
+    np.testing.assert_array_equal(reader.read_windows_sync([0], n)[0], np.concatenate(rows[:60])[:n])
+    resumed = JaggedArrayStore.open(tmp_path / "grow", mode="a", num_rows=60)
+    resumed.append(rows[60:])
+    resumed.finalize()
+    assert tree_bytes(tmp_path / "grow") == tree_bytes(tmp_path / "clean")
+
+
+@pytest.mark.parametrize("codec, chain", [(None, ["bytes", "crc32c"]), ("zstd", ["bytes", "zstd", "crc32c"])])
+def test_new_stores_checksum_every_chunk(tmp_path, codec, chain):
+    from levanter.store.jagged_array import storage_fault
+
+    rows = ragged_rows(80, seed=10)
+    build(tmp_path / "s", [rows], codec=codec)
+    for array in ("data", "offsets"):
+        meta = json.load(open(tmp_path / "s" / array / "zarr.json"))
+        assert [c["name"] for c in meta["codecs"]] == chain
+    store = JaggedArrayStore.open(tmp_path / "s", mode="r", num_rows=80)
+    victim = _chunk_files(tmp_path / "s")[2]
+    _flip_byte(victim)
+    # The checksum is verified as the chunk streams through the codecs: a compressed chunk may fail to
+    # decompress first (FAILED_PRECONDITION). Either way the read fails and the chunk counts as corrupt.
+    with pytest.raises(ValueError, match="DATA_LOSS" if codec is None else "DATA_LOSS|FAILED_PRECONDITION") as info:
+        store.read_windows_sync([32], 16)
+    fault = storage_fault(info.value)
+    assert fault.chunk == victim and fault.damaged and fault.cache == str(tmp_path / "s")
+    if codec is None:
+        assert fault.what() == f"chunk {victim} is corrupt (checksum mismatch)"
+    # Chunks that were not touched still read.
+    np.testing.assert_array_equal(store.read_windows_sync([0], 16)[0], np.concatenate(rows)[:16])
+
+
+def test_stores_written_without_checksums_still_read_and_append(tmp_path):
+    """A store as written before checksums (codecs ``[bytes]``, all-fill chunks left out) opens, reads and
+    grows in its own format."""
+    import tensorstore as ts
+
+    rows = ragged_rows(30, seed=11)
+    flat = np.concatenate(rows)
+    ends = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64)
+    for array, values, chunk in (("data", flat, 16), ("offsets", ends, 8)):
+        metadata = {
+            "shape": [len(values)],
+            "data_type": values.dtype.name,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [chunk]}},
+            "chunk_key_encoding": {"name": "default"},
+            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+            "fill_value": 0,
+        }
+        kv = {"driver": "file", "path": str(tmp_path / "old" / array) + "/"}
+        arr = ts.open({"driver": "zarr3", "kvstore": kv, "metadata": metadata}, create=True).result()
+        arr.write(values).result()
+    store = JaggedArrayStore.open(tmp_path / "old", mode="r", num_rows=30)
+    for got, want in zip(run(store.read_rows(range(30))), rows):
+        np.testing.assert_array_equal(got, want)
+    grown = JaggedArrayStore.open(tmp_path / "old", mode="a", num_rows=30)
+    grown.append([np.arange(7)])
+    grown.finalize()
+    assert [c["name"] for c in json.load(open(tmp_path / "old" / "data" / "zarr.json"))["codecs"]] == ["bytes"]
+    (last,) = JaggedArrayStore.open(tmp_path / "old", mode="r").read_rows_sync([30])
+    np.testing.assert_array_equal(last, np.arange(7))
+
+
+def _cache_like(tmp_path, n=40):
+    """A store inside a directory with a ledger file, as in a token cache: damage names that directory."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / LEDGER_FILENAME).write_text("{}")
+    build(cache / "input_ids", [ragged_rows(n, seed=12)])
+    return cache, cache / "input_ids"
+
+
+@pytest.mark.parametrize(
+    "damage, what",
+    [
+        (lambda s: os.remove(_chunk_files(s)[1]), "chunk file {s}/data/c/1 is missing"),
+        (lambda s: [os.remove(p) for p in _chunk_files(s)[:5]], "chunk files {s}/data/c/0, {s}/data/c/1, "
+                                                                  "{s}/data/c/2 and 2 more are missing"),
+        (lambda s: os.remove(_chunk_files(s, "offsets")[-1]), "chunk file {s}/offsets/c/5 is missing"),
+        (lambda s: os.remove(s / "data" / "zarr.json"), "{s}/data/zarr.json is missing"),
+        (lambda s: (s / "offsets" / "zarr.json").write_text('{"zarr_format": 3, "sh'),
+         "{s}/offsets/zarr.json cannot be read: Invalid JSON"),
+    ],
+    ids=["data-chunk", "many-chunks", "offsets-chunk", "zarr-json", "corrupt-zarr-json"],
+)
+def test_a_damaged_store_is_refused_at_open_naming_the_cache(tmp_path, damage, what):
+    from levanter.store.jagged_array import DamagedStoreError
+
+    cache, store = _cache_like(tmp_path)
+    damage(store)
+    with pytest.raises(DamagedStoreError) as info:
+        JaggedArrayStore.open(store, mode="r", num_rows=40)
+    assert str(info.value) == f"the cache at {cache} is damaged ({what.format(s=store)}); delete it to rebuild"
+    assert isinstance(info.value, ValueError)  # a user-fixable input: the CLIs exit with 2
+
+
+@pytest.mark.parametrize(
+    "text, code, retried, chunk",
+    [
+        ('NOT_FOUND: chunk {3} stored at local file "/c/input_ids/data/c/3" is missing',
+         "NOT_FOUND", True, "/c/input_ids/data/c/3"),
+        ('DATA_LOSS: Error reading local file "/c/s/data/c/0": Digest mismatch, stored digest is 0x1',
+         "DATA_LOSS", True, "/c/s/data/c/0"),
+        ('PERMISSION_DENIED: Error opening file "/c/s/data/c/2" [os_error_code=\'13\']',
+         "PERMISSION_DENIED", True, "/c/s/data/c/2"),
+        ('UNAVAILABLE: Error reading "gs://b/c/s/data/c/7": 503 [source locations=\'x\']',
+         "UNAVAILABLE", True, "gs://b/c/s/data/c/7"),
+        ("DEADLINE_EXCEEDED: timed out", "DEADLINE_EXCEEDED", True, None),
+        ("INVALID_ARGUMENT: Cannot broadcast array of shape {3} to {4}", None, False, None),
+        ("OUT_OF_RANGE: Index 9 is outside valid range [0, 8)", None, False, None),
+        ("INTERNAL: assertion failed", None, False, None),
+        ("row 43 is malformed", None, False, None),
+    ],
+)
+def test_storage_errors_are_classified(text, code, retried, chunk):
+    from levanter.data.loader import is_transient
+    from levanter.store.jagged_array import storage_fault
+
+    fault = storage_fault(ValueError(text))
+    assert (fault.code if fault else None) == code
+    assert is_transient(ValueError(text)) == retried
+    if fault is not None:
+        assert fault.chunk == chunk
+        assert "source locations" not in fault.detail and "os_error_code" not in fault.detail
+
+
+def test_a_chunk_that_vanishes_for_a_moment_is_retried_and_the_batches_are_unchanged(tmp_path, caplog):
+    """The loader's view of a real fault: a chunk renamed away while the loader reads, and put back once
+    a read has failed on it. The failed step is read again and every batch equals an undisturbed run's."""
+    import logging
+
+    from levanter.data.loader import DataLoader
+    from levanter.data.text import TokenSeqDataset
+
+    cache, store_dir = _cache_like(tmp_path, n=300)
+    store = JaggedArrayStore.open(store_dir, mode="r", num_rows=300)
+    ds = TokenSeqDataset(store, 16)
+    steps = len(ds) // 4
+
+    def batches():
+        loader = DataLoader(ds, 4, prefetch_depth=0, retries=4, retry_backoff=0.01)
+        return [np.asarray(b.data) for b in loader.iter_from_step(0, steps)]
+
+    clean = batches()
+    victims = _chunk_files(store_dir)[3:5]
+    for v in victims:
+        os.rename(v, v + ".away")
+
+    class PutBack(logging.Handler):
+        def emit(self, record):
+            if "transient error" in record.getMessage():
+                for v in victims:
+                    if os.path.exists(v + ".away"):
+                        os.rename(v + ".away", v)
+
+    handler = PutBack()
+    logging.getLogger("levanter.data.loader").addHandler(handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="levanter.data.loader"):
+            disturbed = batches()
+    finally:
+        logging.getLogger("levanter.data.loader").removeHandler(handler)
+    retried = [r for r in caplog.records if "transient error" in r.getMessage()]
+    assert len(retried) == 1 and "NOT_FOUND" in retried[0].getMessage()
+    assert len(disturbed) == len(clean) == steps
+    for a, b in zip(disturbed, clean):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_chunk_that_stays_missing_is_one_error_naming_cache_chunk_and_step(tmp_path):
+    from levanter.data.loader import DataLoader, DataLoadError
+    from levanter.data.text import TokenSeqDataset
+
+    cache, store_dir = _cache_like(tmp_path, n=300)
+    store = JaggedArrayStore.open(store_dir, mode="r", num_rows=300)
+    ds = TokenSeqDataset(store, 16)
+    victim = _chunk_files(store_dir)[6]  # elements 96..111: windows 6, step 1 at 4 windows a step
+    os.remove(victim)
+    loader = DataLoader(ds, 4, prefetch_depth=2, retries=3, retry_backoff=0.01)
+    got = []
+    with pytest.raises(DataLoadError) as info:
+        for b in loader.iter_from_step(0, 10):
+            got.append(b.step)
+    assert got == [0]
+    assert str(info.value) == (
+        f"data loading failed at step 1 for global indices 4..7 (4 rows): chunk {victim} of the cache at "
+        f"{cache} is missing, still after 4 attempts over {info.value.seconds:.1f} s. The cache is damaged: "
+        f"delete {cache} to rebuild it."
+    )

@@ -115,7 +115,11 @@ class DataLoadError(RuntimeError):
     ):
         self.step = step
         self.indices = np.asarray(indices)
-        self.fault: StorageFault | None = storage_fault(cause) if is_transient(cause) else None
+        self.seconds = seconds
+        fault = storage_fault(cause) if is_transient(cause) else None
+        if fault is not None and fault.chunk is None and not isinstance(cause, ValueError):
+            fault = None  # an OSError that names no file: its own text says more than a guess would
+        self.fault: StorageFault | None = fault
         tries = f"{attempts} attempt{'s' if attempts > 1 else ''}"
         if self.fault is not None:
             f = self.fault
