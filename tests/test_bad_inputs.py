@@ -444,6 +444,25 @@ CASES: list[Case] = [
          ["$TMP/ckpt/bad/step-2", "step 2", "No space left on device"], patch=disk_full, after=no_checkpoint_left,
          needs=["cache"]),
     # ------------------------------------------------------------------------------------ cache reads
+    Case("cache-data-chunk-deleted", "cache reads", "a finished cache with one token chunk file deleted", 2,
+         ["the cache at $TMP/cache/train is damaged", "$TMP/cache/train/input_ids/data/c/2 is missing",
+          "delete it to rebuild"], args=["--data.cache_dir", "$TMP/cache"], needs=["cache"],
+         setup=lambda t, s: (copy_cache(t, s), os.remove(t / "cache/train/input_ids/data/c/2"))),
+    Case("cache-chunk-bit-flipped", "cache reads", "a finished cache with a flipped bit in its token chunks", 1,
+         ["step 0", "chunk $TMP/cache/train/input_ids/data/c/", "of the cache at $TMP/cache/train",
+          "checksum mismatch", "delete $TMP/cache/train to rebuild it"],
+         args=["--data.cache_dir", "$TMP/cache"], needs=["cache"],
+         setup=lambda t, s: (copy_cache(t, s), [
+             p.write_bytes(p.read_bytes()[:9] + bytes([p.read_bytes()[9] ^ 4]) + p.read_bytes()[10:])
+             for p in (t / "cache/train/input_ids/data/c").iterdir()])),
+    Case("cache-offsets-chunk-deleted", "cache reads", "a finished cache with its offsets chunk file deleted", 2,
+         ["the cache at $TMP/cache/train is damaged", "$TMP/cache/train/input_ids/offsets/c/0 is missing",
+          "delete it to rebuild"], args=["--data.cache_dir", "$TMP/cache"], needs=["cache"],
+         setup=lambda t, s: (copy_cache(t, s), os.remove(t / "cache/train/input_ids/offsets/c/0"))),
+    Case("cache-zarr-json-deleted", "cache reads", "a finished cache whose token array lost its `zarr.json`", 2,
+         ["the cache at $TMP/cache/train is damaged", "$TMP/cache/train/input_ids/data/zarr.json is missing",
+          "delete it to rebuild"], args=["--data.cache_dir", "$TMP/cache"], needs=["cache"],
+         setup=lambda t, s: (copy_cache(t, s), os.remove(t / "cache/train/input_ids/data/zarr.json"))),
     # ------------------------------------------------------------------------- inputs and cache builds
     # ---------------------------------------------------------------------------- runs and checkpoints
     # -------------------------------------------------------------------------------- training values
