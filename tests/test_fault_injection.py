@@ -8,6 +8,9 @@
 * flaky storage: ~10% of reads fail with transient errors, the loader retries and yields exactly the
   fault-free batches; a permanent error (or transient errors beyond ``retries``) is a DataLoadError
   naming the step and the indices, raised at that step;
+* cache chunks that vanish or fail their checksum while a real run reads them: put back after the first
+  failed read, the run retries and its losses equal an undisturbed run's; gone for good, the run stops
+  with one DataLoadError naming the step, the chunk and the cache to delete;
 * a non-finite loss: stops the run (FloatingPointError naming the step) by default, or with
   crash_on_nan/crash_on_inf off the bad steps are skipped (logged as train/skipped_step = 1) and the
   parameters never change at those steps nor become NaN.
@@ -20,6 +23,7 @@ import asyncio
 import dataclasses
 import importlib.util
 import json
+import logging
 import os
 import queue
 import random
@@ -709,4 +713,110 @@ def test_non_finite_steps_are_skipped_when_allowed(tmp_path, monkeypatch):
     # ...while a good step does change the parameters.
     assert any(states[1][n].tobytes() != states[2][n].tobytes() for n in states[1] if n.startswith("model/"))
     print(f"\nskipped steps {sorted(poison)} (NaN, inf), parameters finite and untouched there "
+          f"({time.monotonic() - t0:.1f} s)")
+
+
+# ---------------------------------------------------------------------------------------------------
+# 5. Cache chunks that vanish or go bad while a run reads them
+# ---------------------------------------------------------------------------------------------------
+class _OnLog(logging.Handler):
+    """Runs ``action`` (once) when a record whose message contains ``text`` is logged -- synchronously, in
+    the thread that logs it, so the fault lands at a known point of the real run."""
+
+    def __init__(self, text, action):
+        super().__init__()
+        self.text, self.action, self.fired = text, action, 0
+
+    def emit(self, record):
+        if not self.fired and self.text in record.getMessage():
+            self.fired += 1
+            self.action()
+
+
+class _ChunkFaults:
+    """Takes a cache's token chunks away -- the even ones vanish, the odd ones are replaced by a copy with
+    a flipped bit -- and puts the originals back."""
+
+    def __init__(self, cache_dir):
+        self.dir = os.path.join(cache_dir, "input_ids", "data", "c")
+        self.away = os.path.join(cache_dir, "chunks-away")
+        self.chunks = sorted(os.listdir(self.dir), key=int)
+
+    def take_away(self):
+        os.makedirs(self.away)
+        for name in self.chunks:
+            os.rename(os.path.join(self.dir, name), os.path.join(self.away, name))
+            if int(name) % 2:
+                data = bytearray(open(os.path.join(self.away, name), "rb").read())
+                data[len(data) // 2] ^= 0x01
+                with open(os.path.join(self.dir, name), "wb") as f:
+                    f.write(bytes(data))
+
+    def put_back(self):
+        for name in self.chunks:
+            os.replace(os.path.join(self.away, name), os.path.join(self.dir, name))
+
+
+def _resumed_run(tmp_path, name, steps, from_ckpt, faults, *, restore):
+    """``train_lm.main`` of run ``name`` from checkpoint ``from_ckpt``: the chunks are taken away as the run
+    restores the checkpoint (after the cache was opened and checked, before the loader's first read), and
+    put back when the loader reports its first failed read if ``restore``."""
+    from levanter.main import train_lm
+
+    config = nan_config(tmp_path, name, steps=steps, crash=True)
+    config = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, load_checkpoint_path=from_ckpt))
+    take = _OnLog("resuming from checkpoint", faults.take_away)
+    back = _OnLog("transient error reading step", faults.put_back if restore else lambda: None)
+    loggers = [logging.getLogger("levanter.trainer"), logging.getLogger("levanter.data.loader")]
+    levels = [lg.level for lg in loggers]
+    for lg, h in zip(loggers, (take, back)):
+        lg.addHandler(h)
+        lg.setLevel(logging.INFO)
+    try:
+        return train_lm.main(config), take, back
+    finally:
+        for lg, h, level in zip(loggers, (take, back), levels):
+            lg.removeHandler(h)
+            lg.setLevel(level)
+
+
+@pytest.mark.slow
+def test_cache_chunks_failing_during_training_are_retried_or_stop_the_run(tmp_path):
+    """A real run whose cache chunks vanish or fail their checksum while the loader reads them: with the
+    chunks back after the first failed read, the run retries and its per-step losses are exactly those of
+    an undisturbed run (no batch of fill values was trained on); with the chunks gone for good, it stops
+    with one DataLoadError naming the step, the chunk and the cache, and saves nothing past it."""
+    from levanter.main import train_lm
+
+    t0 = time.monotonic()
+    steps, resume_at = 8, 3
+    out = train_lm.main(nan_config(tmp_path, "undisturbed", steps=steps, crash=True))
+    assert out["final_step"] == steps
+    reference = read_metrics(tmp_path, "undisturbed")
+    ckpt = str(tmp_path / "ckpt" / "undisturbed" / f"step-{resume_at}")
+    cache = str(tmp_path / "cache" / "train")
+    faults = _ChunkFaults(cache)
+    assert len(faults.chunks) >= 4, faults.chunks  # shuffled windows of every step touch several chunks
+
+    out, take, back = _resumed_run(tmp_path, "flaky", steps, ckpt, faults, restore=True)
+    assert take.fired == 1 and back.fired == 1, "the faults did not land where the run reads"
+    assert out["final_step"] == steps
+    flaky = read_metrics(tmp_path, "flaky")
+    assert sorted(flaky) == list(range(resume_at, steps))
+    for s in flaky:
+        assert flaky[s]["train/loss"] == reference[s]["train/loss"], f"step {s}: the retried run trained on other data"
+
+    shutil.rmtree(faults.away)
+    with pytest.raises(DataLoadError) as info:
+        _resumed_run(tmp_path, "gone", steps, ckpt, faults, restore=False)
+    msg = str(info.value)
+    assert info.value.step == resume_at and f"data loading failed at step {resume_at} " in msg, msg
+    assert re.search(rf"chunk {re.escape(faults.dir)}/\d+ of the cache at {re.escape(cache)} is "
+                     r"(missing|corrupt \(checksum mismatch\))", msg), msg
+    assert msg.endswith(f"The cache is damaged: delete {cache} to rebuild it."), msg
+    saved = os.listdir(tmp_path / "ckpt" / "gone") if os.path.exists(tmp_path / "ckpt" / "gone") else []
+    assert not [d for d in saved if d.startswith("step-")], saved  # nothing trained, nothing saved
+    logged = tmp_path / "logs" / "gone" / "metrics.jsonl"
+    assert not logged.exists() or not read_metrics(tmp_path, "gone")
+    print(f"\nchunks vanished/corrupted for one read: retried, losses identical; gone for good: one error "
           f"({time.monotonic() - t0:.1f} s)")
