@@ -246,6 +246,66 @@ CASES: list[Case] = [
          2, ["trainer.per_device_parallelism=3", "24", "16"],
          args=["--trainer.train_batch_size", "16", "--trainer.per_device_parallelism", "3"]),
     Case("batch-schedule-not-at-0", "trainer", "a batch-size schedule whose first entry starts at step 5", 2,
+# -- inputs and cache builds: files and faults ----------------------------------------------------------
+def build_then_edit(before: dict, after: dict) -> Callable[[Path, Path], None]:
+    """Write ``before``, build the case's caches from them (a finished cache), then write ``after``."""
+
+    def setup(tmp: Path, shared: Path) -> None:
+        write_files(before)(tmp, shared)
+        cache_dataset.main(cache_dataset.load_data_config(str(tmp / "config.yaml")))
+        write_files(after)(tmp, shared)
+
+    return setup
+
+
+def zstd_cut(text: str, keep: float) -> bytes:
+    """``text`` zstd-compressed, keeping the first ``keep`` fraction of the stream (an interrupted copy)."""
+    import zstandard
+
+    blob = zstandard.ZstdCompressor().compress(text.encode())
+    return blob[: int(len(blob) * keep)]
+
+
+TS_NO_SPACE = ("UNKNOWN: Error writing local file \"{path}/c/0\": Failed to write 4096 bytes: No space left "
+               "on device [os_error_code='28'] [source locations='tensorstore/internal/os/file_util_posix.cc:412']")
+
+
+def cache_disk_full(mp: pytest.MonkeyPatch) -> None:
+    """The cache store's third write fails as tensorstore reports a full disk."""
+    from levanter.store.jagged_array import JaggedArrayStore
+
+    real, calls = JaggedArrayStore.append_flat, []
+
+    def append_flat(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) >= 3:
+            raise ValueError(TS_NO_SPACE.format(path="cache/train/input_ids/data"))
+        return real(self, *args, **kwargs)
+
+    mp.setattr(JaggedArrayStore, "append_flat", append_flat)
+
+
+def cache_unfinished(rows: int) -> Callable[[Path, Path], None]:
+    """The case's train cache is not finished and its ledger counts ``rows`` rows (those that landed)."""
+
+    def check(tmp: Path, shared: Path) -> None:
+        from levanter.store.ledger import CacheLedger
+
+        ledger = CacheLedger.load(tmp / "cache" / "train")
+        assert ledger is not None and not ledger.is_finished and ledger.total_rows == rows, ledger
+
+    return check
+
+
+SMALL_BATCHES = ("cache_options: {num_workers: 1}", "cache_options: {num_workers: 1, batch_size: 8}")
+# Varied and long enough (~220 kB) that zstd writes several blocks: a cut stream decodes to whole lines and
+# a partial one.
+LONG_JSONL = "".join(
+    json.dumps({"text": " ".join(str((i * 7919 + j * 104729) % 100003) for j in range(60))}) + "\n"
+    for i in range(600)
+)
+
+
          ["trainer.train_batch_size", "step 0", "start=5"],
          args=["--trainer.train_batch_size", "[{start: 5, value: 8}]"]),
     Case("batch-schedule-not-increasing", "trainer", "batch-size schedule starts that go backwards", 2,
@@ -374,12 +434,12 @@ CASES: list[Case] = [
          yaml=edit(files_data('["$TMP/ids.jsonl"]'), "tokenizer: byte", "tokenizer: passthrough\n  vocab_size: 300"),
          setup=write_files({"ids.jsonl": '{"text": [1, 2, 3]}\n'})),
     Case("passthrough-id-too-big", "files and caches", "pre-tokenized ids beyond `vocab_size`", 2,
-         ["$TMP/ids.jsonl", "document 1", "out of range", "300"],
+         ["$TMP/ids.jsonl, line 2", "out of range", "300"],
          yaml=edit(files_data('["$TMP/ids.jsonl"]'), "tokenizer: byte",
                    "tokenizer: passthrough\n  vocab_size: 300\n  enforce_eos: false"),
          setup=write_files({"ids.jsonl": '{"text": [1, 2, 3]}\n{"text": [5, 299, 300]}\n'})),
     Case("passthrough-given-text", "files and caches", "text files with `tokenizer: passthrough`", 2,
-         ["$TMP/data.jsonl", "document 0", "list of token ids"],
+         ["$TMP/data.jsonl, line 1", "list of token ids"],
          yaml=edit(files_data('["$TMP/data.jsonl"]'), "tokenizer: byte",
                    "tokenizer: passthrough\n  vocab_size: 300\n  enforce_eos: false"),
          setup=write_files({"data.jsonl": GOOD_JSONL})),
@@ -496,6 +556,46 @@ def run_case(case: Case, tmp: Path, shared: Path, capsys, monkeypatch) -> tuple[
     with pytest.raises(SystemExit) as exc:
         ENTRIES[case.entry](argv)
     if case.needs:
+    Case("input-edited-after-cache", "inputs and cache builds",
+         "an input file edited after its cache was built (40 documents, then 120)", 2,
+         ["data.train_urls", "$TMP/data.jsonl changed size", "delete $TMP/cache/train"],
+         yaml=files_data('["$TMP/data.jsonl"]'),
+         setup=build_then_edit({"data.jsonl": GOOD_JSONL}, {"data.jsonl": GOOD_JSONL * 3})),
+    Case("glob-gained-a-shard", "inputs and cache builds",
+         "a new shard matching the glob of a finished cache", 2,
+         ["data.train_urls", "new file $TMP/shards/b.jsonl", "delete $TMP/cache/train"],
+         yaml=files_data('["$TMP/shards/*.jsonl"]'),
+         setup=build_then_edit({"shards/a.jsonl": GOOD_JSONL}, {"shards/b.jsonl": GOOD_JSONL})),
+    Case("truncated-zstd", "inputs and cache builds",
+         "a `.jsonl.zst` shard cut in half (interrupted download)", 2,
+         ["$TMP/data.jsonl.zst", "the file is truncated"], yaml=files_data('["$TMP/data.jsonl.zst"]'),
+         setup=lambda t, s: _write(t / "data.jsonl.zst", zstd_cut(GOOD_JSONL, 0.5)),
+         after=cache_unfinished(0)),
+    Case("truncated-zstd-mid-line", "inputs and cache builds", "a `.jsonl.zst` shard cut inside a line", 2,
+         ["$TMP/data.jsonl.zst", "the file is truncated"], entry="cache_dataset", yaml=files_data('["$TMP/data.jsonl.zst"]'),
+         setup=lambda t, s: _write(t / "data.jsonl.zst", zstd_cut(LONG_JSONL, 0.9))),
+    Case("json-array-not-lines", "inputs and cache builds", "a `.json` file holding one JSON array", 2,
+         ["$TMP/data.json, line 1", "one JSON object per line"], yaml=files_data('["$TMP/data.json"]'),
+         setup=write_files({"data.json": json.dumps([{"text": "a"}, {"text": "b"}], indent=1)})),
+    Case("train-url-directory", "inputs and cache builds", "a directory listed in `train_urls`", 2,
+         ["data.train_urls", "'$TMP/shards' is a directory", "$TMP/shards/*.jsonl"],
+         yaml=files_data('["$TMP/shards"]'), setup=write_files({"shards/a.jsonl": GOOD_JSONL})),
+    Case("input-without-text", "inputs and cache builds",
+         "an input file with no documents (blank lines only)", 2,
+         ["data.train_urls", "no text in $TMP/data.jsonl", "0 tokens"], yaml=files_data('["$TMP/data.jsonl"]'),
+         setup=write_files({"data.jsonl": "\n\n"}), after=cache_unfinished(0)),
+    Case("cache-dir-unwritable", "inputs and cache builds", "a `cache_dir` under a regular file", 2,
+         ["data.cache_dir", "$TMP/afile/cache/train", "Not a directory"],
+         args=["--data.cache_dir", "$TMP/afile/cache"], setup=block_checkpoint_dir),
+    Case("disk-full-cache-build", "inputs and cache builds",
+         "the disk fills up while `train_lm` builds a cache", 74,
+         ["out of disk space while building the token cache at $TMP/cache/train", "No space left on device"],
+         yaml=edit(files_data('["$TMP/data.jsonl"]'), *SMALL_BATCHES),
+         setup=write_files({"data.jsonl": GOOD_JSONL}), patch=cache_disk_full, after=cache_unfinished(16)),
+    Case("disk-full-cache-dataset", "inputs and cache builds", "the disk fills up during `cache_dataset`", 74,
+         ["out of disk space while building the token cache at $TMP/cache/train", "No space left on device"],
+         entry="cache_dataset", yaml=edit(files_data('["$TMP/data.jsonl"]'), *SMALL_BATCHES),
+         setup=write_files({"data.jsonl": GOOD_JSONL}), patch=cache_disk_full, after=cache_unfinished(16)),
         time.sleep(0.1)  # a background thread's late traceback (e.g. from an I/O callback) lands in stderr
     return exc.value.code, capsys.readouterr().err
 

@@ -323,7 +323,7 @@ def test_interrupted_build_over_an_edited_file_is_refused(tmp_path):
         _build(shards, out)
 
 
-# -- builds that produce nothing ------------------------------------------------------------------------------
+# -- builds that produce nothing -----------------------------------------------------------------------
 def test_build_with_no_text_is_not_left_finished_and_is_rebuilt_once_fixed(tmp_path):
     p = tmp_path / "data.jsonl"
     p.write_text("\n\n", encoding="utf-8")

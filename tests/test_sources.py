@@ -137,7 +137,8 @@ def test_device_columns_equal_host_columns_on_every_short_pattern(eos):
 
 
 def _varied_jsonl(n=200):
-    return "".join(json.dumps({"text": " ".join(str(i * j) for j in range(60))}) + "\n" for i in range(n)).encode()
+    lines = (json.dumps({"text": " ".join(str(i * j) for j in range(60))}) + "\n" for i in range(n))
+    return "".join(lines).encode()
 
 
 @pytest.mark.parametrize("cut", ["half", "mid_line", "one_byte_short"])

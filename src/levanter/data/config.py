@@ -123,7 +123,9 @@ class LMTaskConfig:
             if getattr(self, name) is not None:
                 raise ValueError(f"data.{name} is not supported by this fork yet; remove it from the config")
 
-    def _cache(self, source: LMDatasetSourceConfig, cache_dir: str, split: str, tokenizer, what: str):
+    def _cache(
+        self, source: LMDatasetSourceConfig, cache_dir: str, split: str, tokenizer, what: str, cache_key: str
+    ):
         from ..store.cache import CacheOptions, build_or_load_cache
 
         urls = source.urls(split)
@@ -138,10 +140,16 @@ class LMTaskConfig:
             options=CacheOptions(self.cache_options.num_workers, self.cache_options.batch_size, self.cache_options.min_bytes_for_pool),
             embedded_dir=os.path.join(cache_dir, "_embedded"),
             what=what,
+            cache_key=cache_key,
         )
 
-    def _check_source_inputs(self, source: LMDatasetSourceConfig, cache_dir: str, what: str) -> None:
-        """Fail fast on missing files / empty globs, unless a finished cache makes the files unnecessary."""
+    def _check_source_inputs(
+        self, source: LMDatasetSourceConfig, cache_dir: str, what: str, cache_key: str
+    ) -> None:
+        """Before any cache is built: missing files, empty globs and directories among the inputs, and an
+        unwritable cache directory, for caches still to be built; for finished ones, inputs that changed
+        since (a finished cache needs no files, but must not be served over edited ones)."""
+        from ..store.cache import check_writable, verify_inputs
         from ..store.ledger import CacheLedger
 
         if source.id is not None:
@@ -156,11 +164,14 @@ class LMTaskConfig:
             for u in urls:
                 if u.startswith("embedded://"):
                     check_embedded_url(u, what=f"{what}.{split}_urls")
-            ledger = CacheLedger.load(os.path.join(cache_dir, split))
+            split_dir = os.path.join(cache_dir, split)
+            ledger = CacheLedger.load(split_dir)
             if ledger is not None and ledger.is_finished:
+                verify_inputs(split_dir, ledger, urls, what=f"{what}.{split}_urls")
                 continue
             expand_urls([u for u in urls if not u.startswith("embedded://")] or [], what=f"{what}.{split}_urls",
                         allow_empty=True)
+            check_writable(split_dir, cache_key)
 
     def _dataset(self, cache, seq_len: int, tokens_only: bool = False) -> AsyncDataset:
         tokens = TokenSeqDataset(cache.store, seq_len)
@@ -189,11 +200,13 @@ class UrlSingleDatasetLMConfig(LMTaskConfig, LMDatasetSourceConfig):
             raise ValueError("data.train_urls is empty: nothing to train on")
 
     def check_inputs(self) -> None:
-        self._check_source_inputs(self, self.cache_dir or "cache/", "data")
+        self._check_source_inputs(self, self.cache_dir or "cache/", "data", "data.cache_dir")
 
     def build_caches(self, split: str = "train"):
         self._check_task_fields()
-        return self._cache(self, self.cache_dir or "cache/", split, self.the_tokenizer(), f"data.{split}_urls")
+        tokenizer = self.the_tokenizer()
+        cache_dir = self.cache_dir or "cache/"
+        return self._cache(self, cache_dir, split, tokenizer, f"data.{split}_urls", "data.cache_dir")
 
     def train_eos_ids(self) -> set:
         """The EOS ids the training caches were built with (a set: one id when they agree)."""
@@ -291,11 +304,17 @@ class LMMixtureDatasetConfig(LMTaskConfig):
 
     def check_inputs(self) -> None:
         for name, src in self.configs.items():
-            self._check_source_inputs(src, self.source_cache_dir(name), f"data.configs.{name}")
+            self._check_source_inputs(src, self.source_cache_dir(name), f"data.configs.{name}",
+                                      self.source_cache_key(name))
 
     def source_cache_dir(self, name: str) -> str:
         src = self.configs[name]
         return src.cache_dir if src.cache_dir is not None else os.path.join(self.cache_dir or "cache/", name)
+
+    def source_cache_key(self, name: str) -> str:
+        """The config key that sets :meth:`source_cache_dir`, for error messages."""
+        own = self.configs[name].cache_dir is not None
+        return f"data.configs.{name}.cache_dir" if own else "data.cache_dir"
 
     def drawn_sources(self) -> List[str]:
         """Sources with a positive weight in some stage (the others only serve validation)."""
@@ -308,7 +327,8 @@ class LMMixtureDatasetConfig(LMTaskConfig):
         out = {}
         for name in names:
             cache = self._cache(
-                self.configs[name], self.source_cache_dir(name), split, tokenizer, f"data.configs.{name}.{split}_urls"
+                self.configs[name], self.source_cache_dir(name), split, tokenizer,
+                f"data.configs.{name}.{split}_urls", self.source_cache_key(name),
             )
             if cache is None and split == "train":
                 raise ValueError(f"data.configs.{name}.train_urls is empty but the source has a training weight")

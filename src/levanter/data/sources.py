@@ -264,7 +264,8 @@ def _open_text(path: str):
     try:
         if path.lower().endswith((".zst", ".zstd")):
             raw = fsspec.open(path, "rb").open()
-            return io.TextIOWrapper(io.BufferedReader(_ZstdReader(raw)), encoding="utf-8", errors="surrogateescape")
+            reader = io.BufferedReader(_ZstdReader(raw))
+            return io.TextIOWrapper(reader, encoding="utf-8", errors="surrogateescape")
         return fsspec.open(path, "rt", compression="infer", encoding="utf-8", errors="surrogateescape").open()
     except FileNotFoundError as e:
         raise SourceError(f"file not found: {path!r}") from e

@@ -225,7 +225,9 @@ def _describe(items: list[str], limit: int = 3) -> str:
     return shown if len(items) <= limit else f"{shown}; and {len(items) - limit} more"
 
 
-def verify_inputs(cache_dir: str, ledger: CacheLedger, urls: Sequence[str], *, what: str = "train_urls") -> None:
+def verify_inputs(
+    cache_dir: str, ledger: CacheLedger, urls: Sequence[str], *, what: str = "train_urls"
+) -> None:
     """Refuse (:class:`CacheMismatchError`) when the input files of the cache ``ledger`` describes differ
     from what ``urls`` name now: an edited file, a file added to or gone from the shard list.
 
@@ -234,8 +236,10 @@ def verify_inputs(cache_dir: str, ledger: CacheLedger, urls: Sequence[str], *, w
     """
     recorded = ledger.metadata.get("inputs")
     if recorded is None:
-        logger.warning("the token cache at %s records no identities of its input files (an older cache): it "
-                       "cannot be checked against %s; delete it to rebuild if the files changed", cache_dir, what)
+        logger.warning(
+            "the token cache at %s records no identities of its input files (an older cache): it cannot be "
+            "checked against %s; delete it to rebuild if the files changed", cache_dir, what,
+        )
         return
     current = _file_inputs(urls, what)
     if not current and recorded:
@@ -244,7 +248,7 @@ def verify_inputs(cache_dir: str, ledger: CacheLedger, urls: Sequence[str], *, w
         return
     changes = [f"new file {p}" for p in current if p not in recorded]
     changes += [f"{p} is gone" for p in recorded if p not in current]
-    changes += [c for p in current if p in recorded and (c := _identity_change(p, recorded[p])) is not None]
+    changes += [c for p in current if p in recorded and (c := _identity_change(p, recorded[p]))]
     if changes:
         raise CacheMismatchError(
             f"the input files of {what} changed since the token cache at {cache_dir!r} was built: "
@@ -371,7 +375,8 @@ def _build(urls, cache_dir, tokenizer, ledger, wanted, *, text_key, enforce_eos,
     def tasks():
         """``(shard, locations, docs)`` in commit order; ``docs`` None marks the end of a shard."""
         for shard in todo:
-            for where, docs in _doc_batches(shard, text_key, ledger.shard_docs.get(shard, 0), options.batch_size):
+            skip = ledger.shard_docs.get(shard, 0)
+            for where, docs in _doc_batches(shard, text_key, skip, options.batch_size):
                 yield shard, where, docs
             yield shard, None, None
 
@@ -442,5 +447,5 @@ def _resume_mismatch(ledger: CacheLedger, urls: Sequence[str], shards: list[str]
     recorded = ledger.metadata.get("inputs")
     if recorded is None:
         return None
-    changes = [c for p, old in recorded.items() if p in shards and (c := _identity_change(p, old)) is not None]
+    changes = [c for p, old in recorded.items() if p in shards and (c := _identity_change(p, old))]
     return _describe(changes) if changes else None
