@@ -28,6 +28,10 @@ Measured (all functions return plain dicts; ``run_all.py`` drives them and print
   ``iter_from_step(k)`` until the first batch is ready.
 * ``memory_probe`` (run in a fresh process by ``run_all.py``): resident set size before and while
   iterating, to show that what the loader holds is bounded by prefetch depth x batch bytes.
+* ``checksum_cost``: what the crc32c codec of every cache chunk costs in read speed. The caches above are
+  written as training writes them (with checksums); the same tokens are written again without them, and
+  the loader and the raw concatenated read run on both, interleaved, in the same process: the ratio
+  (checksummed / plain) is per repeat. ``python loader_cache.py --checksum`` runs it alone.
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ import _synthetic as syn
 SYNTH_URL = "synthetic://{name}"  # recorded in the cache metadata; never opened (the cache is finished)
 
 
-def write_source(cache_dir: str, index: int, n_tokens: int, url: str) -> int:
-    """Source ``index`` of the synthetic corpus as a finished cache of ours at ``cache_dir``; its tokens."""
+def write_source(cache_dir: str, index: int, n_tokens: int, url: str, checksum: bool = True) -> int:
+    """Source ``index`` of the synthetic corpus as a finished cache of ours at ``cache_dir``; its tokens.
+    ``checksum=False`` writes chunks without the crc32c codec (for :func:`checksum_cost`)."""
     from levanter.data.tokenization import ByteTokenizer
     from levanter.store.cache import cache_metadata
     from levanter.store.jagged_array import JaggedArrayStore
@@ -52,7 +57,7 @@ def write_source(cache_dir: str, index: int, n_tokens: int, url: str) -> int:
     tok = ByteTokenizer()
     assert tok.eos_token_id == syn.EOS and tok.vocab_size == syn.VOCAB, "ByteTokenizer ids changed"
     flat, lengths = syn.source_tokens(index, n_tokens)
-    store = JaggedArrayStore.open(os.path.join(cache_dir, "input_ids"), mode="w")
+    store = JaggedArrayStore.open(os.path.join(cache_dir, "input_ids"), mode="w", checksum=checksum)
     store.append_flat(flat, lengths)
     store.finalize()
     meta = cache_metadata(tok, urls=[url], text_key="text", enforce_eos=True)
@@ -64,10 +69,10 @@ def write_source(cache_dir: str, index: int, n_tokens: int, url: str) -> int:
     return int(lengths.sum())
 
 
-def write_caches(root: str, total_tokens: int) -> dict:
+def write_caches(root: str, total_tokens: int, checksum: bool = True) -> dict:
     """Write the three sources into ``root/<name>/train`` in our format; returns per-source token counts."""
     return {
-        name: write_source(os.path.join(root, name, "train"), k, n, SYNTH_URL.format(name=name))
+        name: write_source(os.path.join(root, name, "train"), k, n, SYNTH_URL.format(name=name), checksum)
         for k, (name, n) in enumerate(syn.source_sizes(total_tokens).items())
     }
 
@@ -335,6 +340,65 @@ def memory_probe(root: str, batch_size: int, steps: int, start: int, prefetch: i
     }
 
 
+def checksum_cost(root: str, plain_root: str, shapes: dict, repeats: int) -> dict:
+    """Tokens/s of the loader (prefetch 8) and of the raw concatenated read on the caches at ``root``
+    (crc32c) and at ``plain_root`` (the same tokens without checksums), per ``(batch, seq_len): steps`` of
+    ``shapes``; the order of the two alternates between repeats so that drift hits both alike.
+
+    Returns ``{"<batch>x<seq_len>": {"loader_crc32c": [...], "loader_plain": [...], "raw_crc32c": [...],
+    "raw_plain": [...]}}`` (one value per repeat).
+    """
+    out = {}
+    for (bs, L), n in shapes.items():
+        runs: dict = {"loader_crc32c": [], "loader_plain": [], "raw_crc32c": [], "raw_plain": []}
+        for where in (root, plain_root):  # first-use costs (a loader's first build) out of the timed runs
+            loader_throughput(where, bs, 2, 8, L)
+        for r in range(repeats):
+            order = [("crc32c", root), ("plain", plain_root)]
+            for kind, where in order if r % 2 == 0 else order[::-1]:
+                runs[f"loader_{kind}"].append(loader_throughput(where, bs, n, 8, L)["tokens_per_s"])
+                runs[f"raw_{kind}"].append(raw_throughput(where, bs, n, L)["ts_concat"])
+        out[f"{bs}x{L}"] = runs
+    return out
+
+
+def checksum_section(work: str, root: str, total_tokens: int, shapes: dict, repeats: int) -> dict:
+    """:func:`checksum_cost` with the plain caches written under ``work`` (and deleted afterwards); the
+    figures as ``run_all.py`` keeps them (median, min, max of each and of the per-repeat ratios)."""
+    import shutil
+    import statistics
+
+    plain = os.path.join(work, "cache-no-checksum")
+    write_caches(plain, total_tokens, checksum=False)
+    try:
+        raw = checksum_cost(root, plain, shapes, repeats)
+    finally:
+        shutil.rmtree(plain, ignore_errors=True)
+
+    def stats(xs):
+        return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+    res = {}
+    for key, r in raw.items():
+        res[key] = {k: stats(v) for k, v in r.items()}
+        for what in ("loader", "raw"):
+            res[key][f"{what}_ratio"] = stats([a / b for a, b in zip(r[f"{what}_crc32c"], r[f"{what}_plain"])])
+    return res
+
+
+def print_checksum_section(res: dict) -> None:
+    from _table import print_table
+
+    def f(s, scale=1.0, spec=".2f"):
+        return f"{s['median'] * scale:{spec}} [{s['min'] * scale:{spec}}, {s['max'] * scale:{spec}}]"
+
+    rows = [[key, f(r["loader_crc32c"], 1e-6), f(r["loader_plain"], 1e-6), f(r["loader_ratio"], spec=".3f"),
+             f(r["raw_crc32c"], 1e-6), f(r["raw_plain"], 1e-6), f(r["raw_ratio"], spec=".3f")] for key, r in res.items()]
+    print_table("Checksums: M tokens/s with crc32c chunks vs without, median [min, max]; ratio = crc32c / plain",
+                [("batch", 8), ("loader crc32c", 20), ("loader plain", 20), ("loader ratio", 20),
+                 ("raw crc32c", 20), ("raw plain", 20), ("raw ratio", 20)], rows)
+
+
 def jax_leaves(tree):
     import jax
 
@@ -345,5 +409,16 @@ if __name__ == "__main__":  # the memory probe runs here, in a fresh process, fo
     import json
     import sys
 
-    args = json.loads(sys.argv[1])
-    print(json.dumps(memory_probe(**args)))
+    if sys.argv[1:2] == ["--checksum"]:  # the checksum comparison alone: --checksum [tokens [steps [repeats]]]
+        import tempfile
+
+        tokens, steps, repeats = (int(x) for x in (sys.argv[2:] + ["4000000", "40", "3"][len(sys.argv) - 2:])[:3])
+        with tempfile.TemporaryDirectory(prefix="levanter-bench-crc-") as work:
+            write_caches(os.path.join(work, "cache"), tokens)
+            res = checksum_section(work, os.path.join(work, "cache"), tokens,
+                                   {(8, 1024): steps, (64, 1024): max(steps // 4, 2)}, repeats)
+        print_checksum_section(res)
+        print(json.dumps(res))
+    else:
+        args = json.loads(sys.argv[1])
+        print(json.dumps(memory_probe(**args)))

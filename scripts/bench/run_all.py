@@ -23,6 +23,9 @@ Sections (each figure is the median over repeats, shown with min and max; ratios
    subprocess each), and upstream's ``train_lm`` on the mirrored config; both read a pre-written cache
    of the same synthetic tokens, so neither side builds a cache. Steady step, step 0 (first batch +
    compile + step), end to end, tokens/s and MFU against the matmul peak measured in the same run.
+6. **Checksums** -- ``loader_cache.checksum_section``: the loader and the raw read at 8x1024 and 64x1024 on
+   the caches above (crc32c on every chunk, as training writes them) and on the same tokens written
+   without checksums, interleaved; the ratio checksummed / plain is what the checksums cost in read speed.
 
 Upstream needs the venv of ``setup_upstream_venv.sh`` (default ``~/.cache/levanter-bench/upstream-venv``,
 or ``--upstream-venv``); without it the upstream figures are null. See ``docs/performance.md``.
@@ -397,6 +400,9 @@ def report(out: dict) -> dict:
                     f"{tr['matmul_peak_flops'] / 1e9:.0f} GFLOP/s",
                     [("metric", 28), ("ours", 28), ("upstream", 28), ("ours/up", 8)], rows)
 
+    if out.get("checksum"):
+        lc.print_checksum_section(out["checksum"])
+
     def pick(d, *path):
         for p in path:
             if d is None:
@@ -422,10 +428,11 @@ def main(argv=None) -> None:
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
     p.add_argument("--upstream-venv", default=DEFAULT_UPSTREAM, help="upstream levanter venv (setup_upstream_venv.sh)")
     p.add_argument("--no-upstream", action="store_true", help="skip the upstream columns")
-    p.add_argument("--only", default=None, help="comma-separated sections: loader,upstream,stalls,memory,training")
+    p.add_argument("--only", default=None,
+                   help="comma-separated sections: loader,upstream,stalls,memory,training,checksum")
     args = p.parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    sections = set((args.only or "loader,upstream,stalls,memory,training").split(","))
+    sections = set((args.only or "loader,upstream,stalls,memory,training,checksum").split(","))
     t_start = time.perf_counter()
     import jax
 
@@ -444,7 +451,7 @@ def main(argv=None) -> None:
     try:
         prep = None
         root = os.path.join(work, "cache")
-        if {"loader", "stalls"} & sections:
+        if {"loader", "stalls", "checksum"} & sections:
             lc.write_caches(root, cfg["tokens"])
             lc.check_same_rows(root, 64, syn.STAGE_SWITCH_STEP - 1)
         if venv and ({"upstream", "training"} & sections):
@@ -458,6 +465,9 @@ def main(argv=None) -> None:
             ("stalls", lambda: bench_stalls(root, cfg, out)),
             ("memory", lambda: bench_memory(work, cfg, out)),
             ("training", lambda: bench_training(work, cfg, venv, prep, out)),
+            ("checksum", lambda: out.update(checksum=lc.checksum_section(
+                work, root, cfg["tokens"], {k: n for k, n in cfg["loader_n"].items() if k in ((8, 1024), (64, 1024))},
+                cfg["repeats"]))),
         ):
             if name in sections and name != "upstream":
                 t0 = time.perf_counter()
