@@ -208,6 +208,22 @@ def disk_full(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(ckpt, "_write_leaf", no_space)
 
 
+def disk_full_tensorstore(mp: pytest.MonkeyPatch) -> None:
+    """A full disk as tensorstore reports it: a ValueError whose text carries the errno."""
+    import levanter.checkpoint as ckpt
+
+    async def no_space(root, item):
+        chunk = os.path.join(root, item.record["name"], "c", "0", "0")
+        raise ValueError(
+            f'RESOURCE_EXHAUSTED: Error writing local file "{chunk}": Failed writing: "{chunk}.__lock": Failed to '
+            "write 4112 bytes to file 3: No space left on device [os_error_code='28'] [source locations='tensorstore"
+            "/internal/os/file_util_posix.cc:412'] [tensorstore_spec='{\"driver\":\"zarr3\",\"kvstore\":"
+            f'{{\"driver\":\"file\",\"path\":\"{root}\"}}}}\']'
+        )
+
+    mp.setattr(ckpt, "_write_leaf", no_space)
+
+
 def no_checkpoint_left(tmp: Path, shared: Path) -> None:
     run_dir = tmp / "ckpt" / "bad"
     assert not (run_dir / "step-2").exists(), os.listdir(run_dir)
@@ -500,7 +516,7 @@ LONG_JSONL = "".join(
     # ----------------------------------------------------------------------------------------- runtime
     Case("nan-loss", "runtime", "a learning rate so large the loss blows up (`learning_rate: 1e30`)", 1,
          ["train/loss", "at step 1", "trainer.crash_on_"], args=["--optimizer.learning_rate", "1e30"], needs=["cache"]),
-    Case("disk-full-on-checkpoint", "runtime", "the disk fills up while a checkpoint is written", 1,
+    Case("disk-full-on-checkpoint", "runtime", "the disk fills up while a checkpoint is written", 74,
          ["$TMP/ckpt/bad/step-2", "step 2", "No space left on device"], patch=disk_full, after=no_checkpoint_left,
          needs=["cache"]),
     # ------------------------------------------------------------------------------------ cache reads
@@ -525,6 +541,31 @@ LONG_JSONL = "".join(
          setup=lambda t, s: (copy_cache(t, s), os.remove(t / "cache/train/input_ids/data/zarr.json"))),
     # ------------------------------------------------------------------------- inputs and cache builds
     # ---------------------------------------------------------------------------- runs and checkpoints
+    Case("run-id-in-use", "runs and checkpoints", "the same `trainer.id` started while a run of it is going on", 2,
+         ["$TMP/ckpt/bad/run.lock", "pid 4242 on host node-7, started 2026-12-01T10:00:00+00:00", "trainer.id",
+          "delete $TMP/ckpt/bad/run.lock"],
+         setup=lambda t, s: (_write(t / "ckpt/bad/.tmp-step-2-inflight/x", "a save in progress"),
+                             _write(t / "ckpt/bad/run.lock", json.dumps(
+                                 {"run_id": "bad", "host": "node-7", "pid": 4242, "token": "f00d",
+                                  "started": "2026-12-01T10:00:00+00:00"}))),
+         after=lambda t, s: None if (t / "ckpt/bad/.tmp-step-2-inflight/x").is_file()
+         and not (t / "logs/bad/metrics.jsonl").exists() else pytest.fail("the refused start-up touched the run")),
+    Case("run-id-not-a-name", "runs and checkpoints", "`trainer.id: ../../x` (a path, not a name)", 2,
+         ["trainer.id='../../x'", "single directory name", "trainer.log_dir"], args=["--trainer.id", "../../x"],
+         after=lambda t, s: None if not (t.parent / "x").exists() else pytest.fail("wrote outside base_path")),
+    Case("load-checkpoint-path-typo", "runs and checkpoints", "a `load_checkpoint_path` that does not exist", 2,
+         ["trainer.load_checkpoint_path='$TMP/ckpt/bda'", "does not exist"],
+         args=["--trainer.load_checkpoint_path", "$TMP/ckpt/bda"]),
+    Case("checkpoint-metadata-lost", "runs and checkpoints", "every checkpoint of the run lost its metadata.json", 2,
+         ["$TMP/ckpt/bad holds checkpoints that cannot be read", "$TMP/ckpt/bad/step-2", "metadata.json",
+          "trainer.load_checkpoint: false"],
+         setup=lambda t, s: (copy_checkpoint(t, s) / "metadata.json").unlink(), needs=["checkpoint"],
+         after=lambda t, s: None if (t / "ckpt/bad/step-2/model").is_dir()
+         and not (t / "logs/bad/metrics.jsonl").exists() else pytest.fail("the arrays or the logs were touched")),
+    Case("disk-full-on-checkpoint-tensorstore", "runs and checkpoints",
+         "the disk fills up while tensorstore writes a checkpoint chunk", 74,
+         ["out of disk space while saving the checkpoint of step 2 at $TMP/ckpt/bad/step-2", "No space left on device",
+          "rerun"], patch=disk_full_tensorstore, after=no_checkpoint_left, needs=["cache"]),
     # -------------------------------------------------------------------------------- training values
     # ------------------------------------------------------------------------ config file and CLI (more)
 ]

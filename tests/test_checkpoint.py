@@ -3,6 +3,7 @@ and damaged checkpoints, discovery that skips incomplete saves, crash safety und
 keep/save_interval policy with a fake clock, and duration parsing for the config."""
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -479,3 +480,134 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path, point):
     assert_bit_equal(tree, load_checkpoint(perturb(tree), latest))
     delete_stale_temporaries(str(tmp_path))
     assert os.listdir(tmp_path) == ["step-1"]
+
+
+# -- integrity: what is refused before it is written or resumed ------------------------------------------
+def test_save_refuses_non_finite_values_and_writes_nothing(tmp_path, mesh):
+    from levanter.checkpoint import CheckpointSaveError
+
+    sharded = NamedSharding(mesh, P("data", "model"))
+    tree = make_state()
+    tree["model"] = dataclasses.replace(tree["model"], w=jax.device_put(tree["model"].w.at[3, 1].set(jnp.nan), sharded))
+    with pytest.raises(CheckpointSaveError, match=r"step 5 .*step-5: \['model'\]\.w holds NaN or infinite values"):
+        save_checkpoint(tree, 5, str(tmp_path / "step-5"))
+    assert os.listdir(tmp_path) == []  # not even a temporary directory
+    # an infinity in a bfloat16 moment and a NaN in a numpy leaf are caught too, all named
+    tree = make_state()
+    mu = tree["opt_state"][0].mu
+    adam = tree["opt_state"][0]._replace(mu=dataclasses.replace(mu, b=mu.b.at[0].set(jnp.inf)))
+    tree["opt_state"] = (adam,) + tuple(tree["opt_state"][1:])
+    tree["host"] = np.array([1.0, np.nan])
+    with pytest.raises(CheckpointSaveError, match=r"\['host'\], \['opt_state'\]\[0\]\.mu\.b hold NaN"):
+        save_checkpoint(tree, 5, str(tmp_path / "step-5"))
+    assert os.listdir(tmp_path) == []
+
+    # through the Checkpointer: the earlier checkpoint stays the latest
+    ck = CheckpointerConfig(base_path=str(tmp_path), keep=[CheckpointInterval(every=1)]).create("r")
+    good = {"x": jnp.arange(4.0), "k": jax.random.key(1), "n": jnp.arange(3)}
+    assert ck.on_step(good, 1)
+    with pytest.raises(CheckpointSaveError, match=r"\['x'\] holds"):
+        ck.on_step({**good, "x": good["x"] / 0.0}, 2)
+    assert sorted(os.listdir(tmp_path / "r")) == ["step-1"]
+    assert ck.latest_checkpoint() == str(tmp_path / "r" / "step-1")
+
+
+def test_a_full_disk_during_a_save_is_out_of_space_and_commits_nothing(tmp_path):
+    """A real full filesystem (a 256 KiB tmpfs; skipped where mounting one is not allowed)."""
+    from levanter.errors import OutOfSpaceError, is_out_of_space
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True)
+    except FileNotFoundError:
+        pytest.skip("no mount command")
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        save_checkpoint({"small": jnp.arange(8.0)}, 1, str(mnt / "step-1"))
+        with pytest.raises(OutOfSpaceError) as e:
+            save_checkpoint({"big": jnp.ones((512, 256), jnp.float32)}, 2, str(mnt / "step-2"))  # 512 KiB
+        assert is_out_of_space(e.value)
+        msg = str(e.value)
+        assert f"saving the checkpoint of step 2 at {mnt / 'step-2'}" in msg and "No space left" in msg, msg
+        assert "tensorstore_spec" not in msg and "\n" not in msg
+        assert sorted(os.listdir(mnt)) == ["step-1"]  # no partial step-2, no temporary directory
+        assert discover_latest_checkpoint(str(mnt)) == str(mnt / "step-1")
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_tensorstore_io_errors_are_reported_without_the_spec_dump():
+    """A storage error that is not a full disk is reported by tensorstore's first clause (the text of a
+    real one: a chunk directory blocked by a regular file), not by the spec and source locations."""
+    from levanter.checkpoint import _io_error_text
+
+    ts_error = ValueError("FAILED_PRECONDITION: Error writing local file \"/x/c/0\": Not a directory "
+                          "[os_error_code='20'] [tensorstore_spec='{\"driver\": \"zarr3\"}']")
+    assert _io_error_text(ts_error) == "FAILED_PRECONDITION: Error writing local file \"/x/c/0\": Not a directory " \
+                                       "[os_error_code='20']"
+    assert _io_error_text(ValueError("shape mismatch")) is None
+
+
+def test_unreadable_checkpoints_are_step_dirs_with_data_but_no_metadata(tmp_path):
+    from levanter.checkpoint import unreadable_checkpoints
+
+    tree = {"x": jnp.arange(3.0)}
+    save_checkpoint(tree, 2, str(tmp_path / "step-2"))
+    save_checkpoint(tree, 4, str(tmp_path / "step-4"))
+    os.unlink(tmp_path / "step-4" / METADATA_FILENAME)
+    os.makedirs(tmp_path / "step-6")  # empty: holds nothing to lose
+    os.makedirs(tmp_path / ".tmp-step-8-abcd" / "x")  # an interrupted save: the writer's own business
+    assert unreadable_checkpoints(str(tmp_path)) == [str(tmp_path / "step-4")]
+    assert unreadable_checkpoints(str(tmp_path / "absent")) == []
+
+
+def restore_config(tmp_path, **kw):
+    from levanter.trainer import TrainerConfig
+
+    return TrainerConfig(id="r", require_accelerator=False, checkpointer=CheckpointerConfig(base_path=str(tmp_path)),
+                         **kw)
+
+
+def test_resume_refuses_damaged_checkpoints_and_missing_load_paths(tmp_path):
+    from levanter.trainer import Trainer
+
+    tree = {"x": jnp.arange(3.0)}
+    run = tmp_path / "r"
+    save_checkpoint({"x": jnp.arange(3.0) + 1}, 2, str(run / "step-2"))
+    save_checkpoint({"x": jnp.arange(3.0) + 2}, 4, str(run / "step-4"))
+    os.unlink(run / "step-4" / METADATA_FILENAME)
+
+    def restore(**kw):
+        return Trainer(restore_config(tmp_path, **kw), optax.sgd(0.1), None).maybe_restore(tree, "r")
+
+    # an intact step-2 does not make it safe: resuming there would overwrite step-4's arrays
+    with pytest.raises(CorruptCheckpointError, match=rf"{run} holds .*: {run}/step-4\..*load_checkpoint: false"):
+        restore()
+    with pytest.raises(CorruptCheckpointError, match="step-4"):
+        restore(load_checkpoint=True)
+    assert restore(load_checkpoint=False)[1] is None  # asked for: start from scratch
+    (run / "step-4" / METADATA_FILENAME).write_text(json.dumps(read_checkpoint_metadata(str(run / "step-2"))))
+    state, path = restore()
+    assert path == str(run / "step-4")
+
+    with pytest.raises(FileNotFoundError, match=rf"trainer\.load_checkpoint_path='{tmp_path}/rr' does not exist"):
+        restore(load_checkpoint_path=str(tmp_path / "rr"))
+    os.makedirs(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="load_checkpoint_path=.*empty' holds no complete checkpoint"):
+        restore(load_checkpoint_path=str(tmp_path / "empty"))
+    with pytest.raises(FileNotFoundError, match="load_checkpoint_path=.*step-9' does not exist"):
+        restore(load_checkpoint_path=str(run / "step-9"))
+    np.testing.assert_array_equal(restore(load_checkpoint_path=str(run / "step-2"))[0]["x"], np.arange(3.0) + 1)
+    np.testing.assert_array_equal(restore(load_checkpoint_path=str(run))[0]["x"], np.arange(3.0) + 2)
+
+
+@pytest.mark.parametrize("bad", ["../../x", "a/b", "..", ".", "", "a\\b", "x\0"])
+def test_run_ids_must_be_one_path_component(bad):
+    from levanter.trainer import TrainerConfig, check_run_id
+
+    with pytest.raises(ValueError, match=r"trainer\.id=.* must be a single directory name"):
+        TrainerConfig(id=bad, require_accelerator=False, num_train_steps=1, train_batch_size=8).validate()
+    for good in (None, "run-1", "exp.2_b", "..x"):
+        check_run_id(good)

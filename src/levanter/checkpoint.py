@@ -16,6 +16,12 @@ equal to the fill value are stored anyway and missing chunks are read as an erro
 zeros, so a deleted chunk file is caught too. The trade-off is disk space: zstd would shrink
 optimizer moments a little, at a CPU cost on every save.
 
+Finite values only. :func:`save_checkpoint` first checks every floating-point leaf (an all-finite
+reduction on the devices, one small transfer back) and refuses a tree holding a NaN or an infinity,
+writing nothing: a poisoned state must never become the checkpoint a rerun resumes from. A full disk
+raises :class:`levanter.errors.OutOfSpaceError` (exit status 74 from the command line), other storage
+errors :class:`CheckpointSaveError`; either way the partial write is removed.
+
 Multi-process. Leaves are written with ``jax.experimental.array_serialization``'s ``async_serialize``
 and read with ``async_deserialize``. Each process writes only the shards it can address and only one
 replica of each (``replica_id == 0``); zarr chunks are the per-device shard shape (split further only
@@ -68,6 +74,7 @@ import tensorstore as ts
 from draccus.utils import DecodingError
 from jax.experimental.array_serialization import serialization as jax_serialization
 
+from levanter.errors import is_out_of_space, out_of_space_error
 from levanter.utils.fault import fault_point
 from levanter.utils.fs import atomic_write_bytes, fsync_dir, remove_stale_temporaries
 
@@ -86,6 +93,7 @@ __all__ = [
     "parse_timedelta",
     "read_checkpoint_metadata",
     "save_checkpoint",
+    "unreadable_checkpoints",
 ]
 
 logger = logging.getLogger(__name__)
@@ -111,7 +119,7 @@ class CheckpointMismatchError(ValueError):
 
 
 class CheckpointSaveError(RuntimeError):
-    """Writing a checkpoint failed (disk full, permissions, I/O error); nothing was committed."""
+    """Writing a checkpoint failed (non-finite values, permissions, I/O error); nothing was committed."""
 
 
 def _no_barrier(name: str) -> None:
@@ -391,6 +399,49 @@ async def _write_all(root: str, items: list[_ToWrite]) -> None:
         raise
 
 
+@jax.jit
+def _all_finite_flags(xs: list) -> jax.Array:
+    return jax.numpy.stack([jax.numpy.all(jax.numpy.isfinite(x)) for x in xs])
+
+
+def _non_finite_leaves(items: list[_ToWrite]) -> list[str]:
+    """Key paths of the floating-point leaves that hold a NaN or an infinity.
+
+    Device arrays are reduced on their devices (one compiled all-finite reduction per group of leaves on
+    the same devices, one small transfer back); host values on the host.
+    """
+    multi = jax.process_count() > 1
+    bad: list[str] = []
+    groups: dict[Any, list[_ToWrite]] = {}
+    for it in items:
+        if not jax.dtypes.issubdtype(it.value.dtype, np.inexact):
+            continue
+        value = it.value
+        if isinstance(value, jax.Array) and not (multi and value.is_fully_addressable):
+            groups.setdefault(frozenset(value.sharding.device_set), []).append(it)
+        elif not np.all(np.isfinite(np.asarray(value))):
+            bad.append(it.record["keypath"] or it.record["name"])
+    for group in groups.values():
+        flags = _all_finite_flags([it.value for it in group])
+        flags = np.asarray(flags.addressable_data(0))
+        bad += [it.record["keypath"] or it.record["name"] for it, ok in zip(group, flags) if not ok]
+    return bad
+
+
+# Tensorstore appends its whole spec and source locations to an error; the first clause is the message.
+_TS_NOISE = re.compile(r"\s*\[(?:tensorstore_spec|source locations)=.*$", re.S)
+
+
+def _io_error_text(e: BaseException) -> Optional[str]:
+    """A one-line description of a storage error, or None if ``e`` is not one."""
+    if isinstance(e, OSError):
+        return e.strerror or str(e)
+    if isinstance(e, ValueError) and ("[OS error" in str(e) or "os_error_code=" in str(e)):  # tensorstore I/O
+        text = _TS_NOISE.sub("", str(e).splitlines()[0])
+        return text if len(text) <= 300 else text[:297] + "..."
+    return None
+
+
 def save_checkpoint(
     tree: Any,
     step: int,
@@ -426,6 +477,13 @@ def save_checkpoint(
         raise FileExistsError(f"a complete checkpoint already exists at {final}")
 
     items = _prepare_leaves(tree)
+    bad = _non_finite_leaves(items)
+    if bad:
+        raise CheckpointSaveError(
+            f"not saving the checkpoint of step {step} to {final}: {_summarise(bad, 3)} "
+            f"{'holds' if len(bad) == 1 else 'hold'} NaN or infinite values. Nothing was written; the latest "
+            "complete checkpoint is unchanged. Resume from it with a fixed config (learning rate, epsilon)."
+        )
     parent, name = os.path.split(final)
     token = _shared_token()
     tmp = os.path.join(parent, f"{TMP_PREFIX}{name}-{token}")
@@ -456,8 +514,10 @@ def save_checkpoint(
     except BaseException as e:
         if is_leader:
             shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError) or (isinstance(e, ValueError) and "[OS error" in str(e)):  # tensorstore I/O
-            what = getattr(e, "strerror", None) or str(e).splitlines()[0]
+        if isinstance(e, Exception) and is_out_of_space(e):
+            raise out_of_space_error(f"saving the checkpoint of step {step}", final) from e
+        what = _io_error_text(e) if isinstance(e, Exception) else None
+        if what is not None:
             raise CheckpointSaveError(
                 f"could not save the checkpoint of step {step} to {final}: {what}. Nothing was committed "
                 f"(the partial write was removed); free space or fix {parent}, then rerun to resume from "
@@ -712,6 +772,25 @@ def discover_latest_checkpoint(base_path: str) -> str | None:
         else:
             logger.warning("ignoring incomplete checkpoint %s (no %s)", path, METADATA_FILENAME)
     return best
+
+
+def unreadable_checkpoints(base_path: str) -> list[str]:
+    """The ``step-N`` directories under ``base_path`` that hold files but no ``metadata.json``.
+
+    A save never leaves one (it writes into a ``.tmp-`` directory and renames it when complete, and a
+    deletion renames it to a ``.tmp-`` name first), so such a directory is a checkpoint damaged after
+    it was committed: its arrays may be intact, and a run that ignored it would overwrite them.
+    """
+    base = _local_path(base_path, "checkpoint base path")
+    out = []
+    for _, path in _step_dirs(base):
+        if not _is_complete(path):
+            try:
+                if os.listdir(path):
+                    out.append(path)
+            except OSError:
+                out.append(path)
+    return out
 
 
 def delete_stale_temporaries(base_path: str) -> list[str]:

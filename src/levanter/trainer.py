@@ -35,7 +35,14 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from .checkpoint import CheckpointerConfig, discover_latest_checkpoint, load_checkpoint
+from .checkpoint import (
+    METADATA_FILENAME,
+    CheckpointerConfig,
+    CorruptCheckpointError,
+    discover_latest_checkpoint,
+    load_checkpoint,
+    unreadable_checkpoints,
+)
 from .data.loader import Batch
 from .distributed import DistributedConfig
 from .schedule import BatchSchedule, ScheduleStep
@@ -131,6 +138,7 @@ class TrainerConfig:
 
     def validate(self) -> None:
         """Cheap checks that need no devices beyond counting them; errors name the config key."""
+        check_run_id(self.id)
         if self.num_train_steps < 1:
             raise ValueError(f"trainer.num_train_steps must be >= 1, got {self.num_train_steps}")
         sched = self.batch_schedule  # validates the schedule itself
@@ -205,6 +213,18 @@ class TrainerConfig:
             mapping[ax] = "model"
         mapping.update(self.parameter_axis_resources)
         return mapping
+
+
+def check_run_id(run_id: Optional[str]) -> None:
+    """``trainer.id`` names a directory under the checkpoint ``base_path`` and under ``log_dir``: it must be
+    one path component, or the run's checkpoints and logs would land outside them (``../../x``)."""
+    if run_id is None:
+        return
+    if not isinstance(run_id, str) or run_id in ("", ".", "..") or any(c in run_id for c in "/\\\0"):
+        raise ValueError(
+            f"trainer.id={run_id!r} must be a single directory name (no '/', '\\', '.' or '..', not empty): "
+            "it names the run's directories under trainer.checkpointer.base_path and trainer.log_dir"
+        )
 
 
 def _generated_run_id() -> str:
@@ -348,15 +368,38 @@ class Trainer:
 
     def maybe_restore(self, state: TrainerState, run_id: str) -> Tuple[TrainerState, Optional[str]]:
         """``(state, checkpoint path)`` from the latest complete checkpoint of this run (or
-        ``load_checkpoint_path``); ``(state, None)`` when starting fresh."""
+        ``load_checkpoint_path``); ``(state, None)`` when starting fresh.
+
+        ``load_checkpoint: false`` starts fresh whatever is on disk. Otherwise a ``load_checkpoint_path``
+        that holds no complete checkpoint is an error (a typo must not start a run from step 0), and so
+        is a run directory holding checkpoint data that cannot be read: resuming past it would overwrite
+        it, and the run's metrics with it.
+        """
         cfg = self.config
         if cfg.load_checkpoint is False:
             return state, None
+        run_dir = cfg.checkpointer.expanded_path(run_id)
+        unreadable = unreadable_checkpoints(run_dir)
+        if unreadable:
+            raise CorruptCheckpointError(
+                f"the run directory {run_dir} holds checkpoints that cannot be read (no {METADATA_FILENAME}): "
+                f"{', '.join(unreadable[:4])}{' and more' if len(unreadable) > 4 else ''}. Training on would "
+                "start before them and overwrite them and the run's metrics. Restore their metadata.json or move "
+                "them away to resume, or set trainer.load_checkpoint: false to start this run from scratch."
+            )
         path = cfg.load_checkpoint_path
         if path is None:
-            path = discover_latest_checkpoint(cfg.checkpointer.expanded_path(run_id))
-        elif os.path.basename(os.path.normpath(path)).startswith("step-") is False:
-            path = discover_latest_checkpoint(path)
+            path = discover_latest_checkpoint(run_dir)
+        else:
+            explicit = path
+            if not os.path.basename(os.path.normpath(path)).startswith("step-"):
+                path = discover_latest_checkpoint(path)
+            if path is None or not os.path.isdir(path):
+                why = "does not exist" if not os.path.exists(explicit) else "holds no complete checkpoint"
+                raise FileNotFoundError(
+                    f"trainer.load_checkpoint_path={explicit!r} {why} (expected a step-N checkpoint directory "
+                    "or a directory of them). Fix the path, or remove the key to start from scratch."
+                )
         if path is None:
             if cfg.load_checkpoint:
                 raise FileNotFoundError(

@@ -43,6 +43,7 @@ from levanter.data.mixture import MixtureDataset
 from levanter.data.schedule_record import data_schedule_record, first_difference
 from levanter.data.text import causal_lm_columns_jax
 from levanter.errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError
+from levanter.run_lock import hold_run_lock
 from levanter.distributed import DistributedStartupError, barrier, check_same_config_everywhere
 from levanter.tracker import NoopTracker
 from levanter.models import LlamaConfig, LmConfig
@@ -217,7 +218,19 @@ def main(config: TrainLmConfig) -> dict:
     run_id = tcfg.run_id()
     if jax.process_count() > 1 and tcfg.id is None:
         raise ValueError("trainer.id must be set in multi-process runs, so that every process names the same run")
-    tcfg.checkpointer.validate_writable(run_id)
+    run_dir = tcfg.checkpointer.validate_writable(run_id)
+    # One writer per run: taken before anything of the run is built, restored, deleted or logged, and
+    # released however the run ends (a SIGKILLed run's lock is recognised as stale on its host).
+    lock = hold_run_lock(run_dir, run_id)
+    try:
+        return _main_locked(config, tokenizer, run_id)
+    finally:
+        lock.release()
+
+
+def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
+    """The run itself, under its lock: caches, state (initial or restored), the step loop."""
+    tcfg = config.trainer
     schedule = tcfg.batch_schedule
     Pos = config.model.Pos
     Vocab = hax.Axis("vocab", tokenizer.vocab_size)

@@ -1,0 +1,314 @@
+"""One writer per run: a lock record in the run's checkpoint directory, held for the whole run.
+
+Two processes training the same ``trainer.id`` would interleave their checkpoints and metrics, and the
+second one's start-up would delete the first one's in-progress save. So a run starts by *creating* the
+file ``<base_path>/<run_id>/run.lock`` -- create-if-absent, never overwrite -- holding a small JSON
+record ``{run_id, host, pid, started, token, ...}``, and deletes it when it ends (normally, with an
+error, or after SIGTERM). A start-up that finds the file refuses to run, naming the holder.
+
+Protocol. The only primitive is "create this object with these bytes unless it exists", which a local
+or network filesystem provides (the record is written to a temporary file and hard-linked into place,
+so the lock never exists half-written; ``O_CREAT | O_EXCL`` where hard links are not supported) and an
+object store provides as a conditional write (``if-generation-match: 0`` on GCS, ``If-None-Match: *``
+on S3). Release deletes the file only if it still holds this run's ``token``.
+
+Stale locks. A process killed with SIGKILL (or a machine that died) leaves its lock behind. When the
+holder ran on this machine -- same host name, same boot and, where Linux reports them, the same PID
+namespace -- and its PID is gone (or now belongs to a process started later), the lock is stale and is
+taken over with a warning. A holder on another machine cannot be checked from here: the error says how
+to break the lock (delete the file) once the user is sure that run is dead.
+
+Multi-process runs take the lock on process 0 only; :func:`hold_run_lock` tells the other processes
+whether it succeeded, so that all of them stop with the same message instead of waiting at a barrier.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import json
+import logging
+import os
+import secrets
+import socket
+from typing import Any, Optional
+
+from levanter.errors import is_out_of_space, out_of_space_error
+
+__all__ = ["LOCK_FILENAME", "RunLock", "RunLockedError", "acquire_run_lock", "hold_run_lock"]
+
+logger = logging.getLogger(__name__)
+
+LOCK_FILENAME = "run.lock"
+
+
+class RunLockedError(ValueError):
+    """Another process holds the run's lock (a user error: the same ``trainer.id`` launched twice)."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Who we are, and whether a recorded holder is still alive
+# ---------------------------------------------------------------------------------------------------
+
+
+def _read_text(path: str) -> Optional[str]:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _boot_id() -> Optional[str]:
+    return _read_text("/proc/sys/kernel/random/boot_id")
+
+
+def _pid_namespace() -> Optional[str]:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def _proc_stat(pid: int) -> Optional[list[str]]:
+    """Fields of ``/proc/<pid>/stat`` after the command name (state first), or None."""
+    text = _read_text(f"/proc/{pid}/stat")
+    if text is None or ")" not in text:
+        return None
+    return text.rsplit(")", 1)[1].split()
+
+
+def _pid_start(pid: int) -> Optional[str]:
+    """The process's start time in clock ticks since boot: with the boot id, a process's identity."""
+    fields = _proc_stat(pid)
+    return fields[19] if fields is not None and len(fields) > 19 else None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    except OSError:
+        return True  # cannot tell: assume it lives
+    fields = _proc_stat(pid)
+    return not (fields and fields[0] == "Z")  # a zombie has exited
+
+
+def _this_process(run_id: str) -> dict:
+    record: dict[str, Any] = {
+        "run_id": run_id,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "token": secrets.token_hex(8),
+    }
+    for key, value in (("boot_id", _boot_id()), ("pid_ns", _pid_namespace()), ("pid_start", _pid_start(os.getpid()))):
+        if value is not None:
+            record[key] = value
+    return record
+
+
+def _is_stale(holder: dict) -> bool:
+    """Whether ``holder`` ran on this machine and has certainly exited."""
+    if holder.get("host") != socket.gethostname():
+        return False
+    for key, mine in (("boot_id", _boot_id()), ("pid_ns", _pid_namespace())):
+        theirs = holder.get(key)
+        if theirs is not None and mine is not None and theirs != mine:
+            # Another boot: the holder died with the machine. Another PID namespace (a container on
+            # the same host): its PIDs mean nothing here.
+            return key == "boot_id"
+    pid = holder.get("pid")
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        return False
+    if pid == os.getpid():
+        return False  # this process holds it (a run in progress in this interpreter)
+    if not _pid_alive(pid):
+        return True
+    start = holder.get("pid_start")
+    return start is not None and _pid_start(pid) not in (None, start)  # the PID was reused
+
+
+# ---------------------------------------------------------------------------------------------------
+# The store: create-if-absent, read, delete
+# ---------------------------------------------------------------------------------------------------
+
+
+def _create_if_absent(path: str, data: bytes) -> bool:
+    """Create ``path`` holding ``data`` unless it exists; True if this call created it."""
+    directory, name = os.path.split(path)
+    tmp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, path)  # atomic, fails if the name exists, and never shows a half-written record
+        return True
+    except FileExistsError:
+        return False
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+            raise
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+    # No hard links on this filesystem: exclusive create, then write.
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return True
+
+
+def _read_record(path: str) -> tuple[Optional[dict], Optional[bytes]]:
+    """``(record, raw bytes)``; ``(None, None)`` if the file is gone, ``(None, raw)`` if unparseable."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None, None
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None, raw
+    return (doc if isinstance(doc, dict) else None), raw
+
+
+def _describe(holder: Optional[dict]) -> str:
+    if holder is None:
+        return "a record that cannot be read"
+    return (
+        f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {holder.get('started', '?')}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# The lock
+# ---------------------------------------------------------------------------------------------------
+
+
+class RunLock:
+    """A held run lock (or, on processes other than 0, a placeholder). :meth:`release` is idempotent."""
+
+    def __init__(self, path: Optional[str], record: Optional[dict]):
+        self.path = path
+        self.record = record
+
+    @property
+    def held(self) -> bool:
+        return self.path is not None
+
+    def release(self) -> None:
+        if self.path is None or self.record is None:
+            return
+        path, self.path = self.path, None
+        current, _ = _read_record(path)
+        if current is None or current.get("token") != self.record["token"]:
+            logger.warning("run lock %s is no longer this run's (it was broken by hand?); leaving it", path)
+            return
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self) -> "RunLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def acquire_run_lock(run_dir: str, run_id: str) -> RunLock:
+    """Take the lock of the run whose checkpoints live in ``run_dir`` (created if needed).
+
+    Raises :class:`RunLockedError` if a live run holds it; takes over (with a warning) a lock left by
+    a process of this machine that has exited.
+    """
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, LOCK_FILENAME)
+    record = _this_process(run_id)
+    data = (json.dumps(record, indent=1, sort_keys=True) + "\n").encode()
+    for _ in range(5):
+        try:
+            if _create_if_absent(path, data):
+                return RunLock(path, record)
+        except OSError as e:
+            if is_out_of_space(e):
+                raise out_of_space_error("taking the run lock", path) from e
+            raise ValueError(
+                f"trainer.checkpointer.base_path: cannot create the run lock {path} ({e.strerror or e}). "
+                "Choose a writable directory."
+            ) from None
+        holder, raw = _read_record(path)
+        if raw is None:
+            continue  # released between our attempt and the read: try again
+        if holder is None or not _is_stale(holder):
+            raise RunLockedError(
+                f"run {run_id!r} is already running: its lock {path} is held by {_describe(holder)}. Two runs "
+                "with one trainer.id would mix their checkpoints and metrics: wait for it to finish, or use "
+                f"another trainer.id. If that run is dead (e.g. its machine was lost), delete {path} and rerun."
+            )
+        logger.warning(
+            "taking over the run lock %s: its holder (%s) is no longer running", path, _describe(holder)
+        )
+        _break_stale(path, raw)
+    raise RunLockedError(
+        f"run {run_id!r}: could not take its lock {path}: other processes keep taking it. Is the same run "
+        "being started several times at once?"
+    )
+
+
+def _break_stale(path: str, raw: bytes) -> None:
+    """Remove the lock at ``path`` if it still holds ``raw`` (another start-up may have replaced it)."""
+    aside = f"{path}.stale-{secrets.token_hex(4)}"
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return  # someone else removed it
+    try:
+        with open(aside, "rb") as f:
+            moved = f.read()
+        if moved != raw:
+            # Another start-up broke the same stale lock and took it in the meantime: put its lock back.
+            try:
+                os.link(aside, path)
+            except FileExistsError:
+                pass
+    finally:
+        os.unlink(aside)
+
+
+def hold_run_lock(run_dir: str, run_id: str) -> RunLock:
+    """:func:`acquire_run_lock` on process 0; every process raises if that failed, none waits forever."""
+    import jax
+
+    if jax.process_count() == 1:
+        return acquire_run_lock(run_dir, run_id)
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    lock, failure = RunLock(None, None), None
+    if jax.process_index() == 0:
+        try:
+            lock = acquire_run_lock(run_dir, run_id)
+        except BaseException as e:  # noqa: BLE001 -- reported to the others first, then re-raised
+            failure = e
+    ok = bool(multihost_utils.broadcast_one_to_all(np.bool_(failure is None)))
+    if failure is not None:
+        raise failure
+    if not ok:
+        raise RunLockedError(
+            f"run {run_id!r}: process 0 could not take the run lock in {run_dir} (its error says why)"
+        )
+    return lock
+
