@@ -3,9 +3,14 @@ typed dataclasses.
 
 ``main`` wraps a ``main(config)`` function into a command-line entry point:
 ``python -m levanter.main.x --config_path config/foo.yaml --trainer.num_train_steps 100``. Tests call the
-wrapped function directly with a config object. User errors (a missing or malformed file, an unknown
-key, a value of the wrong type) are reported as one paragraph naming the file and key, without a
-traceback, and exit with status 2.
+wrapped function directly with a config object. User errors (a missing, unreadable or malformed file, a
+key given twice, an unknown key, a value of the wrong type) are reported as one paragraph naming the file
+or the command-line override and the key, without a traceback, and exit with status 2.
+
+Config files are UTF-8 YAML. ``key: !include other.yaml`` splices in another file (relative to the one
+that names it; ``<<: !include other.yaml`` merges its keys), as upstream Levanter's configs do. A key
+given twice in one mapping is an error rather than "last one wins": a second ``optimizer:`` block would
+otherwise silently reset every setting of the first to its default.
 """
 
 from __future__ import annotations
@@ -19,12 +24,13 @@ import inspect
 import io
 import logging
 import os
+import posixpath
 import re
 import sys
 import tempfile
 import typing
-from collections.abc import Callable, Sequence
-from typing import TypeVar, Union
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar, Union
 
 import draccus
 import fsspec
@@ -38,19 +44,140 @@ class ConfigError(ValueError):
     """A user error in a config file or on the command line."""
 
 
-def load_yaml(path: str) -> dict:
-    """The mapping in the YAML file ``path``; errors name the file (and the line for syntax errors)."""
+# -- reading YAML -------------------------------------------------------------------------------------------
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+_MAX_INCLUDE_DEPTH = 16
+
+
+def _is_local(path: str) -> bool:
+    return "://" not in path or path.startswith("file://")
+
+
+def _read_text(path: str) -> str:
+    """The text of the config file ``path``; every way of failing to read it names the file."""
+    local = path[len("file://"):] if path.startswith("file://") else path
+    if _is_local(path) and os.path.isdir(local):
+        inside = sorted(n for n in os.listdir(local) if n.endswith((".yaml", ".yml")))
+        hint = f" (it holds {', '.join(inside[:3])}{', ...' if len(inside) > 3 else ''})" if inside else ""
+        raise ConfigError(f"{path} is a directory, expected a YAML file{hint}: give the config file itself")
     try:
-        with fsspec.open(path, "r", encoding="utf-8") as f:
-            text = f.read()
+        with fsspec.open(path, "rb") as f:
+            data = f.read()
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path!r}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path} is a directory, expected a YAML file") from None
+    except PermissionError:
+        raise ConfigError(f"cannot read the config file {path}: permission denied") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read the config file {path}: {e.strerror or e}") from None
     try:
-        data = yaml.safe_load(text)
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line_start = data.rfind(b"\n", 0, e.start) + 1
+        line = data.count(b"\n", 0, e.start) + 1
+        column = len(data[line_start:e.start].decode("utf-8")) + 1  # in characters, as an editor counts
+        raise ConfigError(
+            f"{path}, line {line}: not valid UTF-8 (byte 0x{data[e.start]:02x} at column {column}); "
+            "save the config as UTF-8"
+        ) from None
+
+
+class _Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` plus ``!include`` (a path relative to the including file), also as a merge
+    source (``<<: !include base.yaml``)."""
+
+    path: str = "<string>"
+    including: tuple = ()
+
+    def flatten_mapping(self, node):
+        for i, (key_node, value_node) in enumerate(node.value):
+            if key_node.tag == _MERGE_TAG and value_node.tag == "!include":
+                value = self.construct_object(value_node, deep=True)
+                if not isinstance(value, dict):
+                    raise ConfigError(
+                        f"{self.path}, line {value_node.start_mark.line + 1}: "
+                        f"`<<: !include {value_node.value}` "
+                        f"needs a file holding a mapping, got {type(value).__name__}"
+                    )
+                node.value[i] = (key_node, yaml.representer.SafeRepresenter().represent_data(value))
+        super().flatten_mapping(node)
+
+
+def _include(loader: _Loader, node: yaml.Node):
+    line = node.start_mark.line + 1
+    if not isinstance(node, yaml.ScalarNode) or not node.value:
+        raise ConfigError(f"{loader.path}, line {line}: `!include` takes a file name (`!include a.yaml`)")
+    name = node.value
+    if "://" in name or os.path.isabs(name):
+        target = name
+    elif _is_local(loader.path):
+        target = os.path.normpath(os.path.join(os.path.dirname(loader.path), name))
+    else:
+        target = posixpath.join(posixpath.dirname(loader.path), name)
+    chain = (*loader.including, loader.path)
+    if target in chain or len(chain) >= _MAX_INCLUDE_DEPTH:
+        loop = " -> ".join((*chain, target))
+        raise ConfigError(f"{loader.path}, line {line}: `!include {name}` loops (or nests too deep): {loop}")
+    return _load(target, chain)
+
+
+_Loader.add_constructor("!include", _include)
+
+
+def _check_duplicates(node: yaml.Node, path: str, key_path: tuple = (), seen: set | None = None) -> None:
+    """Refuse a key given twice in one mapping (at any depth): YAML keeps the last silently."""
+    seen = set() if seen is None else seen
+    if id(node) in seen:  # an alias of a node already checked
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first: dict = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == _MERGE_TAG:  # `<<: *base`: keys given here override the merged ones, by design
+                continue
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            if key is not None:
+                line = key_node.start_mark.line + 1
+                if (key_node.tag, key) in first:
+                    dotted = ".".join((*key_path, key))
+                    raise ConfigError(
+                        f"{path}: duplicate key `{dotted}` on lines {first[key_node.tag, key]} and {line}; "
+                        "YAML would keep only the last one and drop the other's settings. "
+                        "Merge the two into one."
+                    )
+                first[key_node.tag, key] = line
+            _check_duplicates(value_node, path, (*key_path, str(key)), seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_duplicates(item, path, (*key_path, str(i)), seen)
+
+
+def _load(path: str, including: tuple = ()) -> Any:
+    text = _read_text(path)
+    loader = _Loader(text)
+    loader.path, loader.including = path, including
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_duplicates(node, path)
+        return loader.construct_document(node)
+    except yaml.reader.ReaderError as e:  # a character YAML does not allow (a control character, ...)
+        line = text.count("\n", 0, e.position) + 1
+        what = f"{e.reason} (character {e.character!r})"
+        raise ConfigError(f"{path}, line {line}: malformed YAML: {what}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         raise ConfigError(f"{path}{where}: malformed YAML: {getattr(e, 'problem', None) or e}") from None
+    finally:
+        loader.dispose()
+
+
+def load_yaml(path: str) -> dict:
+    """The mapping in the YAML file ``path`` (``!include`` resolved); errors name the file and the line."""
+    data = _load(path)
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -58,31 +185,26 @@ def load_yaml(path: str) -> dict:
     return data
 
 
+# -- parsing -------------------------------------------------------------------------------------------------
 def parse_config(config_class: type[T], config_path: str | None = None, args: Sequence[str] = ()) -> T:
     """Parse ``config_path`` (if given) plus dotted overrides ``args`` into ``config_class``."""
     args = list(args)
-    local_path = None
+    raw: dict = {}
+    checked = None
     try:
         if config_path is not None:
-            load_yaml(config_path)  # clear errors for missing / malformed files before draccus sees them
-            if "://" in config_path and not config_path.startswith("file://"):
-                with fsspec.open(config_path, "r") as f, tempfile.NamedTemporaryFile(
-                    "w", suffix=".yaml", delete=False
-                ) as tmp:
-                    tmp.write(f.read())
-                local_path = config_path = tmp.name
-        return _parse_quietly(config_class, config_path, args)
-    except draccus.utils.DecodingError as e:
-        raise ConfigError(
-            f"{config_path or 'command line'}: {_describe_decoding_error(e, config_class)}"
-        ) from None
+            raw = load_yaml(config_path)
+            # draccus is given the mapping checked above (includes spliced in, duplicates refused), as a
+            # local file, rather than reading the original itself.
+            with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False, encoding="utf-8") as tmp:
+                checked = tmp.name
+                yaml.safe_dump(raw, tmp, sort_keys=False, allow_unicode=True)
+        return _parse_quietly(config_class, checked, args)
     except draccus.utils.ParsingError as e:
-        # A config class's own validation (``__post_init__``) raised: show that message, not draccus's.
-        cause = e.__cause__ if isinstance(e.__cause__, ValueError) else e
-        raise ConfigError(f"{config_path or 'command line'}: {cause}") from None
+        raise ConfigError(describe_error(e, config_class, raw, source=config_path, args=args)) from None
     finally:
-        if local_path is not None:
-            os.unlink(local_path)
+        if checked is not None:
+            os.unlink(checked)
 
 
 def _parse_quietly(config_class, config_path, args):
@@ -120,15 +242,131 @@ def _argparse_error(text: str) -> str:
     return message
 
 
-_DRACCUS_FAILED = re.compile(
-    r"Failed when parsing value='(?P<value>.*)' into field \".*\" of type (?P<type>.*?)\.\s*"
-    r"Underlying error is \"(?P<cause>.*)\"\s*$",
-    re.S,
-)
+# -- explaining draccus's errors -----------------------------------------------------------------------------
+def overrides(args: Sequence[str]) -> list[tuple[str, str]]:
+    """``["--a.b", "1", "--c=x"]`` -> ``[("a.b", "1"), ("c", "x")]``: the dotted overrides as given."""
+    out = []
+    args = list(args)
+    i = 0
+    while i < len(args):
+        a = args[i]
+        i += 1
+        if not a.startswith("--"):
+            continue
+        key, eq, value = a[2:].partition("=")
+        if not eq and i < len(args) and not args[i].startswith("--"):
+            value = args[i]
+            i += 1
+        out.append((key, value))
+    return out
 
 
-_UNKNOWN_FIELDS = re.compile(r"The fields (?P<fields>.*) are not valid for \S+$")
-_NO_CHOICE = re.compile(r"Couldn't find a choice class for '(?P<value>.*)' in <class '(?P<cls>[\w.]+)'>$")
+def _with_overrides(raw: dict, given: Sequence[tuple[str, str]]) -> dict:
+    """``raw`` with the overrides applied, as draccus applies them (values read as YAML)."""
+    import copy
+
+    merged = copy.deepcopy(raw)
+    for key, text in given:
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        node = merged
+        *parents, last = key.split(".")
+        for p in parents:
+            if not isinstance(node.get(p), dict):
+                node[p] = {}
+            node = node[p]
+        if isinstance(value, dict) and isinstance(node.get(last), dict):
+            node[last] = {**node[last], **value}
+        else:
+            node[last] = value
+    return merged
+
+
+def _is_registry(cls) -> bool:
+    return isinstance(cls, type) and issubclass(cls, draccus.choice_types.ChoiceRegistryBase)
+
+
+def _is_sequence_type(cls) -> bool:
+    return typing.get_origin(cls) in (list, tuple, Sequence, typing.Sequence)
+
+
+def _is_mapping_type(cls) -> bool:
+    return typing.get_origin(cls) in (dict, typing.Mapping) or cls is dict
+
+
+def _fields(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
+
+
+def _union_member(cls, value):
+    """The member of a union ``cls`` the user evidently meant by ``value``: by shape (a mapping, a list,
+    a scalar), then, among config classes, the one whose keys ``value`` uses most (the first on a tie)."""
+    if typing.get_origin(cls) is not Union:
+        return cls
+    members = [a for a in typing.get_args(cls) if a is not type(None)]
+    if isinstance(value, dict):
+        shaped = [m for m in members if dataclasses.is_dataclass(m) or _is_registry(m) or _is_mapping_type(m)]
+    elif isinstance(value, list):
+        shaped = [m for m in members if _is_sequence_type(m)]
+    else:
+        shaped = [m for m in members if not (dataclasses.is_dataclass(m) or _is_sequence_type(m))]
+    candidates = shaped or members
+    if len(candidates) == 1 or not isinstance(value, dict):
+        return candidates[0]
+    return max(candidates, key=lambda m: len(set(value) & set(_fields(_choice(m, value)))))
+
+
+def _choice(cls, value):
+    """For a registry (``model``, ``tracker``, ...): the class registered under ``value``'s ``type:``."""
+    if _is_registry(cls) and isinstance(value, dict):
+        name = value.get("type") or cls.default_choice_name()
+        try:
+            return cls.get_choice_class(name)
+        except Exception:  # noqa: BLE001 -- an unknown type is reported elsewhere
+            return cls
+    return cls
+
+
+def _child_type(cls, key: str):
+    if dataclasses.is_dataclass(cls):
+        try:
+            return typing.get_type_hints(cls).get(key)
+        except Exception:  # noqa: BLE001 -- a hint is best effort
+            return None
+    args = typing.get_args(cls)
+    if _is_sequence_type(cls) and args:
+        return args[0]
+    if _is_mapping_type(cls) and len(args) == 2:
+        return args[1]
+    return None
+
+
+def _children(value) -> Iterator[tuple[str, Any]]:
+    if isinstance(value, dict):
+        yield from ((str(k), v) for k, v in value.items())
+    elif isinstance(value, list):
+        yield from ((str(i), v) for i, v in enumerate(value))
+
+
+def _walk(cls, value, path: tuple = ()) -> Iterator[tuple[tuple, Any, Any]]:
+    """Every (key path, declared type, raw value) in a raw config, unions resolved as ``_union_member``."""
+    cls = _union_member(cls, value)
+    yield path, cls, value
+    cls = _choice(cls, value)
+    for key, child in _children(value):
+        child_type = _child_type(cls, key)
+        if child_type is not None:
+            yield from _walk(child_type, child, (*path, key))
+
+
+def _at(root, raw, key_path: Sequence[str]):
+    """(declared type, raw value) at ``key_path``, or (None, None)."""
+    for path, cls, value in _walk(root, raw):
+        if path == tuple(key_path):
+            return cls, value
+    return None, None
 
 
 def _resolve_class(dotted: str):
@@ -139,51 +377,82 @@ def _resolve_class(dotted: str):
         return None
 
 
-def _dataclass_at(root: type, key_path: Sequence[str]):
-    """The dataclass type of the config section at ``key_path``, or None if it is not one plain dataclass."""
-    cls = root
-    for key in key_path:
-        if not dataclasses.is_dataclass(cls):
-            return None
-        cls = typing.get_type_hints(cls).get(key)
-        if typing.get_origin(cls) is Union:  # Optional[X] -> X; a real union has no single answer
-            args = [a for a in typing.get_args(cls) if a is not type(None)]
-            cls = args[0] if len(args) == 1 else None
-    return cls if dataclasses.is_dataclass(cls) else None
+def _did_you_mean(word: str, choices: Sequence[str], quote: str = "`") -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f"did you mean {quote}{close[0]}{quote}?" if close else ""
 
 
-def _describe_decoding_error(e: "draccus.utils.DecodingError", config_class: type | None = None) -> str:
-    """draccus's message, made to name the key and say what was expected: unknown fields get a
-    did-you-mean, an unknown ``type:`` lists the known ones, and the two-line "Failed when parsing
-    value=... Underlying error is ..." form becomes "`key`: expected T, got V"."""
-    key = ".".join(e.key_path) or "config"
-    m = _UNKNOWN_FIELDS.match(e.message)
-    if m is not None and config_class is not None:
-        try:
-            cls = _dataclass_at(config_class, e.key_path)
-        except Exception:  # noqa: BLE001 -- a hint is best effort
-            cls = None
-        if cls is not None:
-            names = [f.name for f in dataclasses.fields(cls)]
-            hints = []
-            for unknown in re.findall(r"`([^`]+)`", m["fields"]):
-                close = difflib.get_close_matches(unknown, names, n=1)
-                if close:
-                    hints.append(f"`{close[0]}`")
-            if hints:
-                return f"{e} (did you mean {', '.join(hints)}?)"
-        return str(e)
-    m = _NO_CHOICE.match(e.message)
+_UNKNOWN_FIELDS = re.compile(r"The fields (?P<fields>.*) are not valid for \S+$")
+_MISSING_FIELDS = re.compile(r"Missing required field\(s\) (?P<fields>.*) for \S+$")
+_NO_CHOICE = re.compile(r"Couldn't find a choice class for '(?P<value>.*)' in <class '(?P<cls>[\w.]+)'>$")
+_NO_TYPE_KEY = re.compile(r"Expected a dict with a 'type' key for <class '(?P<cls>[\w.]+)'>, got ")
+_CHOICE_NOT_DICT = re.compile(r"Expected a dict for a choice class, got (?P<value>.*)$", re.S)
+_UNION = "Could not decode the value into any of the given types"
+_DRACCUS_FAILED = re.compile(
+    r"Failed when parsing value='(?P<value>.*)' into field \".*\" of type (?P<type>.*?)\.\s*"
+    r"Underlying error is \"(?P<cause>.*)\"\s*$",
+    re.S,
+)
+
+
+def _explain(e: Exception, root, raw, depth: int = 0) -> tuple[tuple | None, str]:
+    """(key path or None, what is wrong there) for a draccus error, in the user's terms: the key, the
+    value, the choices and a did-you-mean, never draccus's list of internal class names."""
+    if isinstance(e, draccus.utils.DecodingError):
+        key_path, message = tuple(e.key_path), e.message
+        if message.startswith(_UNION) and depth < 8:
+            # draccus tried every member of a union (the ``data`` section: one source or a mixture) and
+            # lists why each failed; decode again as the member the keys given point to, and report that.
+            declared, value = _at(root, raw, key_path)
+            member = _union_member(declared, value) if declared is not None else None
+            if member is not None and typing.get_origin(member) is not Union:
+                try:
+                    draccus.decode(member, value)
+                except draccus.utils.DecodingError as inner:
+                    where = (*key_path, *inner.key_path)
+                    return _explain(draccus.utils.DecodingError(where, inner.message), root, raw, depth + 1)
+                except draccus.utils.ParsingError as inner:
+                    return _explain_parsing(inner, root, raw, key_path)
+                except Exception:  # noqa: BLE001 -- fall back to draccus's message
+                    pass
+            return key_path, " ".join(message.split())
+        return _explain_decoding(key_path, message, root, raw)
+    return _explain_parsing(e, root, raw, None)
+
+
+def _explain_decoding(key_path: tuple, message: str, root, raw) -> tuple[tuple | None, str]:
+    m = _UNKNOWN_FIELDS.match(message)
+    if m is not None:
+        declared, value = _at(root, raw, key_path)
+        names = [n for n in _fields(_choice(declared, value)) if n != "type"]
+        unknown = re.findall(r"`([^`]+)`", m["fields"])
+        what = f"unknown {'top-level ' if not key_path else ''}key{'s' if len(unknown) > 1 else ''} "
+        what += ", ".join(f"`{u}`" for u in unknown)
+        hints = [h for h in (_did_you_mean(u, names) for u in unknown) if h]
+        if hints:
+            what += f" ({'; '.join(hints)})"
+        elif names:
+            what += f"; known keys: {', '.join(names[:20])}{', ...' if len(names) > 20 else ''}"
+        return key_path, what
+    m = _MISSING_FIELDS.match(message)
+    if m is not None:
+        return key_path, f"missing required key(s) {m['fields']}"
+    m = _NO_CHOICE.match(message)
     if m is not None:
         registry = _resolve_class(m["cls"])
         try:
-            known = ", ".join(sorted(registry.get_known_choices()))
+            known = sorted(registry.get_known_choices())
         except Exception:  # noqa: BLE001
-            known = ""
-        return f"`{key}`: unknown type {m['value']!r}" + (f"; known types: {known}" if known else "")
-    m = _DRACCUS_FAILED.match(e.message)
+            known = []
+        what = f"unknown type {m['value']!r}"
+        if known:
+            what += f"; known types: {', '.join(known)}"
+            hint = _did_you_mean(m["value"], known, quote="'")
+            what += f"; {hint}" if hint else ""
+        return key_path, what
+    m = _DRACCUS_FAILED.match(message)
     if m is None:
-        return str(e)
+        return key_path, message
     type_text = m["type"]
     cls_match = re.fullmatch(r"<class '(?P<cls>[\w.]+)'>", type_text)
     expected, why = type_text, f" ({m['cause']})"
@@ -193,20 +462,101 @@ def _describe_decoding_error(e: "draccus.utils.DecodingError", config_class: typ
         if cls is not None and dataclasses.is_dataclass(cls):
             # A section written as a list or a scalar: the cause (some AttributeError) says nothing more.
             expected, why = f"a mapping of {cls.__name__} fields (key: value lines)", ""
-    return f"`{key}`: expected {expected}, got {m['value']}{why}"
+    return key_path, f"expected {expected}, got {m['value']}{why}"
 
 
-def _split_config_path(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+def _explain_parsing(e: Exception, root, raw, key_path: tuple | None) -> tuple[tuple | None, str]:
+    """A draccus error without a key path: a registry section without ``type:`` (found by walking the raw
+    config), or a config class's own validation (its ``__post_init__`` message)."""
+    message = str(e)
+    m = _NO_TYPE_KEY.match(message)
+    if m is not None:
+        registry = _resolve_class(m["cls"])
+        for path, cls, value in _walk(root, raw):
+            if cls is registry and isinstance(value, dict) and "type" not in value:
+                return path, _missing_type(registry, value)
+    m = _CHOICE_NOT_DICT.match(message)
+    if m is not None:
+        for path, cls, value in _walk(root, raw):
+            if _is_registry(cls) and not isinstance(value, dict):
+                known = ", ".join(sorted(cls.get_known_choices()))
+                return path, f"expected a mapping with `type:` (one of {known}), got {value!r}"
+    cause = e.__cause__ if isinstance(e.__cause__, ValueError) else e
+    return key_path, " ".join(str(cause).split())
+
+
+def _missing_type(registry, value: dict) -> str:
+    known = sorted(registry.get_known_choices())
+    what = f"no `type:` given; add `type:` with one of: {', '.join(known)}"
+    typo = [k for k in value if difflib.get_close_matches(str(k), ["type"], n=1)]
+    if typo:
+        return what + f" (did you mean `type` for `{typo[0]}`?)"
+    fits = [n for n in known if set(value) <= set(_fields(registry.get_choice_class(n)))]
+    if len(fits) == 1:
+        return what + f" (did you mean `type: {fits[0]}`? the keys given are its)"
+    return what
+
+
+def describe_error(
+    e: Exception,
+    root,
+    raw: dict,
+    *,
+    source: str | None,
+    args: Sequence[str] = (),
+    prefix: Sequence[str] = (),
+) -> str:
+    """One paragraph for a draccus error in decoding ``raw`` (a file's mapping, before the overrides in
+    ``args``) as ``root``: where it is (the file, or the command-line override that set the key) and what
+    is wrong. ``prefix`` is the key path of ``raw`` within the whole config (``("data",)`` for a data
+    section read on its own)."""
+    head = ".".join(prefix) + "." if prefix else ""
+    given = [(k, v) for k, v in overrides(args) if k.startswith(head)]
+    merged = _with_overrides(raw, [(k[len(head):], v) for k, v in given])
+    key_path, what = _explain(e, root, merged)
+    full = None if key_path is None else (*prefix, *key_path)
+    key = ".".join(full) if full else ""
+    if full is not None:  # the override that set this key (or a section holding it)
+        blamed = [(k, v) for k, v in given if full[: len(k.split("."))] == tuple(k.split("."))]
+        blamed = sorted(blamed, key=lambda kv: len(kv[0]))[-1:]
+    else:  # a check across keys (``__post_init__``): the overrides its message names
+        blamed = [(k, v) for k, v in given if re.search(rf"(?<![\w.]){re.escape(k)}(?![\w])", what)]
+    if blamed:
+        where = "command line: " + " ".join(f"--{k} {v}" for k, v in blamed)
+        return f"{where}: {what}" if key in ("", blamed[0][0]) else f"{where}: `{key}`: {what}"
+    where = source or "command line"
+    return f"{where}: `{key}`: {what}" if key else f"{where}: {what}"
+
+
+# -- entry points --------------------------------------------------------------------------------------------
+def split_config_path(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """``--config_path X`` (or ``--config_path=X``) out of ``argv``: (X or None, the other arguments).
+    A ``--config_path`` with no file after it is an error, not a run without a config."""
     rest, path = [], None
-    it = iter(argv)
-    for a in it:
-        if a == "--config_path":
-            path = next(it, None)
-        elif a.startswith("--config_path="):
-            path = a.split("=", 1)[1]
+    argv = list(argv)
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        i += 1
+        if a == "--config_path" or a.startswith("--config_path="):
+            if a == "--config_path":
+                value = argv[i] if i < len(argv) else None
+                i += 1
+            else:
+                value = a.split("=", 1)[1]
+            if not value or value.startswith("--"):
+                got = f" (got {value} after it)" if value else ""
+                raise ConfigError(
+                    f"--config_path needs a file{got}: give the YAML config right after it, "
+                    "e.g. --config_path config/gpt2_nano.yaml"
+                )
+            path = value
         else:
             rest.append(a)
     return path, rest
+
+
+_split_config_path = split_config_path
 
 
 def main(fn: Callable[[T], object]) -> Callable[..., object]:
@@ -219,8 +569,8 @@ def main(fn: Callable[[T], object]) -> Callable[..., object]:
     def wrapper(config: T | None = None, argv: Sequence[str] | None = None):
         if config is not None:
             return fn(config)
-        path, rest = _split_config_path(sys.argv[1:] if argv is None else argv)
         try:
+            path, rest = split_config_path(sys.argv[1:] if argv is None else argv)
             cfg = parse_config(config_class, path, rest)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import draccus
 
-from ..config import ConfigError, _split_config_path, load_yaml
+from ..config import ConfigError, describe_error, load_yaml, split_config_path
 from ..data.config import DataConfig, LMMixtureDatasetConfig
 from ..errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError
 
@@ -63,8 +63,10 @@ def load_data_config(config_path: str, args: Sequence[str] = ()) -> DataConfig:
     section = _merge(dict(section), _override_tree(args, "data" if whole else ""))
     try:
         return draccus.decode(DataConfig, section)
-    except draccus.utils.DecodingError as e:
-        raise ConfigError(f"{config_path}: {'data.' if whole else ''}{e}") from None
+    except draccus.utils.ParsingError as e:
+        where = ("data",) if whole else ()
+        message = describe_error(e, DataConfig, section, source=config_path, args=args, prefix=where)
+        raise ConfigError(message) from None
 
 
 def main(config: DataConfig) -> dict:
@@ -85,11 +87,10 @@ def main(config: DataConfig) -> dict:
 
 
 def cli(argv: Sequence[str] | None = None) -> None:
-    path, rest = _split_config_path(sys.argv[1:] if argv is None else argv)
-    if path is None:
-        print("error: --config_path is required", file=sys.stderr)
-        raise SystemExit(2)
     try:
+        path, rest = split_config_path(sys.argv[1:] if argv is None else argv)
+        if path is None:
+            raise ConfigError("--config_path is required: give a train_lm or data-only config (YAML)")
         config = load_data_config(path, rest)
         main(config)
     except OutOfSpaceError as e:

@@ -27,7 +27,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Optional
 
-from levanter.config import ConfigError, parse_config
+from levanter.config import ConfigError, parse_config, split_config_path
 
 if TYPE_CHECKING:
     from levanter.data.planner import DataPlan
@@ -228,23 +228,35 @@ def _dump_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one ``error:`` line (as every entry point prints them), not a usage
+    screen followed by a line that starts with the program's name."""
+
+    def error(self, message):
+        raise ConfigError(f"command line: {message}")
+
+
 def cli(argv: Optional[Sequence[str]] = None) -> dict:
     # allow_abbrev=False: config overrides such as --data.cache_dir must never be taken for our options.
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m levanter.main.data_schedule", description=__doc__.split("\n")[0], allow_abbrev=False
     )
-    parser.add_argument("--config_path", required=True, help="a train_lm config (YAML)")
+    # --config_path is taken out before argparse sees the rest, exactly as train_lm and cache_dataset take it.
+    parser.add_argument("--config_path", help="a train_lm config (YAML); required")
     parser.add_argument("--steps", type=int, default=None, help="steps to plan (default: num_train_steps)")
     parser.add_argument("--dump", nargs=2, metavar=("START:END", "FILE.jsonl"), default=None)
     parser.add_argument("--plot", metavar="FILE.png", default=None)
-    args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
+        config_path, rest = split_config_path(sys.argv[1:] if argv is None else argv)
+        args, overrides = parser.parse_known_args(rest)
+        if config_path is None:
+            raise ConfigError("--config_path is required: give the train_lm config (YAML) to plan")
         dump = None
         if args.dump is not None:
             dump = (*_dump_range(args.dump[0]), args.dump[1])
         from levanter.main.train_lm import TrainLmConfig
 
-        config = parse_config(TrainLmConfig, args.config_path, overrides)
+        config = parse_config(TrainLmConfig, config_path, overrides)
         return main(config, steps=args.steps, dump=dump, plot=args.plot)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
