@@ -161,6 +161,7 @@ def test_registry_sections(tmp_path):
         (["--config_path"], "--config_path needs a file"),
         (["--config_path="], "--config_path needs a file"),
         (["--config_path", "--trainer.id", "x"], "--config_path needs a file (got --trainer.id after it)"),
+        (["--config_path", "a.yaml", "--config_path=b.yaml"], "--config_path given twice (a.yaml and b.yaml)"),
     ],
 )
 def test_config_path_without_a_file(argv, message):

@@ -550,6 +550,8 @@ def split_config_path(argv: Sequence[str]) -> tuple[str | None, list[str]]:
                     f"--config_path needs a file{got}: give the YAML config right after it, "
                     "e.g. --config_path config/gpt2_nano.yaml"
                 )
+            if path is not None and value != path:  # one file per run: the second would silently win
+                raise ConfigError(f"--config_path given twice ({path} and {value}): give one config file")
             path = value
         else:
             rest.append(a)
