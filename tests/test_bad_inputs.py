@@ -607,6 +607,12 @@ LONG_JSONL = "".join(
          yaml=edit(BASE, "tracker: {type: json}", "tracker: {type: jsn}")),
     Case("model-without-type", "config file and CLI (more)", "a `model:` section without `type:`", 2,
          ["$TMP/config.yaml", "`model`", "no `type:`", "gpt2, llama"], yaml=edit(BASE, "model: {type: gpt2, ", "model: {")),
+    Case("cache-dataset-duplicate-key", "config file and CLI (more)", "a data-only config naming `tokenizer` twice", 2,
+         ["$TMP/config.yaml", "duplicate key `tokenizer`", "lines 2 and 4"], entry="cache_dataset",
+         yaml='train_urls: ["embedded://python-docs/validation"]\ntokenizer: byte\ncache_dir: $TMP/cache\ntokenizer: gpt2\n'),
+    Case("data-schedule-data-key-typo", "config file and CLI (more)", "`data_schedule` over a config with a `data` typo",
+         2, ["$TMP/config.yaml", "`data`", "unknown key `shufle`", "did you mean `shuffle`?"], entry="data_schedule",
+         yaml=edit(BASE, "shuffle: true", "shufle: true")),
 ]
 
 MIN_CASES = 30
