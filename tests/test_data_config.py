@@ -127,3 +127,20 @@ def test_cache_dataset_cli_reports_errors_without_traceback(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 2
     assert "malformed YAML" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cache_dataset_checks_every_source_before_tokenizing(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+    (tmp_path / "afile").write_text("a regular file, not a directory")
+    (tmp_path / "data.yaml").write_text(
+        "tokenizer: byte\n"
+        f"cache_dir: {tmp_path}/cache\n"
+        "cache_options: {num_workers: 1}\n"
+        "configs:\n"
+        f"  a: {{train_urls: ['{tmp_path}/a.jsonl']}}\n"
+        f"  b: {{train_urls: ['{tmp_path}/a.jsonl'], cache_dir: '{tmp_path}/afile/b'}}\n"
+        "train_weights: {a: 1.0, b: 1.0}\n"
+    )
+    with pytest.raises(ValueError, match=r"data\.configs\.b\.cache_dir: cannot write the token cache at .*afile/b"):
+        cache_main(load_data_config(str(tmp_path / "data.yaml")))
+    assert not os.path.exists(tmp_path / "cache" / "a" / "train" / "shard_ledger.json")  # nothing tokenized

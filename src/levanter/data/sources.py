@@ -183,6 +183,15 @@ def file_identity(path: str, *, content_hash: bool = True) -> dict:
     Remote files get no hash: reading them costs a request per shard, and their modification time (or
     ETag) already changes with every upload.
     """
+    try:
+        return _file_identity(path, content_hash)
+    except FileNotFoundError:
+        raise SourceError(f"file not found: {path!r}") from None
+    except OSError as e:
+        raise SourceError(f"{path}: cannot read the file ({e.strerror or e})") from None
+
+
+def _file_identity(path: str, content_hash: bool) -> dict:
     fs, _, (fpath,) = fsspec.core.get_fs_token_paths(path)
     if _is_local(fs):
         st = os.stat(fpath)
@@ -271,6 +280,8 @@ def _open_text(path: str):
         raise SourceError(f"file not found: {path!r}") from e
     except IsADirectoryError:
         raise SourceError(f"{path!r} is a directory, not a data file") from None
+    except OSError as e:  # e.g. no permission to read it
+        raise SourceError(f"{path}: cannot read the file ({e.strerror or e})") from None
     except ValueError as e:  # e.g. an unknown compression
         raise SourceError(f"cannot open {path!r}: {e}") from e
 

@@ -71,6 +71,7 @@ def load_data_config(config_path: str, args: Sequence[str] = ()) -> DataConfig:
 
 def main(config: DataConfig) -> dict:
     """Build every cache ``config`` names; returns ``{(source, split): TokenCache}``."""
+    config.check_inputs()  # every source's files and cache directory, before any tokenizing
     out = {}
     for split in ("train", "validation"):
         caches = config.build_caches(split)

@@ -115,8 +115,8 @@ def cache_metadata(tokenizer, *, urls: Sequence[str], text_key: str, enforce_eos
 
     Inputs are recorded as the configured URLs (plus a fingerprint of each embedded source, whose text
     depends on the Python version), so a finished cache serves training even where the raw files are
-    gone; the expanded shard list is kept under ``"shards"`` and checked when an interrupted build
-    resumes.
+    gone; the expanded shard list is kept under ``"shards"`` and each file's identity under ``"inputs"``,
+    both checked separately (:func:`verify_inputs`, and when an interrupted build resumes).
     """
     from ..data.embedded import corpus_fingerprint, is_embedded_url, parse_embedded_url
 

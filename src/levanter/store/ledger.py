@@ -6,8 +6,9 @@ ledger. The ledger is therefore the authority on what is valid: on resume the st
 (temporary file in the same directory, fsync, ``os.replace``, fsync of the directory), so a crash
 leaves either the old ledger or the new one, never a torn one.
 
-The content is deterministic: keys are written sorted and nothing time-dependent is recorded, so a
-resumed build ends with the same ledger bytes as an uninterrupted one. The exception to sorting is
+The content is deterministic: keys are written sorted and nothing about the build's own timing is
+recorded (the input files' modification times in ``metadata["inputs"]`` are the files', not the build's),
+so a resumed build ends with the same ledger bytes as an uninterrupted one. The exception to sorting is
 ``shard_rows`` and ``shard_docs``, whose order is the shard order (rows of shard ``i`` precede those of
 shard ``i + 1`` in the stores) and is kept as written.
 
