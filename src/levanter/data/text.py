@@ -15,10 +15,18 @@ computation), so a mixture can read all of its sources' windows in one operation
 ``CausalLmDataset(..., tokens_only=True)`` ships the tokens alone and leaves the other two to the
 device, inside the jitted step (``train_lm`` does this): one host array and one transfer per step
 instead of three, and no host cumsum -- 1.1-1.25x the loader's throughput, measured.
+
+Token ids are checked against the vocabulary where a :class:`TokenSeqDataset` is given ``vocab_size``
+(``train_lm``'s datasets are): an id outside ``[0, vocab_size)`` can only come from a damaged cache (a
+chunk of random bytes in a cache written before chunks carried checksums) and is refused, naming the
+cache, instead of reaching the model as an out-of-range embedding lookup and a NaN loss. The check is one
+``min``/``max`` over each read's tokens: ~4 us for 8x1024 tokens, ~14 us for 64x1024 (2 shared cores),
+once per read (a coalesced read of many steps is checked once).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -38,14 +46,23 @@ BLOCK_MAX_SEQ_LEN = 64
 class TokenSeqDataset(AsyncDataset[np.ndarray]):
     """Window ``i`` of ``seq_len`` tokens of a store's flat token stream; returns ``int32[n, seq_len]``.
 
-    The trailing ``data_size % seq_len`` tokens are not used.
+    The trailing ``data_size % seq_len`` tokens are not used. With ``vocab_size`` every read is checked
+    to hold only ids in ``[0, vocab_size)`` (see the module docstring).
     """
 
-    def __init__(self, store, seq_len: int):
+    def __init__(self, store, seq_len: int, vocab_size: int | None = None):
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         self.store = store
         self.seq_len = seq_len
+        self.vocab_size = vocab_size
+        if vocab_size is None:
+            self._finish, self._row_key = _identity, ("windows",)
+        else:
+            where = getattr(store, "path", repr(store))
+            self._finish = functools.partial(_check_token_ids, int(vocab_size), where)
+            # Plans with equal keys are finished by one of them: equal bounds, the same check.
+            self._row_key = ("windows", int(vocab_size))
 
     def __len__(self) -> int:
         return self.store.data_size // self.seq_len
@@ -53,7 +70,7 @@ class TokenSeqDataset(AsyncDataset[np.ndarray]):
     async def get_batch(self, step: int, indices: Sequence[int]) -> np.ndarray:
         idx = as_index_array(indices)
         _check_range(idx, len(self), f"TokenSeqDataset(seq_len={self.seq_len})")
-        return await self.store.read_windows(idx * self.seq_len, self.seq_len)
+        return self._finish(await self.store.read_windows(idx * self.seq_len, self.seq_len))
 
     async def plan_read(self, step: int, indices: Sequence[int]) -> ReadPlan | None:
         window_views = getattr(self.store, "window_views", None)
@@ -61,7 +78,7 @@ class TokenSeqDataset(AsyncDataset[np.ndarray]):
             return None
         idx = as_index_array(indices)
         _check_range(idx, len(self), f"TokenSeqDataset(seq_len={self.seq_len})")
-        return ReadPlan(window_views(idx * self.seq_len, self.seq_len), _identity, row_key=("windows",))
+        return ReadPlan(window_views(idx * self.seq_len, self.seq_len), self._finish, row_key=self._row_key)
 
     async def plan_reads(self, steps: Sequence[int], indices: Sequence[Sequence[int]]) -> ReadPlan | None:
         """One plan for several steps' windows (the step does not change a window): one view per window,
@@ -73,8 +90,8 @@ class TokenSeqDataset(AsyncDataset[np.ndarray]):
         starts = idx * self.seq_len
         window_block = getattr(self.store, "window_block", None)
         if window_block is not None and idx.size and self.seq_len <= BLOCK_MAX_SEQ_LEN:
-            return ReadPlan([], _identity, row_key=("windows",), block=window_block(starts, self.seq_len))
-        return ReadPlan(self.store.window_views(starts, self.seq_len), _identity, row_key=("windows",))
+            return ReadPlan([], self._finish, row_key=self._row_key, block=window_block(starts, self.seq_len))
+        return ReadPlan(self.store.window_views(starts, self.seq_len), self._finish, row_key=self._row_key)
 
     async def async_len(self) -> int:
         return len(self)
@@ -85,6 +102,20 @@ class TokenSeqDataset(AsyncDataset[np.ndarray]):
 
 def _identity(x):
     return x
+
+
+def _check_token_ids(vocab_size: int, store_path: str, windows):
+    """``windows``, if every id is in ``[0, vocab_size)``; otherwise the cache at ``store_path`` is damaged."""
+    w = np.asarray(windows)
+    if w.size and (w.min() < 0 or w.max() >= vocab_size):
+        from ..store.jagged_array import cache_root
+
+        bad = int(w[(w < 0) | (w >= vocab_size)].flat[0])
+        raise ValueError(
+            f"the cache at {cache_root(store_path)} is damaged: it holds token id {bad}, outside the vocabulary "
+            f"[0, {vocab_size}) (a chunk of other bytes); delete it to rebuild"
+        )
+    return windows
 
 
 def causal_lm_columns(tokens: np.ndarray, eos_id: int | None) -> dict[str, np.ndarray]:
