@@ -540,6 +540,15 @@ LONG_JSONL = "".join(
          ["the cache at $TMP/cache/train is damaged", "$TMP/cache/train/input_ids/data/zarr.json is missing",
           "delete it to rebuild"], args=["--data.cache_dir", "$TMP/cache"], needs=["cache"],
          setup=lambda t, s: (copy_cache(t, s), os.remove(t / "cache/train/input_ids/data/zarr.json"))),
+    Case("cache-random-bytes-unchecksummed", "cache reads",
+         "random bytes in the token chunks of a cache written before chunks had checksums", 1,
+         ["step 0", "the cache at $TMP/cache/train is damaged", "outside the vocabulary [0, 257)",
+          "delete it to rebuild"], args=["--data.cache_dir", "$TMP/cache"], needs=["cache"],
+         # The old format: no crc32c codec in zarr.json, no 4-byte checksum after each chunk.
+         setup=lambda t, s: (copy_cache(t, s), [
+             p.write_text(p.read_text().replace(',{"name":"crc32c"}', "")) if p.name == "zarr.json"
+             else p.write_bytes(os.urandom(len(p.read_bytes()) - 4))
+             for p in (t / "cache/train/input_ids/data").rglob("*") if p.is_file()])),
     # ------------------------------------------------------------------------- inputs and cache builds
     # ---------------------------------------------------------------------------- runs and checkpoints
     Case("run-id-in-use", "runs and checkpoints", "the same `trainer.id` started while a run of it is going on", 2,

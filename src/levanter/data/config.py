@@ -174,7 +174,7 @@ class LMTaskConfig:
             check_writable(split_dir, cache_key)
 
     def _dataset(self, cache, seq_len: int, tokens_only: bool = False) -> AsyncDataset:
-        tokens = TokenSeqDataset(cache.store, seq_len)
+        tokens = TokenSeqDataset(cache.store, seq_len, vocab_size=cache.metadata.get("vocab_size"))
         if len(tokens) == 0:
             raise ValueError(
                 f"the cache at {cache.cache_dir!r} has {cache.store.data_size} tokens, fewer than one sequence "
