@@ -139,7 +139,7 @@ def test_data_section_union_picks_the_member_meant(tmp_path):
     # Keys of one source: reported against a single source; a mixture's keys: against the mixture.
     with pytest.raises(ConfigError, match=r"`data`: unknown key `shufle` \(did you mean `shuffle`\?\)"):
         parse_text(tmp_path, "data: {train_urls: [x], shufle: 1}\n")
-    with pytest.raises(ConfigError, match=r"`data.shuffle`: Couldn't parse 'maybe'"):
+    with pytest.raises(ConfigError, match=r"`data.shuffle`: expected bool or int, got 'maybe'"):
         parse_text(tmp_path, "data: {train_urls: [x], shuffle: maybe}\n")
     mix = "data: {configs: {a: {train_urls: [x]}}, train_weights: {a: 1}, mixture_blok_size: 4}\n"
     with pytest.raises(ConfigError, match=r"`mixture_blok_size` \(did you mean `mixture_block_size`"):

@@ -16,6 +16,7 @@ otherwise silently reset every setting of the first to its default.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import difflib
 import functools
@@ -243,7 +244,7 @@ def _argparse_error(text: str) -> str:
 
 
 # -- explaining draccus's errors -----------------------------------------------------------------------------
-def overrides(args: Sequence[str]) -> list[tuple[str, str]]:
+def _overrides(args: Sequence[str]) -> list[tuple[str, str]]:
     """``["--a.b", "1", "--c=x"]`` -> ``[("a.b", "1"), ("c", "x")]``: the dotted overrides as given."""
     out = []
     args = list(args)
@@ -263,8 +264,6 @@ def overrides(args: Sequence[str]) -> list[tuple[str, str]]:
 
 def _with_overrides(raw: dict, given: Sequence[tuple[str, str]]) -> dict:
     """``raw`` with the overrides applied, as draccus applies them (values read as YAML)."""
-    import copy
-
     merged = copy.deepcopy(raw)
     for key, text in given:
         try:
@@ -351,10 +350,10 @@ def _children(value) -> Iterator[tuple[str, Any]]:
 
 
 def _walk(cls, value, path: tuple = ()) -> Iterator[tuple[tuple, Any, Any]]:
-    """Every (key path, declared type, raw value) in a raw config, unions resolved as ``_union_member``."""
-    cls = _union_member(cls, value)
+    """Every (key path, declared type, raw value) in a raw config; unions are followed into the member
+    ``_union_member`` picks."""
     yield path, cls, value
-    cls = _choice(cls, value)
+    cls = _choice(_union_member(cls, value), value)
     for key, child in _children(value):
         child_type = _child_type(cls, key)
         if child_type is not None:
@@ -404,6 +403,11 @@ def _explain(e: Exception, root, raw, depth: int = 0) -> tuple[tuple | None, str
             # draccus tried every member of a union (the ``data`` section: one source or a mixture) and
             # lists why each failed; decode again as the member the keys given point to, and report that.
             declared, value = _at(root, raw, key_path)
+            members = [a for a in typing.get_args(declared) if a is not type(None)]
+            if members and not any(dataclasses.is_dataclass(m) or typing.get_origin(m) for m in members):
+                # A union of plain types (``shuffle: Union[bool, int]``): name them all.
+                names = " or ".join(getattr(m, "__name__", str(m)) for m in members)
+                return key_path, f"expected {names}, got {value!r}"
             member = _union_member(declared, value) if declared is not None else None
             if member is not None and typing.get_origin(member) is not Union:
                 try:
@@ -424,7 +428,7 @@ def _explain_decoding(key_path: tuple, message: str, root, raw) -> tuple[tuple |
     m = _UNKNOWN_FIELDS.match(message)
     if m is not None:
         declared, value = _at(root, raw, key_path)
-        names = [n for n in _fields(_choice(declared, value)) if n != "type"]
+        names = [n for n in _fields(_choice(_union_member(declared, value), value)) if n != "type"]
         unknown = re.findall(r"`([^`]+)`", m["fields"])
         what = f"unknown {'top-level ' if not key_path else ''}key{'s' if len(unknown) > 1 else ''} "
         what += ", ".join(f"`{u}`" for u in unknown)
@@ -473,11 +477,12 @@ def _explain_parsing(e: Exception, root, raw, key_path: tuple | None) -> tuple[t
     if m is not None:
         registry = _resolve_class(m["cls"])
         for path, cls, value in _walk(root, raw):
-            if cls is registry and isinstance(value, dict) and "type" not in value:
+            if _union_member(cls, value) is registry and isinstance(value, dict) and "type" not in value:
                 return path, _missing_type(registry, value)
     m = _CHOICE_NOT_DICT.match(message)
     if m is not None:
         for path, cls, value in _walk(root, raw):
+            cls = _union_member(cls, value)
             if _is_registry(cls) and not isinstance(value, dict):
                 known = ", ".join(sorted(cls.get_known_choices()))
                 return path, f"expected a mapping with `type:` (one of {known}), got {value!r}"
@@ -511,7 +516,7 @@ def describe_error(
     is wrong. ``prefix`` is the key path of ``raw`` within the whole config (``("data",)`` for a data
     section read on its own)."""
     head = ".".join(prefix) + "." if prefix else ""
-    given = [(k, v) for k, v in overrides(args) if k.startswith(head)]
+    given = [(k, v) for k, v in _overrides(args) if k.startswith(head)]
     merged = _with_overrides(raw, [(k[len(head):], v) for k, v in given])
     key_path, what = _explain(e, root, merged)
     full = None if key_path is None else (*prefix, *key_path)
