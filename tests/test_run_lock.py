@@ -206,3 +206,24 @@ def test_a_job_launched_twice_runs_once(tmp_path, capsys):
         _, err = first.communicate(timeout=120)
     assert first.returncode == PREEMPTED_EXIT_CODE, err[-3000:]
     assert not (tmp_path / "ckpt" / "twice" / LOCK_FILENAME).exists()
+
+
+@pytest.mark.slow
+def test_multi_process_runs_lock_on_process_0_and_all_stop_when_it_is_held(tmp_path):
+    """Two real processes of one run: process 0 takes the lock and releases it at the end; when the lock
+    is held elsewhere every process stops with exit 2 at once (none waits for the others at a barrier)."""
+    from test_multihost import launch
+
+    for rc, err in launch(tmp_path, "mp", processes=2, devices_per_process=1, steps=2):
+        assert rc == 0, err[-3000:]
+    assert not (tmp_path / "ckpt" / "mp" / LOCK_FILENAME).exists()
+    assert os.path.isdir(tmp_path / "ckpt" / "mp" / "step-2")
+
+    write_record(tmp_path / "ckpt" / "held", host="node-7", pid=4242)
+    start = time.time()
+    outs = launch(tmp_path, "held", processes=2, devices_per_process=1, steps=2, timeout=120)
+    assert time.time() - start < 100
+    (rc0, err0), (rc1, err1) = outs
+    assert rc0 == 2 and "pid 4242 on host node-7" in err0 and "Traceback" not in err0, err0[-3000:]
+    assert rc1 == 2 and "process 0 could not take the run lock" in err1 and "Traceback" not in err1, err1[-3000:]
+    assert not (tmp_path / "logs" / "held" / "metrics.jsonl").exists()
