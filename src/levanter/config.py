@@ -563,9 +563,6 @@ def split_config_path(argv: Sequence[str]) -> tuple[str | None, list[str]]:
     return path, rest
 
 
-_split_config_path = split_config_path
-
-
 def main(fn: Callable[[T], object]) -> Callable[..., object]:
     """Decorator: ``fn(config)`` stays callable with a config; with no arguments it parses ``sys.argv``."""
     config_class = next(iter(inspect.signature(fn).parameters.values())).annotation
