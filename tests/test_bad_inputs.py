@@ -224,6 +224,21 @@ def disk_full_tensorstore(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(ckpt, "_write_leaf", no_space)
 
 
+def metrics_disk_full(mp: pytest.MonkeyPatch) -> None:
+    """The run's metrics.jsonl is opened for appending on /dev/full, where every write fails with the
+    kernel's ENOSPC, as on a full disk; every other file is written normally."""
+    import builtins
+
+    import levanter.tracker.json_tracker as jt
+
+    def open_(path, mode="r", *args, **kwargs):
+        if str(path).endswith("metrics.jsonl") and "a" in mode:
+            path = "/dev/full"
+        return builtins.open(path, mode, *args, **kwargs)
+
+    mp.setattr(jt, "open", open_, raising=False)
+
+
 def no_checkpoint_left(tmp: Path, shared: Path) -> None:
     run_dir = tmp / "ckpt" / "bad"
     assert not (run_dir / "step-2").exists(), os.listdir(run_dir)
@@ -231,37 +246,6 @@ def no_checkpoint_left(tmp: Path, shared: Path) -> None:
     assert not [p for p in os.listdir(run_dir) if p.startswith(".tmp-")], os.listdir(run_dir)
 
 
-CASES: list[Case] = [
-    # ---------------------------------------------------------------------------------- config file
-    Case("config-not-found", "config file", "--config_path names a file that does not exist", 2,
-         ["config file not found", "$TMP/nope.yaml"], yaml=None, config_path="$TMP/nope.yaml"),
-    Case("malformed-yaml", "config file", "a stray colon in a value (`tokenizer: byte: x`)", 2,
-         ["$TMP/config.yaml, line 3", "malformed YAML", "mapping values are not allowed"],
-         yaml=edit(BASE, "tokenizer: byte", "tokenizer: byte: x")),
-    Case("yaml-not-a-mapping", "config file", "the YAML file is a list, not a mapping", 2,
-         ["$TMP/config.yaml", "expected a mapping at the top level", "list"], yaml="- trainer\n- model\n"),
-    Case("unknown-top-level-key", "config file", "a top-level key the config does not have (`trainr:`)", 2,
-         ["$TMP/config.yaml", "`trainr`", "did you mean `trainer`"], yaml=BASE + "trainr: {num_train_steps: 5}\n"),
-    Case("typo-nested-key", "config file", "a typo in a nested key (`trainer.num_train_step`)", 2,
-         ["$TMP/config.yaml", "`trainer`", "`num_train_step`", "did you mean `num_train_steps`"], yaml=edit(BASE, "num_train_steps: 4", "num_train_step: 4")),
-    Case("wrong-type", "config file", "a value of the wrong type (`num_train_steps: ten`)", 2,
-         ["trainer.num_train_steps", "'ten'"], yaml=edit(BASE, "num_train_steps: 4", "num_train_steps: ten")),
-    Case("section-not-a-mapping", "config file", "a section given as a list (`trainer: [..]`)", 2,
-         ["`trainer`", "expected a mapping of TrainerConfig fields", "['num_train_steps', 4]"], yaml=DATA + "trainer: [num_train_steps, 4]\n"),
-    Case("unknown-override", "config file", "a command-line override for a key that does not exist", 2,
-         ["command line", "--trainer.num_train_stepz", "did you mean --trainer.num_train_steps?"],
-         args=["--trainer.num_train_stepz", "5"]),
-    # ---------------------------------------------------------------------------------------- trainer
-    Case("zero-steps", "trainer", "`num_train_steps: 0`", 2, ["trainer.num_train_steps", "0"],
-         args=["--trainer.num_train_steps", "0"]),
-    Case("negative-steps", "trainer", "`num_train_steps: -5`", 2, ["trainer.num_train_steps", "-5"],
-         args=["--trainer.num_train_steps", "-5"]),
-    Case("batch-not-divisible", "trainer", "a batch size the 8 data-parallel devices cannot split", 2,
-         ["trainer.train_batch_size", "12", "data-parallel size 8"], args=["--trainer.train_batch_size", "12"]),
-    Case("microbatch-not-dividing", "trainer", "`per_device_parallelism` whose microbatch does not divide the batch",
-         2, ["trainer.per_device_parallelism=3", "24", "16"],
-         args=["--trainer.train_batch_size", "16", "--trainer.per_device_parallelism", "3"]),
-    Case("batch-schedule-not-at-0", "trainer", "a batch-size schedule whose first entry starts at step 5", 2,
 # -- inputs and cache builds: files and faults ----------------------------------------------------------
 def build_then_edit(before: dict, after: dict) -> Callable[[Path, Path], None]:
     """Write ``before``, build the case's caches from them (a finished cache), then write ``after``."""
@@ -322,6 +306,37 @@ LONG_JSONL = "".join(
 )
 
 
+CASES: list[Case] = [
+    # ---------------------------------------------------------------------------------- config file
+    Case("config-not-found", "config file", "--config_path names a file that does not exist", 2,
+         ["config file not found", "$TMP/nope.yaml"], yaml=None, config_path="$TMP/nope.yaml"),
+    Case("malformed-yaml", "config file", "a stray colon in a value (`tokenizer: byte: x`)", 2,
+         ["$TMP/config.yaml, line 3", "malformed YAML", "mapping values are not allowed"],
+         yaml=edit(BASE, "tokenizer: byte", "tokenizer: byte: x")),
+    Case("yaml-not-a-mapping", "config file", "the YAML file is a list, not a mapping", 2,
+         ["$TMP/config.yaml", "expected a mapping at the top level", "list"], yaml="- trainer\n- model\n"),
+    Case("unknown-top-level-key", "config file", "a top-level key the config does not have (`trainr:`)", 2,
+         ["$TMP/config.yaml", "`trainr`", "did you mean `trainer`"], yaml=BASE + "trainr: {num_train_steps: 5}\n"),
+    Case("typo-nested-key", "config file", "a typo in a nested key (`trainer.num_train_step`)", 2,
+         ["$TMP/config.yaml", "`trainer`", "`num_train_step`", "did you mean `num_train_steps`"], yaml=edit(BASE, "num_train_steps: 4", "num_train_step: 4")),
+    Case("wrong-type", "config file", "a value of the wrong type (`num_train_steps: ten`)", 2,
+         ["trainer.num_train_steps", "'ten'"], yaml=edit(BASE, "num_train_steps: 4", "num_train_steps: ten")),
+    Case("section-not-a-mapping", "config file", "a section given as a list (`trainer: [..]`)", 2,
+         ["`trainer`", "expected a mapping of TrainerConfig fields", "['num_train_steps', 4]"], yaml=DATA + "trainer: [num_train_steps, 4]\n"),
+    Case("unknown-override", "config file", "a command-line override for a key that does not exist", 2,
+         ["command line", "--trainer.num_train_stepz", "did you mean --trainer.num_train_steps?"],
+         args=["--trainer.num_train_stepz", "5"]),
+    # ---------------------------------------------------------------------------------------- trainer
+    Case("zero-steps", "trainer", "`num_train_steps: 0`", 2, ["trainer.num_train_steps", "0"],
+         args=["--trainer.num_train_steps", "0"]),
+    Case("negative-steps", "trainer", "`num_train_steps: -5`", 2, ["trainer.num_train_steps", "-5"],
+         args=["--trainer.num_train_steps", "-5"]),
+    Case("batch-not-divisible", "trainer", "a batch size the 8 data-parallel devices cannot split", 2,
+         ["trainer.train_batch_size", "12", "data-parallel size 8"], args=["--trainer.train_batch_size", "12"]),
+    Case("microbatch-not-dividing", "trainer", "`per_device_parallelism` whose microbatch does not divide the batch",
+         2, ["trainer.per_device_parallelism=3", "24", "16"],
+         args=["--trainer.train_batch_size", "16", "--trainer.per_device_parallelism", "3"]),
+    Case("batch-schedule-not-at-0", "trainer", "a batch-size schedule whose first entry starts at step 5", 2,
          ["trainer.train_batch_size", "step 0", "start=5"],
          args=["--trainer.train_batch_size", "[{start: 5, value: 8}]"]),
     Case("batch-schedule-not-increasing", "trainer", "batch-size schedule starts that go backwards", 2,
@@ -550,6 +565,46 @@ LONG_JSONL = "".join(
              else p.write_bytes(os.urandom(len(p.read_bytes()) - 4))
              for p in (t / "cache/train/input_ids/data").rglob("*") if p.is_file()])),
     # ------------------------------------------------------------------------- inputs and cache builds
+    Case("input-edited-after-cache", "inputs and cache builds",
+         "an input file edited after its cache was built (40 documents, then 120)", 2,
+         ["data.train_urls", "$TMP/data.jsonl changed size", "delete $TMP/cache/train"],
+         yaml=files_data('["$TMP/data.jsonl"]'),
+         setup=build_then_edit({"data.jsonl": GOOD_JSONL}, {"data.jsonl": GOOD_JSONL * 3})),
+    Case("glob-gained-a-shard", "inputs and cache builds",
+         "a new shard matching the glob of a finished cache", 2,
+         ["data.train_urls", "new file $TMP/shards/b.jsonl", "delete $TMP/cache/train"],
+         yaml=files_data('["$TMP/shards/*.jsonl"]'),
+         setup=build_then_edit({"shards/a.jsonl": GOOD_JSONL}, {"shards/b.jsonl": GOOD_JSONL})),
+    Case("truncated-zstd", "inputs and cache builds",
+         "a `.jsonl.zst` shard cut in half (interrupted download)", 2,
+         ["$TMP/data.jsonl.zst", "the file is truncated"], yaml=files_data('["$TMP/data.jsonl.zst"]'),
+         setup=lambda t, s: _write(t / "data.jsonl.zst", zstd_cut(GOOD_JSONL, 0.5)),
+         after=cache_unfinished(0)),
+    Case("truncated-zstd-mid-line", "inputs and cache builds", "a `.jsonl.zst` shard cut inside a line", 2,
+         ["$TMP/data.jsonl.zst", "the file is truncated"], entry="cache_dataset", yaml=files_data('["$TMP/data.jsonl.zst"]'),
+         setup=lambda t, s: _write(t / "data.jsonl.zst", zstd_cut(LONG_JSONL, 0.9))),
+    Case("json-array-not-lines", "inputs and cache builds", "a `.json` file holding one JSON array", 2,
+         ["$TMP/data.json, line 1", "one JSON object per line"], yaml=files_data('["$TMP/data.json"]'),
+         setup=write_files({"data.json": json.dumps([{"text": "a"}, {"text": "b"}], indent=1)})),
+    Case("train-url-directory", "inputs and cache builds", "a directory listed in `train_urls`", 2,
+         ["data.train_urls", "'$TMP/shards' is a directory", "$TMP/shards/*.jsonl"],
+         yaml=files_data('["$TMP/shards"]'), setup=write_files({"shards/a.jsonl": GOOD_JSONL})),
+    Case("input-without-text", "inputs and cache builds",
+         "an input file with no documents (blank lines only)", 2,
+         ["data.train_urls", "no text in $TMP/data.jsonl", "0 tokens"], yaml=files_data('["$TMP/data.jsonl"]'),
+         setup=write_files({"data.jsonl": "\n\n"}), after=cache_unfinished(0)),
+    Case("cache-dir-unwritable", "inputs and cache builds", "a `cache_dir` under a regular file", 2,
+         ["data.cache_dir", "$TMP/afile/cache/train", "Not a directory"],
+         args=["--data.cache_dir", "$TMP/afile/cache"], setup=block_checkpoint_dir),
+    Case("disk-full-cache-build", "inputs and cache builds",
+         "the disk fills up while `train_lm` builds a cache", 74,
+         ["out of disk space while building the token cache at $TMP/cache/train", "No space left on device"],
+         yaml=edit(files_data('["$TMP/data.jsonl"]'), *SMALL_BATCHES),
+         setup=write_files({"data.jsonl": GOOD_JSONL}), patch=cache_disk_full, after=cache_unfinished(16)),
+    Case("disk-full-cache-dataset", "inputs and cache builds", "the disk fills up during `cache_dataset`", 74,
+         ["out of disk space while building the token cache at $TMP/cache/train", "No space left on device"],
+         entry="cache_dataset", yaml=edit(files_data('["$TMP/data.jsonl"]'), *SMALL_BATCHES),
+         setup=write_files({"data.jsonl": GOOD_JSONL}), patch=cache_disk_full, after=cache_unfinished(16)),
     # ---------------------------------------------------------------------------- runs and checkpoints
     Case("run-id-in-use", "runs and checkpoints", "the same `trainer.id` started while a run of it is going on", 2,
          ["$TMP/ckpt/bad/run.lock", "pid 4242 on host node-7, started 2026-12-01T10:00:00+00:00", "trainer.id",
@@ -577,6 +632,49 @@ LONG_JSONL = "".join(
          ["out of disk space while saving the checkpoint of step 2 at $TMP/ckpt/bad/step-2", "No space left on device",
           "rerun"], patch=disk_full_tensorstore, after=no_checkpoint_left, needs=["cache"]),
     # -------------------------------------------------------------------------------- training values
+    Case("learning-rate-nan", "training values", "`learning_rate: .nan` (YAML's NaN)", 2,
+         ["$TMP/config.yaml", "optimizer.learning_rate must be a finite number", "nan"],
+         yaml=edit(BASE, "learning_rate: 0.01", "learning_rate: .nan")),
+    Case("learning-rate-inf", "training values", "`learning_rate: .inf`", 2,
+         ["optimizer.learning_rate must be a finite number", "inf"], yaml=edit(BASE, "learning_rate: 0.01", "learning_rate: .inf")),
+    Case("epsilon-zero", "training values", "`optimizer.epsilon: 0` (Adam's 0/0 for every zero gradient)", 2,
+         ["optimizer.epsilon must be positive", "got 0.0", "0/0 = NaN"], args=["--optimizer.epsilon", "0"]),
+    Case("max-grad-norm-inf", "training values", "`optimizer.max_grad_norm: .inf`", 2,
+         ["optimizer.max_grad_norm must be a finite number", "inf"], args=["--optimizer.max_grad_norm", "inf"]),
+    Case("weight-decay-negative", "training values", "`optimizer.weight_decay: -0.1` (was ignored)", 2,
+         ["optimizer.weight_decay must be non-negative", "-0.1"], args=["--optimizer.weight_decay", "-0.1"]),
+    Case("z-loss-nan", "training values", "`z_loss_weight: .nan`", 2, ["z_loss_weight", "finite", "nan"],
+         args=["--z_loss_weight", "nan"]),
+    Case("update-not-finite", "training values",
+         "a learning rate beyond float32 (`1e39`): finite loss and gradient, non-finite update", 1,
+         ["the update at step 0 is not finite", "loss and gradient norm were finite", "optimizer.learning_rate"],
+         args=["--optimizer.learning_rate", "1e39", "--trainer.checkpointer.keep", "[{every: 1}]"], needs=["cache"],
+         after=lambda t, s: None if not glob.glob(str(t / "ckpt/bad/step-*"))
+         else pytest.fail(f"a checkpoint was committed: {os.listdir(t / 'ckpt/bad')}")),
+    Case("seq-len-1", "training values", "`model.seq_len: 1` (no next token to predict)", 2,
+         ["model.seq_len must be >= 2", "got 1"], args=["--model.seq_len", "1"]),
+    Case("max-eval-batches-zero", "training values", "`trainer.max_eval_batches: 0` (evaluation skipped)", 2,
+         ["trainer.max_eval_batches must be >= 1", "null", "got 0"], args=["--trainer.max_eval_batches", "0"]),
+    Case("validation-smaller-than-batch", "training values", "a validation set shorter than one eval batch", 2,
+         ["data.validation_urls", "fewer than one eval batch of 8", "trainer.per_device_eval_parallelism"],
+         yaml=edit(BASE, "cache_dir: $SHARED/cache", "cache_dir: $TMP/cache\n  validation_urls: [\"$TMP/val.jsonl\"]"),
+         setup=write_files({"val.jsonl": json.dumps({"text": "a short validation document. " * 5}) + "\n"})),
+    Case("data-runs-out", "training values", "a single source with fewer sequences than the run's steps need", 2,
+         ["data: the training data holds", "trainer.num_train_steps is 100000", "lower trainer.num_train_steps to",
+          "stop_strategy restart"], args=["--trainer.num_train_steps", "100000"], needs=["cache"]),
+    Case("data-seed-too-big", "training values", "`data_seed: 2**70`", 2, ["data_seed", "[0, 2**32 - 1]",
+         "1180591620717411303424"], args=["--data_seed", str(2**70)]),
+    Case("trainer-seed-too-big", "training values", "`trainer.seed: 2**32` (the same key as seed 0)", 2,
+         ["trainer.seed", "[0, 2**32 - 1]", "4294967296"], args=["--trainer.seed", str(2**32)]),
+    Case("log-dir-unwritable", "training values", "a `log_dir` under a regular file", 2,
+         ["trainer.log_dir", "$TMP/afile/logs/bad", "Not a directory"], args=["--trainer.log_dir", "$TMP/afile/logs"],
+         setup=block_checkpoint_dir),
+    Case("log-dir-full", "training values", "the disk holding `log_dir` fills up during the run", 74,
+         ["out of disk space while logging metrics", "$TMP/logs/bad/metrics.jsonl"], patch=metrics_disk_full,
+         needs=["cache"]),
+    Case("vocab-too-big", "training values", "`data.vocab_size: 1000000000` (hung at 0% CPU)", 2,
+         ["the model cannot fit", "data.vocab_size=1,000,000,000", "GiB", "free"],
+         args=["--data.vocab_size", "1000000000"]),
     # ------------------------------------------------------------------------ config file and CLI (more)
     Case("config-not-utf8", "config file and CLI (more)", "a config file saved as Latin-1 (`# café` in a comment)", 2,
          ["$TMP/config.yaml, line 3", "not valid UTF-8", "byte 0xe9 at column 25"], yaml=None,
@@ -651,46 +749,6 @@ def run_case(case: Case, tmp: Path, shared: Path, capsys, monkeypatch) -> tuple[
     with pytest.raises(SystemExit) as exc:
         ENTRIES[case.entry](argv)
     if case.needs:
-    Case("input-edited-after-cache", "inputs and cache builds",
-         "an input file edited after its cache was built (40 documents, then 120)", 2,
-         ["data.train_urls", "$TMP/data.jsonl changed size", "delete $TMP/cache/train"],
-         yaml=files_data('["$TMP/data.jsonl"]'),
-         setup=build_then_edit({"data.jsonl": GOOD_JSONL}, {"data.jsonl": GOOD_JSONL * 3})),
-    Case("glob-gained-a-shard", "inputs and cache builds",
-         "a new shard matching the glob of a finished cache", 2,
-         ["data.train_urls", "new file $TMP/shards/b.jsonl", "delete $TMP/cache/train"],
-         yaml=files_data('["$TMP/shards/*.jsonl"]'),
-         setup=build_then_edit({"shards/a.jsonl": GOOD_JSONL}, {"shards/b.jsonl": GOOD_JSONL})),
-    Case("truncated-zstd", "inputs and cache builds",
-         "a `.jsonl.zst` shard cut in half (interrupted download)", 2,
-         ["$TMP/data.jsonl.zst", "the file is truncated"], yaml=files_data('["$TMP/data.jsonl.zst"]'),
-         setup=lambda t, s: _write(t / "data.jsonl.zst", zstd_cut(GOOD_JSONL, 0.5)),
-         after=cache_unfinished(0)),
-    Case("truncated-zstd-mid-line", "inputs and cache builds", "a `.jsonl.zst` shard cut inside a line", 2,
-         ["$TMP/data.jsonl.zst", "the file is truncated"], entry="cache_dataset", yaml=files_data('["$TMP/data.jsonl.zst"]'),
-         setup=lambda t, s: _write(t / "data.jsonl.zst", zstd_cut(LONG_JSONL, 0.9))),
-    Case("json-array-not-lines", "inputs and cache builds", "a `.json` file holding one JSON array", 2,
-         ["$TMP/data.json, line 1", "one JSON object per line"], yaml=files_data('["$TMP/data.json"]'),
-         setup=write_files({"data.json": json.dumps([{"text": "a"}, {"text": "b"}], indent=1)})),
-    Case("train-url-directory", "inputs and cache builds", "a directory listed in `train_urls`", 2,
-         ["data.train_urls", "'$TMP/shards' is a directory", "$TMP/shards/*.jsonl"],
-         yaml=files_data('["$TMP/shards"]'), setup=write_files({"shards/a.jsonl": GOOD_JSONL})),
-    Case("input-without-text", "inputs and cache builds",
-         "an input file with no documents (blank lines only)", 2,
-         ["data.train_urls", "no text in $TMP/data.jsonl", "0 tokens"], yaml=files_data('["$TMP/data.jsonl"]'),
-         setup=write_files({"data.jsonl": "\n\n"}), after=cache_unfinished(0)),
-    Case("cache-dir-unwritable", "inputs and cache builds", "a `cache_dir` under a regular file", 2,
-         ["data.cache_dir", "$TMP/afile/cache/train", "Not a directory"],
-         args=["--data.cache_dir", "$TMP/afile/cache"], setup=block_checkpoint_dir),
-    Case("disk-full-cache-build", "inputs and cache builds",
-         "the disk fills up while `train_lm` builds a cache", 74,
-         ["out of disk space while building the token cache at $TMP/cache/train", "No space left on device"],
-         yaml=edit(files_data('["$TMP/data.jsonl"]'), *SMALL_BATCHES),
-         setup=write_files({"data.jsonl": GOOD_JSONL}), patch=cache_disk_full, after=cache_unfinished(16)),
-    Case("disk-full-cache-dataset", "inputs and cache builds", "the disk fills up during `cache_dataset`", 74,
-         ["out of disk space while building the token cache at $TMP/cache/train", "No space left on device"],
-         entry="cache_dataset", yaml=edit(files_data('["$TMP/data.jsonl"]'), *SMALL_BATCHES),
-         setup=write_files({"data.jsonl": GOOD_JSONL}), patch=cache_disk_full, after=cache_unfinished(16)),
         time.sleep(0.1)  # a background thread's late traceback (e.g. from an I/O callback) lands in stderr
     return exc.value.code, capsys.readouterr().err
 
