@@ -227,7 +227,7 @@ class _ZstdReader(io.RawIOBase):
         self._zstd = zstandard
         self._dec = zstandard.ZstdDecompressor().decompressobj()
         self._in_frame = False  # whether the current frame has received input but not ended
-        self._pending = b""
+        self._pending = memoryview(b"")  # decompressed bytes not yet handed out
 
     def readable(self) -> bool:
         return True
@@ -254,10 +254,10 @@ class _ZstdReader(io.RawIOBase):
                 if self._in_frame:
                     raise EOFError("the zstd data ends inside a frame")
                 return 0
-            self._pending = self._decompress(chunk)
+            self._pending = memoryview(self._decompress(chunk))
         n = min(len(buf), len(self._pending))
         buf[:n] = self._pending[:n]
-        self._pending = self._pending[n:]
+        self._pending = self._pending[n:]  # a view: no copy of the rest
         return n
 
     def close(self) -> None:
@@ -273,7 +273,7 @@ def _open_text(path: str):
     try:
         if path.lower().endswith((".zst", ".zstd")):
             raw = fsspec.open(path, "rb").open()
-            reader = io.BufferedReader(_ZstdReader(raw))
+            reader = io.BufferedReader(_ZstdReader(raw), buffer_size=1 << 16)
             return io.TextIOWrapper(reader, encoding="utf-8", errors="surrogateescape")
         return fsspec.open(path, "rt", compression="infer", encoding="utf-8", errors="surrogateescape").open()
     except FileNotFoundError as e:
