@@ -488,8 +488,9 @@ def test_save_refuses_non_finite_values_and_writes_nothing(tmp_path, mesh):
 
     sharded = NamedSharding(mesh, P("data", "model"))
     tree = make_state()
-    tree["model"] = dataclasses.replace(tree["model"], w=jax.device_put(tree["model"].w.at[3, 1].set(jnp.nan), sharded))
-    with pytest.raises(CheckpointSaveError, match=r"step 5 .*step-5: \['model'\]\.w holds NaN or infinite values"):
+    w = jax.device_put(tree["model"].w.at[3, 1].set(jnp.nan), sharded)
+    tree["model"] = dataclasses.replace(tree["model"], w=w)
+    with pytest.raises(CheckpointSaveError, match=r"step 5 .*step-5: \['model'\]\.w holds NaN or infinite"):
         save_checkpoint(tree, 5, str(tmp_path / "step-5"))
     assert os.listdir(tmp_path) == []  # not even a temporary directory
     # an infinity in a bfloat16 moment and a NaN in a numpy leaf are caught too, all named
@@ -519,7 +520,8 @@ def test_a_full_disk_during_a_save_is_out_of_space_and_commits_nothing(tmp_path)
     mnt = tmp_path / "small"
     mnt.mkdir()
     try:
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
+                           capture_output=True)
     except FileNotFoundError:
         pytest.skip("no mount command")
     if r.returncode != 0:
@@ -545,8 +547,9 @@ def test_tensorstore_io_errors_are_reported_without_the_spec_dump():
 
     ts_error = ValueError("FAILED_PRECONDITION: Error writing local file \"/x/c/0\": Not a directory "
                           "[os_error_code='20'] [tensorstore_spec='{\"driver\": \"zarr3\"}']")
-    assert _io_error_text(ts_error) == "FAILED_PRECONDITION: Error writing local file \"/x/c/0\": Not a directory " \
-                                       "[os_error_code='20']"
+    expected = ("FAILED_PRECONDITION: Error writing local file \"/x/c/0\": Not a directory "
+                "[os_error_code='20']")
+    assert _io_error_text(ts_error) == expected
     assert _io_error_text(ValueError("shape mismatch")) is None
 
 
@@ -566,8 +569,8 @@ def test_unreadable_checkpoints_are_step_dirs_with_data_but_no_metadata(tmp_path
 def restore_config(tmp_path, **kw):
     from levanter.trainer import TrainerConfig
 
-    return TrainerConfig(id="r", require_accelerator=False, checkpointer=CheckpointerConfig(base_path=str(tmp_path)),
-                         **kw)
+    return TrainerConfig(id="r", require_accelerator=False,
+                         checkpointer=CheckpointerConfig(base_path=str(tmp_path)), **kw)
 
 
 def test_resume_refuses_damaged_checkpoints_and_missing_load_paths(tmp_path):
@@ -583,7 +586,8 @@ def test_resume_refuses_damaged_checkpoints_and_missing_load_paths(tmp_path):
         return Trainer(restore_config(tmp_path, **kw), optax.sgd(0.1), None).maybe_restore(tree, "r")
 
     # an intact step-2 does not make it safe: resuming there would overwrite step-4's arrays
-    with pytest.raises(CorruptCheckpointError, match=rf"{run} holds .*: {run}/step-4\..*load_checkpoint: false"):
+    damaged = rf"{run} holds .*: {run}/step-4\..*load_checkpoint: false"
+    with pytest.raises(CorruptCheckpointError, match=damaged):
         restore()
     with pytest.raises(CorruptCheckpointError, match="step-4"):
         restore(load_checkpoint=True)
@@ -592,14 +596,15 @@ def test_resume_refuses_damaged_checkpoints_and_missing_load_paths(tmp_path):
     state, path = restore()
     assert path == str(run / "step-4")
 
-    with pytest.raises(FileNotFoundError, match=rf"trainer\.load_checkpoint_path='{tmp_path}/rr' does not exist"):
+    with pytest.raises(FileNotFoundError, match=rf"load_checkpoint_path='{tmp_path}/rr' does not exist"):
         restore(load_checkpoint_path=str(tmp_path / "rr"))
     os.makedirs(tmp_path / "empty")
     with pytest.raises(FileNotFoundError, match="load_checkpoint_path=.*empty' holds no complete checkpoint"):
         restore(load_checkpoint_path=str(tmp_path / "empty"))
     with pytest.raises(FileNotFoundError, match="load_checkpoint_path=.*step-9' does not exist"):
         restore(load_checkpoint_path=str(run / "step-9"))
-    np.testing.assert_array_equal(restore(load_checkpoint_path=str(run / "step-2"))[0]["x"], np.arange(3.0) + 1)
+    from_step_2 = restore(load_checkpoint_path=str(run / "step-2"))[0]
+    np.testing.assert_array_equal(from_step_2["x"], np.arange(3.0) + 1)
     np.testing.assert_array_equal(restore(load_checkpoint_path=str(run))[0]["x"], np.arange(3.0) + 2)
 
 

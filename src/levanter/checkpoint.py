@@ -1121,7 +1121,12 @@ class Checkpointer:
             return
         doc = read_checkpoint_metadata(path)
         doc["is_temporary"] = False
-        _atomic_write_json(os.path.join(path, METADATA_FILENAME), doc)
+        try:
+            _atomic_write_json(os.path.join(path, METADATA_FILENAME), doc)
+        except OSError as e:  # the old metadata.json is intact: the checkpoint stays a temporary one
+            if is_out_of_space(e):
+                raise out_of_space_error("marking the checkpoint permanent", path) from e
+            raise CheckpointSaveError(f"could not mark the checkpoint {path} permanent: {e.strerror or e}") from e
 
     def wait_until_finished(self) -> None:
         """Block until pending saves are on disk. Saves are synchronous, so there is nothing to wait for."""

@@ -15,8 +15,11 @@ on S3). Release deletes the file only if it still holds this run's ``token``.
 Stale locks. A process killed with SIGKILL (or a machine that died) leaves its lock behind. When the
 holder ran on this machine -- same host name, same boot and, where Linux reports them, the same PID
 namespace -- and its PID is gone (or now belongs to a process started later), the lock is stale and is
-taken over with a warning. A holder on another machine cannot be checked from here: the error says how
-to break the lock (delete the file) once the user is sure that run is dead.
+taken over with a warning. A holder on another machine cannot be checked from here, so the holder
+also keeps a heartbeat: it touches the file every ``HEARTBEAT_SECONDS``, and a lock untouched for
+``STALE_AFTER_SECONDS`` (a machine lost with its run, a job killed after its grace period and requeued
+elsewhere) is stale wherever it was taken. Before that, the error says how to break the lock (delete the
+file) once the user is sure that run is dead.
 
 Multi-process runs take the lock on process 0 only; :func:`hold_run_lock` tells the other processes
 whether it succeeded, so that all of them stop with the same message instead of waiting at a barrier.
@@ -31,6 +34,8 @@ import logging
 import os
 import secrets
 import socket
+import threading
+import time
 from typing import Any, Optional
 
 from levanter.errors import is_out_of_space, out_of_space_error
@@ -40,6 +45,9 @@ __all__ = ["LOCK_FILENAME", "RunLock", "RunLockedError", "acquire_run_lock", "ho
 logger = logging.getLogger(__name__)
 
 LOCK_FILENAME = "run.lock"
+HEARTBEAT_SECONDS = 30.0
+# Generous against clock skew between machines sharing the filesystem and against a busy holder.
+STALE_AFTER_SECONDS = 600.0
 
 
 class RunLockedError(ValueError):
@@ -105,14 +113,26 @@ def _this_process(run_id: str) -> dict:
         "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "token": secrets.token_hex(8),
     }
-    for key, value in (("boot_id", _boot_id()), ("pid_ns", _pid_namespace()), ("pid_start", _pid_start(os.getpid()))):
+    identity = (("boot_id", _boot_id()), ("pid_ns", _pid_namespace()), ("pid_start", _pid_start(os.getpid())))
+    for key, value in identity:
         if value is not None:
             record[key] = value
     return record
 
 
-def _is_stale(holder: dict) -> bool:
-    """Whether ``holder`` ran on this machine and has certainly exited."""
+def _heartbeat_age(path: str) -> Optional[float]:
+    try:
+        return time.time() - os.stat(path).st_mtime
+    except OSError:
+        return None
+
+
+def _is_stale(holder: dict, path: str) -> bool:
+    """Whether ``holder`` has certainly exited: no heartbeat for ``STALE_AFTER_SECONDS``, or a process of
+    this machine that is gone."""
+    age = _heartbeat_age(path)
+    if age is not None and age > STALE_AFTER_SECONDS:
+        return True
     if holder.get("host") != socket.gethostname():
         return False
     for key, mine in (("boot_id", _boot_id()), ("pid_ns", _pid_namespace())):
@@ -184,11 +204,13 @@ def _read_record(path: str) -> tuple[Optional[dict], Optional[bytes]]:
     return (doc if isinstance(doc, dict) else None), raw
 
 
-def _describe(holder: Optional[dict]) -> str:
+def _describe(holder: Optional[dict], run_id: str) -> str:
     if holder is None:
         return "a record that cannot be read"
+    other = f"run {holder['run_id']!r}, " if holder.get("run_id") not in (None, run_id) else ""
     return (
-        f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started {holder.get('started', '?')}"
+        f"{other}pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started "
+        f"{holder.get('started', '?')}"
     )
 
 
@@ -203,6 +225,16 @@ class RunLock:
     def __init__(self, path: Optional[str], record: Optional[dict]):
         self.path = path
         self.record = record
+        self._stop = threading.Event()
+        if path is not None:
+            threading.Thread(target=self._beat, args=(path,), name="run-lock-heartbeat", daemon=True).start()
+
+    def _beat(self, path: str) -> None:
+        while not self._stop.wait(HEARTBEAT_SECONDS):
+            try:
+                os.utime(path)
+            except OSError as e:  # gone (broken by hand) or storage trouble: the run itself goes on
+                logger.warning("cannot refresh the run lock %s: %s", path, e)
 
     @property
     def held(self) -> bool:
@@ -212,6 +244,7 @@ class RunLock:
         if self.path is None or self.record is None:
             return
         path, self.path = self.path, None
+        self._stop.set()
         current, _ = _read_record(path)
         if current is None or current.get("token") != self.record["token"]:
             logger.warning("run lock %s is no longer this run's (it was broken by hand?); leaving it", path)
@@ -231,8 +264,9 @@ class RunLock:
 def acquire_run_lock(run_dir: str, run_id: str) -> RunLock:
     """Take the lock of the run whose checkpoints live in ``run_dir`` (created if needed).
 
-    Raises :class:`RunLockedError` if a live run holds it; takes over (with a warning) a lock left by
-    a process of this machine that has exited.
+    Raises :class:`RunLockedError` if a live run holds it; takes over (with a warning) a lock whose
+    holder has certainly exited (a process of this machine that is gone, or no heartbeat for
+    ``STALE_AFTER_SECONDS``).
     """
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, LOCK_FILENAME)
@@ -252,14 +286,20 @@ def acquire_run_lock(run_dir: str, run_id: str) -> RunLock:
         holder, raw = _read_record(path)
         if raw is None:
             continue  # released between our attempt and the read: try again
-        if holder is None or not _is_stale(holder):
+        if holder is None or not _is_stale(holder, path):
+            age = _heartbeat_age(path)
+            beat = f" (last heartbeat {age:.0f} s ago)" if age is not None else ""
             raise RunLockedError(
-                f"run {run_id!r} is already running: its lock {path} is held by {_describe(holder)}. Two runs "
-                "with one trainer.id would mix their checkpoints and metrics: wait for it to finish, or use "
-                f"another trainer.id. If that run is dead (e.g. its machine was lost), delete {path} and rerun."
+                f"run {run_id!r} is already running: its lock {path} is held by "
+                f"{_describe(holder, run_id)}{beat}. Two runs with one trainer.id would mix their "
+                "checkpoints and metrics: wait for it to finish, or use another trainer.id. If that run is "
+                f"dead (e.g. its machine was lost), delete {path} and rerun; the lock also expires "
+                f"{STALE_AFTER_SECONDS / 60:.0f} minutes after its last heartbeat."
             )
         logger.warning(
-            "taking over the run lock %s: its holder (%s) is no longer running", path, _describe(holder)
+            "taking over the run lock %s: its holder (%s) is no longer running",
+            path,
+            _describe(holder, run_id),
         )
         _break_stale(path, raw)
     raise RunLockedError(
