@@ -612,3 +612,32 @@ def test_a_chunk_that_stays_missing_is_one_error_naming_cache_chunk_and_step(tmp
         f"{cache} is missing, still after 4 attempts over {info.value.seconds:.1f} s. The cache is damaged: "
         f"delete {cache} to rebuild it."
     )
+
+
+def test_resuming_a_store_with_a_committed_chunk_missing_is_refused(tmp_path):
+    # A write into a missing chunk would fill the rest of it with zeros: the resumed build would hold
+    # zeros where committed tokens were.
+    from levanter.store.jagged_array import DamagedStoreError
+
+    cache, store = _cache_like(tmp_path)
+    last = _chunk_files(store)[-1]
+    os.remove(last)
+    with pytest.raises(DamagedStoreError, match=f"chunk file {last} is missing"):
+        JaggedArrayStore.open(store, mode="a", num_rows=40)
+
+
+def test_tree_store_fields_are_checksummed_and_refuse_missing_chunks(tmp_path):
+    from levanter.store.jagged_array import DamagedStoreError
+
+    tree = TreeStore.open(tmp_path / "t", {"input_ids": np.int32, "loss_mask": np.bool_}, mode="w", **SMALL)
+    tree.append([{"input_ids": np.arange(30), "loss_mask": np.ones(30, bool)} for _ in range(3)])
+    tree.finalize()
+    for field in ("input_ids", "loss_mask"):
+        codecs = json.load(open(tmp_path / "t" / field / "data" / "zarr.json"))["codecs"]
+        assert codecs[-1]["name"] == "crc32c"
+    victim = _chunk_files(tmp_path / "t" / "loss_mask")[2]
+    os.remove(victim)
+    with pytest.raises(DamagedStoreError, match=f"chunk file {victim} is missing"):
+        TreeStore.open(tmp_path / "t", {"input_ids": None, "loss_mask": None}, mode="r", num_rows=3)
+    with pytest.raises(ValueError, match="NOT_FOUND"):
+        run(TreeStore.open(tmp_path / "t", {"input_ids": None, "loss_mask": None}, mode="r").read_rows([1]))

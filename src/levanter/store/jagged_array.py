@@ -28,9 +28,10 @@ on object storage) is an error instead of a run of fill values (token 0); and si
 the fill value must then exist on disk, every chunk is stored (``store_data_equal_to_fill_value``).
 Arrays created here end their codec chain with zarr3's ``crc32c``, so a flipped bit is an error
 (``DATA_LOSS``), not a token; stores written without it are read as they are (the codecs come from each
-array's ``zarr.json``). Opening a store read-only with a committed row count checks that every chunk the
-committed rows need is there (one directory listing per array on local disk), so a damaged cache is
-refused before training starts. :func:`storage_fault` reads tensorstore's error text (status code, chunk
+array's ``zarr.json``). Opening a store with a committed row count (to read or to append) checks that
+every chunk the committed rows need is there (one directory listing per array on local disk), so a
+damaged cache is refused before training starts, and a resumed build never writes into a hole (a write
+into a missing chunk would fill the rest of it with zeros). :func:`storage_fault` reads tensorstore's error text (status code, chunk
 file) for the loader, which retries what may pass and names the damaged cache otherwise.
 
 Trade-off: chunks are not compressed by default. A random window decodes a whole chunk, and on local
@@ -456,7 +457,10 @@ class JaggedArrayStore:
         n_offsets = _length(offsets)
         if n_offsets < 1:
             raise ValueError(f"store at {path!r} is corrupt: its offsets array is empty")
-        if strict:
+        # Committed rows must have all their chunks: read-only, so a read never meets a hole; for append,
+        # because a write into a missing chunk fills the rest of it with zeros, silently.
+        whole = num_rows is not None
+        if whole:
             _check_chunks(path, "offsets", offsets, min(num_rows + 1, n_offsets))
         if num_rows is None:
             num_rows = n_offsets - 1
@@ -494,7 +498,7 @@ class JaggedArrayStore:
                     f"store at {path!r} is corrupt: row {num_rows} ends at {data_size}, outside the data "
                     f"array of length {_length(data)}"
                 )
-        if strict:
+        if whole:
             _check_chunks(path, "data", data, data_size)
         if mode == "a":
             # Reset the garbage past the committed end now, so the store is what a clean build of the

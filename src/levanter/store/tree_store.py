@@ -11,6 +11,9 @@ field when the lengths do agree, in exchange for one code path and no cross-fiel
 
 Crash semantics are the jagged store's: the committed row count comes from the ledger and applies to
 every field, so fields can never disagree after a resume even if a writer died between field writes.
+So are its integrity guarantees, per field: missing chunks are errors (never fill values), new fields'
+chunks carry crc32c checksums (``checksum=False`` is passed on like the other store keywords), and a
+field missing files that its committed rows need is refused when opened with ``num_rows``.
 """
 
 from __future__ import annotations
