@@ -332,3 +332,37 @@ def test_tensorboard_writes_scalars_and_text(tmp_path):
     # the earlier attempt's events from step 2 on
     assert any(e.HasField("session_log") and e.step == 2 for e in events)
     assert not (tmp_path / "unused").exists()
+
+
+def test_log_directories_are_checked_before_the_run(tmp_path):
+    """check_trackers_writable creates each tracker's directory and leaves nothing else there; a
+    directory that cannot be made names the key it came from."""
+    from levanter.tracker import check_trackers_writable
+
+    check_trackers_writable((JsonConfig(), TensorboardConfig(logdir=str(tmp_path / "tb"))), "r1", str(tmp_path / "logs"))
+    assert os.listdir(tmp_path / "logs" / "r1") == [] and os.listdir(tmp_path / "tb" / "r1") == []
+    (tmp_path / "afile").write_text("a file, not a directory")
+    with pytest.raises(ValueError, match=r"trainer.log_dir: cannot write logs to .*afile/r1 \(Not a directory\)"):
+        check_trackers_writable(JsonConfig(), "r1", str(tmp_path / "afile"))
+    with pytest.raises(ValueError, match=r"trainer.tracker.log_dir: cannot write logs to .*afile/own/r1"):
+        check_trackers_writable([JsonConfig(log_dir=str(tmp_path / "afile" / "own"))], "r1", str(tmp_path / "logs"))
+    with pytest.raises(ValueError, match=r"trainer.tracker.logdir: cannot write logs to .*afile/tb/r1"):
+        check_trackers_writable(TensorboardConfig(logdir=str(tmp_path / "afile" / "tb")), "r1", str(tmp_path))
+    check_trackers_writable(NoopConfig(), "r1", str(tmp_path / "afile"))  # writes nothing: nothing to check
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_disk_is_out_of_space_naming_the_metrics_file(tmp_path):
+    """Writes to /dev/full fail with the kernel's ENOSPC, as on a full disk: the tracker raises
+    OutOfSpaceError (exit 74 in the CLIs) naming metrics.jsonl, and its clean-up does not fail again."""
+    from levanter.errors import OutOfSpaceError
+
+    tracker = JsonConfig().init("r1", str(tmp_path))
+    tracker.log({"loss": 1.0}, step=0)
+    tracker._file.close()
+    tracker._file = open("/dev/full", "a", encoding="utf-8")  # the disk fills up from here on
+    with pytest.raises(OutOfSpaceError, match=r"out of disk space while logging metrics at .*r1/metrics.jsonl"):
+        tracker.log({"loss": 0.5}, step=1)
+    tracker.finish()
+    with open(tmp_path / "r1" / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == [0]

@@ -158,7 +158,7 @@ def test_bad_values_fail_before_any_work(tmp_path):
     cfg = tiny_config(tmp_path, require_accelerator=True)
     with pytest.raises(ValueError, match="trainer.require_accelerator"):
         train_lm.main(cfg)
-    assert not (tmp_path / "cache").exists()  # nothing was built
+    assert not any(p.is_file() for p in (tmp_path / "cache").rglob("*"))  # nothing was built
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "config", "*.yaml"))))
@@ -536,3 +536,162 @@ def test_the_train_step_compiles_once_and_keeps_every_dtype(mp):
         assert np.isfinite(float(metrics["loss"]))
     assert [x.dtype for x in jax.tree.leaves(state)] == dtypes
     assert trainer.compile_count() == 1
+
+
+def _zero_gradient_rows_step(eps: float, crash_on_nan: bool = True):
+    """One train step of a model whose batch never uses most of the vocabulary, so those embedding rows
+    get a gradient of exactly 0: with Adam's ``eps = 0`` their update is 0/0 = NaN although the loss and
+    the gradient norm are finite. Returns the parameters before and after, and the step's metrics."""
+    import equinox as eqx
+    import optax
+
+    from levanter.trainer import Trainer
+
+    model_cfg = Gpt2Config(hidden_dim=32, num_heads=2, num_layers=1, seq_len=16)
+    tcfg = TrainerConfig(train_batch_size=8, require_accelerator=False, crash_on_nan=crash_on_nan)
+    # Built from optax directly: AdamConfig refuses epsilon 0, and this checks the step's own guard.
+    optimizer = optax.chain(optax.scale_by_adam(eps=eps), optax.scale(-1e-2))
+    trainer = Trainer(tcfg, optimizer, train_lm.lm_loss_fn(0.0, 60))
+    import haliax as hax
+
+    state = trainer.initial_state(lambda k: model_cfg.build(hax.Axis("vocab", 61), key=k), key=jax.random.PRNGKey(3))
+    before = [np.array(x) for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_inexact_array))]
+    data = {"tokens": jax.device_put(np.random.default_rng(0).integers(0, 10, (8, 16)).astype(np.int32))}
+    state, metrics = trainer.train_step(state, train_lm._named_batch(data, model_cfg.Pos, "batch"), 8)
+    after = [np.asarray(x) for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_inexact_array))]
+    floats = [np.asarray(x) for x in jax.tree.leaves(state) if np.issubdtype(np.asarray(x).dtype, np.floating)]
+    return before, after, floats, int(state.step), metrics
+
+
+def test_a_non_finite_update_is_not_applied():
+    """Loss and gradient norm finite, update NaN (Adam with epsilon 0 on zero-gradient rows): the step
+    leaves every parameter and moment as it was, reports the update as non-finite, and the host check
+    stops the run naming the step and the optimizer values to look at. A positive epsilon updates."""
+    from levanter.trainer import check_finite
+
+    before, after, floats, step, metrics = _zero_gradient_rows_step(eps=0.0)
+    loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+    assert np.isfinite(loss) and np.isfinite(grad_norm)
+    assert not bool(metrics["update_finite"]) and bool(metrics["skipped"])
+    assert step == 1
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+    assert all(np.isfinite(x).all() for x in floats)  # nothing non-finite in the state a checkpoint would hold
+    tcfg = TrainerConfig()
+    with pytest.raises(FloatingPointError, match=r"the update at step 0 is not finite .*optimizer.epsilon"):
+        check_finite(loss, 0, tcfg, grad_norm=grad_norm, update_finite=bool(metrics["update_finite"]))
+    check_finite(loss, 0, TrainerConfig(crash_on_nan=False), grad_norm=grad_norm, update_finite=False)
+
+    before, after, _, _, metrics = _zero_gradient_rows_step(eps=1e-8)
+    assert bool(metrics["update_finite"]) and not bool(metrics["skipped"])
+    assert any(not np.array_equal(a, b) for a, b in zip(before, after))
+
+
+def test_check_finite_names_a_non_finite_gradient_norm():
+    from levanter.trainer import check_finite
+
+    with pytest.raises(FloatingPointError, match=r"train/grad_norm is NaN at step 7 \(the loss was finite\)"):
+        check_finite(1.5, 7, TrainerConfig(), grad_norm=float("nan"))
+    with pytest.raises(FloatingPointError, match=r"train/grad_norm is infinite at step 2.*crash_on_inf"):
+        check_finite(1.5, 2, TrainerConfig(), grad_norm=float("inf"))
+    check_finite(1.5, 2, TrainerConfig(crash_on_inf=False), grad_norm=float("inf"))
+
+
+@pytest.mark.parametrize(
+    "kw, fragment",
+    [
+        ({"learning_rate": float("nan")}, "optimizer.learning_rate must be a finite number"),
+        ({"learning_rate": float("inf")}, "optimizer.learning_rate must be a finite number"),
+        ({"weight_decay": -0.1}, "optimizer.weight_decay must be non-negative"),
+        ({"weight_decay": float("nan")}, "optimizer.weight_decay must be a finite number"),
+        ({"beta2": float("nan")}, "optimizer.beta2 must be a finite number"),
+        ({"epsilon": 0.0}, "optimizer.epsilon must be positive"),
+        ({"epsilon": -1e-8}, "optimizer.epsilon must be positive"),
+        ({"epsilon": float("inf")}, "optimizer.epsilon must be a finite number"),
+        ({"max_grad_norm": float("nan")}, "optimizer.max_grad_norm must be a finite number"),
+        ({"warmup": float("inf")}, "optimizer.warmup must be a finite number"),
+        ({"warmup": -1.0}, "optimizer.warmup must be non-negative"),
+        ({"decay": float("nan")}, "optimizer.decay must be a finite number"),
+        ({"min_lr_ratio": float("nan")}, "optimizer.min_lr_ratio must be a finite number"),
+        ({"min_lr_ratio": 1.5}, r"optimizer.min_lr_ratio must be in \[0, 1\]"),
+    ],
+)
+def test_optimizer_refuses_non_finite_and_out_of_range_values(kw, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        AdamConfig(**kw)
+
+
+def test_optimizer_values_in_range_are_accepted():
+    cfg = AdamConfig(learning_rate=0.0, weight_decay=0.0, warmup=0, decay=None, min_lr_ratio=1.0, max_grad_norm=None)
+    assert cfg.build(10) is not None
+
+
+def test_training_values_checked_before_any_work(tmp_path):
+    """seq_len 1, a seed JAX would truncate, a NaN z-loss weight and max_eval_batches 0 fail in validate,
+    naming the key, before a cache is built."""
+    base = tiny_config(tmp_path)
+    bad = [
+        (dataclasses.replace(base, model=dataclasses.replace(base.model, seq_len=1)), "model.seq_len must be >= 2"),
+        (dataclasses.replace(base, data_seed=2**32), r"data_seed must be in \[0, 2\*\*32 - 1\]"),
+        (dataclasses.replace(base, data_seed=-1), "data_seed must be in"),
+        (dataclasses.replace(base, z_loss_weight=float("nan")), "z_loss_weight must be a finite number"),
+        (dataclasses.replace(base, trainer=dataclasses.replace(base.trainer, max_eval_batches=0)),
+         "trainer.max_eval_batches must be >= 1"),
+        (dataclasses.replace(base, trainer=dataclasses.replace(base.trainer, seed=-3)), "trainer.seed must be in"),
+    ]
+    for cfg, fragment in bad:
+        with pytest.raises(ValueError, match=fragment):
+            train_lm.main(cfg)
+    assert not any(p.is_file() for p in (tmp_path / "cache").rglob("*"))  # nothing was built
+    train_lm.validate(dataclasses.replace(base, data_seed=2**32 - 1))
+
+
+def test_memory_estimate_refuses_what_cannot_fit(tmp_path):
+    """A 1e8 vocabulary at hidden size 32 needs ~12 GiB of parameters, as much again for gradients and
+    twice for Adam's moments, plus ~95 GiB of float32 logits: refused against 16 GiB, naming the key.
+    The tiny model fits; with the host's real free memory the check passes for it too."""
+    base = tiny_config(tmp_path)
+    huge = dataclasses.replace(base, data=dataclasses.replace(base.data, vocab_size=10**8))
+    with pytest.raises(ValueError, match=r"cannot fit.*16.0 GiB free.*data.vocab_size=100,000,000") as e:
+        train_lm.check_memory(huge, 10**8, available=(16 * 2**30, "the test's budget"))
+    gib = float(str(e.value).split("at least ")[1].split(" GiB")[0].replace(",", ""))
+    assert 4 * 10**8 * 32 * 4 / 2**30 < gib  # parameters, gradients and two moments alone
+    train_lm.check_memory(base, 257, available=(16 * 2**30, "the test's budget"))
+    train_lm.check_memory(base, 257)
+    assert train_lm.available_memory() is not None  # CPU devices: the host's memory is known
+
+
+def test_data_ending_early_at_run_time_exits_1(tmp_path, monkeypatch, capsys):
+    """If the training data ends before num_train_steps once the run is under way, the run checkpoints
+    the last state and fails with exit 1 naming the step, instead of exiting 0. The up-front check
+    (check_data_covers_run) refuses every such config the test can build, so it is switched off here
+    to reach the run-time guard behind it."""
+    docs = "".join(json.dumps({"text": f"document {i} " + "words " * 40}) + "\n" for i in range(4))
+    (tmp_path / "data.jsonl").write_text(docs)  # ~1,000 byte tokens: 3 steps of 8 x 32
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"""\
+data: {{train_urls: ["{tmp_path}/data.jsonl"], tokenizer: byte, cache_dir: {tmp_path}/cache}}
+model: {{type: gpt2, hidden_dim: 32, num_heads: 4, num_layers: 1, seq_len: 32, gradient_checkpointing: false}}
+trainer:
+  num_train_steps: 5
+  train_batch_size: 8
+  require_accelerator: false
+  id: short
+  log_dir: {tmp_path}/logs
+  tracker: {{type: json}}
+  checkpointer: {{base_path: {tmp_path}/ckpt}}
+optimizer: {{learning_rate: 0.01, warmup: 0.0, weight_decay: 0.0, lr_schedule: constant}}
+""")
+    argv = ["--config_path", str(cfg)]
+    with pytest.raises(SystemExit) as e:
+        train_lm.cli(argv)
+    assert e.value.code == 2
+    assert "lower trainer.num_train_steps to 3" in capsys.readouterr().err
+
+    monkeypatch.setattr(train_lm, "check_data_covers_run", lambda *a, **k: None)
+    with pytest.raises(SystemExit) as e:
+        train_lm.cli(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 1, err
+    assert "error: the training data ended at step 3 of trainer.num_train_steps=5" in err
+    assert os.path.isdir(tmp_path / "ckpt" / "short" / "step-3")

@@ -144,6 +144,17 @@ class TrainerConfig:
         sched = self.batch_schedule  # validates the schedule itself
         if self.steps_per_eval < 1:
             raise ValueError(f"trainer.steps_per_eval must be >= 1, got {self.steps_per_eval}")
+        if self.max_eval_batches is not None and self.max_eval_batches < 1:
+            raise ValueError(
+                f"trainer.max_eval_batches must be >= 1, or null for the whole validation set, got "
+                f"{self.max_eval_batches} (evaluation would silently do nothing). To evaluate less often, raise "
+                "trainer.steps_per_eval; to skip evaluation, remove the validation_urls."
+            )
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(
+                f"trainer.seed must be in [0, 2**32 - 1], got {self.seed}: JAX keeps the low 32 bits of a seed, so a "
+                "larger or negative one would repeat the initialisation of another"
+            )
         if self.model_axis_size < 1 or jax.device_count() % self.model_axis_size:
             raise ValueError(
                 f"trainer.model_axis_size={self.model_axis_size} does not divide the {jax.device_count()} devices"
@@ -466,18 +477,24 @@ class Trainer:
             grad_norm = optax.tree.norm(grads)
             updates, opt_state = optimizer.update(grads, state.opt_state, params)
             new_params = eqx.apply_updates(params, updates)
-            # A non-finite loss or gradient never reaches the parameters: the update is skipped (the host
-            # then stops the run, or logs the skip, per crash_on_nan / crash_on_inf). Every leaf keeps its
+            # A finite loss and gradient can still give a non-finite update (a zero epsilon's 0/0, a learning
+            # rate beyond float32's range): the new parameters and optimizer state are checked too, so that
+            # no non-finite value is ever applied or checkpointed. One all-reduce per leaf, fused by XLA into
+            # the update's own elementwise pass.
+            new_floats = [x for x in jax.tree.leaves((new_params, opt_state)) if eqx.is_inexact_array(x)]
+            update_finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in new_floats]))
+            # A non-finite loss, gradient or update never reaches the parameters: the update is skipped (the
+            # host then stops the run, or logs the skip, per crash_on_nan / crash_on_inf). Every leaf keeps its
             # dtype: with bfloat16 parameters (mp: bfloat16) the float32 updates would otherwise promote the
             # parameters and moments to float32 after the first step, and the step would compile again.
-            finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
+            finite = jnp.isfinite(total) & jnp.isfinite(grad_norm) & update_finite
             keep = lambda new, old: jnp.where(finite, new, old).astype(old.dtype)  # noqa: E731
             new_params = jax.tree.map(keep, new_params, params)
             opt_state = jax.tree.map(keep, opt_state, state.opt_state)
             model = eqx.combine(new_params, static)
             new_state = TrainerState(state.step + 1, model, opt_state, state.training_key)
             metrics = {"loss": total / denom, "loss_tokens": count, "grad_norm": grad_norm,
-                       "skipped": jnp.logical_not(finite)}
+                       "update_finite": update_finite, "skipped": jnp.logical_not(finite)}
             return new_state, metrics
 
         named = hax.named_jit(
@@ -536,8 +553,31 @@ def check_step(batch: Batch, state_step: int) -> None:
         )
 
 
-def check_finite(loss: float, step: int, config: TrainerConfig) -> None:
-    """Stop on a NaN / infinite loss (the step's update was not applied), unless configured to go on."""
+def check_finite(
+    loss: float, step: int, config: TrainerConfig, *, grad_norm: float = 0.0, update_finite: bool = True
+) -> None:
+    """Stop on a NaN / infinite loss, gradient norm or update (the step's update was not applied), unless
+    configured to go on. A non-finite update after a finite loss and gradient (a zero epsilon, a learning
+    rate beyond float32's range) counts as NaN: it is almost always 0/0 or inf - inf."""
+    if math.isfinite(loss) and not math.isfinite(grad_norm):
+        what = "NaN" if math.isnan(grad_norm) else "infinite"
+        flag = "crash_on_nan" if math.isnan(grad_norm) else "crash_on_inf"
+        if getattr(config, flag):
+            raise FloatingPointError(
+                f"train/grad_norm is {what} at step {step} (the loss was finite); the update was not applied and "
+                f"training stopped. Set trainer.{flag}: false to skip such steps instead."
+            )
+        logger.warning("train/grad_norm is %s at step %d: the update was skipped", grad_norm, step)
+        return
+    if math.isfinite(loss) and not update_finite:
+        if config.crash_on_nan:
+            raise FloatingPointError(
+                f"the update at step {step} is not finite (loss and gradient norm were finite); it was not applied "
+                "and training stopped. Check optimizer.learning_rate and optimizer.epsilon, or set "
+                "trainer.crash_on_nan: false to skip such steps instead."
+            )
+        logger.warning("the update at step %d is not finite: it was skipped", step)
+        return
     if math.isnan(loss) and config.crash_on_nan:
         raise FloatingPointError(
             f"train/loss is NaN at step {step}; the update was not applied and training stopped. Set "

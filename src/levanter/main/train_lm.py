@@ -20,12 +20,14 @@ if __name__ == "__main__":
 
     reexec_with_hugepage_malloc()
 
+import asyncio
 import dataclasses
 import logging
+import math
 import os
 import sys
 import time
-from typing import Dict, Optional, Union
+from typing import Dict, Optional, Tuple, Union
 
 import haliax as hax
 import jax
@@ -45,7 +47,7 @@ from levanter.data.text import causal_lm_columns_jax
 from levanter.errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError
 from levanter.run_lock import hold_run_lock
 from levanter.distributed import DistributedStartupError, barrier, check_same_config_everywhere
-from levanter.tracker import NoopTracker
+from levanter.tracker import NoopTracker, check_trackers_writable
 from levanter.models import LlamaConfig, LmConfig
 from levanter.optim import AdamConfig, OptimizerConfig
 from levanter.utils.fault import fault_point
@@ -101,6 +103,18 @@ def validate(config: TrainLmConfig):
         raise ValueError("epoch is not supported: use data.stop_strategy or a longer run instead")
     if config.prefetch_depth < 0:
         raise ValueError(f"prefetch_depth must be >= 0, got {config.prefetch_depth}")
+    if not math.isfinite(config.z_loss_weight) or config.z_loss_weight < 0:
+        raise ValueError(f"z_loss_weight must be a finite number >= 0, got {config.z_loss_weight}")
+    if config.data_seed is not None and not 0 <= config.data_seed < SEED_LIMIT:
+        raise ValueError(
+            f"data_seed must be in [0, 2**32 - 1], got {config.data_seed}: JAX keeps the low 32 bits of a seed, so a "
+            "larger or negative one would repeat the data order of another"
+        )
+    if config.model.seq_len < 2:
+        raise ValueError(
+            f"model.seq_len must be >= 2, got {config.model.seq_len}: each position learns to predict the next token, "
+            "and a sequence of one token has no next token (the loss would be 0 over no positions)"
+        )
     config.trainer.validate()
     config.optimizer.lr_scheduler(config.trainer.num_train_steps)  # lr_schedule, warmup, decay, min_lr_ratio
     config.data.validate(num_train_steps=config.trainer.num_train_steps)
@@ -117,11 +131,168 @@ def validate(config: TrainLmConfig):
     return tokenizer
 
 
+SEED_LIMIT = 2**32  # jax.random.PRNGKey keeps the low 32 bits (without jax_enable_x64)
+
+
 def data_key(config: TrainLmConfig) -> jax.Array:
     """The key the training data is derived from: ``data_seed`` if set, else a split of ``trainer.seed``."""
     if config.data_seed is not None:
         return jax.random.PRNGKey(config.data_seed)
     return jax.random.split(jax.random.PRNGKey(config.trainer.seed), 4)[0]
+
+
+class DataEndedError(RuntimeError):
+    """The training data ran out before ``trainer.num_train_steps``: the run did not do what was asked."""
+
+
+def _validation_key(name: str) -> str:
+    return f"data.configs.{name}.validation_urls" if name else "data.validation_urls"
+
+
+def eval_batch_size(tcfg: TrainerConfig) -> int:
+    """Sequences per evaluation batch: ``per_device_eval_parallelism`` x data-parallel size, else the first
+    training batch size."""
+    if tcfg.per_device_eval_parallelism > 0:
+        return tcfg.per_device_eval_parallelism * tcfg.data_axis_size
+    return tcfg.batch_schedule.batch_size_at_step(0)
+
+
+def check_data_covers_run(config: TrainLmConfig, train_set: AsyncDataset, schedule) -> None:
+    """Refuse a run whose finite training data ends before ``trainer.num_train_steps``: the loader would
+    stop early, and the run would end short of what the config asks (a trailing partial batch is never
+    trained on, so the data must hold every step's whole batch)."""
+    if not train_set.is_finite():
+        return
+    n = asyncio.run(train_set.async_len())
+    steps = config.trainer.num_train_steps
+    end = schedule.find_step_containing_offset(n)
+    if end >= steps:
+        return
+    need = schedule.global_data_offset_by_step(steps)
+    if isinstance(train_set, MixtureDataset):
+        what = f"data.stop_strategy={train_set.stop_strategy}: the mixture ends after {n:,} sequences"
+        repeat = "or set data.stop_strategy: restart to wrap sources that run out"
+    else:
+        what = f"data: the training data holds {n:,} sequences of model.seq_len={config.model.seq_len} tokens"
+        repeat = ("or repeat it: make it the one source of a mixture (data.configs + data.train_weights), whose "
+                  "default stop_strategy restart wraps it")
+    raise ValueError(
+        f"{what}, enough for {end} steps, but trainer.num_train_steps is {steps} ({need:,} sequences). Add training "
+        f"data, lower trainer.num_train_steps to {end}, {repeat}."
+    )
+
+
+def check_eval_sets(config: TrainLmConfig, eval_sets: Dict[str, AsyncDataset]) -> None:
+    """Refuse a validation set too small for one eval batch: evaluating it would silently do nothing (a
+    trailing partial batch is not evaluated)."""
+    bs = eval_batch_size(config.trainer)
+    for name, ds in eval_sets.items():
+        n = asyncio.run(ds.async_len())
+        if n >= bs:
+            continue
+        raise ValueError(
+            f"{_validation_key(name)}: the validation set has {n} sequences of model.seq_len="
+            f"{config.model.seq_len} tokens, fewer than one eval batch of {bs}, so it would never be evaluated. Add "
+            f"validation data, evaluate in smaller batches (trainer.per_device_eval_parallelism x "
+            f"{config.trainer.data_axis_size} data-parallel devices), or remove the validation_urls."
+        )
+
+
+def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tuple[int, str]] = None) -> None:
+    """Refuse a model whose training state cannot fit, before anything is allocated.
+
+    The estimate is a lower bound from shapes alone (``jax.eval_shape``: nothing is allocated):
+    parameters and their gradients at the parameter precision, the optimizer's state, and the float32
+    logits of one (micro)batch, which the loss materialises. Activations and XLA's temporaries come on
+    top. ``available``: ``(bytes, description)``, by default what the devices (or, for CPU devices, the
+    host) have free; no check where that cannot be known. Without this, a huge vocabulary failed with an
+    out-of-memory traceback deep in the initialisation, or hung.
+    """
+    import equinox as eqx
+    import jmp
+
+    from levanter.models import parameter_shapes, tree_nbytes
+
+    if available is None:
+        available = available_memory()
+        if available is None:
+            return
+    tcfg = config.trainer
+    param_dtype = jmp.get_policy(tcfg.mp).param_dtype
+    shapes = parameter_shapes(config.model, vocab_size)
+    is_float = lambda x: isinstance(x, jax.ShapeDtypeStruct) and jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
+    params = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype) if is_float(x) else None, eqx.filter(shapes, is_float)
+    )
+    param_bytes = tree_nbytes(params)
+    opt_bytes = tree_nbytes(jax.eval_shape(config.optimizer.build(tcfg.num_train_steps).init, params))
+    if tcfg.per_device_parallelism > 0:
+        micro = tcfg.per_device_parallelism * tcfg.data_axis_size
+    else:
+        micro = max(seg.value for seg in tcfg.batch_schedule.segments)
+    logit_bytes = micro * config.model.seq_len * vocab_size * 4
+    need = (2 * param_bytes + opt_bytes + logit_bytes) // max(jax.process_count(), 1)
+    have, where = available
+    if need <= have:
+        return
+    vocab_key = "data.vocab_size" if config.data.vocab_size is not None else "the tokenizer's vocabulary"
+    raise ValueError(
+        f"the model cannot fit: training needs at least {_gib(need)} (parameters and gradients "
+        f"{_gib(2 * param_bytes)}, optimizer state {_gib(opt_bytes)}, float32 logits of a batch of {micro} x "
+        f"{config.model.seq_len} positions x {vocab_size:,} vocabulary {_gib(logit_bytes)}) but {where} has "
+        f"{_gib(have)} free. Shrink the model ({vocab_key}={vocab_size:,}, model.hidden_dim, model.num_layers) or "
+        "the batch (trainer.train_batch_size, trainer.per_device_parallelism), or use more devices."
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB"
+
+
+def available_memory() -> Optional[Tuple[int, str]]:
+    """``(free bytes, description)`` of this process's devices: for CPU devices the host's available
+    memory (capped by a cgroup limit), else the sum of the devices' free memory; None if unknown."""
+    devices = jax.local_devices()
+    if all(d.platform == "cpu" for d in devices):
+        free = _host_available_bytes()
+        return None if free is None else (free, f"the host ({len(devices)} CPU devices)")
+    total = 0
+    for d in devices:
+        try:
+            stats = d.memory_stats()
+        except Exception:  # noqa: BLE001 -- a backend without memory statistics: no estimate
+            return None
+        if not stats or "bytes_limit" not in stats:
+            return None
+        total += int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    return total, f"{len(devices)} x {devices[0].device_kind}"
+
+
+def _host_available_bytes() -> Optional[int]:
+    free = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    free = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if free is None:
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    try:  # a container's limit (cgroup v2) can be far below the host's memory
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            free = min(free, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return free
 
 
 def check_data_schedule(checkpoint_path: str, record: dict, start_step: int, *, allow: bool) -> None:
@@ -186,10 +357,7 @@ def _named_batch(data, Pos: hax.Axis, batch_axis: str):
 def run_eval(trainer: Trainer, model, eval_sets: Dict[str, AsyncDataset], config: TrainLmConfig, Pos) -> dict:
     """Token-weighted mean loss per validation source (and over all of them)."""
     tcfg = config.trainer
-    if tcfg.per_device_eval_parallelism > 0:
-        bs = tcfg.per_device_eval_parallelism * tcfg.data_axis_size
-    else:
-        bs = tcfg.batch_schedule.batch_size_at_step(0)
+    bs = eval_batch_size(tcfg)
     out, grand_total, grand_count = {}, 0.0, 0.0
     for name, ds in eval_sets.items():
         loader = DataLoader(ds, bs, mesh=trainer.mesh, data_axis="data", prefetch_depth=2)
@@ -219,6 +387,9 @@ def main(config: TrainLmConfig) -> dict:
     if jax.process_count() > 1 and tcfg.id is None:
         raise ValueError("trainer.id must be set in multi-process runs, so that every process names the same run")
     run_dir = tcfg.checkpointer.validate_writable(run_id)
+    if jax.process_index() == 0:
+        check_trackers_writable(tcfg.trackers(), run_id, tcfg.log_dir)
+    check_memory(config, tokenizer.vocab_size)
     # One writer per run: taken before anything of the run is built, restored, deleted or logged, and
     # released however the run ends (a SIGKILLed run's lock is recognised as stale on its host).
     lock = hold_run_lock(run_dir, run_id)
@@ -252,6 +423,8 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
     tokens_only = len(eos_ids) == 1
     train_set = config.data.train_set(config.model.seq_len, schedule, key=dkey, tokens_only=tokens_only)
     eval_sets = config.data.validation_sets(config.model.seq_len)
+    check_data_covers_run(config, train_set, schedule)
+    check_eval_sets(config, eval_sets)
     mixture = train_set if isinstance(train_set, MixtureDataset) else None
     # Evaluate the model as it stands before the first update of each new stage, so that two runs'
     # eval curves part exactly at a switch (periodic evals joined by lines make them seem to part early).
@@ -311,14 +484,15 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
                         f"the train step recompiled at step {step} ({trainer.compile_count()} compiles for "
                         f"{len(seen_sizes)} batch sizes): an input changed shape or type unexpectedly"
                     )
-                check_finite(loss, step, tcfg)
+                grad_norm = float(metrics["grad_norm"])
+                check_finite(loss, step, tcfg, grad_norm=grad_norm, update_finite=bool(metrics["update_finite"]))
                 now = time.perf_counter()
                 dt, t_prev = now - t_prev, now
                 tokens = batch.batch_size * Pos.size
                 log = {
                     "train/loss": loss,
                     "train/learning_rate": float(lr_schedule(step)),
-                    "train/grad_norm": float(metrics["grad_norm"]),
+                    "train/grad_norm": grad_norm,
                     "train/skipped_step": int(metrics["skipped"]),
                     "throughput/step_seconds": dt,
                     "throughput/tokens_per_second": tokens / dt,
@@ -356,9 +530,15 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
         checkpointer.wait_until_finished()
         final_step = int(state.step)
         if final_step < tcfg.num_train_steps:
-            logger.warning("the training data ended at step %d of %d", final_step, tcfg.num_train_steps)
+            # The up-front check (check_data_covers_run) makes this rare; a run that ends short of what the
+            # config asks must not exit 0, or every rerun "succeeds" again at the same step.
             checkpointer.on_step(state, final_step, force=True)
             checkpointer.wait_until_finished()
+            raise DataEndedError(
+                f"the training data ended at step {final_step} of trainer.num_train_steps={tcfg.num_train_steps}: "
+                f"the loader had no batch for step {final_step} (the state after step {final_step - 1} was "
+                "checkpointed). Add training data or lower trainer.num_train_steps, then rerun."
+            )
         tracker.log_summary({"final_step": final_step, **({"train/loss": last_loss} if last_loss is not None else {})})
     finally:
         bar.close()
@@ -396,7 +576,7 @@ def cli(argv=None) -> None:
     except (ValueError, FileNotFoundError) as e:  # bad config or input: fix it and rerun
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except (DistributedStartupError, DataLoadError, FloatingPointError, CheckpointSaveError) as e:
+    except (DistributedStartupError, DataLoadError, DataEndedError, FloatingPointError, CheckpointSaveError) as e:
         # the run failed (a coordinator that never answered, unreadable data, a NaN loss, a failed save)
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)

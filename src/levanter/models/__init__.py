@@ -7,7 +7,7 @@ block with ``type: gpt2`` or ``type: llama`` decodes to the right config class.
 from .attention import causal_attention, causal_segment_mask
 from .gpt2 import Gpt2Config, Gpt2LMHeadModel
 from .llama import LlamaConfig, LlamaLMHeadModel, RopeConfig
-from .lm_model import LmConfig, LmHeadModel, next_token_loss
+from .lm_model import LmConfig, LmHeadModel, next_token_loss, parameter_shapes, tree_nbytes
 
 __all__ = [
     "Gpt2Config",
@@ -20,4 +20,6 @@ __all__ = [
     "causal_attention",
     "causal_segment_mask",
     "next_token_loss",
+    "parameter_shapes",
+    "tree_nbytes",
 ]

@@ -190,6 +190,27 @@ def next_token_loss(
     raise ValueError(f"reduction must be 'mean', 'sum' or None, got {reduction!r}")
 
 
+def parameter_shapes(config: LmConfig, vocab_size: int):
+    """The model ``config.build`` would make, as ``jax.ShapeDtypeStruct`` leaves: traced with
+    ``jax.eval_shape``, so nothing is allocated however large the model (for memory estimates)."""
+    return jax.eval_shape(lambda key: config.build(Axis(VOCAB, vocab_size), key=key), jax.random.PRNGKey(0))
+
+
+def tree_nbytes(tree, dtype=None) -> int:
+    """Bytes of the floating-point leaves of ``tree`` (arrays or shape structs), each counted at ``dtype``
+    if given (the training precision of the parameters), else at its own dtype."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape, leaf_dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+        if shape is None or leaf_dtype is None or not jnp.issubdtype(leaf_dtype, jnp.inexact):
+            continue
+        size = 1
+        for d in shape:
+            size *= int(d)
+        total += size * jnp.dtype(dtype if dtype is not None else leaf_dtype).itemsize
+    return total
+
+
 def split_key(key, n: int):
     """``n`` keys from ``key``, or ``n`` Nones when ``key`` is None (deterministic mode)."""
     if key is None:

@@ -15,12 +15,17 @@ linear warm-up from 0:
 
 Weight decay applies to matrices (arrays with two or more dimensions), not to biases, norm scales or
 other vectors.
+
+Every numeric field is checked when the config is made: a NaN or infinite value (YAML ``.nan`` /
+``.inf``) or one outside its range is refused naming the key, since such a value makes every update
+non-finite (or silently does nothing) rather than failing.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 from typing import Optional
 
 import draccus
@@ -87,6 +92,25 @@ def decay_mask(params):
     return jax.tree.map(is_matrix, params, is_leaf=lambda x: isinstance(x, hax.NamedArray))
 
 
+def _check_numbers(config) -> None:
+    """Every int or float field is a finite number (draccus lets ``.nan``, ``.inf`` and ``1e999`` through)."""
+    for f in dataclasses.fields(config):
+        v = getattr(config, f.name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        if not math.isfinite(v):
+            raise ValueError(f"optimizer.{f.name} must be a finite number, got {v}")
+
+
+def _check_range(config, name: str, lo: float | None, hi: float | None) -> None:
+    v = getattr(config, name)
+    if v is None:
+        return
+    if lo is not None and v < lo or hi is not None and v > hi:
+        want = f"in [{lo}, {hi}]" if hi is not None else ("non-negative" if lo == 0 else f">= {lo}")
+        raise ValueError(f"optimizer.{name} must be {want}, got {v}")
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig(draccus.ChoiceRegistry, abc.ABC):
     learning_rate: float = 6e-4
@@ -95,6 +119,14 @@ class OptimizerConfig(draccus.ChoiceRegistry, abc.ABC):
     warmup: float = 0.01
     decay: Optional[float] = None
     lr_schedule: str = "cosine"
+
+    def __post_init__(self):
+        _check_numbers(self)
+        _check_range(self, "learning_rate", 0, None)
+        _check_range(self, "weight_decay", 0, None)
+        _check_range(self, "warmup", 0, None)
+        _check_range(self, "decay", 0, None)
+        _check_range(self, "min_lr_ratio", 0, 1)
 
     @classmethod
     def default_choice_name(cls) -> Optional[str]:
@@ -126,12 +158,18 @@ class AdamConfig(OptimizerConfig):
     max_grad_norm: Optional[float] = 1.0
 
     def __post_init__(self):
-        if self.learning_rate < 0:
-            raise ValueError(f"optimizer.learning_rate must be non-negative, got {self.learning_rate}")
+        super().__post_init__()
         for name in ("beta1", "beta2"):
             v = getattr(self, name)
             if not 0 <= v < 1:
                 raise ValueError(f"optimizer.{name} must be in [0, 1), got {v}")
+        # The update is m / (sqrt(v) + epsilon): with epsilon 0 a parameter whose gradient is 0 (an unused
+        # embedding row, say) gets 0 / 0 = NaN.
+        if self.epsilon <= 0:
+            raise ValueError(
+                f"optimizer.epsilon must be positive, got {self.epsilon}: Adam divides by sqrt(v) + epsilon, and "
+                "with 0 every parameter whose gradient is 0 gets 0/0 = NaN (1e-8 is usual)"
+            )
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"optimizer.max_grad_norm must be positive or null, got {self.max_grad_norm}")
 

@@ -16,6 +16,7 @@ from levanter.tracker.tracker import NoopConfig as NoopConfig
 from levanter.tracker.tracker import NoopTracker as NoopTracker
 from levanter.tracker.tracker import Tracker as Tracker
 from levanter.tracker.tracker import TrackerConfig as TrackerConfig
+from levanter.tracker.tracker import check_trackers_writable as check_trackers_writable
 from levanter.tracker.tracker import init_trackers as init_trackers
 from levanter.tracker.tracker import to_python as to_python
 from levanter.tracker.wandb_tracker import WandbConfig as WandbConfig
@@ -35,6 +36,7 @@ __all__ = [
     "TrackerConfig",
     "WandbConfig",
     "WandbTracker",
+    "check_trackers_writable",
     "init_trackers",
     "to_python",
 ]

@@ -42,6 +42,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from levanter.errors import is_out_of_space, out_of_space_error
 from levanter.tracker.tracker import Tracker, TrackerConfig, normalize_metrics, to_python
 from levanter.utils.fs import atomic_write_bytes, atomic_write_text, remove_stale_temporaries
 
@@ -161,24 +162,51 @@ class JsonTracker(Tracker):
         if "step" in values:
             raise ValueError("a metric may not be named 'step': the key holds the training step")
         line = _dumps({"step": int(step), **values})
-        self._file.write(line + "\n")
-        self._file.flush()
+        try:
+            self._file.write(line + "\n")
+            self._file.flush()
+        except OSError as e:
+            raise self._write_failed(e, "logging metrics", self.metrics_path) from None
         if self._mirror_logger is not None:
             self._mirror_logger.log(self._mirror_level, line)
 
     def log_hyperparameters(self, params: Mapping[str, Any]) -> None:
         self._hparams.update(params)
-        atomic_write_text(self.config_path, _dumps(self._hparams, indent=2) + "\n")
+        try:
+            atomic_write_text(self.config_path, _dumps(self._hparams, indent=2) + "\n")
+        except OSError as e:
+            raise self._write_failed(e, "writing the run's config", self.config_path) from None
 
     def log_summary(self, metrics: Mapping[str, Any]) -> None:
         self._summary.update(normalize_metrics(metrics))
-        atomic_write_text(self.summary_path, _dumps(self._summary, indent=2) + "\n")
+        try:
+            atomic_write_text(self.summary_path, _dumps(self._summary, indent=2) + "\n")
+        except OSError as e:
+            raise self._write_failed(e, "writing the run's summary", self.summary_path) from None
+
+    def _write_failed(self, err: OSError, what: str, path: str) -> OSError:
+        """The error to raise for a failed write: a full disk becomes :class:`OutOfSpaceError` naming the
+        file (its own exit status). The metrics file is closed without retrying the write, so that the
+        caller's clean-up (``finish``) does not fail a second time over the same lost bytes; a partial last
+        line is dropped when the run resumes."""
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+            self._file = None
+        if is_out_of_space(err):
+            return out_of_space_error(what, path)
+        return err
 
     def finish(self) -> None:
         if self._file is None:
             return
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as e:
+            raise self._write_failed(e, "logging metrics", self.metrics_path) from None
         self._file.close()
         self._file = None
 
@@ -194,6 +222,11 @@ class JsonConfig(TrackerConfig):
     """Also send each line to this Python logger (upstream ``json_logger`` behaviour); None: don't."""
     level: int = logging.INFO
     """Logging level for the mirrored lines."""
+
+    def local_dirs(self, run_id: str, log_dir: str) -> list[tuple[str, str]]:
+        if self.log_dir is not None:
+            return [("trainer.tracker.log_dir", os.path.join(self.log_dir, run_id))]
+        return [("trainer.log_dir", os.path.join(log_dir, run_id))]
 
     def init(self, run_id: str, log_dir: str, *, resume_step: Optional[int] = None) -> JsonTracker:
         base = self.log_dir if self.log_dir is not None else log_dir

@@ -96,6 +96,9 @@ class TensorboardConfig(TrackerConfig):
     filename_suffix: str = ""
     write_to_disk: bool = True
 
+    def local_dirs(self, run_id: str, log_dir: str) -> list[tuple[str, str]]:
+        return [("trainer.tracker.logdir", os.path.join(self.logdir, run_id))] if self.write_to_disk else []
+
     def init(self, run_id: str, log_dir: str, *, resume_step: Optional[int] = None) -> TensorboardTracker:
         from tensorboardX import SummaryWriter
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
@@ -200,6 +201,11 @@ class TrackerConfig(draccus.PluginRegistry, abc.ABC, discover_packages_path="lev
         or preemption: backends that can, forget what the earlier attempt logged at steps ``>= k``.
         """
 
+    def local_dirs(self, run_id: str, log_dir: str) -> list[tuple[str, str]]:
+        """``(config key, directory)`` for each local directory ``init`` will write to; checked for
+        writability before any expensive work (see :func:`check_trackers_writable`)."""
+        return []
+
     @classmethod
     def default_choice_name(cls) -> Optional[str]:
         return "wandb"  # upstream's default: a tracker mapping without `type` is a wandb config
@@ -223,6 +229,31 @@ class NoopConfig(TrackerConfig):
 
     def init(self, run_id: str, log_dir: str, *, resume_step: Optional[int] = None) -> Tracker:
         return NoopTracker()
+
+
+def check_trackers_writable(
+    config: TrackerConfig | Sequence[TrackerConfig], run_id: str, log_dir: str
+) -> None:
+    """Create each tracker's local directory and write and delete a probe file there, so that a log
+    directory that cannot be written fails before caches are built and the model initialised, naming
+    the key; a full disk raises :class:`~levanter.errors.OutOfSpaceError`."""
+    from levanter.errors import is_out_of_space, out_of_space_error
+
+    configs = [config] if isinstance(config, TrackerConfig) else list(config)
+    for c in configs:
+        for key, path in c.local_dirs(run_id, log_dir):
+            probe = os.path.join(path, f".write-probe-{os.getpid()}")
+            try:
+                os.makedirs(path, exist_ok=True)
+                with open(probe, "wb") as f:
+                    f.write(b"ok")
+                os.unlink(probe)
+            except OSError as e:
+                if is_out_of_space(e):
+                    raise out_of_space_error("checking the log directory", path) from None
+                raise ValueError(
+                    f"{key}: cannot write logs to {path} ({e.strerror or e}). Choose a writable directory."
+                ) from None
 
 
 def init_trackers(
