@@ -554,12 +554,14 @@ def _zero_gradient_rows_step(eps: float, crash_on_nan: bool = True):
     trainer = Trainer(tcfg, optimizer, train_lm.lm_loss_fn(0.0, 60))
     import haliax as hax
 
-    state = trainer.initial_state(lambda k: model_cfg.build(hax.Axis("vocab", 61), key=k), key=jax.random.PRNGKey(3))
+    vocab = hax.Axis("vocab", 61)
+    state = trainer.initial_state(lambda k: model_cfg.build(vocab, key=k), key=jax.random.PRNGKey(3))
     before = [np.array(x) for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_inexact_array))]
     data = {"tokens": jax.device_put(np.random.default_rng(0).integers(0, 10, (8, 16)).astype(np.int32))}
     state, metrics = trainer.train_step(state, train_lm._named_batch(data, model_cfg.Pos, "batch"), 8)
     after = [np.asarray(x) for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_inexact_array))]
-    floats = [np.asarray(x) for x in jax.tree.leaves(state) if np.issubdtype(np.asarray(x).dtype, np.floating)]
+    floats = [np.asarray(x) for x in jax.tree.leaves(state)]
+    floats = [x for x in floats if np.issubdtype(x.dtype, np.floating)]
     return before, after, floats, int(state.step), metrics
 
 
@@ -576,7 +578,7 @@ def test_a_non_finite_update_is_not_applied():
     assert step == 1
     for a, b in zip(before, after):
         np.testing.assert_array_equal(a, b)
-    assert all(np.isfinite(x).all() for x in floats)  # nothing non-finite in the state a checkpoint would hold
+    assert all(np.isfinite(x).all() for x in floats)  # nothing non-finite for a checkpoint to hold
     tcfg = TrainerConfig()
     with pytest.raises(FloatingPointError, match=r"the update at step 0 is not finite .*optimizer.epsilon"):
         check_finite(loss, 0, tcfg, grad_norm=grad_norm, update_finite=bool(metrics["update_finite"]))
@@ -622,7 +624,8 @@ def test_optimizer_refuses_non_finite_and_out_of_range_values(kw, fragment):
 
 
 def test_optimizer_values_in_range_are_accepted():
-    cfg = AdamConfig(learning_rate=0.0, weight_decay=0.0, warmup=0, decay=None, min_lr_ratio=1.0, max_grad_norm=None)
+    cfg = AdamConfig(learning_rate=0.0, weight_decay=0.0, warmup=0, decay=None, min_lr_ratio=1.0,
+                     max_grad_norm=None)
     assert cfg.build(10) is not None
 
 
@@ -631,13 +634,15 @@ def test_training_values_checked_before_any_work(tmp_path):
     naming the key, before a cache is built."""
     base = tiny_config(tmp_path)
     bad = [
-        (dataclasses.replace(base, model=dataclasses.replace(base.model, seq_len=1)), "model.seq_len must be >= 2"),
+        (dataclasses.replace(base, model=dataclasses.replace(base.model, seq_len=1)),
+         "model.seq_len must be >= 2"),
         (dataclasses.replace(base, data_seed=2**32), r"data_seed must be in \[0, 2\*\*32 - 1\]"),
         (dataclasses.replace(base, data_seed=-1), "data_seed must be in"),
         (dataclasses.replace(base, z_loss_weight=float("nan")), "z_loss_weight must be a finite number"),
         (dataclasses.replace(base, trainer=dataclasses.replace(base.trainer, max_eval_batches=0)),
          "trainer.max_eval_batches must be >= 1"),
-        (dataclasses.replace(base, trainer=dataclasses.replace(base.trainer, seed=-3)), "trainer.seed must be in"),
+        (dataclasses.replace(base, trainer=dataclasses.replace(base.trainer, seed=-3)),
+         "trainer.seed must be in"),
     ]
     for cfg, fragment in bad:
         with pytest.raises(ValueError, match=fragment):

@@ -147,13 +147,13 @@ class TrainerConfig:
         if self.max_eval_batches is not None and self.max_eval_batches < 1:
             raise ValueError(
                 f"trainer.max_eval_batches must be >= 1, or null for the whole validation set, got "
-                f"{self.max_eval_batches} (evaluation would silently do nothing). To evaluate less often, raise "
-                "trainer.steps_per_eval; to skip evaluation, remove the validation_urls."
+                f"{self.max_eval_batches} (evaluation would silently do nothing). To evaluate less often, "
+                "raise trainer.steps_per_eval; to skip evaluation, remove the validation_urls."
             )
         if not 0 <= self.seed < 2**32:
             raise ValueError(
-                f"trainer.seed must be in [0, 2**32 - 1], got {self.seed}: JAX keeps the low 32 bits of a seed, so a "
-                "larger or negative one would repeat the initialisation of another"
+                f"trainer.seed must be in [0, 2**32 - 1], got {self.seed}: JAX keeps the low 32 bits of a "
+                "seed, so a larger or negative one would repeat the initialisation of another"
             )
         if self.model_axis_size < 1 or jax.device_count() % self.model_axis_size:
             raise ValueError(
@@ -479,14 +479,14 @@ class Trainer:
             new_params = eqx.apply_updates(params, updates)
             # A finite loss and gradient can still give a non-finite update (a zero epsilon's 0/0, a learning
             # rate beyond float32's range): the new parameters and optimizer state are checked too, so that
-            # no non-finite value is ever applied or checkpointed. One all-reduce per leaf, fused by XLA into
-            # the update's own elementwise pass.
+            # no non-finite value is ever applied or checkpointed. One read of the state the step writes
+            # anyway: ~1 ms for the nano model's 2.5M floats measured on its own, against a ~265 ms step.
             new_floats = [x for x in jax.tree.leaves((new_params, opt_state)) if eqx.is_inexact_array(x)]
             update_finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in new_floats]))
             # A non-finite loss, gradient or update never reaches the parameters: the update is skipped (the
-            # host then stops the run, or logs the skip, per crash_on_nan / crash_on_inf). Every leaf keeps its
-            # dtype: with bfloat16 parameters (mp: bfloat16) the float32 updates would otherwise promote the
-            # parameters and moments to float32 after the first step, and the step would compile again.
+            # host then stops the run, or logs the skip, per crash_on_nan / crash_on_inf). Every leaf keeps
+            # its dtype: with bfloat16 parameters (mp: bfloat16) the float32 updates would otherwise promote
+            # the parameters and moments to float32 after the first step, and the step would compile again.
             finite = jnp.isfinite(total) & jnp.isfinite(grad_norm) & update_finite
             keep = lambda new, old: jnp.where(finite, new, old).astype(old.dtype)  # noqa: E731
             new_params = jax.tree.map(keep, new_params, params)
@@ -564,16 +564,16 @@ def check_finite(
         flag = "crash_on_nan" if math.isnan(grad_norm) else "crash_on_inf"
         if getattr(config, flag):
             raise FloatingPointError(
-                f"train/grad_norm is {what} at step {step} (the loss was finite); the update was not applied and "
-                f"training stopped. Set trainer.{flag}: false to skip such steps instead."
+                f"train/grad_norm is {what} at step {step} (the loss was finite); the update was not applied "
+                f"and training stopped. Set trainer.{flag}: false to skip such steps instead."
             )
         logger.warning("train/grad_norm is %s at step %d: the update was skipped", grad_norm, step)
         return
     if math.isfinite(loss) and not update_finite:
         if config.crash_on_nan:
             raise FloatingPointError(
-                f"the update at step {step} is not finite (loss and gradient norm were finite); it was not applied "
-                "and training stopped. Check optimizer.learning_rate and optimizer.epsilon, or set "
+                f"the update at step {step} is not finite (loss and gradient norm were finite); it was not "
+                "applied and training stopped. Check optimizer.learning_rate and optimizer.epsilon, or set "
                 "trainer.crash_on_nan: false to skip such steps instead."
             )
         logger.warning("the update at step %d is not finite: it was skipped", step)

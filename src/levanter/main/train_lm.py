@@ -107,13 +107,14 @@ def validate(config: TrainLmConfig):
         raise ValueError(f"z_loss_weight must be a finite number >= 0, got {config.z_loss_weight}")
     if config.data_seed is not None and not 0 <= config.data_seed < SEED_LIMIT:
         raise ValueError(
-            f"data_seed must be in [0, 2**32 - 1], got {config.data_seed}: JAX keeps the low 32 bits of a seed, so a "
-            "larger or negative one would repeat the data order of another"
+            f"data_seed must be in [0, 2**32 - 1], got {config.data_seed}: JAX keeps the low 32 bits of a "
+            "seed, so a larger or negative one would repeat the data order of another"
         )
     if config.model.seq_len < 2:
         raise ValueError(
-            f"model.seq_len must be >= 2, got {config.model.seq_len}: each position learns to predict the next token, "
-            "and a sequence of one token has no next token (the loss would be 0 over no positions)"
+            f"model.seq_len must be >= 2, got {config.model.seq_len}: each position learns to predict the "
+            "next token, and a sequence of one token has no next token (the loss would be 0 over no "
+            "positions)"
         )
     config.trainer.validate()
     config.optimizer.lr_scheduler(config.trainer.num_train_steps)  # lr_schedule, warmup, decay, min_lr_ratio
@@ -174,11 +175,11 @@ def check_data_covers_run(config: TrainLmConfig, train_set: AsyncDataset, schedu
         repeat = "or set data.stop_strategy: restart to wrap sources that run out"
     else:
         what = f"data: the training data holds {n:,} sequences of model.seq_len={config.model.seq_len} tokens"
-        repeat = ("or repeat it: make it the one source of a mixture (data.configs + data.train_weights), whose "
-                  "default stop_strategy restart wraps it")
+        repeat = ("or repeat it: make it the one source of a mixture (data.configs + data.train_weights), "
+                  "whose default stop_strategy restart wraps it")
     raise ValueError(
-        f"{what}, enough for {end} steps, but trainer.num_train_steps is {steps} ({need:,} sequences). Add training "
-        f"data, lower trainer.num_train_steps to {end}, {repeat}."
+        f"{what}, enough for {end} steps, but trainer.num_train_steps is {steps} ({need:,} sequences). Add "
+        f"training data, lower trainer.num_train_steps to {end}, {repeat}."
     )
 
 
@@ -192,9 +193,10 @@ def check_eval_sets(config: TrainLmConfig, eval_sets: Dict[str, AsyncDataset]) -
             continue
         raise ValueError(
             f"{_validation_key(name)}: the validation set has {n} sequences of model.seq_len="
-            f"{config.model.seq_len} tokens, fewer than one eval batch of {bs}, so it would never be evaluated. Add "
-            f"validation data, evaluate in smaller batches (trainer.per_device_eval_parallelism x "
-            f"{config.trainer.data_axis_size} data-parallel devices), or remove the validation_urls."
+            f"{config.model.seq_len} tokens, fewer than one eval batch of {bs}, so it would never be "
+            f"evaluated. Add validation data, evaluate in smaller batches "
+            f"(trainer.per_device_eval_parallelism x {config.trainer.data_axis_size} data-parallel devices), "
+            "or remove the validation_urls."
         )
 
 
@@ -220,9 +222,12 @@ def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tup
     tcfg = config.trainer
     param_dtype = jmp.get_policy(tcfg.mp).param_dtype
     shapes = parameter_shapes(config.model, vocab_size)
-    is_float = lambda x: isinstance(x, jax.ShapeDtypeStruct) and jnp.issubdtype(x.dtype, jnp.inexact)  # noqa: E731
+    def is_float(x) -> bool:
+        return isinstance(x, jax.ShapeDtypeStruct) and jnp.issubdtype(x.dtype, jnp.inexact)
+
     params = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype) if is_float(x) else None, eqx.filter(shapes, is_float)
+        lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype) if is_float(x) else None,
+        eqx.filter(shapes, is_float),
     )
     param_bytes = tree_nbytes(params)
     opt_bytes = tree_nbytes(jax.eval_shape(config.optimizer.build(tcfg.num_train_steps).init, params))
@@ -240,8 +245,9 @@ def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tup
         f"the model cannot fit: training needs at least {_gib(need)} (parameters and gradients "
         f"{_gib(2 * param_bytes)}, optimizer state {_gib(opt_bytes)}, float32 logits of a batch of {micro} x "
         f"{config.model.seq_len} positions x {vocab_size:,} vocabulary {_gib(logit_bytes)}) but {where} has "
-        f"{_gib(have)} free. Shrink the model ({vocab_key}={vocab_size:,}, model.hidden_dim, model.num_layers) or "
-        "the batch (trainer.train_batch_size, trainer.per_device_parallelism), or use more devices."
+        f"{_gib(have)} free. Shrink the model ({vocab_key}={vocab_size:,}, model.hidden_dim, "
+        "model.num_layers) or the batch (trainer.train_batch_size, trainer.per_device_parallelism), or use "
+        "more devices."
     )
 
 
@@ -485,7 +491,8 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
                         f"{len(seen_sizes)} batch sizes): an input changed shape or type unexpectedly"
                     )
                 grad_norm = float(metrics["grad_norm"])
-                check_finite(loss, step, tcfg, grad_norm=grad_norm, update_finite=bool(metrics["update_finite"]))
+                update_finite = bool(metrics["update_finite"])
+                check_finite(loss, step, tcfg, grad_norm=grad_norm, update_finite=update_finite)
                 now = time.perf_counter()
                 dt, t_prev = now - t_prev, now
                 tokens = batch.batch_size * Pos.size
@@ -535,9 +542,10 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
             checkpointer.on_step(state, final_step, force=True)
             checkpointer.wait_until_finished()
             raise DataEndedError(
-                f"the training data ended at step {final_step} of trainer.num_train_steps={tcfg.num_train_steps}: "
-                f"the loader had no batch for step {final_step} (the state after step {final_step - 1} was "
-                "checkpointed). Add training data or lower trainer.num_train_steps, then rerun."
+                f"the training data ended at step {final_step} of trainer.num_train_steps="
+                f"{tcfg.num_train_steps}: the loader had no batch for step {final_step} (the state after "
+                f"step {final_step - 1} was checkpointed). Add training data or lower "
+                "trainer.num_train_steps, then rerun."
             )
         tracker.log_summary({"final_step": final_step, **({"train/loss": last_loss} if last_loss is not None else {})})
     finally:
@@ -576,7 +584,8 @@ def cli(argv=None) -> None:
     except (ValueError, FileNotFoundError) as e:  # bad config or input: fix it and rerun
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except (DistributedStartupError, DataLoadError, DataEndedError, FloatingPointError, CheckpointSaveError) as e:
+    except (DistributedStartupError, DataLoadError, DataEndedError, FloatingPointError,
+            CheckpointSaveError) as e:
         # the run failed (a coordinator that never answered, unreadable data, a NaN loss, a failed save)
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)

@@ -167,8 +167,8 @@ class AdamConfig(OptimizerConfig):
         # embedding row, say) gets 0 / 0 = NaN.
         if self.epsilon <= 0:
             raise ValueError(
-                f"optimizer.epsilon must be positive, got {self.epsilon}: Adam divides by sqrt(v) + epsilon, and "
-                "with 0 every parameter whose gradient is 0 gets 0/0 = NaN (1e-8 is usual)"
+                f"optimizer.epsilon must be positive, got {self.epsilon}: Adam divides by sqrt(v) + epsilon, "
+                "and with 0 every parameter whose gradient is 0 gets 0/0 = NaN (1e-8 is usual)"
             )
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"optimizer.max_grad_norm must be positive or null, got {self.max_grad_norm}")
