@@ -700,3 +700,29 @@ optimizer: {{learning_rate: 0.01, warmup: 0.0, weight_decay: 0.0, lr_schedule: c
     assert e.value.code == 1, err
     assert "error: the training data ended at step 3 of trainer.num_train_steps=5" in err
     assert os.path.isdir(tmp_path / "ckpt" / "short" / "step-3")
+
+
+@pytest.mark.parametrize("stop", ["first_exhausted", "all_exhausted", "restart"])
+def test_a_mixture_that_ends_before_num_train_steps_is_refused(tmp_path, stop):
+    """A mixture whose stop strategy ends it (first_exhausted / all_exhausted) before the run's last
+    step is refused up front, naming data.stop_strategy and the step the data reaches; restart wraps
+    its sources and never ends."""
+    from levanter.data.dataset import ListAsyncDataset
+    from levanter.data.mixture import MixtureDataset
+    from levanter.schedule import BatchSchedule
+
+    schedule = BatchSchedule(8)
+    sources = {"a": ListAsyncDataset(list(range(40))), "b": ListAsyncDataset(list(range(200)))}
+    mix = MixtureDataset(sources, [(0, {"a": 0.5, "b": 0.5})], batch_schedule=schedule, key=5, stop_strategy=stop)
+    cfg = tiny_config(tmp_path, steps=100)
+    if stop == "restart":
+        train_lm.check_data_covers_run(cfg, mix, schedule)
+        return
+    import asyncio
+
+    end = schedule.find_step_containing_offset(asyncio.run(mix.async_len()))
+    assert 0 < end < 100
+    with pytest.raises(ValueError, match=rf"data.stop_strategy={stop}: .* enough for {end} steps, but "
+                       rf"trainer.num_train_steps is 100 .* lower trainer.num_train_steps to {end}, .*restart"):
+        train_lm.check_data_covers_run(cfg, mix, schedule)
+    train_lm.check_data_covers_run(tiny_config(tmp_path, steps=end), mix, schedule)
