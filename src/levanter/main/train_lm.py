@@ -6,6 +6,12 @@ step loop: the loader yields batches tagged with their step, the trainer checks 
 metrics and checkpoints. Re-running the same command with the same ``trainer.id`` resumes from the
 latest complete checkpoint and reproduces the same data and losses.
 
+A run either does what its config asks or fails: besides the values themselves, it refuses up front a
+model whose training state cannot fit in memory (estimated from shapes), log directories it cannot
+write, training data too short for ``trainer.num_train_steps`` and validation sets smaller than one eval
+batch; at run time, a step whose loss, gradient norm or update is not finite is never applied, and data
+that still ends early is an error (exit 1), not a short run that exits 0.
+
 Per step it logs ``train/loss``, ``train/learning_rate``, ``train/grad_norm``,
 ``throughput/tokens_per_second``, ``throughput/step_seconds``, ``throughput/mfu`` (when the device's peak
 FLOP/s is known), ``data/wait_seconds`` and, for mixtures, ``data/source_counts/<source>``; every
