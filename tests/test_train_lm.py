@@ -390,15 +390,21 @@ def test_sigterm_checkpoints_and_exits_with_the_preemption_status(tmp_path):
 
     from levanter.trainer import PREEMPTED_EXIT_CODE
 
-    cfg = write_yaml(tmp_path, RESUME_YAML.format(cache=tmp_path / "cache", logs=tmp_path / "logs",
-                                                  ckpt=tmp_path / "ckpt").replace("num_train_steps: 12",
-                                                                                  "num_train_steps: 100000"))
+    # A run far longer than the test: its one source is a mixture's, which wraps it (stop_strategy restart).
+    text = RESUME_YAML.format(cache=tmp_path / "cache", logs=tmp_path / "logs", ckpt=tmp_path / "ckpt")
+    single = ('  train_urls: ["embedded://python-docs/validation"]\n'
+              '  validation_urls: ["embedded://python-code/validation"]\n')
+    text = text.replace(single, '  configs: {prose: {train_urls: ["embedded://python-docs/validation"]}}\n'
+                                '  train_weights: {prose: 1.0}\n')
+    cfg = write_yaml(tmp_path, text.replace("num_train_steps: 12", "num_train_steps: 100000"))
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     proc = subprocess.Popen([sys.executable, "-m", "levanter.main.train_lm", "--config_path", cfg, "--trainer.id", "pre"],
                             env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     log = tmp_path / "logs" / "pre" / "metrics.jsonl"
     deadline = time.time() + 120
-    while time.time() < deadline and not (log.exists() and len(log.read_text().splitlines()) >= 3):
+    while time.time() < deadline and proc.poll() is None and not (
+        log.exists() and len(log.read_text().splitlines()) >= 3
+    ):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
