@@ -54,7 +54,7 @@ from levanter.errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError
 from levanter.run_lock import hold_run_lock
 from levanter.distributed import DistributedStartupError, barrier, check_same_config_everywhere
 from levanter.tracker import NoopTracker, check_trackers_writable
-from levanter.models import LlamaConfig, LmConfig
+from levanter.models import LlamaConfig, LmConfig, next_token_loss
 from levanter.optim import AdamConfig, OptimizerConfig
 from levanter.utils.fault import fault_point
 from levanter.trainer import (
@@ -329,7 +329,8 @@ def check_data_schedule(checkpoint_path: str, record: dict, start_step: int, *, 
 
 
 def lm_loss_fn(z_loss_weight: float = 0.0, eos_id: int | None = None):
-    """``(sum of next-token cross-entropies over loss positions, number of loss positions)``.
+    """``(sum of next-token cross-entropies over loss positions, number of loss positions)``: the model's
+    logits scored by :func:`levanter.models.next_token_loss`.
 
     A batch of ``{tokens}`` alone (the training set ``train_lm`` reads, ``tokens_only``) gets its loss mask
     and segment ids from the tokens and ``eos_id``, on the device (:func:`causal_lm_columns_jax`: the
@@ -338,7 +339,6 @@ def lm_loss_fn(z_loss_weight: float = 0.0, eos_id: int | None = None):
 
     def loss(model, batch):
         tokens = batch["tokens"]
-        Batch, Pos = tokens.axes
         if "loss_mask" in batch:
             mask, seg = batch["loss_mask"], batch["segment_ids"]
         else:
@@ -346,15 +346,7 @@ def lm_loss_fn(z_loss_weight: float = 0.0, eos_id: int | None = None):
             mask = hax.named(derived["loss_mask"], tokens.axes)
             seg = hax.named(derived["segment_ids"], tokens.axes)
         logits = model(tokens, seg)
-        logits = logits.rearrange((Batch, Pos, model.Vocab)).array.astype(jnp.float32)
-        targets = jnp.roll(tokens.array, -1, axis=1)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-        per_token = lse - picked
-        if z_loss_weight:
-            per_token = per_token + z_loss_weight * lse**2
-        m = mask.array.astype(jnp.float32)
-        return jnp.sum(per_token * m), jnp.sum(m)
+        return next_token_loss(logits, tokens, mask, reduction="sum_and_count", z_loss_weight=z_loss_weight)
 
     return loss
 

@@ -150,9 +150,10 @@ def next_token_loss(
         loss_mask: ``[..., position]``; position ``t`` counts iff it is true (non-zero values are
             accepted and treated as true). The last position never counts: it has no next token.
             None means every position but the last counts.
-        reduction: ``"mean"`` (over counted positions; 0 if none count), ``"sum"``, or
-            ``None`` / ``"none"`` for the per-position loss ``[..., position]`` with zeros where
-            positions do not count.
+        reduction: ``"mean"`` (over counted positions; 0 if none count), ``"sum"``,
+            ``"sum_and_count"`` for ``(sum, number of counted positions as float32)`` (what a trainer
+            needs to combine microbatches into the exact mean over a step), or ``None`` / ``"none"``
+            for the per-position loss ``[..., position]`` with zeros where positions do not count.
         z_loss_weight: if non-zero, adds ``z_loss_weight * logsumexp(logits[t])**2`` per counted
             position (PaLM's z-loss, keeps the softmax normaliser near 1).
     """
@@ -184,10 +185,12 @@ def next_token_loss(
     total = hax.sum(per_pos).scalar()
     if reduction == "sum":
         return total
+    count = hax.sum(valid.astype(jnp.float32)).scalar()
+    if reduction == "sum_and_count":
+        return total, count
     if reduction == "mean":
-        count = hax.sum(valid.astype(jnp.float32)).scalar()
         return total / jnp.maximum(count, 1.0)
-    raise ValueError(f"reduction must be 'mean', 'sum' or None, got {reduction!r}")
+    raise ValueError(f"reduction must be 'mean', 'sum', 'sum_and_count' or None, got {reduction!r}")
 
 
 def parameter_shapes(config: LmConfig, vocab_size: int):
