@@ -1,10 +1,10 @@
-"""BatchSchedule against a naive step-by-step reference, exhaustively over small schedules."""
+"""StepSchedule and BatchSchedule against naive step-by-step references, exhaustively over small schedules."""
 
 import itertools
 
 import pytest
 
-from levanter.schedule import BatchSchedule, ScheduleStep
+from levanter.schedule import BatchSchedule, ScheduleStep, StepSchedule
 
 
 def naive_ranges(segments, num_steps):
@@ -90,3 +90,47 @@ def test_negative_step_or_offset_rejected():
         sched.batch_size_at_step(-1)
     with pytest.raises(ValueError):
         sched.find_step_containing_offset(-1)
+
+
+@pytest.mark.parametrize("segments", SCHEDULES)
+def test_step_schedule_lookup_matches_naive_walk(segments):
+    sched = StepSchedule([(s, f"v{s}") for s, _ in segments], name="k")
+    for step in range(segments[-1][0] + 20):
+        index = max(i for i, (start, _) in enumerate(segments) if start <= step)
+        assert sched.index_at(step) == index
+        assert sched.value_at(step) == f"v{segments[index][0]}"
+        assert sched.entry_at(step) == (segments[index][0], f"v{segments[index][0]}")
+    assert list(sched) == [(s, f"v{s}") for s, _ in segments]
+    assert sched.end_of(len(segments) - 1) is None
+    assert [sched.end_of(i) for i in range(len(segments) - 1)] == [s for s, _ in segments[1:]]
+
+
+@pytest.mark.parametrize(
+    "starts, message",
+    [
+        ([3], "key: the first entry must start at step 0, got start=3"),
+        ([0, 5, 5], "key: starts must be strictly increasing, got 5 then 5"),
+        ([0, 9, 4], "key: starts must be strictly increasing, got 9 then 4"),
+        ([], "key: the schedule is empty"),
+    ],
+)
+def test_step_schedule_validation_messages(starts, message):
+    with pytest.raises(ValueError) as e:
+        StepSchedule([(s, None) for s in starts], name="key")
+    assert str(e.value) == message
+
+
+def test_step_schedule_callers_keep_their_own_wording():
+    with pytest.raises(ValueError) as e:
+        StepSchedule([(1, "a")], name="weights", first_error="{name}: first stage at {start}")
+    assert str(e.value) == "weights: first stage at 1"
+    with pytest.raises(ValueError) as e:
+        StepSchedule([(0, "a"), (2, "b"), (1, "c")], name="w", order_error="{name}: {prev} > {cur}")
+    assert str(e.value) == "w: 2 > 1"
+    with pytest.raises(ValueError, match="non-negative"):
+        StepSchedule([(0, "a")], name="k").index_at(-1)
+
+
+def test_batch_schedule_is_a_step_schedule_of_sizes():
+    sched = BatchSchedule([ScheduleStep(0, 8), ScheduleStep(10, 16)])
+    assert sched.step_schedule == StepSchedule([(0, 8), (10, 16)], name="trainer.train_batch_size")

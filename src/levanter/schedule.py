@@ -13,6 +13,10 @@ arithmetic is on Python ints, so it is exact for any step (2**62 and beyond).
 
 Nothing else in the project multiplies steps by batch sizes: the mixture, the loader and the
 trainer all ask this module.
+
+Both the batch size and the mixture's stages are *step schedules*: a value that holds from one start
+step until the next, starting at step 0. :class:`StepSchedule` is that shape, validated and looked up in
+one place; the batch schedule, the mixture's stages and the data-schedule record are built on it.
 """
 
 from __future__ import annotations
@@ -20,8 +24,82 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import numbers
-from collections.abc import Mapping, Sequence
-from typing import Union
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Generic, TypeVar, Union
+
+T = TypeVar("T")
+
+FIRST_START_ERROR = "{name}: the first entry must start at step 0, got start={start}"
+ORDER_ERROR = "{name}: starts must be strictly increasing, got {prev} then {cur}"
+
+
+class StepSchedule(Generic[T]):
+    """A value per training step that is constant from each start step until the next.
+
+    ``StepSchedule([(0, a), (10, b)])`` is ``a`` for steps 0-9 and ``b`` from step 10 on. Starts must
+    begin at 0 and strictly increase; otherwise ``ValueError`` is raised with ``first_error`` or
+    ``order_error``, formatted with ``name`` (the config key the schedule comes from) and the offending
+    starts (``start``; ``prev`` and ``cur``), so each caller keeps the wording its users see. Values are
+    not inspected. Lookups are a binary search over the starts (O(log #entries)); the object is
+    immutable, so it can be shared between threads.
+    """
+
+    __slots__ = ("name", "starts", "values")
+
+    def __init__(
+        self,
+        entries: Iterable[tuple[int, T]],
+        *,
+        name: str,
+        first_error: str = FIRST_START_ERROR,
+        order_error: str = ORDER_ERROR,
+    ):
+        pairs = [(start, value) for start, value in entries]
+        if not pairs:
+            raise ValueError(f"{name}: the schedule is empty")
+        starts = tuple(int(start) for start, _ in pairs)
+        if starts[0] != 0:
+            raise ValueError(first_error.format(name=name, start=starts[0]))
+        for prev, cur in zip(starts, starts[1:]):
+            if cur <= prev:
+                raise ValueError(order_error.format(name=name, prev=prev, cur=cur))
+        self.name = name
+        self.starts: tuple[int, ...] = starts
+        self.values: tuple[T, ...] = tuple(value for _, value in pairs)
+
+    def index_at(self, step: int) -> int:
+        """Index of the entry in force at ``step``."""
+        if step < 0:
+            raise ValueError(f"step must be non-negative, got {step}")
+        return bisect.bisect_right(self.starts, step) - 1
+
+    def value_at(self, step: int) -> T:
+        """The value in force at ``step``."""
+        return self.values[self.index_at(step)]
+
+    def entry_at(self, step: int) -> tuple[int, T]:
+        """``(start, value)`` of the entry in force at ``step``."""
+        i = self.index_at(step)
+        return self.starts[i], self.values[i]
+
+    def end_of(self, index: int) -> int | None:
+        """First step after entry ``index`` (None for the last entry, which never ends)."""
+        return self.starts[index + 1] if index + 1 < len(self.starts) else None
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __iter__(self):
+        return iter(zip(self.starts, self.values))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, StepSchedule) and self.starts == other.starts and self.values == other.values
+
+    def __hash__(self) -> int:
+        return hash((self.starts, self.values))
+
+    def __repr__(self) -> str:
+        return f"StepSchedule({list(self)!r}, name={self.name!r})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,16 +156,9 @@ class BatchSchedule:
                 raise ValueError(f"{name}: start and value must be integers, got {s!r}")
             if s.value <= 0:
                 raise ValueError(f"{name}: batch size must be positive, got {s.value} at step {s.start}")
-        if steps[0].start != 0:
-            raise ValueError(f"{name}: the first entry must start at step 0, got start={steps[0].start}")
-        for prev, cur in zip(steps, steps[1:]):
-            if cur.start <= prev.start:
-                raise ValueError(
-                    f"{name}: starts must be strictly increasing, got {prev.start} then {cur.start}"
-                )
-
-        self._starts: list[int] = [int(s.start) for s in steps]
-        self._sizes: list[int] = [int(s.value) for s in steps]
+        self._schedule: StepSchedule[int] = StepSchedule(((s.start, int(s.value)) for s in steps), name=name)
+        self._starts = self._schedule.starts
+        self._sizes = self._schedule.values
         # First global index of each segment.
         self._offsets: list[int] = [0]
         for i in range(1, len(steps)):
@@ -103,10 +174,13 @@ class BatchSchedule:
     def distinct_batch_sizes(self) -> tuple[int, ...]:
         return tuple(sorted(set(self._sizes)))
 
+    @property
+    def step_schedule(self) -> StepSchedule[int]:
+        """The batch size as a :class:`StepSchedule`."""
+        return self._schedule
+
     def _segment_of_step(self, step: int) -> int:
-        if step < 0:
-            raise ValueError(f"step must be non-negative, got {step}")
-        return bisect.bisect_right(self._starts, step) - 1
+        return self._schedule.index_at(step)
 
     def batch_size_at_step(self, step: int) -> int:
         """Number of examples (global indices) step ``step`` reads."""
@@ -142,7 +216,7 @@ class BatchSchedule:
         seg = self._segment_of_step(start_step)
         lo = start_step
         while True:
-            nxt = self._starts[seg + 1] if seg + 1 < len(self._starts) else None
+            nxt = self._schedule.end_of(seg)
             hi = nxt if end_step is None else (end_step if nxt is None else min(nxt, end_step))
             out.append((lo, hi, self._sizes[seg]))
             if hi is None or hi == end_step:

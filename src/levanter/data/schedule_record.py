@@ -13,11 +13,10 @@ batch size, or a drawn source's content first differs.
 
 from __future__ import annotations
 
-import bisect
 from fractions import Fraction
 from typing import Optional
 
-from ..schedule import BatchSchedule
+from ..schedule import BatchSchedule, StepSchedule
 
 RECORD_FORMAT = 1
 GLOBAL_KEYS = ("format", "seq_len", "data_seed", "shuffle", "block_size", "stop_strategy", "enforce_eos")
@@ -68,11 +67,9 @@ def data_schedule_record(data_config, schedule: BatchSchedule, *, seq_len: int, 
     }
 
 
-def _effective_stage(stages: list, step: int):
-    """``(start step, normalised weights)`` of the stage in force at ``step``."""
-    starts = [s for s, _ in stages]
-    i = bisect.bisect_right(starts, step) - 1
-    return stages[i][0], _normalized(stages[i][1])
+def _stage_schedule(stages: list) -> StepSchedule[dict]:
+    """A record's ``stages`` as a step schedule of normalised weights."""
+    return StepSchedule(((start, _normalized(weights)) for start, weights in stages), name="stages")
 
 
 def first_difference(old: dict, new: dict) -> Optional[tuple[int, str]]:
@@ -105,9 +102,9 @@ def first_difference(old: dict, new: dict) -> Optional[tuple[int, str]]:
             found.append((s, f"the batch size at step {s} changed from {a} to {b}"))
             break
 
-    old_st, new_st = old.get("stages", []), new.get("stages", [])
-    for s in sorted({st for st, _ in old_st} | {st for st, _ in new_st}):
-        a, b = _effective_stage(old_st, s), _effective_stage(new_st, s)
+    old_st, new_st = _stage_schedule(old.get("stages", [])), _stage_schedule(new.get("stages", []))
+    for s in sorted(set(old_st.starts) | set(new_st.starts)):
+        a, b = old_st.entry_at(s), new_st.entry_at(s)
         if a != b:
             found.append((s, f"the mixture at step {s} changed from stage {list(a)} to {list(b)} (start, weights)"))
             break
