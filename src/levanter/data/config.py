@@ -267,11 +267,11 @@ class LMMixtureDatasetConfig(LMTaskConfig):
         self._check_task_fields()
         if not self.configs:
             raise ValueError("data.configs is empty: a mixture needs at least one source")
-        from .mixture import _normalize_stages
+        from .mixture import stage_schedule
 
         stages = self.stages()  # its errors name data.train_weights already
         try:
-            _normalize_stages(stages, list(self.configs))
+            stage_schedule(stages, list(self.configs))
         except ValueError as e:
             # The mixture's messages say "weights..."; here the key is data.train_weights.
             why = re.sub(r"^weights:? ", "", str(e))
