@@ -21,9 +21,9 @@ from levanter.data.loader import DataLoader
 from levanter.data.mixture import MixtureDataset
 from levanter.data.text import TokenSeqDataset
 from levanter.main import data_schedule
-from levanter.main.train_lm import TrainLmConfig, data_key
+from levanter.lm_config import TrainLmConfig, data_key
 from levanter.schedule import BatchSchedule, ScheduleStep
-from levanter.store.cache import TokenCache
+from levanter.store import TokenCache
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ_LEN = 64

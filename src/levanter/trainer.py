@@ -21,9 +21,10 @@ import logging
 import math
 import os
 import signal
+import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import equinox as eqx
@@ -47,6 +48,7 @@ from .data.loader import Batch
 from .distributed import DistributedConfig
 from .schedule import BatchSchedule, ScheduleStep
 from .tracker import JsonConfig, TrackerConfig, init_trackers
+from .utils.fault import fault_point
 
 logger = logging.getLogger(__name__)
 
@@ -529,6 +531,86 @@ class Trainer:
             total += size() if callable(size) else 1
         return total
 
+    # -- the step loop -------------------------------------------------------------------------------
+    def train(
+        self,
+        state: TrainerState,
+        batches: Iterable[Batch],
+        *,
+        to_named: Callable[[Any], Any],
+        checkpointer,
+        hooks: Optional["TrainHooks"] = None,
+    ) -> TrainerState:
+        """Train from ``state`` on ``batches`` until they end or ``num_train_steps`` is reached; returns the
+        final state.
+
+        Each batch's step tag must equal ``state.step`` (:func:`check_step`); ``to_named`` turns its data
+        into the loss's named arrays. After every step: the compile guard (one executable per batch size),
+        the finite check (:func:`check_finite`), ``hooks.on_step``, an evaluation where
+        ``hooks.is_eval_step`` says so, and ``checkpointer.on_step(state, step, force=...)`` (forced at the
+        last step). On SIGTERM the state after the current step is checkpointed and the process exits with
+        :data:`PREEMPTED_EXIT_CODE`; batches that end before ``num_train_steps`` checkpoint the last state
+        and raise :class:`DataEndedError` (a short run must not exit 0).
+        """
+        hooks = hooks if hooks is not None else TrainHooks()
+        num_steps = self.config.num_train_steps
+        previous_handler = self.install_sigterm_handler()
+        seen_sizes: set[int] = set()
+        try:
+            start_step = int(state.step)
+            if start_step > 0 and hooks.is_eval_step(start_step):
+                # The earlier attempt's eval at this step was dropped with its other records of steps >= start.
+                hooks.evaluate(state.model, start_step)
+            t_prev = time.perf_counter()
+            for batch in batches:
+                step = int(state.step)
+                check_step(batch, step)
+                seen_sizes.add(batch.batch_size)
+                state, metrics = self.train_step(state, to_named(batch.data), batch.batch_size)
+                loss = float(metrics["loss"])
+                if self.compile_count() > len(seen_sizes):
+                    raise RuntimeError(
+                        f"the train step recompiled at step {step} ({self.compile_count()} compiles for "
+                        f"{len(seen_sizes)} batch sizes): an input changed shape or type unexpectedly"
+                    )
+                grad_norm = float(metrics["grad_norm"])
+                update_finite = bool(metrics["update_finite"])
+                check_finite(loss, step, self.config, grad_norm=grad_norm, update_finite=update_finite)
+                now = time.perf_counter()
+                dt, t_prev = now - t_prev, now
+                hooks.on_step(StepReport(step, batch, loss, grad_norm, bool(metrics["skipped"]), dt))
+
+                done = step + 1
+                if hooks.is_eval_step(done):
+                    hooks.evaluate(state.model, done)
+                    t_prev = time.perf_counter()  # the evaluation is not the next step's time
+                checkpointer.on_step(state, done, force=done == num_steps)
+                fault_point("train_after_step")
+                if self.stop_requested and done < num_steps:
+                    checkpointer.on_step(state, done, force=True)
+                    checkpointer.wait_until_finished()
+                    hooks.on_preempt()
+                    logger.warning("checkpointed step %d after SIGTERM; exiting with %d", done, PREEMPTED_EXIT_CODE)
+                    sys.exit(PREEMPTED_EXIT_CODE)
+            checkpointer.wait_until_finished()
+            final_step = int(state.step)
+            if final_step < num_steps:
+                # Runs check up front that their data covers every step, which makes this rare; a run that
+                # ends short of what the config asks must not exit 0, or every rerun "succeeds" again at the
+                # same step.
+                checkpointer.on_step(state, final_step, force=True)
+                checkpointer.wait_until_finished()
+                raise DataEndedError(
+                    f"the training data ended at step {final_step} of trainer.num_train_steps="
+                    f"{num_steps}: the loader had no batch for step {final_step} (the state after "
+                    f"step {final_step - 1} was checkpointed). Add training data or lower "
+                    "trainer.num_train_steps, then rerun."
+                )
+            return state
+        finally:
+            if previous_handler is not None:
+                signal.signal(signal.SIGTERM, previous_handler)
+
     # -- signals -------------------------------------------------------------------------------------
     def install_sigterm_handler(self):
         def handler(signum, frame):
@@ -543,6 +625,40 @@ class Trainer:
     @property
     def stop_requested(self) -> bool:
         return self._stop_requested
+
+
+class DataEndedError(RuntimeError):
+    """The training data ran out before ``trainer.num_train_steps``: the run did not do what was asked."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """One step as the loop saw it: the batch trained on, its (global) loss and gradient norm, whether
+    the update was skipped (non-finite and allowed to go on), and the seconds since the previous step."""
+
+    step: int
+    batch: Batch
+    loss: float
+    grad_norm: float
+    skipped: bool
+    seconds: float
+
+
+class TrainHooks:
+    """What a run does around :meth:`Trainer.train`'s steps (logging, evaluation); no-ops by default."""
+
+    def on_step(self, report: StepReport) -> None:
+        """After each step's checks, before its evaluation and checkpoint."""
+
+    def is_eval_step(self, step: int) -> bool:
+        """Whether to evaluate the model after ``step`` updates."""
+        return False
+
+    def evaluate(self, model, step: int) -> None:
+        """Evaluate ``model`` as it stands after ``step`` updates."""
+
+    def on_preempt(self) -> None:
+        """Before the process exits on SIGTERM (the state is already checkpointed)."""
 
 
 def check_step(batch: Batch, state_step: int) -> None:
@@ -594,7 +710,10 @@ def check_finite(
 
 __all__ = [
     "PREEMPTED_EXIT_CODE",
+    "DataEndedError",
     "StepMismatchError",
+    "StepReport",
+    "TrainHooks",
     "Trainer",
     "TrainerConfig",
     "TrainerState",

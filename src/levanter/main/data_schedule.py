@@ -8,7 +8,7 @@ Other ``--a.b value`` arguments override the config as in ``train_lm``.
 ``X`` is a whole ``train_lm`` config: the plan needs ``trainer.train_batch_size``,
 ``trainer.num_train_steps``, ``trainer.seed`` / ``data_seed`` and ``model.seq_len`` as well as ``data``.
 The training set is built exactly as ``train_lm`` builds it (same ``train_set`` call, same key from
-:func:`levanter.main.train_lm.data_key`), so the plan is what training will read. Building it needs
+the same :func:`levanter.lm_config.data_key`), so the plan is what training will read. Building it needs
 the sources' lengths, so missing token caches are built first (as training would); no accelerator
 and no model are involved.
 
@@ -32,7 +32,7 @@ from levanter.config import ConfigError, parse_config, split_config_path
 if TYPE_CHECKING:
     from levanter.data.planner import DataPlan
 
-# The planner (jax, the datasets) and train_lm are imported where used, so that a usage error is
+# The planner (jax, the datasets) and the run config are imported where used, so that a usage error is
 # reported in a fraction of a second instead of after seconds of imports.
 
 logger = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ def main(config, *, steps: Optional[int] = None, dump=None, plot: Optional[str] 
     ``"dump_rows"`` and ``"plot"`` when written.
     """
     from levanter.data import planner
-    from levanter.main.train_lm import data_key
+    from levanter.lm_config import data_key
 
     num_steps = config.trainer.num_train_steps if steps is None else steps
     if num_steps < 1:
@@ -254,7 +254,7 @@ def cli(argv: Optional[Sequence[str]] = None) -> dict:
         dump = None
         if args.dump is not None:
             dump = (*_dump_range(args.dump[0]), args.dump[1])
-        from levanter.main.train_lm import TrainLmConfig
+        from levanter.lm_config import TrainLmConfig
 
         config = parse_config(TrainLmConfig, config_path, overrides)
         return main(config, steps=args.steps, dump=dump, plot=args.plot)

@@ -27,13 +27,10 @@ if __name__ == "__main__":
     reexec_with_hugepage_malloc()
 
 import asyncio
-import dataclasses
 import logging
-import math
 import os
 import sys
-import time
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, Optional, Tuple
 
 import haliax as hax
 import jax
@@ -41,115 +38,30 @@ import jax.numpy as jnp
 import numpy as np
 
 import levanter.config
-from levanter.checkpoint import CheckpointSaveError
-from levanter.data.config import DataConfig, UrlSingleDatasetLMConfig
+from levanter.checkpoint import CheckpointSaveError, hold_run_lock
 from levanter.data.dataset import AsyncDataset
 from levanter.data.loader import DataLoader, DataLoadError, use_prefetch_switch_interval
-from levanter.data._prp import seed_from_key
-from levanter.data.fingerprint import batch_fingerprint, step_provenance
+from levanter.data import seed_from_key
+from levanter.data.fingerprint import batch_fingerprint
 from levanter.data.mixture import MixtureDataset
 from levanter.data.schedule_record import data_schedule_record, first_difference
 from levanter.data.text import causal_lm_columns_jax
 from levanter.errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError
-from levanter.run_lock import hold_run_lock
 from levanter.distributed import DistributedStartupError, barrier, check_same_config_everywhere
 from levanter.tracker import NoopTracker, check_trackers_writable
-from levanter.models import LlamaConfig, LmConfig, next_token_loss
-from levanter.optim import AdamConfig, OptimizerConfig
-from levanter.utils.fault import fault_point
+from levanter.lm_config import SEED_LIMIT, TrainLmConfig, data_key, validate  # noqa: F401 -- upstream's path
+from levanter.models import next_token_loss
 from levanter.trainer import (
-    PREEMPTED_EXIT_CODE,
+    DataEndedError,
+    StepReport,
     Trainer,
     TrainerConfig,
-    check_finite,
-    check_step,
+    TrainHooks,
     init_trackers,
     peak_flops_per_device,
 )
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainLmConfig:
-    data: DataConfig = dataclasses.field(default_factory=UrlSingleDatasetLMConfig)
-    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
-    model: LmConfig = dataclasses.field(default_factory=LlamaConfig)
-    optimizer: OptimizerConfig = dataclasses.field(default_factory=AdamConfig)
-    z_loss_weight: float = 0.0
-    data_seed: Optional[int] = None
-    prefetch_depth: int = 8
-    # Also hash each step's token content into data/fingerprint (single-process runs only).
-    fingerprint_tokens: bool = False
-    # Resume even if the data schedule changed before the checkpoint's step (the resumed run's past then
-    # differs from what the checkpointed model saw). Off by default: such edits are refused.
-    allow_data_schedule_change: bool = False
-    # Upstream fields accepted so configs parse; refused if set (they need the HF hub or are not built).
-    initialize_from_hf: Union[bool, str] = False
-    use_hf_model_config: bool = False
-    initialize_from_checkpoint_path: Optional[str] = None
-    hf_save_path: Optional[str] = None
-    hf_upload: Optional[str] = None
-    hf_save_steps: int = 10000
-    hf_save_dtype: Optional[str] = None
-    epoch: int = 0
-    eval_harness: Optional[Dict] = None
-    eval_harness_steps: int = 10000
-    log_entropy: bool = False
-
-
-def validate(config: TrainLmConfig):
-    """Every check that needs no data and no compile; errors name the config key. Returns the tokenizer."""
-    for name in ("initialize_from_hf", "use_hf_model_config", "hf_save_path", "hf_upload", "eval_harness",
-                 "initialize_from_checkpoint_path", "log_entropy"):
-        value = getattr(config, name)
-        if value not in (False, None):
-            raise ValueError(f"{name} is not supported by this fork yet; remove it from the config")
-    if config.epoch:
-        raise ValueError("epoch is not supported: use data.stop_strategy or a longer run instead")
-    if config.prefetch_depth < 0:
-        raise ValueError(f"prefetch_depth must be >= 0, got {config.prefetch_depth}")
-    if not math.isfinite(config.z_loss_weight) or config.z_loss_weight < 0:
-        raise ValueError(f"z_loss_weight must be a finite number >= 0, got {config.z_loss_weight}")
-    if config.data_seed is not None and not 0 <= config.data_seed < SEED_LIMIT:
-        raise ValueError(
-            f"data_seed must be in [0, 2**32 - 1], got {config.data_seed}: JAX keeps the low 32 bits of a "
-            "seed, so a larger or negative one would repeat the data order of another"
-        )
-    if config.model.seq_len < 2:
-        raise ValueError(
-            f"model.seq_len must be >= 2, got {config.model.seq_len}: each position learns to predict the "
-            "next token, and a sequence of one token has no next token (the loss would be 0 over no "
-            "positions)"
-        )
-    config.trainer.validate()
-    config.optimizer.lr_scheduler(config.trainer.num_train_steps)  # lr_schedule, warmup, decay, min_lr_ratio
-    config.data.validate(num_train_steps=config.trainer.num_train_steps)
-    max_len = getattr(config.model, "max_seq_len", None)
-    if max_len is not None and config.model.seq_len > max_len:
-        raise ValueError(f"model.seq_len={config.model.seq_len} exceeds what the model supports ({max_len})")
-    tokenizer = config.data.the_tokenizer()
-    model_vocab = getattr(config.model, "vocab_size", None)
-    if model_vocab is not None and model_vocab < tokenizer.vocab_size:
-        raise ValueError(
-            f"model.vocab_size={model_vocab} is smaller than the tokenizer's vocabulary ({tokenizer.vocab_size})"
-        )
-    config.data.check_inputs()  # missing files and empty globs, before any cache is built
-    return tokenizer
-
-
-SEED_LIMIT = 2**32  # jax.random.PRNGKey keeps the low 32 bits (without jax_enable_x64)
-
-
-def data_key(config: TrainLmConfig) -> jax.Array:
-    """The key the training data is derived from: ``data_seed`` if set, else a split of ``trainer.seed``."""
-    if config.data_seed is not None:
-        return jax.random.PRNGKey(config.data_seed)
-    return jax.random.split(jax.random.PRNGKey(config.trainer.seed), 4)[0]
-
-
-class DataEndedError(RuntimeError):
-    """The training data ran out before ``trainer.num_train_steps``: the run did not do what was asked."""
 
 
 def _validation_key(name: str) -> str:
@@ -396,7 +308,7 @@ def main(config: TrainLmConfig) -> dict:
     check_memory(config, tokenizer.vocab_size)
     # One writer per run: taken before anything of the run is built, restored, deleted or logged, and
     # released however the run ends (a SIGKILLed run's lock is recognised as stale on its host).
-    lock = hold_run_lock(run_dir, run_id)
+    lock = hold_run_lock(run_dir, run_id, process_index=jax.process_index())
     try:
         return _main_locked(config, tokenizer, run_id)
     finally:
@@ -451,11 +363,13 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
         tracker = NoopTracker()  # one writer: every process computes the same (global) metrics
     tracker.log_hyperparameters(_config_dict(config))
     checkpointer = tcfg.checkpointer.create(
-        run_id, metadata={"data_schedule": record}, barrier=barrier if jax.process_count() > 1 else None
+        run_id,
+        metadata={"data_schedule": record},
+        barrier=barrier if jax.process_count() > 1 else None,
+        process_index=jax.process_index(),
     )
-    previous_handler = trainer.install_sigterm_handler()
-
-    loader = DataLoader(train_set, schedule, mesh=trainer.mesh, data_axis="data", prefetch_depth=config.prefetch_depth)
+    loader = DataLoader(train_set, schedule, mesh=trainer.mesh, data_axis="data", prefetch_depth=config.prefetch_depth,
+                        provenance=True)
     flops_per_token = config.model.flops_per_token(Vocab.size)
     peak = peak_flops_per_device(jax.devices()[0])
     from tqdm.auto import tqdm
@@ -463,96 +377,61 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
     bar = tqdm(total=tcfg.num_train_steps, initial=start_step, desc="train", unit="step",
                disable=None if jax.process_index() == 0 else True)
     last_loss = None
-    seen_sizes: set[int] = set()
 
-    def is_eval_step(done: int) -> bool:
-        return bool(eval_sets) and (
-            done % tcfg.steps_per_eval == 0 or done == tcfg.num_train_steps or done in stage_starts
-        )
+    class Hooks(TrainHooks):
+        def on_step(self, r: StepReport) -> None:
+            nonlocal last_loss
+            step, batch, dt = r.step, r.batch, r.seconds
+            tokens = batch.batch_size * Pos.size
+            log = {
+                "train/loss": r.loss,
+                "train/learning_rate": float(lr_schedule(step)),
+                "train/grad_norm": r.grad_norm,
+                "train/skipped_step": int(r.skipped),
+                "throughput/step_seconds": dt,
+                "throughput/tokens_per_second": tokens / dt,
+                "throughput/examples_per_second": batch.batch_size / dt,
+                "data/wait_seconds": batch.wait_seconds,
+            }
+            if peak is not None:
+                log["throughput/mfu"] = flops_per_token * tokens / dt / (peak * jax.device_count())
+            # The step's provenance (which source and row each sequence came from), read by the loader.
+            prov = batch.provenance
+            content = None
+            if config.fingerprint_tokens and batch.data["tokens"].is_fully_addressable:
+                content = np.asarray(batch.data["tokens"])
+            log["data/fingerprint"] = batch_fingerprint(prov, content)
+            if mixture is not None:
+                counts = batch.source_counts(len(mixture.names))
+                for name, c in zip(mixture.names, counts.tolist()):
+                    log[f"data/source_counts/{name}"] = c
+            tracker.log(log, step=step)
+            last_loss = r.loss
+            bar.set_postfix(loss=f"{r.loss:.4f}", tok_s=f"{tokens / dt:,.0f}", refresh=False)
+            bar.update(1)
+
+        def is_eval_step(self, done: int) -> bool:
+            return bool(eval_sets) and (
+                done % tcfg.steps_per_eval == 0 or done == tcfg.num_train_steps or done in stage_starts
+            )
+
+        def evaluate(self, model, done: int) -> None:
+            tracker.log(run_eval(trainer, model, eval_sets, config, Pos), step=done)
+
+        def on_preempt(self) -> None:
+            tracker.finish()
+
+    def to_named(data):
+        return _named_batch(data, Pos, tcfg.batch_axis)
 
     try:
-        if start_step > 0 and is_eval_step(start_step):
-            # The earlier attempt's eval at this step was dropped with its other records of steps >= start.
-            tracker.log(run_eval(trainer, state.model, eval_sets, config, Pos), step=start_step)
-        t_prev = time.perf_counter()
         with loader.iter_from_step(start_step, tcfg.num_train_steps) as it:
-            for batch in it:
-                step = int(state.step)
-                check_step(batch, step)
-                named = _named_batch(batch.data, Pos, tcfg.batch_axis)
-                seen_sizes.add(batch.batch_size)
-                state, metrics = trainer.train_step(state, named, batch.batch_size)
-                loss = float(metrics["loss"])
-                if trainer.compile_count() > len(seen_sizes):
-                    raise RuntimeError(
-                        f"the train step recompiled at step {step} ({trainer.compile_count()} compiles for "
-                        f"{len(seen_sizes)} batch sizes): an input changed shape or type unexpectedly"
-                    )
-                grad_norm = float(metrics["grad_norm"])
-                update_finite = bool(metrics["update_finite"])
-                check_finite(loss, step, tcfg, grad_norm=grad_norm, update_finite=update_finite)
-                now = time.perf_counter()
-                dt, t_prev = now - t_prev, now
-                tokens = batch.batch_size * Pos.size
-                log = {
-                    "train/loss": loss,
-                    "train/learning_rate": float(lr_schedule(step)),
-                    "train/grad_norm": grad_norm,
-                    "train/skipped_step": int(metrics["skipped"]),
-                    "throughput/step_seconds": dt,
-                    "throughput/tokens_per_second": tokens / dt,
-                    "throughput/examples_per_second": batch.batch_size / dt,
-                    "data/wait_seconds": batch.wait_seconds,
-                }
-                if peak is not None:
-                    log["throughput/mfu"] = flops_per_token * tokens / dt / (peak * jax.device_count())
-                prov = step_provenance(train_set, schedule, step)
-                content = None
-                if config.fingerprint_tokens and batch.data["tokens"].is_fully_addressable:
-                    content = np.asarray(batch.data["tokens"])
-                log["data/fingerprint"] = batch_fingerprint(prov, content)
-                if mixture is not None:
-                    counts = np.bincount(prov["source"], minlength=len(mixture.names))
-                    for name, c in zip(mixture.names, counts.tolist()):
-                        log[f"data/source_counts/{name}"] = c
-                tracker.log(log, step=step)
-                last_loss = loss
-                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / dt:,.0f}", refresh=False)
-                bar.update(1)
-
-                done = step + 1
-                if is_eval_step(done):
-                    tracker.log(run_eval(trainer, state.model, eval_sets, config, Pos), step=done)
-                    t_prev = time.perf_counter()
-                checkpointer.on_step(state, done, force=done == tcfg.num_train_steps)
-                fault_point("train_after_step")
-                if trainer.stop_requested and done < tcfg.num_train_steps:
-                    checkpointer.on_step(state, done, force=True)
-                    checkpointer.wait_until_finished()
-                    tracker.finish()
-                    logger.warning("checkpointed step %d after SIGTERM; exiting with %d", done, PREEMPTED_EXIT_CODE)
-                    sys.exit(PREEMPTED_EXIT_CODE)
-        checkpointer.wait_until_finished()
+            state = trainer.train(state, it, to_named=to_named, checkpointer=checkpointer, hooks=Hooks())
         final_step = int(state.step)
-        if final_step < tcfg.num_train_steps:
-            # The up-front check (check_data_covers_run) makes this rare; a run that ends short of what the
-            # config asks must not exit 0, or every rerun "succeeds" again at the same step.
-            checkpointer.on_step(state, final_step, force=True)
-            checkpointer.wait_until_finished()
-            raise DataEndedError(
-                f"the training data ended at step {final_step} of trainer.num_train_steps="
-                f"{tcfg.num_train_steps}: the loader had no batch for step {final_step} (the state after "
-                f"step {final_step - 1} was checkpointed). Add training data or lower "
-                "trainer.num_train_steps, then rerun."
-            )
         tracker.log_summary({"final_step": final_step, **({"train/loss": last_loss} if last_loss is not None else {})})
     finally:
         bar.close()
         tracker.finish()
-        if previous_handler is not None:
-            import signal
-
-            signal.signal(signal.SIGTERM, previous_handler)
     return {"run_id": run_id, "final_step": int(state.step), "final_loss": last_loss}
 
 

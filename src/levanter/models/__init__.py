@@ -6,10 +6,20 @@ block with ``type: gpt2`` or ``type: llama`` decodes to the right config class.
 
 from .attention import causal_attention, causal_segment_mask
 from .gpt2 import Gpt2Config, Gpt2LMHeadModel
+from .layers import ACTIVATIONS, check_activation, check_positive, normal_embedding, normal_linear
 from .llama import LlamaConfig, LlamaLMHeadModel, RopeConfig
-from .lm_model import LmConfig, LmHeadModel, next_token_loss, parameter_shapes, tree_nbytes
+from .lm_model import (
+    LmConfig,
+    LmHeadModel,
+    check_input_length,
+    next_token_loss,
+    parameter_shapes,
+    split_key,
+    tree_nbytes,
+)
 
 __all__ = [
+    "ACTIVATIONS",
     "Gpt2Config",
     "Gpt2LMHeadModel",
     "LlamaConfig",
@@ -19,7 +29,13 @@ __all__ = [
     "RopeConfig",
     "causal_attention",
     "causal_segment_mask",
+    "check_activation",
+    "check_input_length",
+    "check_positive",
     "next_token_loss",
+    "normal_embedding",
+    "normal_linear",
     "parameter_shapes",
+    "split_key",
     "tree_nbytes",
 ]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Optional
+from typing import Optional
 
 import equinox as eqx
 import jax
@@ -28,42 +28,9 @@ import haliax.nn as hnn
 from haliax import Axis, NamedArray
 
 from .attention import causal_attention, causal_segment_mask
+from .layers import ACTIVATIONS, check_activation, check_positive, normal_embedding, normal_linear
 from .lm_model import LAYERS, LmConfig, LmHeadModel, check_input_length, split_key
 from .token_dot import linear, token_dot
-
-ACTIVATIONS: dict[str, Callable[[NamedArray], NamedArray]] = {
-    "gelu_new": lambda x: hnn.gelu(x, approximate=True),
-    "gelu_pytorch_tanh": lambda x: hnn.gelu(x, approximate=True),
-    "gelu": lambda x: hnn.gelu(x, approximate=False),
-    "quick_gelu": hnn.quick_gelu,
-    "relu": hnn.relu,
-    "silu": hnn.silu,
-    "swish": hnn.silu,
-}
-
-
-def _check_positive(config, *names: str) -> None:
-    for name in names:
-        value = getattr(config, name)
-        if value <= 0:
-            raise ValueError(f"model.{name} must be positive, got {value}")
-
-
-def _check_activation(name: str) -> None:
-    if name not in ACTIVATIONS:
-        raise ValueError(f"model.activation_function {name!r} is not one of {sorted(ACTIVATIONS)}")
-
-
-def normal_linear(In, Out, *, std: float, use_bias: bool, key) -> hnn.Linear:
-    """A haliax Linear whose weight is (truncated at 3 sigma) normal with standard deviation ``std``."""
-    # Linear.init draws truncated_normal * init_scale / sqrt(|In|); undo the fan-in factor.
-    return hnn.Linear.init(In, Out, key=key, use_bias=use_bias, init_scale=std * math.sqrt(hax.axis_size(In)))
-
-
-def normal_embedding(Vocab: Axis, Embed: Axis, *, std: float, key) -> hnn.Embedding:
-    weight = hax.random.truncated_normal(key, (Vocab, Embed), -3, 3) * std
-    return hnn.Embedding(weight=weight, Vocab=Vocab, Embed=Embed)
-
 
 @LmConfig.register_subclass("gpt2")
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +69,7 @@ class Gpt2Config(LmConfig):
         return self.n_positions if self.n_positions is not None else self.seq_len
 
     def __post_init__(self):
-        _check_positive(self, "seq_len", "hidden_dim", "num_layers", "num_heads", "mlp_scale")
+        check_positive(self, "seq_len", "hidden_dim", "num_layers", "num_heads", "mlp_scale")
         if self.n_positions is not None and self.seq_len > self.n_positions:
             raise ValueError(
                 f"model.seq_len ({self.seq_len}) exceeds the model's {self.n_positions} learned positions "
@@ -117,7 +84,7 @@ class Gpt2Config(LmConfig):
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"model.{name} must be in [0, 1), got {p}")
-        _check_activation(self.activation_function)
+        check_activation(self.activation_function)
 
     @property
     def Heads(self) -> Axis:

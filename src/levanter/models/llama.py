@@ -33,7 +33,7 @@ import haliax.nn as hnn
 from haliax import Axis, NamedArray
 
 from .attention import causal_attention, causal_segment_mask
-from .gpt2 import ACTIVATIONS, _check_activation, _check_positive, normal_embedding, normal_linear
+from .layers import ACTIVATIONS, check_activation, check_positive, normal_embedding, normal_linear
 from .lm_model import LAYERS, LmConfig, LmHeadModel, check_input_length
 from .token_dot import linear, token_dot
 
@@ -93,7 +93,7 @@ class LlamaConfig(LmConfig):
     tokenizer: Optional[str] = None
 
     def __post_init__(self):
-        _check_positive(
+        check_positive(
             self, "seq_len", "hidden_dim", "intermediate_dim", "num_layers", "num_heads", "num_kv_heads"
         )
         if self.hidden_dim % self.num_heads != 0:
@@ -114,7 +114,7 @@ class LlamaConfig(LmConfig):
         theta, factor = self.rope_theta_and_factor
         if theta <= 0 or factor <= 0:
             raise ValueError(f"model.rope theta and factor must be positive, got {theta=}, {factor=}")
-        _check_activation(self.activation_function)
+        check_activation(self.activation_function)
 
     @property
     def rope_theta_and_factor(self) -> tuple[float, float]:
