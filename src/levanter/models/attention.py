@@ -98,8 +98,8 @@ def causal_attention(
     # [..., heads, position, head_size] and the scores are [..., heads, position, key_position] with the
     # softmax axis innermost. Left in the projections' [..., position, heads, ...] order, XLA on CPU
     # transposes the (seq_len x seq_len per head) scores around the mask and softmax instead, in the
-    # forward and the backward pass: ~2.2x the time of this whole function for the nano GPT-2's shapes
-    # (docs/performance.md). Only the small q/k/v/output tensors are transposed here.
+    # forward and the backward pass (docs/performance.md). Only the small q/k/v/output tensors are
+    # transposed here.
     head_axes = (KV_HEADS, Q_PER_GROUP) if grouped else (HEADS,)
     if dropout > 0.0 and key is not None:
         return _attention_with_dropout(q, k, v, mask, scale, head_axes, dropout, key, out_dtype)

@@ -2,14 +2,14 @@
 
 Why: XLA on CPU allocates each run's temporary buffer with ``malloc`` (~288 MB for the nano GPT-2 train
 step at batch 32). glibc serves an allocation that large with a fresh ``mmap`` and unmaps it on
-``free``, so every step the kernel faults in ~73,000 zeroed 4 KiB pages: ~150 ms of system time per
-~320 ms step on the 2-core VM this project is benchmarked on. glibc's tunable ``glibc.malloc.hugetlb=1``
-(glibc >= 2.35) makes malloc ask for transparent huge pages (``madvise``) on the memory it maps: ~600
-faults per step, and the nano step falls from ~320 to ~265 ms (docs/performance.md). Accelerator
+``free``, so every step the kernel faults in the whole buffer as zeroed 4 KiB pages, a large share of
+a small model's step on CPU. glibc's tunable ``glibc.malloc.hugetlb=1`` (glibc >= 2.35) makes malloc
+ask for transparent huge pages (``madvise``) on the memory it maps, which removes nearly all of those
+faults (figures in docs/performance.md). Accelerator
 runs are unaffected either way (their buffers are the device's), so the setting is harmless there.
 
 glibc reads tunables once, when a process starts, so ``python -m levanter.main.train_lm`` re-executes
-itself once, before its heavy imports (a second interpreter start-up, ~50 ms), with the tunable added to
+itself once, before its heavy imports (the cost of a second interpreter start-up), with the tunable added to
 ``GLIBC_TUNABLES``. It does not when the platform is not Linux/glibc >= 2.35, when transparent huge
 pages are disabled (``never``), when ``GLIBC_TUNABLES`` already sets ``glibc.malloc.hugetlb`` (the
 user's value wins, and it also ends the re-execution), or when ``LEVANTER_MALLOC_HUGETLB=0``.
