@@ -176,8 +176,7 @@ def _ckpt_job(base: str, steps: int, keep_every: int) -> None:
 
 
 def _cache_job(out: str, shards: list, batch_size: int) -> None:
-    from levanter.data.tokenization import ByteTokenizer
-    from levanter.store.cache import CacheOptions, build_or_load_cache
+    from levanter.ingest import ByteTokenizer, CacheOptions, build_or_load_cache
 
     tokenizer = ByteTokenizer()
     _emit({"event": "loop", "pid": os.getpid()})
@@ -201,8 +200,8 @@ def serve() -> None:
     import tensorstore  # noqa: F401
 
     import levanter.checkpoint  # noqa: F401
-    import levanter.data.tokenization  # noqa: F401
-    import levanter.store.cache  # noqa: F401
+    import levanter.ingest.build  # noqa: F401
+    import levanter.ingest.tokenization  # noqa: F401
 
     _emit({"event": "ready", "pid": os.getpid()})
     for line in sys.stdin:

@@ -13,11 +13,18 @@ import textwrap
 import numpy as np
 import pytest
 
-from levanter.data.sources import SourceError, expand_urls
 from levanter.data.text import TokenSeqDataset
-from levanter.data.tokenization import ByteTokenizer, load_tokenizer, train_bpe
-from levanter.store.cache import CacheMismatchError, CacheOptions, TokenCache, build_or_load_cache
-from levanter.store.ledger import CorruptLedgerError
+from levanter.ingest import (
+    ByteTokenizer,
+    CacheMismatchError,
+    CacheOptions,
+    SourceError,
+    build_or_load_cache,
+    expand_urls,
+    load_tokenizer,
+    train_bpe,
+)
+from levanter.store import CorruptLedgerError, TokenCache
 from helpers import tree_bytes
 
 
@@ -54,7 +61,7 @@ def write_shards(directory, docs, n_shards=3, suffix=".jsonl"):
 
 
 def all_rows(cache):
-    return asyncio.run(cache.store.read_rows(list(range(cache.store.num_rows))))
+    return cache.store.read_rows_sync(list(range(cache.store.num_rows)))
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet"])
@@ -111,8 +118,7 @@ def test_same_cache_for_1_2_and_4_workers(tmp_path):
 BUILD_SCRIPT = textwrap.dedent(
     """
     import sys
-    from levanter.data.tokenization import ByteTokenizer
-    from levanter.store.cache import CacheOptions, build_or_load_cache
+    from levanter.ingest import ByteTokenizer, CacheOptions, build_or_load_cache
 
     if __name__ == "__main__":
         out, shards = sys.argv[1], sys.argv[2:]
@@ -228,7 +234,7 @@ def test_finished_cache_serves_without_raw_files_and_embedded_sources_build(tmp_
         os.remove(s)
     again = build_or_load_cache(shards, d, ByteTokenizer(), options=CacheOptions(1, 16), progress=False)
     assert again.ledger.total_tokens == first.ledger.total_tokens
-    from levanter.data.embedded import iter_documents
+    from levanter.ingest.embedded import iter_documents
 
     url = "embedded://python-docs/validation"
     emb = build_or_load_cache([url], str(tmp_path / "e"), ByteTokenizer(), embedded_dir=str(tmp_path / "raw"),
@@ -289,7 +295,7 @@ def test_shard_added_to_or_removed_from_a_glob_is_refused(tmp_path):
 
 
 def test_cache_without_recorded_identities_still_serves_with_a_warning(tmp_path, caplog):
-    from levanter.store.ledger import CacheLedger
+    from levanter.store import CacheLedger
 
     p = tmp_path / "data.jsonl"
     _jsonl(p, 30)
@@ -301,6 +307,26 @@ def test_cache_without_recorded_identities_still_serves_with_a_warning(tmp_path,
     with caplog.at_level("WARNING"):
         assert _build([p], tmp_path / "c").ledger.total_rows == 30
     assert "cannot be checked" in caplog.text
+
+
+def test_cache_without_recorded_identities_is_warned_about_once_per_directory(tmp_path, caplog):
+    from levanter.store import CacheLedger
+
+    p = tmp_path / "data.jsonl"
+    _jsonl(p, 30)
+    for name in ("a", "b"):
+        _build([p], tmp_path / name)
+        ledger = CacheLedger.load(tmp_path / name)
+        del ledger.metadata["inputs"]
+        ledger.save(tmp_path / name)
+    with caplog.at_level("WARNING"):
+        for _ in range(3):
+            assert _build([p], tmp_path / "a").ledger.total_rows == 30
+        assert _build([p], str(tmp_path / "a") + "/").ledger.total_rows == 30  # the same directory
+        assert _build([p], tmp_path / "b").ledger.total_rows == 30
+    warned = [r.getMessage() for r in caplog.records if "records no identities" in r.getMessage()]
+    assert len(warned) == 2, warned
+    assert str(tmp_path / "a") in warned[0] and str(tmp_path / "b") in warned[1]
 
 
 def test_embedded_sources_are_identified_by_their_fingerprint(tmp_path):
@@ -360,8 +386,7 @@ def test_disk_full_during_a_build_is_out_of_space_and_resumes(tmp_path, monkeypa
     import errno
 
     from levanter.errors import OutOfSpaceError
-    from levanter.store.jagged_array import JaggedArrayStore
-    from levanter.store.ledger import CacheLedger
+    from levanter.store import CacheLedger, JaggedArrayStore
 
     shards = write_shards(str(tmp_path), make_docs(160, seed=12), n_shards=2)
     ref = _build(shards, tmp_path / "ref")
@@ -399,8 +424,7 @@ def test_disk_full_during_a_build_is_out_of_space_and_resumes(tmp_path, monkeypa
 POOL_BUILD_SCRIPT = textwrap.dedent(
     """
     import sys
-    from levanter.data.tokenization import ByteTokenizer
-    from levanter.store.cache import CacheOptions, build_or_load_cache
+    from levanter.ingest import ByteTokenizer, CacheOptions, build_or_load_cache
 
     if __name__ == "__main__":
         out, shards = sys.argv[1], sys.argv[2:]

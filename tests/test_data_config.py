@@ -113,7 +113,7 @@ def test_unreachable_hub_tokenizer_fails_fast(monkeypatch):
 
     monkeypatch.setenv("HF_ENDPOINT", "https://hub.invalid")  # .invalid never resolves
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    from levanter.data.tokenization import load_tokenizer
+    from levanter.ingest import load_tokenizer
 
     t0 = time.perf_counter()
     with pytest.raises(ValueError, match="gpt2"):

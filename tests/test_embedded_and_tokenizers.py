@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-from levanter.data import embedded
-from levanter.data.embedded import (
+from levanter.ingest import embedded
+from levanter.ingest.embedded import (
     EMBEDDED_SOURCES,
     EMBEDDED_SPLITS,
     corpus_fingerprint,
@@ -15,7 +15,7 @@ from levanter.data.embedded import (
     materialize,
     resolve_embedded_url,
 )
-from levanter.data.tokenization import (
+from levanter.ingest.tokenization import (
     ByteTokenizer,
     HfTokenizer,
     PassthroughTokenizer,

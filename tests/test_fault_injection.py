@@ -50,9 +50,7 @@ from levanter.checkpoint import (
 from levanter.data.dataset import AsyncDataset, ListAsyncDataset
 from levanter.data.loader import DataLoader, DataLoadError, TransientDataError
 from levanter.data.mixture import MixtureDataset
-from levanter.store.cache import TokenCache
-from levanter.store.jagged_array import JaggedArrayStore
-from levanter.store.ledger import CacheLedger
+from levanter.store import CacheLedger, JaggedArrayStore, TokenCache
 from helpers import tree_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))

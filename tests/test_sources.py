@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from levanter.data.sources import SourceError, detect_format, expand_braces, expand_urls, iter_documents
+from levanter.ingest import SourceError, detect_format, expand_braces, expand_urls, iter_documents
 from levanter.data.text import causal_lm_columns, causal_lm_columns_jax
 
 DOCS = ["first document", "second, with unicode: héllo ✓", "", "fourth\nspans\nlines"]
@@ -197,7 +197,7 @@ def test_directory_as_input_names_the_key_and_suggests_a_glob(tmp_path):
 
 
 def test_document_locations_are_one_based_lines_and_rows(tmp_path, shards):
-    from levanter.data.sources import iter_located_documents
+    from levanter.ingest import iter_located_documents
 
     p = tmp_path / "gaps.jsonl"
     p.write_text('{"text": "a"}\n\n{"text": "b"}\n', encoding="utf-8")
@@ -207,7 +207,7 @@ def test_document_locations_are_one_based_lines_and_rows(tmp_path, shards):
 
 
 def test_file_identity_tracks_content_size_and_mtime(tmp_path):
-    from levanter.data.sources import file_identity
+    from levanter.ingest import file_identity
 
     p = tmp_path / "a.jsonl"
     p.write_bytes(b"x" * 100)

@@ -1,4 +1,4 @@
-"""Token-cache storage: jagged/tree stores round-trip, resume byte-identically, read in batches;
+"""Token-cache storage: jagged stores round-trip, resume byte-identically, read in batches;
 the ledger saves atomically and refuses corrupt files with a clear error."""
 
 import asyncio
@@ -8,8 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from levanter.store import CacheLedger, CorruptLedgerError, JaggedArrayStore, TreeStore
-from levanter.store.ledger import LEDGER_FILENAME
+from levanter.store import LEDGER_FILENAME, CacheLedger, CorruptLedgerError, JaggedArrayStore
 
 from helpers import tree_bytes
 
@@ -46,22 +45,20 @@ def test_round_trip_ragged_rows_across_chunks(tmp_path):
     assert store.data_size == sum(len(r) for r in rows) > 20 * 16  # many data chunks
     assert store.dtype == np.int32
     order = list(range(300))[::-1] + [3, 3, 0]
-    got = run(store.read_rows(order))
+    got = store.read_rows_sync(order)
     for i, g in zip(order, got):
         np.testing.assert_array_equal(g, rows[i])
         assert g.dtype == np.int32
-    starts, ends = run(store.read_offsets([0, 1, 299]))
-    bounds = np.concatenate([[0], np.cumsum([len(r) for r in rows])])
-    np.testing.assert_array_equal(starts, bounds[[0, 1, 299]])
-    np.testing.assert_array_equal(ends, bounds[[1, 2, 300]])
+    # Rows lie back to back in the flat token stream that windows read.
+    np.testing.assert_array_equal(store.read_windows_sync([0], store.data_size)[0], np.concatenate(rows))
     assert [len(r) for r in store.read_rows_sync([0, 7, 5])] == [0, 0, len(rows[5])]
-    assert run(store.read_rows([])) == []
+    assert store.read_rows_sync([]) == []
 
 
 def test_only_empty_rows_and_other_dtypes(tmp_path):
     store = build(tmp_path / "e", [[np.array([], np.uint16)] * 3], dtype=np.uint16)
     assert (store.num_rows, store.data_size) == (3, 0)
-    got = run(JaggedArrayStore.open(tmp_path / "e", mode="r").read_rows([0, 2]))
+    got = JaggedArrayStore.open(tmp_path / "e", mode="r").read_rows_sync([0, 2])
     assert [g.dtype for g in got] == [np.uint16] * 2 and all(g.size == 0 for g in got)
     with pytest.raises(TypeError, match="uint16"):
         JaggedArrayStore.open(tmp_path / "e", mode="r", dtype=np.int32)
@@ -98,7 +95,7 @@ def test_resume_after_crash_is_byte_identical(tmp_path, committed):
     reader = JaggedArrayStore.open(tmp_path / "crash", mode="r", num_rows=committed)
     assert reader.num_rows == committed
     with pytest.raises(IndexError):
-        run(reader.read_rows([committed]))
+        reader.read_rows_sync([committed])
     # ...and one without it is refused rather than served garbage.
     with pytest.raises(ValueError, match="not finalized"):
         JaggedArrayStore.open(tmp_path / "crash", mode="r")
@@ -168,9 +165,9 @@ def test_read_windows_matches_numpy(tmp_path):
 def test_out_of_range_reads(tmp_path):
     store = build(tmp_path / "o", [ragged_rows(10, seed=6)])
     with pytest.raises(IndexError, match=r"row 10 .* 10 rows"):
-        run(store.read_rows([0, 10]))
+        store.read_rows_sync([0, 10])
     with pytest.raises(IndexError, match="row -1"):
-        run(store.read_offsets([-1]))
+        store.read_rows_sync([-1])
     n = store.data_size
     with pytest.raises(IndexError, match=rf"\[{n - 3}, {n + 1}\) .* {n} elements"):
         run(store.read_windows([0, n - 3], 4))
@@ -237,49 +234,12 @@ def test_reads_are_batched(tmp_path, monkeypatch):
     real = JaggedArrayStore._read
     monkeypatch.setattr(JaggedArrayStore, "_read", lambda self, view: calls.append(1) or real(self, view))
     order = np.random.default_rng(0).permutation(2000)
-    got = run(store.read_rows(order))
+    got = store.read_rows_sync(order)
     assert len(calls) == 2  # offsets, then data: independent of the number of rows
     assert all(np.array_equal(g, rows[i]) for g, i in zip(got, order))
     calls.clear()
     run(store.read_windows(np.arange(0, flat.size - 8, 5), 8))
     assert len(calls) == 1
-
-
-# -- TreeStore ---------------------------------------------------------------------------------------
-
-
-def test_tree_store_two_fields(tmp_path):
-    ids = ragged_rows(60, seed=9)
-    masks = [(r % 2).astype(np.uint8) for r in ids]
-    fields = {"input_ids": np.int32, "loss_mask": np.uint8}
-    t = TreeStore.open(tmp_path / "t", fields, mode="w", **SMALL)
-    t.append([{"input_ids": a, "loss_mask": m} for a, m in zip(ids[:20], masks[:20])])
-    t.append_columns({"input_ids": ids[20:], "loss_mask": masks[20:]})
-    with pytest.raises(KeyError):
-        t.append([{"input_ids": ids[0]}])
-    with pytest.raises(ValueError, match="different numbers"):
-        t.append_columns({"input_ids": ids[:2], "loss_mask": masks[:1]})
-    with pytest.raises(TypeError):  # one bad field: no field is written
-        t.append_columns({"input_ids": [ids[0]], "loss_mask": [np.array([0.5])]})
-    assert t["input_ids"].num_rows == t["loss_mask"].num_rows == 60
-    t.finalize()
-
-    r = TreeStore.open(tmp_path / "t", fields, mode="r")
-    assert r.num_rows == 60 and sorted(r) == ["input_ids", "loss_mask"]
-    assert r["loss_mask"].dtype == np.uint8
-    got = run(r.read_examples([5, 59, 0]))
-    for g, i in zip(got, [5, 59, 0]):
-        np.testing.assert_array_equal(g["input_ids"], ids[i])
-        np.testing.assert_array_equal(g["loss_mask"], masks[i])
-
-    # A writer that died between the two fields' writes: the ledger count realigns them.
-    crashed = TreeStore.open(tmp_path / "t", fields, mode="a", num_rows=40)
-    crashed["input_ids"].append(ids[40:45])
-    crashed["input_ids"].finalize()
-    with pytest.raises(ValueError, match="disagree"):
-        TreeStore.open(tmp_path / "t", {"input_ids": None, "loss_mask": None}, mode="a")
-    resumed = TreeStore.open(tmp_path / "t", fields, mode="a", num_rows=40)
-    assert resumed.num_rows == 40
 
 
 # -- CacheLedger -------------------------------------------------------------------------------------
@@ -374,7 +334,6 @@ def _every_read_path(store, starts, length):
 
     rows = list(range(store.num_rows))
     return {
-        "read_rows": lambda: run(store.read_rows(rows)),
         "read_rows_sync": lambda: store.read_rows_sync(rows),
         "read_windows": lambda: run(store.read_windows(starts, length)),
         "read_windows_sync": lambda: store.read_windows_sync(starts, length),
@@ -398,7 +357,7 @@ def test_a_missing_chunk_is_an_error_on_every_read_path(tmp_path):
     # An offsets chunk too: rows 8..15 end in offsets chunk 1.
     os.remove(_chunk_files(tmp_path / "s", "offsets")[1])
     with pytest.raises(ValueError, match="NOT_FOUND"):
-        run(store.read_offsets([9]))
+        store.read_rows_sync([9])
     assert all(len(v) for v in before.values())
 
 
@@ -476,7 +435,7 @@ def test_stores_written_without_checksums_still_read_and_append(tmp_path):
         arr = ts.open({"driver": "zarr3", "kvstore": kv, "metadata": metadata}, create=True).result()
         arr.write(values).result()
     store = JaggedArrayStore.open(tmp_path / "old", mode="r", num_rows=30)
-    for got, want in zip(run(store.read_rows(range(30))), rows):
+    for got, want in zip(store.read_rows_sync(range(30)), rows):
         np.testing.assert_array_equal(got, want)
     grown = JaggedArrayStore.open(tmp_path / "old", mode="a", num_rows=30)
     grown.append([np.arange(7)])
@@ -624,20 +583,3 @@ def test_resuming_a_store_with_a_committed_chunk_missing_is_refused(tmp_path):
     os.remove(last)
     with pytest.raises(DamagedStoreError, match=f"chunk file {last} is missing"):
         JaggedArrayStore.open(store, mode="a", num_rows=40)
-
-
-def test_tree_store_fields_are_checksummed_and_refuse_missing_chunks(tmp_path):
-    from levanter.store.jagged_array import DamagedStoreError
-
-    tree = TreeStore.open(tmp_path / "t", {"input_ids": np.int32, "loss_mask": np.bool_}, mode="w", **SMALL)
-    tree.append([{"input_ids": np.arange(30), "loss_mask": np.ones(30, bool)} for _ in range(3)])
-    tree.finalize()
-    for field in ("input_ids", "loss_mask"):
-        codecs = json.load(open(tmp_path / "t" / field / "data" / "zarr.json"))["codecs"]
-        assert codecs[-1]["name"] == "crc32c"
-    victim = _chunk_files(tmp_path / "t" / "loss_mask")[2]
-    os.remove(victim)
-    with pytest.raises(DamagedStoreError, match=f"chunk file {victim} is missing"):
-        TreeStore.open(tmp_path / "t", {"input_ids": None, "loss_mask": None}, mode="r", num_rows=3)
-    with pytest.raises(ValueError, match="NOT_FOUND"):
-        run(TreeStore.open(tmp_path / "t", {"input_ids": None, "loss_mask": None}, mode="r").read_rows([1]))

@@ -98,7 +98,7 @@ def pkg_version(name: str) -> str:
 
 
 def read_texts(shards: list[str]) -> list[str]:
-    from levanter.data.sources import iter_documents
+    from levanter.ingest import iter_documents
 
     return [d for s in shards for d in iter_documents(s)]
 
@@ -106,7 +106,7 @@ def read_texts(shards: list[str]) -> list[str]:
 # -- 1. raw tokenizer throughput (runs in a subprocess) ------------------------------------------------
 def raw_encode_main(tok_spec: str, shards: list[str], repeats: int) -> None:
     """Hidden mode: time ``encode_batch`` over all documents; print one JSON line."""
-    from levanter.data.tokenization import load_tokenizer
+    from levanter.ingest import load_tokenizer
 
     texts = read_texts(shards)
     tok = load_tokenizer(tok_spec)
@@ -144,7 +144,7 @@ def run_raw(tok_spec: str, shards: list[str], repeats: int, single_thread: bool)
 # -- 1. build throughput -------------------------------------------------------------------------------
 def time_build(shards: list[str], cache_dir: str, tok, workers: int) -> tuple[float, int, int]:
     """Seconds for one end-to-end build into a fresh ``cache_dir``; also (text tokens, documents)."""
-    from levanter.store.cache import CacheOptions, build_or_load_cache
+    from levanter.ingest import CacheOptions, build_or_load_cache
 
     shutil.rmtree(cache_dir, ignore_errors=True)
     gc.collect()
@@ -165,7 +165,7 @@ def read_benchmark(cache_dir: str, batch_sizes, n_batches: int, repeats: int, se
     import tensorstore as ts
 
     from levanter.data.text import TokenSeqDataset
-    from levanter.store.cache import TokenCache
+    from levanter.store import TokenCache
 
     cache = TokenCache.open(cache_dir)
     ds = TokenSeqDataset(cache.store, SEQ_LEN)
@@ -278,8 +278,7 @@ def main(argv=None) -> None:
 def _run(
     args, tmp, build_repeats, raw_repeats, workers_list, read_copies, read_batches, read_repeats
 ) -> None:
-    from levanter.data.embedded import materialize
-    from levanter.data.tokenization import ByteTokenizer, train_bpe
+    from levanter.ingest import ByteTokenizer, materialize, train_bpe
 
     try:
         usable = len(os.sched_getaffinity(0))

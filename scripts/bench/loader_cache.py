@@ -49,10 +49,8 @@ SYNTH_URL = "synthetic://{name}"  # recorded in the cache metadata; never opened
 def write_source(cache_dir: str, index: int, n_tokens: int, url: str, checksum: bool = True) -> int:
     """Source ``index`` of the synthetic corpus as a finished cache of ours at ``cache_dir``; its tokens.
     ``checksum=False`` writes chunks without the crc32c codec (for :func:`checksum_cost`)."""
-    from levanter.data.tokenization import ByteTokenizer
-    from levanter.store.cache import cache_metadata
-    from levanter.store.jagged_array import JaggedArrayStore
-    from levanter.store.ledger import CacheLedger
+    from levanter.ingest import ByteTokenizer, cache_metadata
+    from levanter.store import CacheLedger, JaggedArrayStore
 
     tok = ByteTokenizer()
     assert tok.eos_token_id == syn.EOS and tok.vocab_size == syn.VOCAB, "ByteTokenizer ids changed"
@@ -151,7 +149,7 @@ def _raw_plan(root: str, batch_size: int, n: int, seq_len: int = syn.SEQ_LEN) ->
             for s in np.unique(source).tolist():
                 sel = np.flatnonzero(source == s)
                 shuffled = mixture.datasets[s]  # PermutationDataset over CausalLmDataset
-                perm = await shuffled._permutation()
+                perm = await shuffled.permutation()
                 windows = perm(src_index[sel])
                 per.append((s, sel, windows * seq_len))
             plan.append(per)

@@ -29,7 +29,7 @@ a single data source are mirrored: model ``hidden_dim / num_heads / num_layers /
 checkpointing off, as ours), ``train_batch_size``, ``mp``, ``steps_per_eval``, ``max_eval_batches``,
 ``per_device_parallelism`` (gradient accumulation) and the
 optimizer block are copied from our (overridden) config; embedded URLs are materialised as jsonl with
-``levanter.data.embedded.materialize``; the byte tokenizer becomes an HF tokenizer directory with the
+``levanter.ingest.embedded.materialize``; the byte tokenizer becomes an HF tokenizer directory with the
 same 257 ids, and ``gpt2``'s hard-coded hub reference is served from a fake HF cache
 (``scripts/bench/upstream_train.py prepare``). Upstream runs with ``HF_HUB_OFFLINE=1``, a ``json_logger``
 tracker only (no wandb), ``ray.auto_start_cluster: false``, ``require_accelerator: false`` and
@@ -434,7 +434,7 @@ def build_ours_cache(cfg: dict, overrides: list[str], args) -> str:
 
 def prepare_upstream(cfg: dict, args, prep_dir: str) -> tuple[dict, dict]:
     """Materialise the data as jsonl and write the tokenizer + fake HF cache; returns (data, prep)."""
-    from levanter.data.embedded import is_embedded_url, materialize, parse_embedded_url
+    from levanter.ingest import is_embedded_url, materialize, parse_embedded_url
 
     data = {}
     for split, key in (("train", "train_urls"), ("validation", "validation_urls")):

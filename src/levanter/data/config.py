@@ -29,20 +29,10 @@ from ..schedule import BatchSchedule
 from ._prp import derive_seed, seed_from_key
 from .dataset import AsyncDataset
 from .mixture import STOP_STRATEGIES, MixtureDataset
-from .sources import SourceError, check_embedded_url, expand_urls
+from ..ingest import CacheOptions, SourceError, check_embedded_url, expand_urls
 from .text import CausalLmDataset, TokenSeqDataset
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheOptionsConfig:
-    """``cache_options``: tokenizer processes (None: one per core), documents per task/commit, and the
-    input size below which tokenization stays in-process (spawning workers costs about a second)."""
-
-    num_workers: Optional[int] = None
-    batch_size: int = 512
-    min_bytes_for_pool: int = 64 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +85,7 @@ class LMTaskConfig:
     tokenizer: str = "gpt2"
     vocab_size: Optional[int] = None
     cache_dir: Optional[str] = "cache/"
-    cache_options: CacheOptionsConfig = dataclasses.field(default_factory=CacheOptionsConfig)
+    cache_options: CacheOptions = dataclasses.field(default_factory=CacheOptions)
     enforce_eos: bool = True
     text_key: Optional[str] = None
     shuffle: Union[bool, int] = False
@@ -105,7 +95,7 @@ class LMTaskConfig:
 
     # -- shared machinery --------------------------------------------------------------------------
     def the_tokenizer(self):
-        from .tokenization import load_tokenizer
+        from ..ingest import load_tokenizer
 
         try:
             return load_tokenizer(self.tokenizer, vocab_size=self.vocab_size)
@@ -126,7 +116,7 @@ class LMTaskConfig:
     def _cache(
         self, source: LMDatasetSourceConfig, cache_dir: str, split: str, tokenizer, what: str, cache_key: str
     ):
-        from ..store.cache import CacheOptions, build_or_load_cache
+        from ..ingest import build_or_load_cache
 
         urls = source.urls(split)
         if not urls:
@@ -137,7 +127,7 @@ class LMTaskConfig:
             tokenizer,
             text_key=source.resolved_text_key(self.text_key),
             enforce_eos=self.enforce_eos,
-            options=CacheOptions(self.cache_options.num_workers, self.cache_options.batch_size, self.cache_options.min_bytes_for_pool),
+            options=self.cache_options,
             embedded_dir=os.path.join(cache_dir, "_embedded"),
             what=what,
             cache_key=cache_key,
@@ -149,8 +139,8 @@ class LMTaskConfig:
         """Before any cache is built: missing files, empty globs and directories among the inputs, and an
         unwritable cache directory, for caches still to be built; for finished ones, inputs that changed
         since (a finished cache needs no files, but must not be served over edited ones)."""
-        from ..store.cache import check_writable, verify_inputs
-        from ..store.ledger import CacheLedger
+        from ..ingest import check_writable, verify_inputs
+        from ..store import CacheLedger
 
         if source.id is not None:
             raise SourceError(

@@ -1,12 +1,46 @@
-"""Tensorstore-backed storage for the token cache: ragged row stores and the build ledger.
+"""Storage for token caches: ragged row stores, batched reads, the build ledger, and opening a cache.
 
-* :class:`JaggedArrayStore`: 1-D rows of one dtype (documents' token ids), append-only, batched reads.
-* :class:`TreeStore`: several row-aligned jagged fields per example.
+* :class:`JaggedArrayStore`: 1-D rows of one dtype (documents' token ids) in tensorstore, append-only,
+  with batched reads of rows and of fixed-length windows over the flat token stream; :func:`read_stacked`
+  and :func:`read_blocks` read views of several stores in one operation, :func:`awaited` awaits a
+  tensorstore future from asyncio, :func:`storage_fault` tells what a failed read says about the storage.
 * :class:`CacheLedger`: the JSON record of what a build has committed; the authority on row counts.
+* :class:`TokenCache`: a finished cache opened for reading.
+
+The store knows nothing of documents, tokenizers or training: caches are written by
+:mod:`levanter.ingest` and read by :mod:`levanter.data`, both of which import this package, never the
+other way round.
 """
 
-from .jagged_array import JaggedArrayStore
-from .ledger import CacheLedger, CorruptLedgerError
-from .tree_store import TreeStore
+from .cache import TokenCache
+from .jagged_array import (
+    DEFAULT_DATA_CHUNK,
+    DEFAULT_OFFSETS_CHUNK,
+    DamagedStoreError,
+    JaggedArrayStore,
+    StorageFault,
+    awaited,
+    cache_root,
+    read_blocks,
+    read_stacked,
+    storage_fault,
+)
+from .ledger import LEDGER_FILENAME, LEDGER_FORMAT_VERSION, CacheLedger, CorruptLedgerError
 
-__all__ = ["JaggedArrayStore", "TreeStore", "CacheLedger", "CorruptLedgerError"]
+__all__ = [
+    "DEFAULT_DATA_CHUNK",
+    "DEFAULT_OFFSETS_CHUNK",
+    "LEDGER_FILENAME",
+    "LEDGER_FORMAT_VERSION",
+    "CacheLedger",
+    "CorruptLedgerError",
+    "DamagedStoreError",
+    "JaggedArrayStore",
+    "StorageFault",
+    "TokenCache",
+    "awaited",
+    "cache_root",
+    "read_blocks",
+    "read_stacked",
+    "storage_fault",
+]

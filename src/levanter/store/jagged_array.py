@@ -58,6 +58,7 @@ __all__ = [
     "DamagedStoreError",
     "StorageFault",
     "awaited",
+    "cache_root",
     "read_blocks",
     "read_stacked",
     "storage_fault",
@@ -664,28 +665,9 @@ class JaggedArrayStore:
             return [np.empty(0, dtype=self.dtype) for _ in range(n)]
         return np.split(flat, np.cumsum(lengths)[:-1])
 
-    async def read_offsets(self, rows: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """``(starts, ends)`` in ``data`` of each of ``rows``, as int64 arrays; one read."""
-        idx = self._check_rows(rows)
-        if idx.size == 0:
-            return np.empty(0, np.int64), np.empty(0, np.int64)
-        bounds = await awaited(self._offsets_future(idx))
-        return bounds[: idx.size], bounds[idx.size :]
-
-    async def read_rows(self, rows: Sequence[int]) -> list[np.ndarray]:
-        """The rows at ``rows`` (in that order, duplicates allowed): one offsets read, one data read.
-
-        The returned arrays are views into one buffer.
-        """
-        idx = self._check_rows(rows)
-        if idx.size == 0:
-            return []
-        bounds = await awaited(self._offsets_future(idx))
-        fut = self._rows_future(bounds)
-        return self._split(bounds, None if fut is None else await awaited(fut))
-
     def read_rows_sync(self, rows: Sequence[int]) -> list[np.ndarray]:
-        """Blocking :meth:`read_rows`, for code outside an event loop."""
+        """The rows at ``rows`` (in that order, duplicates allowed), blocking: one offsets read, one data
+        read. The returned arrays are views into one buffer."""
         idx = self._check_rows(rows)
         if idx.size == 0:
             return []
@@ -855,17 +837,3 @@ class _Reshaped:
     def done(self) -> bool:
         return self._future.done()
 
-
-def append_together(stores: Sequence[JaggedArrayStore], rows: Sequence[Sequence[Any]]) -> None:
-    """Append ``rows[i]`` to ``stores[i]`` for every i, with all the writes in flight at once.
-
-    Used by :class:`~levanter.store.tree_store.TreeStore`. Validation of every field happens before any
-    write is issued, and the counters move only once every write has landed.
-    """
-    prepared = [s._prepare(r) for s, r in zip(stores, rows, strict=True)]
-    started = [s._issue(*p) for s, p in zip(stores, prepared)]
-    for futures, _, _ in started:
-        for f in futures:
-            f.result()
-    for s, (_, new_rows, new_size) in zip(stores, started):
-        s._commit(new_rows, new_size)

@@ -3,7 +3,7 @@
 Supported inputs: ``.txt`` (the whole file is one document), ``.jsonl`` / ``.json`` (one JSON object per
 line, text under ``text_key``), ``.jsonl.gz``, ``.jsonl.zst`` / ``.jsonl.zstd``, and ``.parquet`` (column
 ``text_key``). Paths may be local or any fsspec URL; ``embedded://<name>/<split>`` names a source of the
-embedded default corpus (:mod:`levanter.data.embedded`), materialised to a local file on first use.
+embedded default corpus (:mod:`levanter.ingest.embedded`), materialised to a local file on first use.
 
 Everything is deterministic: a URL list expands to the same ordered shard list every time (glob results
 sorted), and a shard yields its documents in file order. Errors name the file and the 1-based line (or

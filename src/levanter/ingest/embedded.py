@@ -64,6 +64,7 @@ __all__ = [
     "is_embedded_url",
     "iter_documents",
     "materialize",
+    "parse_embedded_url",
     "resolve_embedded_url",
 ]
 
@@ -398,7 +399,7 @@ def corpus_stats(name: str) -> dict:
     return stats
 
 
-def _main() -> None:  # python -m levanter.data.embedded [out_dir]: materialise everything, print stats
+def _main() -> None:  # python -m levanter.ingest.embedded [out_dir]: materialise everything, print stats
     import time
 
     out_dir = sys.argv[1] if len(sys.argv) > 1 else None

@@ -1,0 +1,76 @@
+"""Ingest: from documents on disk to a finished token cache.
+
+* :mod:`~levanter.ingest.sources`: URL expansion (globs, braces, fsspec) and per-format readers, with
+  errors naming the file and line at fault; :func:`file_identity`, what a cache records per input file.
+* :mod:`~levanter.ingest.tokenization`: byte, Hugging Face and passthrough tokenizers behind one interface.
+* :mod:`~levanter.ingest.embedded`: the embedded default corpus (Python's own docs and code).
+* :mod:`~levanter.ingest.tokenize_worker`: the tokenizer side of a build, run in pool workers.
+* :mod:`~levanter.ingest.build`: :func:`build_or_load_cache`, which tokenizes documents into a
+  :class:`~levanter.store.cache.TokenCache`, resumes interrupted builds and refuses caches whose settings
+  or input files changed.
+
+Ingest sits above :mod:`levanter.store` (it writes caches through it) and below :mod:`levanter.data`
+(which builds caches from configs and reads them). Names are loaded on first use: tokenizer pool
+workers import this package to run :mod:`~levanter.ingest.tokenize_worker`, and must not pay for
+tensorstore, which only the builder needs.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "build": (
+        "CACHE_FORMAT",
+        "CacheMismatchError",
+        "CacheOptions",
+        "build_or_load_cache",
+        "cache_metadata",
+        "check_writable",
+        "verify_inputs",
+    ),
+    "embedded": (
+        "EMBEDDED_SOURCES",
+        "EMBEDDED_SPLITS",
+        "EMBEDDED_URL_SCHEME",
+        "corpus_fingerprint",
+        "is_embedded_url",
+        "materialize",
+        "parse_embedded_url",
+        "resolve_embedded_url",
+    ),
+    "errors": ("SourceError",),
+    "sources": (
+        "check_embedded_url",
+        "detect_format",
+        "expand_braces",
+        "expand_urls",
+        "file_identity",
+        "iter_documents",
+        "iter_located_documents",
+    ),
+    "tokenization": (
+        "ByteTokenizer",
+        "HfTokenizer",
+        "PassthroughTokenizer",
+        "Tokenizer",
+        "load_tokenizer",
+        "train_bpe",
+    ),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,432 @@
+"""Building token caches: documents -> token ids in a tensorstore jagged array + a ledger.
+
+A cache directory holds ``input_ids/`` (a :class:`~levanter.store.jagged_array.JaggedArrayStore`, one
+row per document) and ``shard_ledger.json`` (a :class:`~levanter.store.ledger.CacheLedger`). This module
+writes them; :class:`~levanter.store.cache.TokenCache` opens a finished one for reading.
+
+Determinism: shards are processed in the given order and documents in file order; tokenization runs
+in a process pool (``spawn``, so a parent that has started JAX is safe) but results are committed in
+submission order, so the cache is byte-identical whatever the worker count.
+
+Crash safety: a batch of documents is appended to the store *first* and committed to the ledger
+*second* (atomic rename). The ledger is the authority: rows past ``ledger.total_rows`` are garbage from
+a killed writer and are overwritten on the next run, which skips the documents the ledger already
+counts. A killed build therefore resumes and ends byte-identical to an uninterrupted one. A finished
+cache is never rewritten, and a cache whose recorded settings (tokenizer, text key, EOS, shard list)
+differ from the requested ones is refused, never silently reused.
+
+Stale inputs: the ledger records each input file's identity (:func:`~levanter.ingest.sources.file_identity`:
+size, modification time, content hash). Before a finished cache is served, or an interrupted build
+resumed, the configured URLs are expanded again and compared: a file that was edited, added to a glob or
+removed is refused with one error naming it. A finished cache whose input files are all gone still serves
+(the files are not needed once tokenized); a cache recorded without identities is served with a warning
+that it cannot be checked. ``embedded://`` sources are identified by their corpus fingerprint instead.
+
+A build that produced no tokens is never marked finished, and one that committed no tokens restarts
+from scratch when its inputs changed. A full disk is reported as
+:class:`~levanter.errors.OutOfSpaceError` naming the cache; the ledger only ever counts rows whose writes
+landed, so the next run resumes from the last commit.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import logging
+import multiprocessing
+import os
+import tempfile
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Optional
+
+import numpy as np
+
+from ..errors import OutOfSpaceError, is_out_of_space, out_of_space_error
+from ..store.cache import TokenCache
+from ..store.jagged_array import JaggedArrayStore
+from ..store.ledger import CacheLedger
+from ..utils.fault import fault_point
+from ..utils.fs import remove_stale_temporaries
+from .embedded import corpus_fingerprint, is_embedded_url, parse_embedded_url
+from .errors import SourceError
+from .sources import check_embedded_url, expand_urls, file_identity, iter_located_documents
+from .tokenize_worker import encode, encode_in_worker, init_worker
+
+logger = logging.getLogger(__name__)
+
+CACHE_FORMAT = "levanter-token-cache-v1"
+
+
+class CacheMismatchError(ValueError):
+    """A cache exists at the path but was built with other settings."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheOptions:
+    """How caches are built: the ``cache_options`` section of a data config.
+
+    ``num_workers``: tokenizer processes (None: one per core). ``batch_size``: documents per task and per
+    ledger commit. ``min_bytes_for_pool``: inputs smaller than this are tokenized in this process --
+    spawning workers costs about a second, more than a small corpus takes (HF tokenizers are
+    multithreaded in-process anyway). Where a batch is encoded never changes what is written.
+    """
+
+    num_workers: Optional[int] = None
+    batch_size: int = 512
+    min_bytes_for_pool: int = 64 * 2**20
+
+    def resolved_workers(self) -> int:
+        n = self.num_workers if self.num_workers is not None else (os.cpu_count() or 1)
+        if n < 1:
+            raise ValueError(f"cache_options.num_workers must be >= 1, got {n}")
+        return n
+
+
+def cache_metadata(tokenizer, *, urls: Sequence[str], text_key: str, enforce_eos: bool) -> dict:
+    """Everything that determines a cache's content, compared before reuse.
+
+    Inputs are recorded as the configured URLs (plus a fingerprint of each embedded source, whose text
+    depends on the Python version), so a finished cache serves training even where the raw files are
+    gone; the expanded shard list is kept under ``"shards"`` and each file's identity under ``"inputs"``,
+    both checked separately (:func:`verify_inputs`, and when an interrupted build resumes).
+    """
+    eos = tokenizer.eos_token_id if enforce_eos else None
+    if enforce_eos and eos is None:
+        raise ValueError(
+            f"enforce_eos is true but the tokenizer {tokenizer.name!r} has no EOS token to append; set "
+            "data.enforce_eos: false (pre-tokenized data usually carries its own separators)"
+        )
+    embedded = {u: corpus_fingerprint(parse_embedded_url(u)[0]) for u in urls if is_embedded_url(u)}
+    return {
+        "format": CACHE_FORMAT,
+        "tokenizer": tokenizer.fingerprint(),
+        "vocab_size": int(tokenizer.vocab_size),
+        "eos_id": tokenizer.eos_token_id,
+        "enforce_eos": bool(enforce_eos),
+        "text_key": text_key,
+        "urls": list(urls),
+        "embedded": embedded,
+    }
+
+
+def _check_metadata(cache_dir: str, found: dict, wanted: dict) -> None:
+    keys = (set(found) | set(wanted)) - {"shards", "inputs"}
+    diffs = [k for k in sorted(keys) if found.get(k) != wanted.get(k)]
+    if diffs:
+        pairs = [(k, *_differing(found.get(k), wanted.get(k))) for k in diffs]
+        detail = "; ".join(f"{k}: cache has {a!r}, config asks for {b!r}" for k, a, b in pairs)
+        raise CacheMismatchError(
+            f"the cache at {cache_dir!r} was built with different settings ({detail}). Use another cache_dir, "
+            "or delete this one to rebuild it."
+        )
+
+
+def _differing(a, b):
+    """``(a, b)``, or for two mappings only their differing entries (a content hash only if nothing else
+    differs)."""
+    if not (isinstance(a, dict) and isinstance(b, dict)):
+        return a, b
+    keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    if len(keys) > 1 and "hash" in keys:
+        keys.remove("hash")
+    return {k: a.get(k) for k in keys}, {k: b.get(k) for k in keys}
+
+
+def _total_bytes(paths: Sequence[str]) -> int:
+    import fsspec
+
+    total = 0
+    for p in paths:
+        fs, _, (path,) = fsspec.core.get_fs_token_paths(p)
+        total += int(fs.size(path) or 0)
+    return total
+
+
+def _doc_batches(shard: str, text_key: str, skip: int, batch_size: int) -> Iterator[tuple[list, list]]:
+    """``(locations, documents)`` batches of one shard, after skipping ``skip`` documents; a location is
+    what errors call the document (``"line 6"``)."""
+    docs: list = []
+    where: list = []
+    for k, (loc, doc) in enumerate(iter_located_documents(shard, text_key=text_key)):
+        if k < skip:
+            continue
+        docs.append(doc)
+        where.append(loc)
+        if len(docs) == batch_size:
+            yield where, docs
+            docs, where = [], []
+    if docs:
+        yield where, docs
+
+
+# -- input identities ------------------------------------------------------------------------------------
+def _file_inputs(urls: Sequence[str], what: str) -> list[str]:
+    """The files the non-embedded ``urls`` name now (missing files and empty globs skipped)."""
+    return expand_urls([u for u in urls if not u.startswith("embedded://")], what=what, allow_empty=True,
+                       missing_ok=True)
+
+
+def _input_identities(urls: Sequence[str], shards: Sequence[str], what: str) -> dict:
+    files = set(_file_inputs(urls, what))
+    return {sh: file_identity(sh) for sh in shards if sh in files}
+
+
+def _identity_change(path: str, old: dict) -> str | None:
+    """How ``path`` differs from its recorded identity ``old`` (None: unchanged). Hashes only when the
+    size is equal and the modification time is not, so an unchanged corpus costs one stat per file."""
+    now = file_identity(path, content_hash=False)
+    if now.get("size") != old.get("size"):
+        return f"{path} changed size ({old.get('size')} -> {now.get('size')} bytes)"
+    if now.get("mtime") == old.get("mtime"):
+        return None
+    if "sha256" not in old:
+        return f"{path} was modified (modification time {old.get('mtime')} -> {now.get('mtime')})"
+    now = file_identity(path)
+    if now.get("sha256") != old["sha256"]:
+        return f"{path} was modified (same size, different content)"
+    if old.get("sampled"):
+        logger.warning("%s has a new modification time but the same size and sampled content; treating it "
+                       "as unchanged", path)
+    return None
+
+
+def _describe(items: list[str], limit: int = 3) -> str:
+    shown = "; ".join(items[:limit])
+    return shown if len(items) <= limit else f"{shown}; and {len(items) - limit} more"
+
+
+# Caches (absolute paths, or URLs) already warned about as recorded without input identities.
+_warned_unchecked: set[str] = set()
+
+
+def verify_inputs(
+    cache_dir: str, ledger: CacheLedger, urls: Sequence[str], *, what: str = "train_urls"
+) -> None:
+    """Refuse (:class:`CacheMismatchError`) when the input files of the cache ``ledger`` describes differ
+    from what ``urls`` name now: an edited file, a file added to or gone from the shard list.
+
+    Where none of the recorded files exists any more the cache is served unchecked (tokenized data needs
+    no raw files); a cache recorded without identities gets a warning that it cannot be checked.
+    """
+    recorded = ledger.metadata.get("inputs")
+    if recorded is None:
+        # Once per cache and process: a run (or a benchmark) opens the same cache many times, and the
+        # warning says nothing new after the first.
+        key = cache_dir if "://" in cache_dir else os.path.abspath(cache_dir)
+        if key not in _warned_unchecked:
+            _warned_unchecked.add(key)
+            logger.warning(
+                "the token cache at %s records no identities of its input files (an older cache): it cannot "
+                "be checked against %s; delete it to rebuild if the files changed", cache_dir, what,
+            )
+        return
+    current = _file_inputs(urls, what)
+    if not current and recorded:
+        logger.info("none of the input files of the token cache at %s exist here; serving it unchecked",
+                    cache_dir)
+        return
+    changes = [f"new file {p}" for p in current if p not in recorded]
+    changes += [f"{p} is gone" for p in recorded if p not in current]
+    changes += [c for p in current if p in recorded and (c := _identity_change(p, recorded[p]))]
+    if changes:
+        raise CacheMismatchError(
+            f"the input files of {what} changed since the token cache at {cache_dir!r} was built: "
+            f"{_describe(changes)}. The cache holds the old data: delete {cache_dir} to rebuild it from the "
+            "current files, or use another cache_dir."
+        )
+
+
+def check_writable(cache_dir: str, key: str = "cache_dir") -> None:
+    """Fail before any tokenizing when ``cache_dir`` cannot be created or written; ``key`` names the config
+    key in the message."""
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=cache_dir, prefix=".write-probe-"):
+            pass
+    except OSError as e:
+        if is_out_of_space(e):
+            raise out_of_space_error("creating the token cache", cache_dir) from None
+        raise ValueError(
+            f"{key}: cannot write the token cache at {cache_dir} ({e.strerror or e}); point {key} at a "
+            "writable directory"
+        ) from None
+
+
+def build_or_load_cache(
+    urls: Sequence[str],
+    cache_dir: str,
+    tokenizer,
+    *,
+    text_key: str = "text",
+    enforce_eos: bool = True,
+    options: CacheOptions = CacheOptions(),
+    embedded_dir: str | None = None,
+    what: str = "train_urls",
+    cache_key: str = "cache_dir",
+    progress: bool = True,
+) -> TokenCache:
+    """Open the finished cache at ``cache_dir``, or build (or resume building) it from ``urls``.
+
+    ``urls`` are expanded by :func:`~levanter.ingest.sources.expand_urls` (``embedded://`` sources are
+    materialised under ``embedded_dir``); ``what`` names the config key of the inputs in errors and
+    ``cache_key`` that of the cache directory.
+    """
+    for u in urls:
+        if u.startswith("embedded://"):
+            check_embedded_url(u, what=what)
+    wanted = cache_metadata(tokenizer, urls=urls, text_key=text_key, enforce_eos=enforce_eos)
+    ledger = CacheLedger.load(cache_dir)
+    if ledger is not None:
+        _check_metadata(cache_dir, ledger.metadata, wanted)
+        if ledger.is_finished:
+            verify_inputs(cache_dir, ledger, urls, what=what)
+            return TokenCache.open(cache_dir)
+    check_writable(cache_dir, cache_key)
+    try:
+        return _build(urls, cache_dir, tokenizer, ledger, wanted, text_key=text_key, enforce_eos=enforce_eos,
+                      options=options, embedded_dir=embedded_dir, what=what, progress=progress)
+    except OutOfSpaceError:
+        raise
+    except Exception as e:
+        # tensorstore reports a full disk as a ValueError; neither it nor the OSError of a ledger save is
+        # the config's fault, and the ledger never counts rows whose writes failed.
+        if is_out_of_space(e):
+            raise out_of_space_error("building the token cache", cache_dir) from None
+        raise
+
+
+def _build(urls, cache_dir, tokenizer, ledger, wanted, *, text_key, enforce_eos, options, embedded_dir, what,
+           progress) -> TokenCache:
+    # A build killed inside a ledger save leaves its temporary file behind; the resumed build must end
+    # byte-identical to an uninterrupted one, so clear it.
+    remove_stale_temporaries(cache_dir, "shard_ledger.json")
+    shards = expand_urls(urls, embedded_dir=embedded_dir, what=what)
+    if ledger is not None:
+        changed = _resume_mismatch(ledger, urls, shards, what)
+        if changed is not None and ledger.total_tokens == 0:
+            # Nothing of value was committed (e.g. a build that found no text): start again from the
+            # current files rather than make the user delete the directory.
+            logger.info("restarting the cache build at %s: %s", cache_dir, changed)
+            ledger = None
+        elif changed is not None:
+            raise CacheMismatchError(
+                f"the input files of {what} changed since the interrupted cache build at {cache_dir!r}: "
+                f"{changed}. Delete {cache_dir} to rebuild it from the current files."
+            )
+        else:
+            logger.info("resuming the cache build at %s from %d documents", cache_dir, ledger.total_rows)
+    if ledger is None:
+        os.makedirs(cache_dir, exist_ok=True)
+        ledger = CacheLedger(
+            shard_rows={}, shard_docs={}, finished_shards=[], total_rows=0, total_tokens=0, is_finished=False,
+            metadata={**wanted, "shards": shards, "inputs": _input_identities(urls, shards, what)},
+        )
+        ledger.save(cache_dir)
+    store = JaggedArrayStore.open(os.path.join(cache_dir, "input_ids"), mode="a", num_rows=ledger.total_rows)
+    eos = tokenizer.eos_token_id if enforce_eos else None
+    workers = options.resolved_workers()
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        label = "/".join(os.path.normpath(cache_dir).split(os.sep)[-2:])
+        bar = tqdm(desc=f"caching {label}", unit=" docs", initial=ledger.total_rows)
+    t0, tokens_at_start = time.perf_counter(), ledger.total_tokens
+
+    def commit(shard: str, flat: np.ndarray, lengths: np.ndarray) -> None:
+        store.append_flat(flat, lengths)
+        fault_point("cache_after_append")
+        ledger.shard_docs[shard] = ledger.shard_docs.get(shard, 0) + len(lengths)
+        ledger.shard_rows[shard] = ledger.shard_rows.get(shard, 0) + len(lengths)
+        ledger.total_rows += len(lengths)
+        ledger.total_tokens += int(lengths.sum())
+        ledger.save(cache_dir)
+        fault_point("cache_after_commit")
+        if bar is not None:
+            bar.update(len(lengths))
+            rate = (ledger.total_tokens - tokens_at_start) / max(time.perf_counter() - t0, 1e-9)
+            bar.set_postfix(tokens=f"{ledger.total_tokens:,}", tok_per_s=f"{rate:,.0f}", refresh=False)
+
+    todo = [sh for sh in shards if sh not in ledger.finished_shards]
+    use_pool = workers > 1 and _total_bytes(todo) >= options.min_bytes_for_pool
+
+    def tasks():
+        """``(shard, locations, docs)`` in commit order; ``docs`` None marks the end of a shard."""
+        for shard in todo:
+            skip = ledger.shard_docs.get(shard, 0)
+            for where, docs in _doc_batches(shard, text_key, skip, options.batch_size):
+                yield shard, where, docs
+            yield shard, None, None
+
+    def finish_shard(shard: str) -> None:
+        ledger.shard_docs.setdefault(shard, 0)
+        ledger.shard_rows.setdefault(shard, 0)
+        ledger.finished_shards.append(shard)
+        ledger.save(cache_dir)
+
+    pool = None
+    try:
+        if not use_pool:
+            for shard, where, docs in tasks():
+                if docs is None:
+                    finish_shard(shard)
+                else:
+                    commit(shard, *encode(tokenizer, eos, docs, shard, where))
+        else:
+            pool = cf.ProcessPoolExecutor(
+                max_workers=workers,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=init_worker,
+                initargs=(tokenizer, eos, os.getpid()),
+            )
+            # One pool for all shards and a bounded window of tasks, committed strictly in order.
+            in_flight: deque = deque()
+
+            def drain_one():
+                shard, fut = in_flight.popleft()
+                if fut is None:
+                    finish_shard(shard)
+                else:
+                    commit(shard, *fut.result())
+
+            for shard, where, docs in tasks():
+                fut = None if docs is None else pool.submit(encode_in_worker, docs, shard, where)
+                in_flight.append((shard, fut))
+                while sum(f is not None for _, f in in_flight) > 2 * workers:
+                    drain_one()
+            while in_flight:
+                drain_one()
+        if ledger.total_tokens == 0:
+            # A finished empty cache would be reused as is after the files are fixed; left unfinished,
+            # the next run restarts it from the current files.
+            raise SourceError(
+                f"{what}: no text in {_describe(list(shards))}: the cache build produced 0 tokens. Check "
+                "the files (and text_key); the next run rebuilds the cache."
+            )
+        store.finalize()
+        fault_point("cache_after_finalize")
+        ledger.is_finished = True
+        ledger.save(cache_dir)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        if bar is not None:
+            bar.close()
+    return TokenCache.open(cache_dir)
+
+
+def _resume_mismatch(ledger: CacheLedger, urls: Sequence[str], shards: list[str], what: str) -> str | None:
+    """How the inputs of an interrupted build differ from ``shards`` (None: they match)."""
+    before = ledger.metadata.get("shards") or []
+    if before != shards:
+        changes = [f"new file {p}" for p in shards if p not in before]
+        changes += [f"{p} is gone" for p in before if p not in shards]
+        return _describe(changes or [f"the shard order changed (was {before}, now {shards})"])
+    recorded = ledger.metadata.get("inputs")
+    if recorded is None:
+        return None
+    changes = [c for p, old in recorded.items() if p in shards and (c := _identity_change(p, old))]
+    return _describe(changes) if changes else None
