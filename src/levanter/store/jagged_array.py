@@ -35,8 +35,8 @@ into a missing chunk would fill the rest of it with zeros). :func:`storage_fault
 file) for the loader, which retries what may pass and names the damaged cache otherwise.
 
 Trade-off: chunks are not compressed by default. A random window decodes a whole chunk, and on local
-disk that costs more than the bytes saved: with zstd a 20M-token store shrank from 77 to 49 MB but 256
-random 1024-token windows took ~84 ms instead of ~10 ms. ``codec="zstd"`` is there for remote storage.
+disk that costs more than the bytes saved (docs/performance.md). ``codec="zstd"`` is there for remote
+storage.
 """
 
 from __future__ import annotations
@@ -65,16 +65,10 @@ __all__ = [
 ]
 
 # Chunk sizes, in elements. A zarr3 chunk without sharding is read whole, so a random window costs a
-# whole-chunk read: smaller chunks mean less read amplification, larger ones fewer files. Measured on an
-# 8M-token int32 store (2 shared cores, warm page cache), random windows, us per batch:
-#   chunk   files/8M tok   8x64   8x1024   64x1024
-#   2**12        1935       440     372     1626
-#   2**14         484       521     501     2194
-#   2**16         121       749     776     4177
-# Chunk buffers are also what a prefetching loader holds: with 2**16 a batch of 64 windows touched 16 MiB
-# of chunks, and with 8 steps in flight the loader's memory grew with the number of distinct chunks,
-# i.e. with the dataset; at 2**14 the growth was flat from a 15 MiB to a 150 MiB cache (run_all.py).
-# 2**14 (64 KiB) is the compromise: 1B tokens is ~61k chunk files.
+# whole-chunk read: smaller chunks mean less read amplification, larger ones fewer files. Chunk buffers
+# are also what a prefetching loader holds, so with large chunks its memory grows with the number of
+# distinct chunks, i.e. with the dataset. 2**14 (64 KiB) is the compromise: 1B tokens is ~61k chunk
+# files (the measurements are in docs/performance.md).
 DEFAULT_DATA_CHUNK = 2**14
 # Offsets are read two per row at random rows, so their chunks are kept small too: 2**13 int64 is
 # 64 KiB per chunk, and a million rows still fit in ~120 files.
@@ -695,7 +689,7 @@ class JaggedArrayStore:
                 f"{self._data_size} elements"
             )
         data = self._data
-        # oindex with a plain slice is the same view as data[x : x + length], made ~1/3 faster.
+        # oindex with a plain slice is the same view as data[x : x + length], and cheaper to make.
         oindex = data.oindex
         return [oindex[x : x + length] for x in firsts]
 
@@ -794,9 +788,9 @@ def read_stacked(views: Sequence[ts.TensorStore]):
     The mixture reads every source's windows of a step with this (see ``ReadPlan`` in
     :mod:`levanter.data.dataset`): one tensorstore operation and one completion per step. One-dimensional
     views (token windows) are concatenated and the result reshaped: a plain slice is the cheapest view
-    to make (~30 % less Python per window than an origin-0 one), and ``ts.stack`` needs origin 0. Both
-    are one read that fills the result directly -- ~2x faster than per-window reads stacked afterwards,
-    and far faster than one index-array read, which walks an int64 index per element.
+    to make (less Python per window than an origin-0 one), and ``ts.stack`` needs origin 0. Both are
+    one read that fills the result directly -- faster than per-window reads stacked afterwards, and far
+    faster than one index-array read, which walks an int64 index per element (docs/performance.md).
     """
     views = list(views)
     read = JaggedArrayStore._read
