@@ -24,8 +24,7 @@ windows of a store answers with a :class:`ReadPlan` -- the store views to read a
 turns the rows read into what ``get_batch`` would have returned -- instead of reading; index-mapping
 wrappers pass it through. A mixture asks each source for a plan and reads all sources' windows in
 *one* tensorstore operation per step, where separate reads would cost a future, a callback on a
-tensorstore thread and an event-loop wake-up each (measured: one combined read per batch of 8 was
-~1.6x the throughput of three per-source reads with 8 steps in flight). Datasets that cannot plan
+tensorstore thread and an event-loop wake-up each (docs/performance.md). Datasets that cannot plan
 return None and are read with ``get_batch``; both ways return the same data. ``plan_reads(steps,
 indices)`` plans several steps' reads at once: a mixture reading a group of consecutive steps ahead
 asks each source once for all of them.
@@ -87,7 +86,7 @@ def as_index_array(indices: Sequence[int]) -> np.ndarray:
     return arr
 
 
-# Not frozen: a frozen dataclass's __init__ costs ~1 us more, per source and step.
+# Not frozen: a frozen dataclass's __init__ costs more, and one is made per source and step.
 @dataclasses.dataclass(slots=True)
 class ReadPlan:
     """A deferred read: ``views`` (tensorstore views of equal shape and dtype, one per example) and
@@ -96,8 +95,7 @@ class ReadPlan:
     ``row_key``, when not None, promises that ``finish`` works row by row (``finish`` of stacked rows is
     the stack of ``finish`` of each row) and equals the ``finish`` of every plan with an equal key. A
     mixture whose sources' plans share a key reads their views in batch order and finishes the whole
-    batch once, instead of finishing each source and merging the columns (measured: ~1.1-1.2x the
-    loader's throughput at batches of 8 and 64).
+    batch once, instead of finishing each source and merging the columns (docs/performance.md).
 
     ``block``, when not None, stands for ``views`` (then empty): one view of shape ``(n, ...)`` whose
     rows are the n examples in order (an index-array view; see ``TokenSeqDataset.plan_reads``).
