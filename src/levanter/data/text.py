@@ -14,14 +14,13 @@ computation), so a mixture can read all of its sources' windows in one operation
 (:func:`causal_lm_columns`, and :func:`causal_lm_columns_jax`, the same function in jax). A
 ``CausalLmDataset(..., tokens_only=True)`` ships the tokens alone and leaves the other two to the
 device, inside the jitted step (``train_lm`` does this): one host array and one transfer per step
-instead of three, and no host cumsum -- 1.1-1.25x the loader's throughput, measured.
+instead of three, and no host cumsum (docs/performance.md).
 
 Token ids are checked against the vocabulary where a :class:`TokenSeqDataset` is given ``vocab_size``
 (``train_lm``'s datasets are): an id outside ``[0, vocab_size)`` can only come from a damaged cache (a
 chunk of random bytes in a cache written before chunks carried checksums) and is refused, naming the
 cache, instead of reaching the model as an out-of-range embedding lookup and a NaN loss. The check is one
-``min``/``max`` over each read's tokens: ~4 us for 8x1024 tokens, ~14 us for 64x1024 (2 shared cores),
-once per read (a coalesced read of many steps is checked once).
+``min``/``max`` over each read's tokens, once per read (a coalesced read of many steps is checked once).
 """
 
 from __future__ import annotations
@@ -35,11 +34,10 @@ from .dataset import AsyncDataset, ReadPlan, StackedBatch, _check_range, as_inde
 
 
 # Windows of at most this many tokens are planned many at a time as one index-array view
-# (``JaggedArrayStore.window_block``) instead of a view each: making a view costs ~4.6 us of Python per
-# window, and tensorstore reads 64-token windows from an index array with no more CPU than from
-# separate views (loader at 8x64: 2.17 vs 1.94 M tokens/s, 383 vs 417 us of CPU a step). It walks an
-# index array element by element, though: at 128 tokens the two measured alike, and at 1024 one
-# index-array read of 64 windows took 2x the CPU of separate views (2 cores, measured).
+# (``JaggedArrayStore.window_block``) instead of a view each: making a view costs Python per window, and
+# tensorstore reads short windows from an index array with no more CPU than from separate views. It
+# walks an index array element by element, though, so for long windows separate views are cheaper
+# (the crossover was measured at 64-128 tokens: docs/performance.md).
 BLOCK_MAX_SEQ_LEN = 64
 
 
