@@ -9,10 +9,10 @@ splitmix64-style round function, plus *cycle walking* (re-encrypt until the valu
 ``n``), which keeps it a bijection on ``[0, n)``. Expected walks per value are < 4 because
 ``2**(2h) < 4n``. Large requests are vectorised over numpy ``uint64`` arrays (wrap-around
 arithmetic); a request of a few indices -- what a mixture asks of each source per step -- is mapped
-with plain Python ints instead, because ~60 numpy calls per Feistel pass cost ~1 us each whatever the
-array size (measured: the numpy path was ~30% of the loader's CPU time at batch 8; the two paths break
-even near 48 indices, so the int path takes up to 32). Both paths compute
-the same function; the tests compare them exhaustively on small domains.
+with plain Python ints instead, because a Feistel pass is some 60 numpy calls whose fixed cost
+dominates for small arrays (docs/performance.md; the two paths break even near 48 indices, so the int
+path takes up to 32). Both paths compute the same function; the tests compare them exhaustively on
+small domains.
 
 Seeds are derived, never drawn: :func:`derive_seed` hashes a parent seed and a path of ints
 (stage, block, ...) with BLAKE2b, so sub-permutations are independent of evaluation order.
