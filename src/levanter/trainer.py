@@ -276,9 +276,10 @@ class _FlatStep:
     """The train step called as a ``jax.jit`` over the flat leaves of ``(state, batch)``.
 
     ``haliax.named_jit`` re-derives, on every call, which leaves are arrays, their shardings and the
-    output's shardings: ~15 ms of Python per call for a nano model's state on CPU, during which the
-    device waits (the loop fetches each step's loss before it dispatches the next). Those are fixed
-    for a given structure of ``(state, batch)``, so they are worked out once per structure (the
+    output's shardings: milliseconds of Python per call for a small model's state (docs/performance.md),
+    during which the device waits (the loop fetches each step's loss before it dispatches the next).
+    Those are fixed for a given structure of ``(state, batch)``, so they are worked out once per
+    structure (the
     output shardings by the same ``infer_resource_partitions`` named_jit uses, from
     ``param_mapping``; inputs keep the shardings they have, as with named_jit) and a call is then a
     pytree flatten plus jax's C++ dispatch. A structure with a leaf that is not a ``jax.Array`` (or
@@ -482,7 +483,7 @@ class Trainer:
             # A finite loss and gradient can still give a non-finite update (a zero epsilon's 0/0, a learning
             # rate beyond float32's range): the new parameters and optimizer state are checked too, so that
             # no non-finite value is ever applied or checkpointed. One read of the state the step writes
-            # anyway: ~1 ms for the nano model's 2.5M floats measured on its own, against a ~265 ms step.
+            # anyway, a small share of the step (docs/performance.md).
             new_floats = [x for x in jax.tree.leaves((new_params, opt_state)) if eqx.is_inexact_array(x)]
             update_finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in new_floats]))
             # A non-finite loss, gradient or update never reaches the parameters: the update is skipped (the
