@@ -279,8 +279,7 @@ class _FlatStep:
     output's shardings: milliseconds of Python per call for a small model's state (docs/performance.md),
     during which the device waits (the loop fetches each step's loss before it dispatches the next).
     Those are fixed for a given structure of ``(state, batch)``, so they are worked out once per
-    structure (the
-    output shardings by the same ``infer_resource_partitions`` named_jit uses, from
+    structure (the output shardings by the same ``infer_resource_partitions`` named_jit uses, from
     ``param_mapping``; inputs keep the shardings they have, as with named_jit) and a call is then a
     pytree flatten plus jax's C++ dispatch. A structure with a leaf that is not a ``jax.Array`` (or
     anything unusual) takes the named_jit path, which handles it.
