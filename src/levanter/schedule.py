@@ -119,7 +119,9 @@ def _as_schedule_step(entry, *, what: str) -> ScheduleStep:
     if isinstance(entry, Mapping):
         unknown = set(entry) - {"start", "value"}
         if unknown or "start" not in entry or "value" not in entry:
-            raise ValueError(f"{what}: each entry needs exactly the keys 'start' and 'value', got {dict(entry)!r}")
+            raise ValueError(
+                f"{what}: each entry needs exactly the keys 'start' and 'value', got {dict(entry)!r}"
+            )
         return ScheduleStep(entry["start"], entry["value"])
     if isinstance(entry, Sequence) and not isinstance(entry, str) and len(entry) == 2:
         return ScheduleStep(entry[0], entry[1])
@@ -162,7 +164,8 @@ class BatchSchedule:
         # First global index of each segment.
         self._offsets: list[int] = [0]
         for i in range(1, len(steps)):
-            self._offsets.append(self._offsets[-1] + (self._starts[i] - self._starts[i - 1]) * self._sizes[i - 1])
+            run = self._starts[i] - self._starts[i - 1]
+            self._offsets.append(self._offsets[-1] + run * self._sizes[i - 1])
 
     # -- queries ------------------------------------------------------------------------------------
     @property

@@ -92,7 +92,10 @@ def first_difference(old: dict, new: dict) -> Optional[tuple[int, str]]:
         if old_src.get(name) != new_src.get(name):
             step = first_drawn(name)
             if step is not None:
-                what = "added" if name not in old_src else "removed" if name not in new_src else "changed its data"
+                if name not in old_src:
+                    what = "added"
+                else:
+                    what = "removed" if name not in new_src else "changed its data"
                 found.append((step, f"source {name!r} {what}"))
 
     old_bs, new_bs = BatchSchedule(old["batch_schedule"]), BatchSchedule(new["batch_schedule"])
@@ -106,6 +109,7 @@ def first_difference(old: dict, new: dict) -> Optional[tuple[int, str]]:
     for s in sorted(set(old_st.starts) | set(new_st.starts)):
         a, b = old_st.entry_at(s), new_st.entry_at(s)
         if a != b:
-            found.append((s, f"the mixture at step {s} changed from stage {list(a)} to {list(b)} (start, weights)"))
+            what = f"the mixture at step {s} changed from stage {list(a)} to {list(b)} (start, weights)"
+            found.append((s, what))
             break
     return min(found) if found else None
