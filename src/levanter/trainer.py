@@ -260,9 +260,10 @@ class StepMismatchError(RuntimeError):
 def _init_compile_options(mesh) -> dict:
     """Compiler options for the one-off parameter-initialisation program.
 
-    On CPU, XLA's LLVM pipeline spends ~3.5 s optimising the random-number code of a nano model's init
+    On CPU, XLA's LLVM pipeline spends seconds optimising the random-number code of a small model's init
     (threefry rounds and the normal transform for every parameter), to run it once in milliseconds; at
-    backend optimisation level 0 it compiles in ~1 s. The values are deterministic either way, but not
+    backend optimisation level 0 it compiles several times faster (docs/performance.md). The values are
+    deterministic either way, but not
     bit-identical between the two levels (LLVM compiles the float code of the normal transform
     differently), so the level is fixed here for every CPU run. Accelerators keep their defaults: their
     init is not this slow to compile, and large models' init is worth optimising.
