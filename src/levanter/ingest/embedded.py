@@ -34,8 +34,8 @@ verbatim inside python-code training text.
 Trade-off: the content depends on the installed Python (version, distro patches). That is the price
 of needing no download; :func:`corpus_fingerprint` hashes the Python version and the selected file
 list with sizes, so a cache built from another stdlib is detected rather than silently reused.
-Parsing every module for docstrings costs about 2 s, so built corpora are memoised per process
-(a few MB of strings).
+Parsing every module for docstrings takes seconds (docs/performance.md), so built corpora are memoised
+per process (a few MB of strings).
 
 URLs: ``embedded://<name>/<split>`` (``embedded://python-docs/train``) names a split;
 :func:`resolve_embedded_url` materialises it as ``<dir>/<name>/<split>.jsonl`` and returns the path.
