@@ -19,7 +19,7 @@ Design choices:
   backend; what each backend keeps is the backend's business.
 * Trackers are not multi-host aware. The caller creates real trackers on process 0 only and a
   ``NoopTracker`` elsewhere; otherwise every host would write the same file or run.
-* Backends with costly imports (wandb ~0.6 s, tensorboardX) import them inside ``init`` so that parsing a
+* Backends with costly imports (wandb, tensorboardX) import them inside ``init`` so that parsing a
   config, or a run that logs to JSON only, never pays for them.
 """
 
