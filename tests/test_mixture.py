@@ -2,6 +2,7 @@
 in order across stages, stop strategies end where they say, bad input is refused by name."""
 
 import asyncio
+import contextlib
 from fractions import Fraction
 
 import numpy as np
@@ -311,8 +312,6 @@ def test_combined_read_equals_reading_each_source(tmp_path, monkeypatch, names):
 
     srcs = _token_sources(tmp_path)
     sources = {n: srcs[n] for n in names}
-    # 48 rows per step: more than FeistelPermutation.SMALL, so the shuffled sources' permutations take the
-    # vectorised multi-permutation pass.
     schedule = BatchSchedule(48)
     weights = [(0, {names[0]: 0.5, names[1]: 0.3, names[2]: 0.2}), (9, {names[0]: 0.1, names[1]: 0.2, names[2]: 0.7})]
     mix = MixtureDataset(sources, weights, batch_schedule=schedule, block_size=None, key=3)
@@ -343,24 +342,25 @@ def test_combined_read_equals_reading_each_source(tmp_path, monkeypatch, names):
     planned = asyncio.run(check())
     from levanter.data._prp import FeistelPermutation
 
-    # The shuffled sources' permutations ran in the mixture's passes over several steps at once (planned
-    # ahead: fewer passes than steps), vectorised (more than SMALL indices).
-    assert permuted and len(permuted) < 20 and max(permuted) > FeistelPermutation.SMALL
+    assert len(permuted) == 20  # the shuffled sources' permutations: one pass per step
     if "mapped" in names:
         assert planned == 0 and max(mixture_reads) > 1  # per-source reads
-    elif "other_eos" in names:  # plans that differ in their finish: one read per step, never coalesced
+    else:  # every source plans: one read per step
         assert planned == 20 and mixture_reads == [1] * 20
-    else:
-        # This sequential reader's later steps are read together (2 x 48 rows fit in one coalesced read),
-        # each group read while the groups before it are served (a step starts at most its own group's read
-        # and _GROUPS_AHEAD more): about one read per two steps, each finished once, whole.
-        assert planned == 20 and mixture_reads[0] == 1
-        assert max(mixture_reads) <= 1 + mixture_module._GROUPS_AHEAD
-        assert sum(mixture_reads) <= 1 + -(-19 // 2) + mixture_module._GROUPS_AHEAD
-        assert all(len(f) == 1 and f[0] % 48 == 0 for f in mixture_finishes if f)
-        assert sum(f[0] for f in mixture_finishes if f) >= 20 * 48
     if "mapped" in names or "other_eos" in names:  # a finish per source present in the step
         assert max(len(f) for f in mixture_finishes) > 1
+    else:  # the plans share their finish: each step finished once, whole
+        assert all(f == [48] for f in mixture_finishes)
+
+    # plan_reads of several steps: their index math in one pass (the permutations vectorised: more than
+    # SMALL indices), and a plan wherever every source plans and the plans finish alike.
+    steps = list(range(20))
+    idxs = [np.arange(schedule.global_data_offset_by_step(s), schedule.global_data_offset_by_step(s + 1))
+            for s in steps]
+    before = len(permuted)
+    plan = asyncio.run(mix.plan_reads(steps, idxs))
+    assert len(permuted) == before + 1 and permuted[-1] > FeistelPermutation.SMALL
+    assert (plan is None) == ("mapped" in names or "other_eos" in names)
 
 
 def test_tokens_only_mixture_reads_the_tokens_of_the_full_one(tmp_path, monkeypatch):
@@ -369,8 +369,6 @@ def test_tokens_only_mixture_reads_the_tokens_of_the_full_one(tmp_path, monkeypa
     from levanter.store.jagged_array import JaggedArrayStore
 
     names = ("shuffled", "blocks", "other_eos")
-    import levanter.data.mixture as mixture_module
-
     full, only = _token_sources(tmp_path), _token_sources(tmp_path, tokens_only=True)
     schedule = BatchSchedule(8)
     weights = [(0, {"shuffled": 0.5, "blocks": 0.3, "other_eos": 0.2}),
@@ -389,11 +387,11 @@ def test_tokens_only_mixture_reads_the_tokens_of_the_full_one(tmp_path, monkeypa
         only_reads.append(len(reads) - before)
         assert set(got) == {"tokens"} and got["tokens"].dtype == np.int32
         np.testing.assert_array_equal(got["tokens"], want["tokens"], err_msg=f"step {step}")
-    # Coalesced: fewer reads than steps; a step starts at most its own group's read and the groups ahead.
-    assert max(only_reads) <= 1 + mixture_module._GROUPS_AHEAD and sum(only_reads) < 20
+    # The sources' plans share one read (and one finish) although their EOS ids differ.
+    assert only_reads == [1] * 20
 
 
-# -- planning ahead never changes what is read ------------------------------------------------------------
+# -- one mixture answers every request as a fresh one would ------------------------------------------------
 
 
 # The request mix both "never changes what is read" tests replay: a batch-size change at step 9, a stage
@@ -423,11 +421,11 @@ def _mixed_requests(far: range, restarts: bool = False) -> list:
 
 @pytest.mark.parametrize("block_size", [None, 5, 2048])
 @pytest.mark.parametrize("stop_strategy", ["restart", "first_exhausted"])
-def test_planning_ahead_never_changes_what_is_read(block_size, stop_strategy):
-    """A sequential reader gets its later steps from draws planned ahead; every answer -- sequential runs
-    over the whole batch and over a process's rows, a batch-size change, a stage switch, out-of-order and
-    repeated steps, rows other than predicted, the end of a finite mixture -- equals what a fresh mixture
-    (nothing planned) returns for that single request."""
+def test_a_mixture_keeps_no_state_about_its_callers(block_size, stop_strategy):
+    """Every answer of one mixture -- sequential runs over the whole batch and over a process's rows, a
+    batch-size change, a stage switch, out-of-order and repeated steps, other rows, the end of a finite
+    mixture -- equals what a fresh mixture returns for that single request; and answering changes nothing
+    in the mixture but the facts it learns about its sources (their lengths)."""
     lengths = (400, 90, 10**5)
 
     def make():
@@ -439,6 +437,8 @@ def test_planning_ahead_never_changes_what_is_read(block_size, stop_strategy):
 
     requests = _mixed_requests(far=range(60, 120))  # far on: a finite mixture ends meanwhile
     mix = make()
+    asyncio.run(mix.get_batch(0, _plan_rows(0)))
+    state = dict(vars(mix))
     ended = 0
     for step, idx in requests:
         try:
@@ -451,7 +451,23 @@ def test_planning_ahead_never_changes_what_is_read(block_size, stop_strategy):
         got = np.asarray(asyncio.run(mix.get_batch(step, idx)))
         np.testing.assert_array_equal(got, expect, err_msg=f"step {step}, indices {idx.tolist()}")
     assert (ended > 0) == (stop_strategy == "first_exhausted")  # the end was reached where there is one
-    assert mix._planned  # and draws were planned ahead on the way
+    assert vars(mix).keys() == state.keys() and all(vars(mix)[k] is v for k, v in state.items())
+
+
+def _runs(requests: list) -> list:
+    """``requests`` cut into runs a loader's iterator would make: consecutive steps, each for the same rows
+    of its batch (a run of one request is a reader that asks for a step out of order)."""
+    runs: list = []
+    for step, idx in requests:
+        last = runs[-1][-1] if runs else None
+        rows = idx - PLAN_SCHEDULE.global_data_offset_by_step(step)
+        if (last is not None and last[0] == step - 1 and PLAN_SCHEDULE.batch_size_at_step(step) ==
+                PLAN_SCHEDULE.batch_size_at_step(last[0])
+                and np.array_equal(rows, last[1] - PLAN_SCHEDULE.global_data_offset_by_step(last[0]))):
+            runs[-1].append((step, idx))
+        else:
+            runs.append([(step, idx)])
+    return runs
 
 
 @pytest.mark.parametrize("block_size", [None, 5])
@@ -459,22 +475,23 @@ def test_planning_ahead_never_changes_what_is_read(block_size, stop_strategy):
 @pytest.mark.parametrize("index_array_blocks", [True, False])
 def test_coalesced_reads_never_change_what_is_read(tmp_path, monkeypatch, block_size, stop_strategy,
                                                     index_array_blocks):
-    """Store-backed sources: a sequential reader's next steps are read together with the step asked for
-    (one tensorstore operation, of one index-array block or one view per window from each source) and
-    kept for their own requests. Every answer -- sequential whole batches and one process's rows, a
-    batch-size change, a stage switch, out-of-order and repeated steps, rows other than predicted, the
-    end of a finite mixture, a reader that stops and starts again -- equals what a fresh mixture returns
-    for that single request; and there are fewer reads than requests."""
+    """Store-backed sources read through the loader's read-ahead: a run of consecutive steps is read in
+    groups (one tensorstore operation per group, of one index-array block or one view per window from each
+    source). Every answer -- sequential whole batches and one process's rows, a batch-size change, a stage
+    switch, out-of-order and repeated steps, other rows, the end of a finite mixture, a reader that stops
+    and starts again -- equals what a fresh mixture returns for that single request; and there are fewer
+    reads than requests."""
     from levanter.data.dataset import StackedBatch
+    from levanter.data.read_ahead import MISS, ReadAhead
     from levanter.store.jagged_array import JaggedArrayStore
 
-    import levanter.data.mixture as mixture_module
+    import levanter.data.read_ahead as read_ahead_module
     import levanter.data.text as text_module
 
     monkeypatch.setattr(text_module, "BLOCK_MAX_SEQ_LEN", 8 if index_array_blocks else 7)  # windows of 8
 
     # Small enough that batches of 8 and 12 rows coalesce 2-3 steps, and batch-size changes cut groups.
-    monkeypatch.setattr(mixture_module, "_COALESCE_ROWS", 24)
+    monkeypatch.setattr(read_ahead_module, "COALESCE_ROWS", 24)
     reads = []
     real_read = JaggedArrayStore._read
     monkeypatch.setattr(JaggedArrayStore, "_read", lambda self, v: reads.append(1) or real_read(self, v))
@@ -487,35 +504,54 @@ def test_coalesced_reads_never_change_what_is_read(tmp_path, monkeypatch, block_
 
     requests = _mixed_requests(far=range(100, 260), restarts=True)  # far on: a finite mixture ends meanwhile
     mix = make()
-    ended = mix_reads = 0
-    for step, idx in requests:
-        try:
-            expect = asyncio.run(make().get_batch(step, idx))
-        except DatasetExhausted:
-            with pytest.raises(DatasetExhausted):
-                asyncio.run(mix.get_batch(step, idx))
-            ended += 1
-            continue
-        before = len(reads)
-        got = asyncio.run(mix.get_batch(step, idx))
-        mix_reads += len(reads) - before
-        assert isinstance(got, StackedBatch) and isinstance(expect, StackedBatch)
-        assert set(got.tree) == set(expect.tree)
-        for k in expect.tree:
-            where = f"step {step}, {idx.tolist()}, {k}"
-            np.testing.assert_array_equal(got.tree[k], expect.tree[k], err_msg=where)
+    ended = mix_reads = served = 0
+
+    async def run():
+        nonlocal ended, mix_reads, served
+        for run_requests in _runs(requests):
+            first_step, first_idx = run_requests[0]
+            rows = first_idx - PLAN_SCHEDULE.global_data_offset_by_step(first_step)
+            ahead = ReadAhead(mix, lambda s: PLAN_SCHEDULE.global_data_offset_by_step(s) + rows, first_step,
+                              run_requests[-1][0] + 1)
+            for step, idx in run_requests:
+                try:
+                    expect = await make().get_batch(step, idx)
+                except DatasetExhausted:
+                    with pytest.raises(DatasetExhausted):
+                        got = await ahead.read(step)
+                        if got is MISS:
+                            await mix.get_batch(step, idx)
+                    ended += 1
+                    continue
+                before = len(reads)
+                got = await ahead.read(step)
+                if got is MISS:
+                    got = await mix.get_batch(step, idx)
+                else:
+                    served += 1
+                mix_reads += len(reads) - before
+                assert isinstance(got, StackedBatch) and isinstance(expect, StackedBatch)
+                assert set(got.tree) == set(expect.tree)
+                for k in expect.tree:
+                    where = f"step {step}, {idx.tolist()}, {k}"
+                    np.testing.assert_array_equal(got.tree[k], expect.tree[k], err_msg=where)
+            for t in ahead.close():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+
+    asyncio.run(run())
     assert (ended > 0) == (stop_strategy == "first_exhausted")
     answered = len(requests) - ended
+    assert served > answered // 2
     assert mix_reads < 0.7 * answered, (mix_reads, answered)  # steps were read together
 
 
 def test_groups_read_ahead_stay_bounded_and_a_failed_one_is_read_again(tmp_path, monkeypatch):
     """A sequential reader's groups of steps are read ahead of need (beyond the group being served), but
-    never more than ``_GROUPS_AHEAD`` groups past it; a read ahead that fails fails only the steps it
+    never more than ``GROUPS_AHEAD`` groups past it; a read ahead that fails fails only the steps it
     holds, once each, and asking again reads them afresh -- every answer equals a fresh mixture's."""
+    from levanter.data.read_ahead import COALESCE_MAX_STEPS, GROUPS_AHEAD, MISS, ReadAhead
     from levanter.store.jagged_array import JaggedArrayStore
-
-    import levanter.data.mixture as mixture_module
 
     srcs = _token_sources(tmp_path, tokens_only=True)
     weights = [(0, {"shuffled": 0.5, "blocks": 0.3, "epochs": 0.2}), (40, {"shuffled": 0.1, "blocks": 0.9})]
@@ -547,23 +583,28 @@ def test_groups_read_ahead_stay_bounded_and_a_failed_one_is_read_again(tmp_path,
 
     monkeypatch.setattr(JaggedArrayStore, "_read", read)
     mix = make()
-    group_steps = mixture_module._COALESCE_MAX_STEPS  # 4 rows a step: groups are cut by steps, not rows
+    group_steps = COALESCE_MAX_STEPS  # 4 rows a step: groups are cut by steps, not rows
     failed, furthest = [], 0
 
     async def run():
         nonlocal furthest
+        ahead = ReadAhead(mix, lambda s: np.arange(s * 4, s * 4 + 4), 0, None)
         for step in range(90):
             idx = np.arange(step * 4, step * 4 + 4)
             try:
-                got = await mix.get_batch(step, idx)
+                got = await ahead.read(step)
+                if got is MISS:
+                    got = await mix.get_batch(step, idx)
             except OSError:
                 failed.append(step)
-                got = await mix.get_batch(step, idx)  # what the loader's retry does
+                assert await ahead.read(step) is MISS  # what the loader's retry does: read afresh
+                got = await mix.get_batch(step, idx)
             np.testing.assert_array_equal(got.tree["tokens"], expect[step], err_msg=f"step {step}")
-            ahead = [s - step for s in mix._reads]
-            bound = (1 + mixture_module._GROUPS_AHEAD) * group_steps
-            assert all(0 < a <= bound for a in ahead), (step, ahead)
-            furthest = max([furthest, *ahead])
+            held = [s - step for s in ahead.steps_held()]
+            bound = (1 + GROUPS_AHEAD) * group_steps
+            assert all(-group_steps <= a <= bound for a in held), (step, held)
+            furthest = max([furthest, *held])
+        ahead.close()
 
     asyncio.run(run())
     assert furthest > group_steps  # read beyond the group being served

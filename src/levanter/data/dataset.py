@@ -344,7 +344,7 @@ class PermutationDataset(_IndexMapWrapper[T]):
         self.seed = seed_from_key(key)
         self._perm: FeistelPermutation | None = None
 
-    async def _permutation(self) -> FeistelPermutation:
+    async def permutation(self) -> FeistelPermutation:
         if self._perm is None:
             self._perm = FeistelPermutation(await self.dataset.async_len(), self.seed)
         return self._perm
@@ -356,7 +356,7 @@ class PermutationDataset(_IndexMapWrapper[T]):
     async def permutation_request(self, indices: Sequence[int]) -> tuple[FeistelPermutation, np.ndarray]:
         """``(perm, idx)`` with ``perm(idx)`` the inner indices: lets a caller holding several sources
         evaluate all their permutations in one pass (:func:`~levanter.data._prp.permute_many`)."""
-        perm = await self._permutation()
+        perm = await self.permutation()
         idx = as_index_array(indices)
         _check_range(idx, perm.n, "PermutationDataset")
         return perm, idx

@@ -5,18 +5,15 @@ index (after the stop strategy's wrap); optionally the token content too. It is 
 *global* batch -- the schedule and the index maps, not the rows a process happens to hold -- so it is the
 same whatever the number of hosts, devices, the prefetch depth or microbatching. Logged per step as
 ``data/fingerprint``, it makes cross-run, cross-topology and resume equivalence checkable from
-``metrics.jsonl`` alone.
+``metrics.jsonl`` alone. The loader computes each step's provenance with its reads
+(:attr:`~levanter.data.loader.Batch.provenance`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 
 import numpy as np
-
-from ..schedule import BatchSchedule
-from .mixture import MixtureDataset
 
 
 def fingerprint_arrays(*arrays: np.ndarray | None) -> str:
@@ -29,18 +26,6 @@ def fingerprint_arrays(*arrays: np.ndarray | None) -> str:
         h.update(str(a.dtype).encode() + str(a.shape).encode())
         h.update(a.tobytes())
     return h.hexdigest()
-
-
-def step_provenance(dataset, schedule: BatchSchedule, step: int) -> dict[str, np.ndarray]:
-    """The global indices of ``step`` and, for a mixture, each example's source id and source index."""
-    first, end = schedule.step_range(step)
-    indices = np.arange(first, end, dtype=np.int64)
-    out = {"global_index": indices}
-    if isinstance(dataset, MixtureDataset):
-        src, src_index = asyncio.run(dataset.source_indices(step, indices))
-        out["source"] = src
-        out["source_index"] = src_index
-    return out
 
 
 def batch_fingerprint(provenance: dict[str, np.ndarray], tokens: np.ndarray | None = None) -> str:

@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import jax
@@ -49,6 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ..schedule import BatchSchedule
 from ..store.jagged_array import StorageFault, storage_fault
 from .dataset import AsyncDataset, DatasetExhausted, StackedBatch
+from .read_ahead import MISS, ReadAhead, can_read_ahead
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +146,10 @@ class Batch(Generic[T]):
 
     ``data`` is a pytree of ``jax.Array`` with leading axis ``batch_size``; ``global_offset`` is the
     first global index; ``wait_seconds`` is how long the consumer blocked waiting for it.
+    ``provenance`` (from a loader built with ``provenance=True``) says where each row of the *global*
+    batch comes from: ``global_index`` and, for a mixture, ``source`` (id) and ``source_index`` -- what
+    :func:`~levanter.data.fingerprint.batch_fingerprint` hashes. It is computed with the step's reads, on
+    the loader's side, and is the same on every process whatever rows it holds.
     """
 
     step: int
@@ -152,6 +157,13 @@ class Batch(Generic[T]):
     batch_size: int
     data: Any
     wait_seconds: float = 0.0
+    provenance: Mapping[str, np.ndarray] | None = None
+
+    def source_counts(self, num_sources: int) -> np.ndarray:
+        """Rows of the global batch drawn from each source (a mixture's batch with provenance)."""
+        if self.provenance is None or "source" not in self.provenance:
+            raise ValueError(f"step {self.step}'s batch carries no per-row sources")
+        return np.bincount(self.provenance["source"], minlength=num_sources)
 
 
 def rows_for_process(
@@ -203,6 +215,8 @@ class DataLoader(Generic[T]):
         prefetch_depth: steps fetched ahead (0: fetch on demand, no background thread).
         process_index: this process's index (defaults to ``jax.process_index()``), passed explicitly
             so that the background thread never consults global state.
+        provenance: attach each batch's :attr:`Batch.provenance` (the dataset's ``provenance`` of the
+            whole global batch, computed in the loader's thread with the step's reads).
     """
 
     def __init__(
@@ -216,8 +230,10 @@ class DataLoader(Generic[T]):
         process_index: int | None = None,
         retries: int = 5,
         retry_backoff: float = 0.1,
+        provenance: bool = False,
     ):
         self.dataset = dataset
+        self.provenance = provenance
         self.schedule = batch_size if isinstance(batch_size, BatchSchedule) else BatchSchedule(batch_size)
         if mesh is None:
             mesh = Mesh(np.asarray(jax.local_devices()[:1]), ("data",))
@@ -274,8 +290,9 @@ class DataLoader(Generic[T]):
         return self._end_step
 
     # -- fetching ------------------------------------------------------------------------------------
-    async def _read_with_retries(self, step: int, indices: np.ndarray):
-        """``get_batch`` with retries (exponential backoff) for transient storage errors.
+    async def _read_with_retries(self, step: int, indices: np.ndarray, read_ahead: ReadAhead | None = None):
+        """``get_batch`` with retries (exponential backoff) for transient storage errors; the first attempt
+        takes the step's rows from ``read_ahead`` where it holds them.
 
         A retried read asks for exactly the same indices with the same step, so retries never change the
         data. Errors that are not transient, and transient ones that outlast the retries, become a
@@ -285,6 +302,10 @@ class DataLoader(Generic[T]):
         t0 = time.monotonic()
         for attempt in range(self.retries + 1):
             try:
+                if read_ahead is not None and attempt == 0:
+                    rows = await read_ahead.read(step)
+                    if rows is not MISS:
+                        return rows
                 return await self.dataset.get_batch(step, indices)
             except DatasetExhausted:
                 raise
@@ -298,19 +319,33 @@ class DataLoader(Generic[T]):
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30.0)
 
-    async def fetch(self, step: int) -> Batch[T]:
+    def read_ahead(self, start: int, bound: int | None) -> ReadAhead | None:
+        """Read-ahead for an iterator over steps ``[start, bound)``, or None if the dataset cannot plan
+        groups of steps (see :mod:`levanter.data.read_ahead`)."""
+        if not can_read_ahead(self.dataset):
+            return None
+        return ReadAhead(self.dataset, self.indices_for_step, start, bound)
+
+    async def fetch(self, step: int, read_ahead: ReadAhead | None = None) -> Batch[T]:
         """Read and assemble one step's batch (no ordering guarantees; used by the iterators)."""
         bs = self.schedule.batch_size_at_step(step)
         first = self.schedule.global_data_offset_by_step(step)
         rows = self.local_rows(bs)
-        examples = await self._read_with_retries(step, first + rows)
+        examples = await self._read_with_retries(step, first + rows, read_ahead)
         if len(examples) != len(rows):
             raise ValueError(f"dataset returned {len(examples)} examples for {len(rows)} indices at step {step}")
         # Inline, not in a worker thread: building the arrays costs ~60-400 us (batch 8-256, measured), less
         # than a thread hop and back (~0.5 ms of wake-ups at batch 8, where it made the loader no faster
         # than fetching on demand); the loop is blocked only that long.
         data = self._assemble(examples, rows, bs)
-        return Batch(step=step, global_offset=first, batch_size=bs, data=data)
+        provenance = await self._provenance(step, first, bs) if self.provenance else None
+        return Batch(step=step, global_offset=first, batch_size=bs, data=data, provenance=provenance)
+
+    async def _provenance(self, step: int, first: int, batch_size: int) -> dict[str, np.ndarray]:
+        indices = np.arange(first, first + batch_size, dtype=np.int64)
+        where = getattr(self.dataset, "provenance", None)
+        extra = await where(step, indices) if where is not None else None
+        return {"global_index": indices, **(extra or {})}
 
     def _assemble(self, examples, rows: np.ndarray, batch_size: int):
         local = _stack(examples)
@@ -404,15 +439,18 @@ class _Prefetcher:
         wake = self.wake = asyncio.Event()
         tasks: dict[int, asyncio.Task] = {}
         launch = deliver = self._start
+        read_ahead = None
         try:
             end = await self.loader.end_step()
             bound = self.limit if end is None else (end if self.limit is None else min(end, self.limit))
+            # Fed by this window: the steps launched are the steps the read-ahead groups and reads.
+            read_ahead = self.loader.read_ahead(self._start, bound)
             while not self.closed:
                 # The first step is fetched alone so that it does not compete with the read-ahead: time
                 # to first batch is one fetch, whatever the depth.
                 window = 1 if deliver == self._start else self.depth
                 while (bound is None or launch < bound) and launch - self.taken < window:
-                    task = tasks[launch] = asyncio.create_task(self.loader.fetch(launch))
+                    task = tasks[launch] = asyncio.create_task(self.loader.fetch(launch, read_ahead))
                     task.add_done_callback(_set_event(wake))
                     launch += 1
                     self.poll = _ROOM_POLL_SECONDS[0]
@@ -457,8 +495,9 @@ class _Prefetcher:
         finally:
             for t in tasks.values():
                 t.cancel()
-            if tasks:
-                await asyncio.gather(*tasks.values(), return_exceptions=True)
+            pending = list(tasks.values()) + (read_ahead.close() if read_ahead is not None else [])
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
 
     def _room(self, launch: int, window: int) -> bool:
         """Whether the producer should launch more: half of ``window`` is free. Launching (and waking the
@@ -525,6 +564,14 @@ def _set_event(event: asyncio.Event) -> Callable[[Any], None]:
     return lambda _: event.set()
 
 
+def _close_loop(loop: asyncio.AbstractEventLoop, read_ahead: list) -> None:
+    """Close an on-demand iterator's loop, after cancelling the reads its read-ahead still has pending."""
+    pending = read_ahead[0].close() if read_ahead and read_ahead[0] is not None else []
+    if pending and not loop.is_closed() and not loop.is_running():
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.close()
+
+
 class DataLoaderIterator(Iterator[Batch[T]]):
     """Yields ``Batch`` objects strictly in step order; see the module docstring.
 
@@ -541,12 +588,15 @@ class DataLoaderIterator(Iterator[Batch[T]]):
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._prefetcher: _Prefetcher | None = None
+        # The on-demand iterator's read-ahead, made at the first step (once the end is known); in a list
+        # that the finalizer holds, so that it does not hold the iterator.
+        self._read_ahead: list[ReadAhead | None] = []
         if loader.prefetch_depth > 0:
             self._prefetcher = _Prefetcher(loader, start, end)
             self._finalizer = weakref.finalize(self, self._prefetcher.close)
         else:
             self._loop = asyncio.new_event_loop()
-            self._finalizer = weakref.finalize(self, self._loop.close)
+            self._finalizer = weakref.finalize(self, _close_loop, self._loop, self._read_ahead)
 
     def _fail(self, step: int, exc: BaseException) -> RuntimeError:
         if isinstance(exc, DataLoadError):
@@ -565,7 +615,9 @@ class DataLoaderIterator(Iterator[Batch[T]]):
             bound = self._limit if end is None else (end if self._limit is None else min(end, self._limit))
             if bound is not None and step >= bound:
                 return None, 0.0
-            batch = self._loop.run_until_complete(self.loader.fetch(step))
+            if not self._read_ahead:
+                self._read_ahead.append(self.loader.read_ahead(step, bound))
+            batch = self._loop.run_until_complete(self.loader.fetch(step, self._read_ahead[0]))
         except DatasetExhausted:
             return None, 0.0
         except Exception as e:  # noqa: BLE001 -- re-raised with the step
@@ -597,8 +649,7 @@ class DataLoaderIterator(Iterator[Batch[T]]):
             raise AssertionError(f"loader produced step {batch.step} where {self.next_step} was due")
         self.wait_seconds[batch.step] = waited
         self.next_step += 1
-        return Batch(step=batch.step, global_offset=batch.global_offset, batch_size=batch.batch_size,
-                     data=batch.data, wait_seconds=waited)
+        return dataclasses.replace(batch, wait_seconds=waited)
 
     def close(self) -> None:
         """Stop background work; safe to call more than once. Later ``next()`` calls stop iteration."""

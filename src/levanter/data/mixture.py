@@ -46,10 +46,9 @@ import dataclasses
 import functools
 import math
 import numbers
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import jax
 import numpy as np
@@ -58,6 +57,8 @@ from ..schedule import BatchSchedule, StepSchedule
 from ._prp import permute_many, seed_from_key
 from .dataset import AsyncDataset, DatasetExhausted, PermutationDataset, ReadPlan, StackedBatch, as_index_array
 from .mixture_layout import MixtureLayout, largest_remainder_counts
+
+__all__ = ["STOP_STRATEGIES", "MixtureDataset", "largest_remainder_counts", "stage_schedule"]
 
 T = TypeVar("T")
 

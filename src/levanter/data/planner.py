@@ -14,7 +14,7 @@ answers, without reading any data and without iterating batches:
   token window of the source's cache that is actually read) -- :func:`dump_rows`.
 
 Everything is computed from the index maps the datasets themselves use: the mixture's per-stage
-counts (``_drawn_in_stage``), ``global_index_of_draw`` and ``source_indices``; the schedule's
+counts (``drawn_in_stage``), ``global_index_of_draw`` and ``source_indices``; the schedule's
 ``find_step_containing_offset``; and each shuffle wrapper's own map (a ``PermutationDataset``'s Feistel
 permutation, ``BlockShufflingDataset.inner_indices``). Nothing is re-derived here, so the plan cannot
 drift from what training reads. The summary costs O(#stages x #schedule segments x #sources) whatever
@@ -186,7 +186,7 @@ def plan_data(train_set: AsyncDataset, schedule: BatchSchedule, num_steps: int, 
             drawn = [0] * len(names)
             last = None
         elif mixture is not None:
-            drawn = [int(x) for x in mixture._drawn_in_stage(j, hi)]
+            drawn = [int(x) for x in mixture.drawn_in_stage(j, hi)]
             last = hi - 1
         else:
             drawn = [schedule.global_data_offset_by_step(hi)]
@@ -333,7 +333,7 @@ async def _store_rows(dataset: AsyncDataset, indices: np.ndarray) -> tuple[Token
     ds, idx = dataset, np.asarray(indices, dtype=np.int64)
     while not isinstance(ds, TokenSeqDataset):
         if isinstance(ds, PermutationDataset):
-            idx = (await ds._permutation())(idx)
+            idx = (await ds.permutation())(idx)
         elif isinstance(ds, BlockShufflingDataset):
             idx = ds.inner_indices(idx, await ds.dataset.async_len())
         elif not isinstance(ds, _IDENTITY_WRAPPERS):
