@@ -263,9 +263,9 @@ def _init_compile_options(mesh) -> dict:
     On CPU, XLA's LLVM pipeline spends seconds optimising the random-number code of a small model's init
     (threefry rounds and the normal transform for every parameter), to run it once in milliseconds; at
     backend optimisation level 0 it compiles several times faster (docs/performance.md). The values are
-    deterministic either way, but not
-    bit-identical between the two levels (LLVM compiles the float code of the normal transform
-    differently), so the level is fixed here for every CPU run. Accelerators keep their defaults: their
+    deterministic either way, but not bit-identical between the two levels (LLVM compiles the float
+    code of the normal transform differently), so the level is fixed here for every CPU run.
+    Accelerators keep their defaults: their
     init is not this slow to compile, and large models' init is worth optimising.
     """
     if all(d.platform == "cpu" for d in np.asarray(mesh.devices).flat):
