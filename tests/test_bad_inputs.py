@@ -200,19 +200,19 @@ def free_port() -> int:
 
 
 def disk_full(mp: pytest.MonkeyPatch) -> None:
-    import levanter.checkpoint as ckpt
+    import levanter.checkpoint.serialization as ckpt
 
-    async def no_space(root, item):
+    async def no_space(root, item, process_index):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(root, item.record["name"]))
 
-    mp.setattr(ckpt, "_write_leaf", no_space)
+    mp.setattr(ckpt, "write_leaf", no_space)
 
 
 def disk_full_tensorstore(mp: pytest.MonkeyPatch) -> None:
     """A full disk as tensorstore reports it: a ValueError whose text carries the errno."""
-    import levanter.checkpoint as ckpt
+    import levanter.checkpoint.serialization as ckpt
 
-    async def no_space(root, item):
+    async def no_space(root, item, process_index):
         chunk = os.path.join(root, item.record["name"], "c", "0", "0")
         raise ValueError(
             f'RESOURCE_EXHAUSTED: Error writing local file "{chunk}": Failed writing: "{chunk}.__lock": Failed to '
@@ -221,7 +221,7 @@ def disk_full_tensorstore(mp: pytest.MonkeyPatch) -> None:
             f'{{\"driver\":\"file\",\"path\":\"{root}\"}}}}\']'
         )
 
-    mp.setattr(ckpt, "_write_leaf", no_space)
+    mp.setattr(ckpt, "write_leaf", no_space)
 
 
 def metrics_disk_full(mp: pytest.MonkeyPatch) -> None:

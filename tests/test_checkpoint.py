@@ -27,11 +27,10 @@ from levanter.checkpoint import (
     delete_stale_temporaries,
     discover_latest_checkpoint,
     load_checkpoint,
-    parse_timedelta,
     read_checkpoint_metadata,
     save_checkpoint,
 )
-from levanter.config import ConfigError, parse_config
+from levanter.config import ConfigError, parse_config, parse_timedelta
 
 
 class Mlp(eqx.Module):
@@ -543,14 +542,14 @@ def test_a_full_disk_during_a_save_is_out_of_space_and_commits_nothing(tmp_path)
 def test_tensorstore_io_errors_are_reported_without_the_spec_dump():
     """A storage error that is not a full disk is reported by tensorstore's first clause (the text of a
     real one: a chunk directory blocked by a regular file), not by the spec and source locations."""
-    from levanter.checkpoint import _io_error_text
+    from levanter.checkpoint.serialization import io_error_text
 
     ts_error = ValueError("FAILED_PRECONDITION: Error writing local file \"/x/c/0\": Not a directory "
                           "[os_error_code='20'] [tensorstore_spec='{\"driver\": \"zarr3\"}']")
     expected = ("FAILED_PRECONDITION: Error writing local file \"/x/c/0\": Not a directory "
                 "[os_error_code='20']")
-    assert _io_error_text(ts_error) == expected
-    assert _io_error_text(ValueError("shape mismatch")) is None
+    assert io_error_text(ts_error) == expected
+    assert io_error_text(ValueError("shape mismatch")) is None
 
 
 def test_unreadable_checkpoints_are_step_dirs_with_data_but_no_metadata(tmp_path):

@@ -14,11 +14,11 @@ import time
 
 import pytest
 
-from levanter.run_lock import LOCK_FILENAME, RunLockedError, acquire_run_lock
+from levanter.checkpoint.run_lock import LOCK_FILENAME, RunLockedError, acquire_run_lock
 
 HOLDER = """
 import sys
-from levanter.run_lock import acquire_run_lock
+from levanter.checkpoint.run_lock import acquire_run_lock
 lock = acquire_run_lock(sys.argv[1], "r")
 print("held", flush=True)
 sys.stdin.read()  # hold until the test closes stdin (or kills this process)
@@ -54,7 +54,7 @@ def test_a_held_lock_refuses_a_second_start_then_a_killed_holder_is_taken_over(t
         holder.wait()
     # SIGKILL: no chance to release. Its host is this one and its pid is gone: the lock is stale.
     assert (run_dir / LOCK_FILENAME).exists()
-    with caplog.at_level("WARNING", logger="levanter.run_lock"):
+    with caplog.at_level("WARNING", logger="levanter.checkpoint.run_lock"):
         lock = acquire_run_lock(str(run_dir), "r")
     assert "taking over" in caplog.text and f"pid {holder.pid}" in caplog.text
     assert json.loads((run_dir / LOCK_FILENAME).read_text())["pid"] == os.getpid()
@@ -107,7 +107,7 @@ def test_a_reused_pid_or_another_boot_makes_the_lock_stale(tmp_path):
 
 
 def test_a_lock_without_a_heartbeat_is_stale_wherever_it_was_taken(tmp_path, monkeypatch):
-    import levanter.run_lock as run_lock
+    import levanter.checkpoint.run_lock as run_lock
 
     write_record(tmp_path, host="node-7", pid=4242, run_id="other")
     lock_file = tmp_path / LOCK_FILENAME

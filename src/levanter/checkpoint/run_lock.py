@@ -328,8 +328,11 @@ def _break_stale(path: str, raw: bytes) -> None:
         os.unlink(aside)
 
 
-def hold_run_lock(run_dir: str, run_id: str) -> RunLock:
-    """:func:`acquire_run_lock` on process 0; every process raises if that failed, none waits forever."""
+def hold_run_lock(run_dir: str, run_id: str, *, process_index: int | None = None) -> RunLock:
+    """:func:`acquire_run_lock` on process 0; every process raises if that failed, none waits forever.
+
+    ``process_index`` is this process's index (default ``jax.process_index()``).
+    """
     import jax
 
     if jax.process_count() == 1:
@@ -337,8 +340,9 @@ def hold_run_lock(run_dir: str, run_id: str) -> RunLock:
     import numpy as np
     from jax.experimental import multihost_utils
 
+    process_index = jax.process_index() if process_index is None else process_index
     lock, failure = RunLock(None, None), None
-    if jax.process_index() == 0:
+    if process_index == 0:
         try:
             lock = acquire_run_lock(run_dir, run_id)
         except BaseException as e:  # noqa: BLE001 -- reported to the others first, then re-raised

@@ -1,0 +1,47 @@
+"""Checkpoints: save a training-state pytree so that it restores bit for bit, and decide when to save.
+
+- :mod:`~levanter.checkpoint.serialization`: the pytree <-> TensorStore format (:func:`save_checkpoint`,
+  :func:`load_checkpoint`): bit-exact, checksummed, finite values only, multi-process.
+- :mod:`~levanter.checkpoint.layout`: the on-disk layout of a run's checkpoints: ``step-N`` directories,
+  ``.tmp-`` temporaries and the atomic commit, ``metadata.json``, discovery of the latest complete one
+  and of damaged ones.
+- :mod:`~levanter.checkpoint.policy`: when to save and what to keep (:class:`CheckpointerConfig`,
+  :class:`Checkpointer`).
+- :mod:`~levanter.checkpoint.run_lock`: one writer per run directory.
+
+Durations in the config (``save_interval: 15m``) are parsed by :func:`levanter.config.parse_timedelta`.
+"""
+
+from levanter.checkpoint.errors import CheckpointMismatchError, CheckpointSaveError, CorruptCheckpointError
+from levanter.checkpoint.layout import (
+    CHECKPOINT_FORMAT_VERSION,
+    METADATA_FILENAME,
+    delete_stale_temporaries,
+    discover_latest_checkpoint,
+    read_checkpoint_metadata,
+    unreadable_checkpoints,
+)
+from levanter.checkpoint.policy import CheckpointInterval, Checkpointer, CheckpointerConfig
+from levanter.checkpoint.run_lock import RunLock, RunLockedError, acquire_run_lock, hold_run_lock
+from levanter.checkpoint.serialization import load_checkpoint, save_checkpoint
+
+__all__ = [
+    "CHECKPOINT_FORMAT_VERSION",
+    "METADATA_FILENAME",
+    "CheckpointInterval",
+    "CheckpointMismatchError",
+    "CheckpointSaveError",
+    "Checkpointer",
+    "CheckpointerConfig",
+    "CorruptCheckpointError",
+    "RunLock",
+    "RunLockedError",
+    "acquire_run_lock",
+    "delete_stale_temporaries",
+    "discover_latest_checkpoint",
+    "hold_run_lock",
+    "load_checkpoint",
+    "read_checkpoint_metadata",
+    "save_checkpoint",
+    "unreadable_checkpoints",
+]

@@ -1,0 +1,296 @@
+"""When to save: the keep/save_interval policy, its config (``trainer.checkpointer``) and the
+:class:`Checkpointer` that applies it.
+
+Permanent checkpoints are taken at the steps the ``keep`` intervals name, plus a temporary one whenever
+``save_interval`` of wall time has passed since the last save. A temporary checkpoint is deleted once a
+newer checkpoint is complete; permanent ones are never deleted. Saves are synchronous;
+:meth:`Checkpointer.wait_until_finished` exists so that an asynchronous version can be swapped in
+without changing callers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+from levanter.checkpoint.errors import CheckpointSaveError
+from levanter.checkpoint.layout import (
+    METADATA_FILENAME,
+    atomic_write_json,
+    delete_stale_temporaries,
+    discover_latest_checkpoint,
+    is_complete,
+    local_path,
+    read_checkpoint_metadata,
+    remove_dir,
+    step_dirs,
+)
+from levanter.checkpoint.serialization import Barrier, save_checkpoint
+from levanter.config import parse_timedelta
+from levanter.errors import is_out_of_space, out_of_space_error
+from levanter.utils.fs import remove_stale_temporaries
+
+__all__ = ["CheckpointInterval", "Checkpointer", "CheckpointerConfig"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckpointInterval:
+    """Keep a permanent checkpoint every ``every`` steps, for steps below ``until`` (None: forever).
+
+    Intervals apply in order: interval ``i`` covers steps from the previous interval's ``until`` up to
+    its own ``until``.
+    """
+
+    every: int
+    until: Optional[int] = None
+
+    def __post_init__(self):
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"trainer.checkpointer.keep: every must be a positive int, got {self.every!r}")
+        if self.until is not None and (isinstance(self.until, bool) or not isinstance(self.until, int)):
+            raise ValueError(f"trainer.checkpointer.keep: until must be an int or null, got {self.until!r}")
+
+
+def _validate_keep(keep: Sequence[CheckpointInterval]) -> list[CheckpointInterval]:
+    keep = list(keep)
+    previous = 0
+    for i, iv in enumerate(keep):
+        if iv.until is None:
+            if i != len(keep) - 1:
+                raise ValueError(
+                    "trainer.checkpointer.keep: only the last interval may have until: null "
+                    f"(interval {i} of {len(keep)} has none)"
+                )
+        elif iv.until <= previous:
+            raise ValueError(
+                f"trainer.checkpointer.keep: until values must increase (interval {i} has until={iv.until} "
+                f"after {previous})"
+            )
+        else:
+            previous = iv.until
+    return keep
+
+
+def _is_permanent_step(keep: Sequence[CheckpointInterval], step: int) -> bool:
+    if step <= 0:
+        return False  # the initial state is reproducible from the config; never worth a checkpoint
+    for iv in keep:
+        if iv.until is None or step < iv.until:
+            return step % iv.every == 0
+    return False
+
+
+@dataclass
+class CheckpointerConfig:
+    """``trainer.checkpointer`` in the config (upstream Levanter's field names)."""
+
+    base_path: str = "checkpoints/"
+    save_interval: datetime.timedelta = datetime.timedelta(minutes=15)
+    """Wall time between temporary checkpoints (YAML: ``15m``, ``30s``, ``1h``, or seconds)."""
+    keep: list[CheckpointInterval] = field(default_factory=lambda: [CheckpointInterval(every=10000)])
+    """Which steps get permanent checkpoints."""
+    append_run_id_to_base_path: bool = True
+    delete_old_temp_checkpoints: bool = True
+    """On startup, schedule temporary checkpoints left by earlier attempts of this run for deletion
+    (they are deleted once a newer checkpoint is complete)."""
+
+    def __post_init__(self):
+        self.save_interval = parse_timedelta(self.save_interval)
+        if self.save_interval.total_seconds() <= 0:
+            raise ValueError(f"trainer.checkpointer.save_interval must be positive, got {self.save_interval}")
+        self.keep = _validate_keep(self.keep)
+
+    def expanded_path(self, run_id: str) -> str:
+        """Where this run's checkpoints go: ``<base_path>/<run_id>`` (or ``base_path`` alone)."""
+        if self.append_run_id_to_base_path:
+            return os.path.join(self.base_path, run_id)
+        return self.base_path
+
+    def validate_writable(self, run_id: str) -> str:
+        """Create the run's checkpoint directory and write/delete a probe file there; returns the path.
+
+        Meant to run before training starts, so a bad path fails in seconds, not at the first save.
+        """
+        local = local_path(self.expanded_path(run_id), "trainer.checkpointer.base_path")
+        probe = os.path.join(local, f".write-probe-{secrets.token_hex(4)}")
+        try:
+            os.makedirs(local, exist_ok=True)
+            with open(probe, "wb") as f:
+                f.write(b"ok")
+            os.unlink(probe)
+        except OSError as e:
+            raise ValueError(
+                f"trainer.checkpointer.base_path={self.base_path!r}: cannot write checkpoints to {local} "
+                f"({e.strerror or e}). Choose a writable directory."
+            ) from None
+        return local
+
+    def create(
+        self,
+        run_id: str,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        barrier: Barrier | None = None,
+        metadata: dict | None = None,
+        process_index: int | None = None,
+    ) -> "Checkpointer":
+        return Checkpointer(
+            self.expanded_path(run_id),
+            save_interval=self.save_interval,
+            keep=self.keep,
+            delete_old_temp_checkpoints=self.delete_old_temp_checkpoints,
+            clock=clock,
+            barrier=barrier,
+            metadata=metadata,
+            process_index=process_index,
+        )
+
+
+class Checkpointer:
+    """Decides when to save and cleans up temporary checkpoints. Every process must call it alike.
+
+    ``clock`` returns seconds (monotonic); tests inject a fake one. ``barrier`` is passed to
+    :func:`save_checkpoint` (``multihost_utils.sync_global_devices`` in multi-process jobs). In a
+    multi-process job the time-based decision is taken by process 0 and broadcast, since host clocks
+    disagree and every process must join the same saves. ``process_index`` is this process's index
+    (default ``jax.process_index()``); process 0 removes leftovers and superseded temporary checkpoints.
+    """
+
+    def __init__(
+        self,
+        base_path: str,
+        *,
+        save_interval: datetime.timedelta | None = datetime.timedelta(minutes=15),
+        keep: Sequence[CheckpointInterval] = (CheckpointInterval(every=10000),),
+        delete_old_temp_checkpoints: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+        barrier: Barrier | None = None,
+        metadata: dict | None = None,
+        process_index: int | None = None,
+    ):
+        self.base_path = local_path(base_path, "trainer.checkpointer.base_path")
+        # Stored in every checkpoint's metadata.json (e.g. the data-schedule record checked on resume).
+        self.metadata = dict(metadata or {})
+        self.save_interval = save_interval
+        self.keep = _validate_keep(keep)
+        self._clock = clock
+        self._barrier = barrier
+        self.process_index = jax.process_index() if process_index is None else process_index
+        self._last_save_time = clock()
+        self._last_saved_step: int | None = None
+        # Temporary checkpoints to delete once a newer checkpoint is complete.
+        self._retire: list[str] = []
+        if self.process_index == 0:
+            delete_stale_temporaries(self.base_path)
+            for _, path in step_dirs(self.base_path):
+                # A kill inside _make_permanent's metadata rewrite leaves a temporary file in the checkpoint.
+                remove_stale_temporaries(path, METADATA_FILENAME)
+        if delete_old_temp_checkpoints:
+            for _, path in step_dirs(self.base_path):
+                if is_complete(path) and self._is_temporary(path):
+                    self._retire.append(path)
+
+    # -- queries -------------------------------------------------------------------------------------
+    def path_for_step(self, step: int) -> str:
+        return os.path.join(self.base_path, f"step-{int(step)}")
+
+    def latest_checkpoint(self) -> str | None:
+        return discover_latest_checkpoint(self.base_path)
+
+    @staticmethod
+    def _is_temporary(path: str) -> bool:
+        try:
+            return bool(read_checkpoint_metadata(path)["is_temporary"])
+        except (OSError, ValueError):
+            return False  # unreadable: not ours to delete
+
+    # -- policy --------------------------------------------------------------------------------------
+    def _agree(self, flag: bool) -> bool:
+        if jax.process_count() == 1:
+            return flag
+        from jax.experimental import multihost_utils
+
+        return bool(multihost_utils.broadcast_one_to_all(np.bool_(flag)))
+
+    def on_step(self, tree: Any, step: int, *, force: bool = False) -> bool:
+        """Save ``tree`` (the state after ``step`` updates) if the policy says so; True if saved.
+
+        Permanent at the ``keep`` steps and when ``force`` is set; temporary when ``save_interval`` has
+        passed since the last save. A step already saved is not saved again.
+        """
+        step = int(step)
+        permanent = force or _is_permanent_step(self.keep, step)
+        if step == self._last_saved_step:
+            if permanent:
+                self._make_permanent(self.path_for_step(step))
+            return False
+        due = False
+        if not permanent and self.save_interval is not None:
+            due = self._clock() - self._last_save_time >= self.save_interval.total_seconds()
+            due = self._agree(due)
+        if not (permanent or due):
+            return False
+        self.save(tree, step, is_temporary=not permanent)
+        return True
+
+    def save(self, tree: Any, step: int, *, is_temporary: bool = False) -> str:
+        """Save now, then delete the temporary checkpoints this one supersedes."""
+        path = self.path_for_step(step)
+        if is_complete(path):
+            # Typically the checkpoint this attempt resumed from. Rewriting it would change nothing.
+            logger.info("checkpoint %s already exists; not saving step %d again", path, step)
+            if path in self._retire:
+                self._retire.remove(path)
+            if not is_temporary:
+                self._make_permanent(path)
+            is_temporary = self._is_temporary(path)
+        else:
+            save_checkpoint(
+                tree,
+                step,
+                path,
+                is_temporary=is_temporary,
+                barrier=self._barrier,
+                metadata=self.metadata,
+                process_index=self.process_index,
+            )
+        self._last_save_time = self._clock()
+        self._last_saved_step = step
+        if self.process_index == 0:
+            for old in self._retire:
+                if old != path and os.path.isdir(old):
+                    logger.info("deleting superseded temporary checkpoint %s", old)
+                    remove_dir(old)
+        self._retire = [path] if is_temporary else []
+        return path
+
+    def _make_permanent(self, path: str) -> None:
+        if path in self._retire:
+            self._retire.remove(path)
+        if self.process_index != 0 or not self._is_temporary(path):
+            return
+        doc = read_checkpoint_metadata(path)
+        doc["is_temporary"] = False
+        try:
+            atomic_write_json(os.path.join(path, METADATA_FILENAME), doc)
+        except OSError as e:  # the old metadata.json is intact: the checkpoint stays a temporary one
+            if is_out_of_space(e):
+                raise out_of_space_error("marking the checkpoint permanent", path) from e
+            raise CheckpointSaveError(
+                f"could not mark the checkpoint {path} permanent: {e.strerror or e}"
+            ) from e
+
+    def wait_until_finished(self) -> None:
+        """Block until pending saves are on disk. Saves are synchronous, so there is nothing to wait for."""
+        return None
