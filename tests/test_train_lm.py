@@ -22,7 +22,7 @@ from levanter.models import Gpt2Config, LlamaConfig
 from levanter.optim import AdamConfig
 from levanter.schedule import ScheduleStep
 from levanter.tracker import JsonConfig
-from levanter.trainer import StepMismatchError, TrainerConfig, check_step
+from levanter.trainer import StepMismatchError, TrainerConfig, check_step, named_batch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -119,6 +119,78 @@ def test_trainer_refuses_a_batch_of_another_step():
     check_step(Batch(step=3, global_offset=24, batch_size=8, data=None), 3)
     with pytest.raises(StepMismatchError, match="batch of step 4 but the trainer is at step 3"):
         check_step(Batch(step=4, global_offset=32, batch_size=8, data=None), 3)
+
+
+def steps_saved(run_dir) -> list:
+    return sorted(os.path.basename(p) for p in glob.glob(os.path.join(run_dir, "step-*")))
+
+
+def test_trainer_train_runs_the_loop_and_its_hooks(tmp_path):
+    """Trainer.train alone, on batches made by hand: hooks see every step in order, evaluations land where
+    is_eval_step says (and at the resumed step), the last step is checkpointed; batches that end early
+    checkpoint the last state and raise DataEndedError; a batch of another step is refused."""
+    import haliax as hax
+
+    from levanter.trainer import DataEndedError, StepReport, Trainer, TrainHooks
+
+    model_cfg = Gpt2Config(hidden_dim=32, num_heads=2, num_layers=1, seq_len=16)
+    vocab = hax.Axis("vocab", 61)
+    ckpt = CheckpointerConfig(base_path=str(tmp_path / "ckpt"), keep=[])
+    tcfg = TrainerConfig(num_train_steps=4, train_batch_size=8, require_accelerator=False, checkpointer=ckpt)
+    trainer = Trainer(tcfg, AdamConfig(learning_rate=1e-2).build(4), train_lm.lm_loss_fn(0.0, 60))
+    rng = np.random.default_rng(0)
+    data = [{"tokens": jax.device_put(rng.integers(0, 61, (8, 16)).astype(np.int32))} for _ in range(4)]
+
+    def batches(steps):
+        return [Batch(step=s, global_offset=8 * s, batch_size=8, data=data[s]) for s in steps]
+
+    class Recorder(TrainHooks):
+        def __init__(self):
+            self.events = []
+
+        def on_step(self, r: StepReport) -> None:
+            assert np.isfinite(r.loss) and np.isfinite(r.grad_norm) and not r.skipped and r.seconds > 0
+            self.events.append(("step", r.step))
+
+        def is_eval_step(self, step: int) -> bool:
+            return step % 2 == 0
+
+        def evaluate(self, model, step: int) -> None:
+            self.events.append(("eval", step))
+
+    def to_named(d):
+        return named_batch(d, model_cfg.Pos)
+
+    def fresh():
+        return trainer.initial_state(lambda k: model_cfg.build(vocab, key=k), key=jax.random.PRNGKey(3))
+
+    hooks = Recorder()
+    state = trainer.train(fresh(), batches(range(4)), to_named=to_named, checkpointer=ckpt.create("full"),
+                          hooks=hooks)
+    assert int(state.step) == 4
+    assert hooks.events == [("step", 0), ("step", 1), ("eval", 2), ("step", 2), ("step", 3), ("eval", 4)]
+    assert steps_saved(tmp_path / "ckpt" / "full") == ["step-4"]
+
+    # Batches that end at step 2 of 4: the state after step 1 is checkpointed, and the run is an error.
+    hooks = Recorder()
+    with pytest.raises(DataEndedError, match="the training data ended at step 2 of trainer.num_train_steps=4"):
+        trainer.train(fresh(), batches(range(2)), to_named=to_named, checkpointer=ckpt.create("mid"), hooks=hooks)
+    assert hooks.events == [("step", 0), ("step", 1), ("eval", 2)]
+    assert steps_saved(tmp_path / "ckpt" / "mid") == ["step-2"]
+
+    # Resumed at step 2 (an eval step): the state as restored is evaluated first, then training goes on
+    # to the same final parameters as the uninterrupted run.
+    restored, path = trainer.maybe_restore(fresh(), "mid")
+    assert path is not None and int(restored.step) == 2
+    hooks = Recorder()
+    resumed = trainer.train(restored, batches(range(2, 4)), to_named=to_named, checkpointer=ckpt.create("mid"),
+                            hooks=hooks)
+    assert hooks.events == [("eval", 2), ("step", 2), ("step", 3), ("eval", 4)]
+    for a, b in zip(jax.tree.leaves(resumed.model), jax.tree.leaves(state.model)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    with pytest.raises(StepMismatchError, match="batch of step 3 but the trainer is at step 0"):
+        trainer.train(fresh(), batches([3]), to_named=to_named, checkpointer=ckpt.create("bad"))
 
 
 def write_yaml(tmp_path, text, name="c.yaml"):
@@ -462,8 +534,8 @@ def test_tokens_only_batches_give_the_same_loss_and_gradients(eos):
     def value_and_grad(m, batch):
         return eqx.filter_value_and_grad(lambda m: loss(m, batch)[0])(m), loss(m, batch)[1]
 
-    full = value_and_grad(model, train_lm._named_batch(causal_lm_columns(tokens, eos), model_cfg.Pos, "batch"))
-    only = value_and_grad(model, train_lm._named_batch({"tokens": tokens}, model_cfg.Pos, "batch"))
+    full = value_and_grad(model, named_batch(causal_lm_columns(tokens, eos), model_cfg.Pos, "batch"))
+    only = value_and_grad(model, named_batch({"tokens": tokens}, model_cfg.Pos, "batch"))
     (full_loss, full_grads), full_count = full
     (only_loss, only_grads), only_count = only
     assert float(full_count) == float(only_count) > 0
@@ -475,7 +547,7 @@ def test_tokens_only_batches_give_the_same_loss_and_gradients(eos):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
     # And the derivation matters: with the EOS id ignored the loss differs (eos=9 only).
     if eos is not None:
-        other = value_and_grad(model, train_lm._named_batch(causal_lm_columns(tokens, None), model_cfg.Pos, "batch"))
+        other = value_and_grad(model, named_batch(causal_lm_columns(tokens, None), model_cfg.Pos, "batch"))
         assert float(other[0][0]) != float(full_loss)
 
 
@@ -505,7 +577,7 @@ def test_flat_dispatch_step_equals_named_jit(model_axis_size, tp):
         assert isinstance(step_fn, _FlatStep)
         call = step_fn if use_flat else step_fn._named
         for data in batches:
-            named = train_lm._named_batch(data, model_cfg.Pos, "batch")
+            named = named_batch(data, model_cfg.Pos, "batch")
             with hax.partitioning.set_mesh(trainer.mesh), hax.axis_mapping(trainer.compute_mapping):
                 state, metrics = call(state, named)
         if use_flat:
@@ -538,7 +610,7 @@ def test_the_train_step_compiles_once_and_keeps_every_dtype(mp):
     rng = np.random.default_rng(0)
     for _ in range(3):
         data = {"tokens": jax.device_put(rng.integers(0, 61, (8, 16)).astype(np.int32))}
-        state, metrics = trainer.train_step(state, train_lm._named_batch(data, model_cfg.Pos, "batch"), 8)
+        state, metrics = trainer.train_step(state, named_batch(data, model_cfg.Pos, "batch"), 8)
         assert np.isfinite(float(metrics["loss"]))
     assert [x.dtype for x in jax.tree.leaves(state)] == dtypes
     assert trainer.compile_count() == 1
@@ -564,7 +636,7 @@ def _zero_gradient_rows_step(eps: float, crash_on_nan: bool = True):
     state = trainer.initial_state(lambda k: model_cfg.build(vocab, key=k), key=jax.random.PRNGKey(3))
     before = [np.array(x) for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_inexact_array))]
     data = {"tokens": jax.device_put(np.random.default_rng(0).integers(0, 10, (8, 16)).astype(np.int32))}
-    state, metrics = trainer.train_step(state, train_lm._named_batch(data, model_cfg.Pos, "batch"), 8)
+    state, metrics = trainer.train_step(state, named_batch(data, model_cfg.Pos, "batch"), 8)
     after = [np.asarray(x) for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_inexact_array))]
     floats = [np.asarray(x) for x in jax.tree.leaves(state)]
     floats = [x for x in floats if np.issubdtype(x.dtype, np.floating)]

@@ -628,6 +628,15 @@ class Trainer:
         return self._stop_requested
 
 
+def named_batch(data, Pos: hax.Axis, batch_axis: str = "batch") -> dict:
+    """The loader's ``{column: [batch, position] array}`` as named arrays, the form a loss takes."""
+
+    def name(x):
+        return hax.named(x, (hax.Axis(batch_axis, x.shape[0]), Pos))
+
+    return {k: name(v) for k, v in data.items()}
+
+
 class DataEndedError(RuntimeError):
     """The training data ran out before ``trainer.num_train_steps``: the run did not do what was asked."""
 
@@ -721,6 +730,7 @@ __all__ = [
     "check_finite",
     "check_step",
     "init_trackers",
+    "named_batch",
     "peak_flops_per_device",
 ]
 

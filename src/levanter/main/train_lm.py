@@ -58,6 +58,7 @@ from levanter.trainer import (
     TrainerConfig,
     TrainHooks,
     init_trackers,
+    named_batch,
     peak_flops_per_device,
 )
 
@@ -263,13 +264,6 @@ def lm_loss_fn(z_loss_weight: float = 0.0, eos_id: int | None = None):
     return loss
 
 
-def _named_batch(data, Pos: hax.Axis, batch_axis: str):
-    def name(x):
-        return hax.named(x, (hax.Axis(batch_axis, x.shape[0]), Pos))
-
-    return {k: name(v) for k, v in data.items()}
-
-
 def run_eval(trainer: Trainer, model, eval_sets: Dict[str, AsyncDataset], config: TrainLmConfig, Pos) -> dict:
     """Token-weighted mean loss per validation source (and over all of them)."""
     tcfg = config.trainer
@@ -280,7 +274,7 @@ def run_eval(trainer: Trainer, model, eval_sets: Dict[str, AsyncDataset], config
         total = count = 0.0
         with loader.iter_from_step(0, tcfg.max_eval_batches) as it:
             for batch in it:
-                t, c = trainer.eval_loss(model, _named_batch(batch.data, Pos, tcfg.batch_axis))
+                t, c = trainer.eval_loss(model, named_batch(batch.data, Pos, tcfg.batch_axis))
                 total += float(t)
                 count += float(c)
         if count:
@@ -422,7 +416,7 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
             tracker.finish()
 
     def to_named(data):
-        return _named_batch(data, Pos, tcfg.batch_axis)
+        return named_batch(data, Pos, tcfg.batch_axis)
 
     try:
         with loader.iter_from_step(start_step, tcfg.num_train_steps) as it:
