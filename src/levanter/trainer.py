@@ -265,8 +265,8 @@ def _init_compile_options(mesh) -> dict:
     backend optimisation level 0 it compiles several times faster (docs/performance.md). The values are
     deterministic either way, but not bit-identical between the two levels (LLVM compiles the float
     code of the normal transform differently), so the level is fixed here for every CPU run.
-    Accelerators keep their defaults: their
-    init is not this slow to compile, and large models' init is worth optimising.
+    Accelerators keep their defaults: their init is not this slow to compile, and large models' init is
+    worth optimising.
     """
     if all(d.platform == "cpu" for d in np.asarray(mesh.devices).flat):
         return {"compiler_options": {"xla_backend_optimization_level": 0}}
