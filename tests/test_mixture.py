@@ -340,7 +340,7 @@ def test_combined_read_equals_reading_each_source(tmp_path, monkeypatch, names):
         return planned
 
     planned = asyncio.run(check())
-    from levanter.data._prp import FeistelPermutation
+    from levanter.data import FeistelPermutation
 
     assert len(permuted) == 20  # the shuffled sources' permutations: one pass per step
     if "mapped" in names:

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from levanter.data._prp import FeistelPermutation, derive_seed, permute_many, seed_from_key
+from levanter.data import FeistelPermutation, derive_seed, permute_many, seed_from_key
 
 
 @pytest.mark.parametrize("n", list(range(1, 70)) + [1000, 4096, 4097])
