@@ -298,6 +298,11 @@ def test_next_token_loss_matches_numpy():
     named = (hax.named(logits, (B, P, V)), hax.named(tokens, (B, P)), hax.named(mask, (B, P)))
     assert float(next_token_loss(*named)) == pytest.approx(expected, rel=1e-5)
     assert float(next_token_loss(*named, reduction="sum")) == pytest.approx(np.sum(terms), rel=1e-5)
+    # sum_and_count: the sum and the number of counted positions (what a trainer divides by over a step)
+    total, count = next_token_loss(*named, reduction="sum_and_count")
+    assert float(count) == len(terms) == 6 and float(total) == float(next_token_loss(*named, reduction="sum"))
+    with pytest.raises(ValueError, match="reduction must be"):
+        next_token_loss(*named, reduction="average")
     per_pos = next_token_loss(*named, reduction=None)
     assert per_pos.axes == (B, P) and float(per_pos.array[0, 4]) == 0.0  # last position never counts
     # a float mask means the same as its boolean version; bfloat16 logits are upcast
