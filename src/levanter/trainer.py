@@ -3,7 +3,9 @@
 The loop is where the fork's promise is enforced: the data loader is a component handed to the trainer,
 it yields batches tagged with their step, and the trainer refuses (loudly) a batch whose step differs
 from the number of updates its state has made. Resume is a pure function of the step: the state comes
-from the latest complete checkpoint and the loader restarts at ``state.step``.
+from the latest complete checkpoint and the loader restarts at ``state.step``. An entry point calls
+``Trainer.train(state, batches, to_named=..., checkpointer=..., hooks=...)`` and does its logging and
+evaluation in the :class:`TrainHooks`; the loop itself owns the checks, checkpoints and exit paths.
 
 Gradient accumulation (``per_device_parallelism``) splits the step's batch into microbatches *inside*
 the compiled step; it never changes which indices a step reads. The loss is a token-weighted mean over

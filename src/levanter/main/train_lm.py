@@ -1,9 +1,9 @@
 """Train a causal language model: ``python -m levanter.main.train_lm --config_path config/gpt2_nano.yaml``.
 
 ``main(config)`` is a plain function (tests call it directly). It validates the whole config before any
-expensive work, builds (or finds) the token caches, initialises or restores the state, and runs the
-step loop: the loader yields batches tagged with their step, the trainer checks the tag, logs the
-metrics and checkpoints. Re-running the same command with the same ``trainer.id`` resumes from the
+expensive work, builds (or finds) the token caches, initialises or restores the state, and hands the
+loader's batches (tagged with their step) to :meth:`levanter.trainer.Trainer.train`, which checks the
+tags and checkpoints; the hooks given to it log the metrics and evaluate. Re-running the same command with the same ``trainer.id`` resumes from the
 latest complete checkpoint and reproduces the same data and losses.
 
 A run either does what its config asks or fails: besides the values themselves, it refuses up front a
