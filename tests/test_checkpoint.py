@@ -552,6 +552,23 @@ def test_tensorstore_io_errors_are_reported_without_the_spec_dump():
     assert io_error_text(ValueError("shape mismatch")) is None
 
 
+def test_the_process_index_handed_in_decides_who_writes_host_values_commits_and_cleans_up(tmp_path):
+    from levanter.checkpoint import Checkpointer
+
+    # Another process writes only its own device shards: a tree of host values leaves it nothing to write,
+    # and only process 0 writes metadata.json and commits.
+    save_checkpoint({"x": np.arange(3.0)}, 1, str(tmp_path / "step-1"), process_index=1)
+    assert os.listdir(tmp_path) == []
+    save_checkpoint({"x": np.arange(3.0)}, 1, str(tmp_path / "step-1"), process_index=0)
+    assert discover_latest_checkpoint(str(tmp_path)) == str(tmp_path / "step-1")
+
+    os.makedirs(tmp_path / ".tmp-step-3-abcd" / "x")  # an interrupted save
+    Checkpointer(str(tmp_path), process_index=1)
+    assert sorted(os.listdir(tmp_path)) == [".tmp-step-3-abcd", "step-1"]
+    Checkpointer(str(tmp_path), process_index=0)
+    assert os.listdir(tmp_path) == ["step-1"]
+
+
 def test_unreadable_checkpoints_are_step_dirs_with_data_but_no_metadata(tmp_path):
     from levanter.checkpoint import unreadable_checkpoints
 

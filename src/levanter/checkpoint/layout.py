@@ -59,6 +59,7 @@ _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def local_path(path: str | os.PathLike, what: str = "checkpoint path") -> str:
+    """``path`` as an absolute local path (``file://`` accepted); ``what`` names it in the error for a URL."""
     path = os.fspath(path)
     if path.startswith("file://"):
         path = path[len("file://") :]
@@ -72,11 +73,13 @@ def local_path(path: str | os.PathLike, what: str = "checkpoint path") -> str:
 
 
 def atomic_write_json(path: str, obj: Any) -> None:
+    """Replace ``path`` with ``obj`` as JSON, all or nothing (NaN and infinity refused)."""
     text = json.dumps(obj, indent=1, sort_keys=True, ensure_ascii=False, allow_nan=False) + "\n"
     atomic_write_bytes(path, text.encode())
 
 
 def is_complete(path: str) -> bool:
+    """Whether ``path`` is a committed checkpoint (it holds ``metadata.json``)."""
     return os.path.isfile(os.path.join(path, METADATA_FILENAME))
 
 
@@ -87,6 +90,7 @@ def remove_dir(path: str) -> None:
     os.rename(path, doomed)
     fsync_dir(parent)
     shutil.rmtree(doomed)
+
 
 # ---------------------------------------------------------------------------------------------------
 # Metadata
@@ -130,12 +134,14 @@ def read_checkpoint_metadata(checkpoint_path: str) -> dict:
             raise fail(f"malformed leaf entry {rec!r} in {METADATA_FILENAME}")
     return doc
 
+
 # ---------------------------------------------------------------------------------------------------
 # Discovery and cleanup
 # ---------------------------------------------------------------------------------------------------
 
 
 def step_dirs(base: str) -> list[tuple[int, str]]:
+    """``(N, path)`` of every ``step-N`` directory under ``base``, complete or not, by ascending N."""
     try:
         entries = os.listdir(base)
     except (FileNotFoundError, NotADirectoryError):

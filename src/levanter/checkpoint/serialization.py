@@ -88,6 +88,7 @@ Barrier = Callable[[str], None]
 def _no_barrier(name: str) -> None:
     return None
 
+
 # ---------------------------------------------------------------------------------------------------
 # Leaves and their names
 # ---------------------------------------------------------------------------------------------------
@@ -140,6 +141,7 @@ def _leaf_name(path: tuple) -> str:
 def _shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:
     return tuple(int(d) for d in np.shape(x)), x.dtype
 
+
 # ---------------------------------------------------------------------------------------------------
 # Running the asynchronous reads and writes
 # ---------------------------------------------------------------------------------------------------
@@ -163,6 +165,7 @@ def _run(coro):
         return asyncio.run(coro)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, coro).result()
+
 
 # ---------------------------------------------------------------------------------------------------
 # TensorStore specs
@@ -232,6 +235,7 @@ class _ByteLimiter:
         async with self._cv:
             self._available += n
             self._cv.notify_all()
+
 
 # ---------------------------------------------------------------------------------------------------
 # Save
@@ -467,6 +471,7 @@ def save_checkpoint(
         time.perf_counter() - started,
     )
     return final
+
 
 # ---------------------------------------------------------------------------------------------------
 # Load
