@@ -69,7 +69,8 @@ def test_round_trip_every_format(tmp_path, suffix):
     docs = make_docs(300)
     shards = write_shards(str(tmp_path), docs, suffix=suffix)
     tok = ByteTokenizer()
-    cache = build_or_load_cache(shards, str(tmp_path / "cache"), tok, options=CacheOptions(1, 64), progress=False)
+    cache = build_or_load_cache(shards, str(tmp_path / "cache"), tok, options=CacheOptions(1, 64),
+                                progress=False)
     rows = all_rows(cache)
     assert len(rows) == len(docs)
     for doc, row in zip(docs, rows):
@@ -85,7 +86,8 @@ def test_round_trip_txt_and_bpe(tmp_path):
         paths.append(str(p))
     tok = train_bpe(make_docs(500, seed=2), 300, str(tmp_path / "tok"))
     shards = expand_urls([str(tmp_path / "doc*.txt")])
-    cache = build_or_load_cache(shards, str(tmp_path / "cache"), tok, options=CacheOptions(1, 7), progress=False)
+    cache = build_or_load_cache(shards, str(tmp_path / "cache"), tok, options=CacheOptions(1, 7),
+                                progress=False)
     rows = all_rows(cache)
     assert [r.tolist() for r in rows] == [ids + [tok.eos_token_id] for ids in tok.encode_batch(docs)]
     assert cache.eos_id == tok.eos_token_id
@@ -109,7 +111,8 @@ def test_same_cache_for_1_2_and_4_workers(tmp_path):
     trees = {}
     for w in (1, 2, 4):
         d = tmp_path / f"cache{w}"
-        build_or_load_cache(shards, str(d), tok, options=CacheOptions(w, 37, min_bytes_for_pool=0), progress=False)
+        build_or_load_cache(shards, str(d), tok, options=CacheOptions(w, 37, min_bytes_for_pool=0),
+                            progress=False)
         trees[w] = tree_bytes(d)
     assert trees[1] == trees[2] == trees[4]
     assert any(k.startswith("input_ids") for k in trees[1])
@@ -132,7 +135,8 @@ def run_build(script, out, shards, kill_at=None):
     env.pop("LEVANTER_FAULT_KILL_AT", None)
     if kill_at:
         env["LEVANTER_FAULT_KILL_AT"] = kill_at
-    return subprocess.run([sys.executable, str(script), str(out), *shards], env=env, capture_output=True, text=True)
+    return subprocess.run([sys.executable, str(script), str(out), *shards], env=env, capture_output=True,
+                          text=True)
 
 
 def test_sigkill_at_several_points_then_resume_is_byte_identical(tmp_path):
@@ -204,7 +208,8 @@ def test_bad_documents_are_named(tmp_path):
     p = tmp_path / "bad.jsonl"
     p.write_text('{"text": "fine"}\n{"text": 12}\n', encoding="utf-8")
     with pytest.raises(SourceError, match=r"bad\.jsonl, line 2: expected text"):
-        build_or_load_cache([str(p)], str(tmp_path / "c"), ByteTokenizer(), options=CacheOptions(1, 16), progress=False)
+        build_or_load_cache([str(p)], str(tmp_path / "c"), ByteTokenizer(), options=CacheOptions(1, 16),
+                            progress=False)
 
 
 def test_passthrough_reads_token_ids_and_checks_range(tmp_path):
@@ -490,3 +495,30 @@ def test_sigkill_of_a_build_takes_its_tokenizer_workers_with_it(tmp_path):
         for w in workers:
             if _alive(w):
                 os.kill(w, signal.SIGKILL)
+
+
+# -- the ingest package ----------------------------------------------------------------------------------
+def test_tokenizer_workers_import_neither_tensorstore_nor_jax():
+    # Every spawned worker imports these two modules (and the package around them) afresh: anything
+    # heavier is paid once per worker on every build.
+    code = (
+        "import sys, levanter.ingest.tokenize_worker, levanter.ingest.tokenization\n"
+        "heavy = ('tensorstore', 'jax', 'levanter.store', 'levanter.data')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_ingest_exports_every_public_name_it_lists():
+    import levanter.ingest as ingest
+    from levanter.ingest import build, sources, tokenization
+
+    wanted = {"build_or_load_cache", "CacheOptions", "SourceError", "load_tokenizer", "expand_urls"}
+    assert wanted <= set(ingest.__all__)
+    for name in ingest.__all__:
+        assert getattr(ingest, name) is not None
+    assert ingest.build_or_load_cache is build.build_or_load_cache
+    assert ingest.iter_documents is sources.iter_documents and ingest.Tokenizer is tokenization.Tokenizer
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        ingest.nothing_here

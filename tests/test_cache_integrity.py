@@ -9,8 +9,7 @@ import pytest
 
 from levanter.data.loader import DataLoader, DataLoadError
 from levanter.data.text import CausalLmDataset, TokenSeqDataset
-from levanter.store.jagged_array import JaggedArrayStore
-from levanter.store.ledger import LEDGER_FILENAME
+from levanter.store import LEDGER_FILENAME, JaggedArrayStore
 
 VOCAB = 257
 
@@ -30,7 +29,8 @@ def test_ids_outside_the_vocabulary_are_refused_naming_the_cache(tmp_path):
     tokens[16 * 21 + 5] = 70_000  # window 21
     cache, store = make_cache(tmp_path, tokens)
     ds = TokenSeqDataset(store, 16, vocab_size=VOCAB)
-    np.testing.assert_array_equal(asyncio.run(ds.get_batch(0, [0, 1, 20])), tokens.reshape(-1, 16)[[0, 1, 20]])
+    got = asyncio.run(ds.get_batch(0, [0, 1, 20]))
+    np.testing.assert_array_equal(got, tokens.reshape(-1, 16)[[0, 1, 20]])
     with pytest.raises(ValueError) as info:
         asyncio.run(ds.get_batch(0, [3, 21]))
     assert str(info.value) == (
@@ -49,7 +49,8 @@ def test_a_mixture_of_planned_reads_checks_every_window(tmp_path, prefetch):
     tokens[16 * 150] = -3
     _, store = make_cache(tmp_path, tokens)
     source = CausalLmDataset(TokenSeqDataset(store, 16, vocab_size=VOCAB), eos_id=256, tokens_only=True)
-    mixture = MixtureDataset({"a": source}, {"a": 1.0}, batch_schedule=8, key=0, stop_strategy="first_exhausted")
+    mixture = MixtureDataset({"a": source}, {"a": 1.0}, batch_schedule=8, key=0,
+                             stop_strategy="first_exhausted")
     loader = DataLoader(mixture, 8, prefetch_depth=prefetch)
     seen = []
     with pytest.raises(DataLoadError, match=r"token id -3, outside the vocabulary \[0, 257\)") as info:

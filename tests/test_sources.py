@@ -30,7 +30,8 @@ def shards(tmp_path):
     out["gz"] = tmp_path / "a.jsonl.gz"
     import zstandard
 
-    (tmp_path / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress((tmp_path / "a.jsonl").read_bytes()))
+    plain = (tmp_path / "a.jsonl").read_bytes()
+    (tmp_path / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(plain))
     out["zst"] = tmp_path / "a.jsonl.zst"
     import pyarrow as pa
     import pyarrow.parquet as pq

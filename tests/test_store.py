@@ -404,7 +404,8 @@ def test_new_stores_checksum_every_chunk(tmp_path, codec, chain):
     _flip_byte(victim)
     # The checksum is verified as the chunk streams through the codecs: a compressed chunk may fail to
     # decompress first (FAILED_PRECONDITION). Either way the read fails and the chunk counts as corrupt.
-    with pytest.raises(ValueError, match="DATA_LOSS" if codec is None else "DATA_LOSS|FAILED_PRECONDITION") as info:
+    expected = "DATA_LOSS" if codec is None else "DATA_LOSS|FAILED_PRECONDITION"
+    with pytest.raises(ValueError, match=expected) as info:
         store.read_windows_sync([32], 16)
     fault = storage_fault(info.value)
     assert fault.chunk == victim and fault.damaged and fault.cache == str(tmp_path / "s")
@@ -440,7 +441,8 @@ def test_stores_written_without_checksums_still_read_and_append(tmp_path):
     grown = JaggedArrayStore.open(tmp_path / "old", mode="a", num_rows=30)
     grown.append([np.arange(7)])
     grown.finalize()
-    assert [c["name"] for c in json.load(open(tmp_path / "old" / "data" / "zarr.json"))["codecs"]] == ["bytes"]
+    codecs = json.load(open(tmp_path / "old" / "data" / "zarr.json"))["codecs"]
+    assert [c["name"] for c in codecs] == ["bytes"]
     (last,) = JaggedArrayStore.open(tmp_path / "old", mode="r").read_rows_sync([30])
     np.testing.assert_array_equal(last, np.arange(7))
 
@@ -474,7 +476,8 @@ def test_a_damaged_store_is_refused_at_open_naming_the_cache(tmp_path, damage, w
     damage(store)
     with pytest.raises(DamagedStoreError) as info:
         JaggedArrayStore.open(store, mode="r", num_rows=40)
-    assert str(info.value) == f"the cache at {cache} is damaged ({what.format(s=store)}); delete it to rebuild"
+    described = what.format(s=store)
+    assert str(info.value) == f"the cache at {cache} is damaged ({described}); delete it to rebuild"
     assert isinstance(info.value, ValueError)  # a user-fixable input: the CLIs exit with 2
 
 

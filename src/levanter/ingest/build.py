@@ -118,8 +118,8 @@ def _check_metadata(cache_dir: str, found: dict, wanted: dict) -> None:
         pairs = [(k, *_differing(found.get(k), wanted.get(k))) for k in diffs]
         detail = "; ".join(f"{k}: cache has {a!r}, config asks for {b!r}" for k, a, b in pairs)
         raise CacheMismatchError(
-            f"the cache at {cache_dir!r} was built with different settings ({detail}). Use another cache_dir, "
-            "or delete this one to rebuild it."
+            f"the cache at {cache_dir!r} was built with different settings ({detail}). Use another "
+            "cache_dir, or delete this one to rebuild it."
         )
 
 

@@ -62,7 +62,8 @@ def _brace_alternatives(body: str) -> list[str]:
     if m is None:
         return body.split(",")
     lo, hi = int(m.group(1)), int(m.group(2))
-    width = max(len(m.group(1)), len(m.group(2))) if m.group(1).startswith("0") or m.group(2).startswith("0") else 0
+    padded = m.group(1).startswith("0") or m.group(2).startswith("0")
+    width = max(len(m.group(1)), len(m.group(2))) if padded else 0
     step = 1 if hi >= lo else -1
     return [str(i).zfill(width) for i in range(lo, hi + step, step)]
 
@@ -134,7 +135,9 @@ def expand_urls(
 
             check_embedded_url(url, what=what)
             if embedded_dir is None:
-                raise SourceError(f"{what}: {url!r} needs a cache_dir to materialise the embedded corpus into")
+                raise SourceError(
+                    f"{what}: {url!r} needs a cache_dir to materialise the embedded corpus into"
+                )
             shards.append(resolve_embedded_url(url, embedded_dir))
             continue
         for pattern in expand_braces(url):
@@ -364,7 +367,8 @@ def iter_located_documents(path: str, *, text_key: str = "text") -> Iterator[tup
                     )
                 if text_key not in obj:
                     raise SourceError(
-                        f"{path}, line {lineno}: no key {text_key!r} (text_key); keys present: {sorted(obj)[:10]}"
+                        f"{path}, line {lineno}: no key {text_key!r} (text_key); keys present: "
+                        f"{sorted(obj)[:10]}"
                     )
                 yield f"line {lineno}", obj[text_key]
     elif fmt == "parquet":

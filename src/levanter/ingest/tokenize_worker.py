@@ -78,7 +78,8 @@ def encode(
     if getattr(tokenizer, "name", None) == "passthrough":
         rows = []
         for k, doc in enumerate(docs):
-            if not isinstance(doc, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in doc):
+            ids = isinstance(doc, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in doc)
+            if not ids:
                 raise SourceError(
                     f"{shard}, {where[k]}: the passthrough tokenizer expects a list of token ids"
                 )

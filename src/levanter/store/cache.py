@@ -39,6 +39,10 @@ class TokenCache:
         if ledger is None:
             raise FileNotFoundError(f"no token cache at {cache_dir!r} (missing shard_ledger.json)")
         if not ledger.is_finished:
-            raise ValueError(f"the token cache at {cache_dir!r} is unfinished; rerun the build to complete it")
-        store = JaggedArrayStore.open(os.path.join(cache_dir, "input_ids"), mode="r", num_rows=ledger.total_rows)
+            raise ValueError(
+                f"the token cache at {cache_dir!r} is unfinished; rerun the build to complete it"
+            )
+        store = JaggedArrayStore.open(
+            os.path.join(cache_dir, "input_ids"), mode="r", num_rows=ledger.total_rows
+        )
         return TokenCache(cache_dir, store, ledger)

@@ -31,8 +31,9 @@ Arrays created here end their codec chain with zarr3's ``crc32c``, so a flipped 
 array's ``zarr.json``). Opening a store with a committed row count (to read or to append) checks that
 every chunk the committed rows need is there (one directory listing per array on local disk), so a
 damaged cache is refused before training starts, and a resumed build never writes into a hole (a write
-into a missing chunk would fill the rest of it with zeros). :func:`storage_fault` reads tensorstore's error text (status code, chunk
-file) for the loader, which retries what may pass and names the damaged cache otherwise.
+into a missing chunk would fill the rest of it with zeros). :func:`storage_fault` reads tensorstore's
+error text (status code, chunk file) for the loader, which retries what may pass and names the damaged
+cache otherwise.
 
 Trade-off: chunks are not compressed by default. A random window decodes a whole chunk, and on local
 disk that costs more than the bytes saved (docs/performance.md). ``codec="zstd"`` is there for remote
@@ -247,7 +248,8 @@ def _check_chunks(path: str, name: str, arr: ts.TensorStore, size: int) -> None:
         shown = ", ".join(os.path.join(chunk_dir, str(k)) for k in missing[:3])
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         plural = len(missing) > 1
-        raise _damaged(path, f"chunk file{'s' if plural else ''} {shown}{more} {'are' if plural else 'is'} missing")
+        files, verb = ("chunk files", "are") if plural else ("chunk file", "is")
+        raise _damaged(path, f"{files} {shown}{more} {verb} missing")
 
 
 # -- storage errors ----------------------------------------------------------------------------------
@@ -420,8 +422,9 @@ class JaggedArrayStore:
             return cls._create(path, want or np.dtype(np.int32), data_chunk, offsets_chunk, codec, checksum)
         # A read-only store with committed rows is a cache that must be whole: damage is reported as such.
         strict = mode == "r" and num_rows is not None
-        data = _open_array(_kvstore(path, "data"), context=_CONTEXT, store_path=path if strict else None)
-        offsets = _open_array(_kvstore(path, "offsets"), context=_CONTEXT, store_path=path if strict else None)
+        store_path = path if strict else None
+        data = _open_array(_kvstore(path, "data"), context=_CONTEXT, store_path=store_path)
+        offsets = _open_array(_kvstore(path, "offsets"), context=_CONTEXT, store_path=store_path)
         half_created = data is None or offsets is None or _length(offsets) < 1
         if mode == "a" and num_rows == 0 and half_created:
             # Nothing committed and a writer died while creating the arrays: start afresh.
@@ -613,7 +616,9 @@ class JaggedArrayStore:
         flat = np.asarray(flat)
         lengths = np.asarray(lengths, dtype=np.int64)
         if lengths.ndim != 1 or (lengths < 0).any() or int(lengths.sum()) != flat.size:
-            raise ValueError(f"append_flat: lengths (sum {int(lengths.sum())}) do not match {flat.size} values")
+            raise ValueError(
+                f"append_flat: lengths (sum {int(lengths.sum())}) do not match {flat.size} values"
+            )
         futures, new_rows, new_size = self._issue(flat.astype(self.dtype, copy=False).ravel(), lengths)
         for f in futures:
             f.result()
