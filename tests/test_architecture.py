@@ -3,7 +3,8 @@
 Every module under ``src/levanter`` is parsed and every import in it is checked, including imports
 inside functions and under ``TYPE_CHECKING``: a lazy import is still a dependency. Relative imports are
 resolved against the importing module, and ``from package import name`` counts as an import of
-``package.name`` when that is a module.
+``package.name``. Private names stay where they are defined: no import of another module's ``_name``
+(a ``_module`` only from inside its package), and no ``obj._name`` whose module does not define it.
 """
 
 from __future__ import annotations
@@ -102,6 +103,36 @@ def violations(
     return found
 
 
+# Private-looking attributes of other libraries used on purpose: ``os._exit`` (documented; a worker
+# process must exit without running its parent's exit handlers).
+FOREIGN_PRIVATE_ATTRIBUTES = frozenset({"_exit"})
+
+
+def private_attribute_uses(module: str, source: str) -> list[str]:
+    """Every ``obj._name`` in ``source`` where ``_name`` is defined nowhere in the module.
+
+    A module may use the private attributes it defines (on ``self`` or on objects of its own classes);
+    one it does not define belongs to another module, which it is reaching into.
+    """
+    tree = ast.parse(source)
+    defined = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            defined.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            defined.add(node.id)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("_"):
+            defined.add(node.value)  # __slots__ entries, setattr / object.__setattr__ names
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if node.attr not in defined and node.attr not in FOREIGN_PRIVATE_ATTRIBUTES:
+                found.append(f"{module}:{node.lineno} uses {ast.unparse(node)}: private to another module")
+    return found
+
+
 def test_import_directions_hold_for_every_module():
     modules = all_modules()
     known = set(modules)
@@ -109,6 +140,20 @@ def test_import_directions_hold_for_every_module():
     for name, path in modules.items():
         problems += violations(name, path.read_text(), is_package=path.name == "__init__.py", known=known)
     assert not problems, "import rules broken (see docs/design/architecture.md):\n" + "\n".join(problems)
+
+
+def test_no_module_reaches_into_another_modules_private_attributes():
+    problems = []
+    for name, path in all_modules().items():
+        problems += private_attribute_uses(name, path.read_text())
+    assert not problems, "\n".join(problems)
+
+
+def test_private_attribute_checker_catches_a_reach():
+    source = "def counts(mix):\n    return mix._drawn_in_stage(0, 10)\n"
+    assert any("mix._drawn_in_stage" in v for v in private_attribute_uses("levanter.data.planner", source))
+    own = "class A:\n    def __init__(self):\n        self._x = 1\n\ndef f(a):\n    return a._x\n"
+    assert private_attribute_uses("levanter.data.a", own) == []
 
 
 # The modules the synthetic cases below name, so that the checker can tell modules from attributes.
