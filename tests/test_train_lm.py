@@ -92,10 +92,10 @@ def test_batch_schedule_and_grad_accumulation_read_the_same_indices(tmp_path, mo
     requests = []
     original = DataLoader.fetch
 
-    async def recording_fetch(self, step):
+    async def recording_fetch(self, step, *args, **kwargs):
         if self.schedule.batch_size_at_step(0) == 8 and len(self.schedule.segments) == 2:  # the train loader
             requests.append((step, tuple(self.indices_for_step(step).tolist())))
-        return await original(self, step)
+        return await original(self, step, *args, **kwargs)
 
     monkeypatch.setattr(DataLoader, "fetch", recording_fetch)
     schedule = [ScheduleStep(0, 8), ScheduleStep(3, 16)]
