@@ -26,8 +26,8 @@ wrappers pass it through. A mixture asks each source for a plan and reads all so
 *one* tensorstore operation per step, where separate reads would cost a future, a callback on a
 tensorstore thread and an event-loop wake-up each (docs/performance.md). Datasets that cannot plan
 return None and are read with ``get_batch``; both ways return the same data. ``plan_reads(steps,
-indices)`` plans several steps' reads at once: a mixture reading a group of consecutive steps ahead
-asks each source once for all of them.
+indices)`` plans several steps' reads at once: the loader reads a group of upcoming steps ahead with
+one plan (:mod:`levanter.data.read_ahead`), and a mixture asks each source once for all of them.
 """
 
 from __future__ import annotations
@@ -118,7 +118,8 @@ class ReadPlan:
         return ReadPlan(self.views, lambda rows: fn(inner(rows)), key, self.block)
 
 
-def _check_range(idx: np.ndarray, length: int, what: str) -> None:
+def check_range(idx: np.ndarray, length: int, what: str) -> None:
+    """Raise :class:`DatasetExhausted` (naming ``what``) if an index of ``idx`` lies outside ``[0, length)``."""
     if not idx.size:
         return
     if idx.size <= 64:  # a few indices per source and step: Python's min/max beat numpy's reductions
@@ -199,7 +200,7 @@ class ListAsyncDataset(AsyncDataset[T]):
 
     async def get_batch(self, step: int, indices: Sequence[int]) -> Sequence[T]:
         idx = as_index_array(indices)
-        _check_range(idx, len(self._data), "ListAsyncDataset")
+        check_range(idx, len(self._data), "ListAsyncDataset")
         if isinstance(self._data, np.ndarray):
             return self._data[idx]
         return [self._data[i] for i in idx.tolist()]
@@ -281,7 +282,7 @@ class SlicedAsyncDataset(_IndexMapWrapper[T]):
     async def _inner_indices(self, indices: Sequence[int]) -> np.ndarray:
         idx = as_index_array(indices)
         if self.end is not None:
-            _check_range(idx, self.end - self.start, "SlicedAsyncDataset")
+            check_range(idx, self.end - self.start, "SlicedAsyncDataset")
         elif idx.size and idx.min() < 0:
             raise IndexError(f"SlicedAsyncDataset: negative index {int(idx.min())}")
         return idx + self.start
@@ -316,7 +317,7 @@ class EpochDataset(_IndexMapWrapper[T]):
         if n == 0:
             raise DatasetExhausted("EpochDataset: the inner dataset is empty")
         if self.max_epochs is not None:
-            _check_range(idx, n * self.max_epochs, "EpochDataset")
+            check_range(idx, n * self.max_epochs, "EpochDataset")
         elif idx.size and idx.min() < 0:
             raise IndexError(f"EpochDataset: negative index {int(idx.min())}")
         return idx % n
@@ -358,7 +359,7 @@ class PermutationDataset(_IndexMapWrapper[T]):
         evaluate all their permutations in one pass (:func:`~levanter.data._prp.permute_many`)."""
         perm = await self.permutation()
         idx = as_index_array(indices)
-        _check_range(idx, perm.n, "PermutationDataset")
+        check_range(idx, perm.n, "PermutationDataset")
         return perm, idx
 
 
@@ -389,7 +390,7 @@ class BlockShufflingDataset(_IndexMapWrapper[T]):
             self._len = await self.dataset.async_len()
         n = self._len
         idx = as_index_array(indices)
-        _check_range(idx, n, "BlockShufflingDataset")
+        check_range(idx, n, "BlockShufflingDataset")
         return self.inner_indices(idx, n)
 
     def inner_indices(self, idx: np.ndarray, n: int) -> np.ndarray:

@@ -9,13 +9,12 @@ finished once; each step then takes its share of the rows. When a step is asked 
 :data:`GROUPS_AHEAD` groups after it are being read, so a group is read while the ones before it are
 served.
 
-Why these sizes (2 cores, measured): a tensorstore operation costs ~0.45 ms on top of ~20 us per window
-of 1024 tokens, so a batch of 8 read alone paid the operation 4x over; 128 rows coalesce batches of up to
-64 rows, and 16 steps of 8 rows (8 steps measured ~0.85x the throughput at 8x64). The index math costs
-mostly per pass, not per index (~1.9 ms for 64 steps of 8 rows): planning 128 steps at once measured
-~1.1x the throughput at 8x64. A read of 64 short windows takes ~2 ms, which stalled the loader once per
-group when groups were read only when due: hence two groups in flight ahead. Memory stays bounded by
-``(GROUPS_AHEAD + 1) * COALESCE_ROWS`` rows whatever the dataset or step.
+Why (figures in ``docs/performance.md``): a tensorstore operation costs several times the reading of a
+short window, so small batches read alone pay mostly for operations; 128 rows coalesce batches of up to
+64 rows, and 16 steps of 8 rows. The index math costs mostly per pass, not per index, so 128 steps are
+planned in one pass. A group read only when due stalled the loader once per group: hence groups in
+flight ahead. Memory stays bounded by ``(GROUPS_AHEAD + 1) * COALESCE_ROWS`` rows whatever the dataset
+or step.
 
 What is read never changes: a group's rows are, step by step, what ``get_batch(step, indices)`` returns
 (the plans' contract). A step is served from its group once; a retry (after a failed group read) and

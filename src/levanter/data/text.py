@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .dataset import AsyncDataset, ReadPlan, StackedBatch, _check_range, as_index_array
+from .dataset import AsyncDataset, ReadPlan, StackedBatch, check_range, as_index_array
 
 
 # Windows of at most this many tokens are planned many at a time as one index-array view
@@ -67,7 +67,7 @@ class TokenSeqDataset(AsyncDataset[np.ndarray]):
 
     async def get_batch(self, step: int, indices: Sequence[int]) -> np.ndarray:
         idx = as_index_array(indices)
-        _check_range(idx, len(self), f"TokenSeqDataset(seq_len={self.seq_len})")
+        check_range(idx, len(self), f"TokenSeqDataset(seq_len={self.seq_len})")
         return self._finish(await self.store.read_windows(idx * self.seq_len, self.seq_len))
 
     async def plan_read(self, step: int, indices: Sequence[int]) -> ReadPlan | None:
@@ -75,7 +75,7 @@ class TokenSeqDataset(AsyncDataset[np.ndarray]):
         if window_views is None:
             return None
         idx = as_index_array(indices)
-        _check_range(idx, len(self), f"TokenSeqDataset(seq_len={self.seq_len})")
+        check_range(idx, len(self), f"TokenSeqDataset(seq_len={self.seq_len})")
         return ReadPlan(window_views(idx * self.seq_len, self.seq_len), self._finish, row_key=self._row_key)
 
     async def plan_reads(self, steps: Sequence[int], indices: Sequence[Sequence[int]]) -> ReadPlan | None:
@@ -84,7 +84,7 @@ class TokenSeqDataset(AsyncDataset[np.ndarray]):
         if getattr(self.store, "window_views", None) is None or not len(indices):
             return None
         idx = np.concatenate([as_index_array(i) for i in indices])
-        _check_range(idx, len(self), f"TokenSeqDataset(seq_len={self.seq_len})")
+        check_range(idx, len(self), f"TokenSeqDataset(seq_len={self.seq_len})")
         starts = idx * self.seq_len
         window_block = getattr(self.store, "window_block", None)
         if window_block is not None and idx.size and self.seq_len <= BLOCK_MAX_SEQ_LEN:
