@@ -404,3 +404,6 @@ def test_entry_points_never_import_each_other():
                 if parts[:2] == ["levanter", "main"] and len(parts) > 2 and parts[2] in entry_points - {name}:
                     found.append(f"{name} imports {target} (line {node.lineno})")
     assert found == []
+    from levanter.main import train_lm  # upstream's path to the config still works for users' scripts
+
+    assert train_lm.TrainLmConfig is TrainLmConfig and train_lm.data_key is data_key
