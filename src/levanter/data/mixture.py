@@ -388,13 +388,21 @@ class MixtureDataset(AsyncDataset[T]):
         self, steps: Sequence[int], indices: Sequence[Sequence[int]], group_sizes: Sequence[int]
     ) -> list[ReadPlan | None]:
         """``plan_reads`` of consecutive groups of ``steps`` (``group_sizes[g]`` steps each), with the
-        index math of all of them done in one pass: a plan's cost is mostly per pass, not per index."""
+        index math of all of them done in one pass: a plan's cost is mostly per pass, not per index. A
+        group that reaches past the end of the mixture gets None (its steps' ``get_batch`` says so)."""
         requests = [as_index_array(i) for i in indices]
-        draws = await self._draws(list(steps), requests)
-        plans, at = [], 0
+        end = await self._end_index()
+        groups, at = [], 0
         for size in group_sizes:
-            plans.append(await self._group_plan(list(zip(steps[at : at + size], draws[at : at + size]))))
+            inside = end is None or all(not r.size or r.max() < end for r in requests[at : at + size])
+            groups.append((at, size, inside))
             at += size
+        kept = [k for at, size, inside in groups if inside for k in range(at, at + size)]
+        draws = dict(zip(kept, await self._draws([steps[k] for k in kept], [requests[k] for k in kept])))
+        plans = []
+        for at, size, inside in groups:
+            group = [(steps[k], draws[k]) for k in range(at, at + size)] if inside else None
+            plans.append(await self._group_plan(group) if group else None)
         return plans
 
     async def _group_plan(self, group: list) -> ReadPlan | None:

@@ -4,7 +4,8 @@ The loader knows which steps it will ask for (``s, s+1, ...`` from where its ite
 this process's rows), so it -- not the dataset -- reads ahead. Steps after the iterator's first are cut
 into consecutive *groups* (up to :data:`COALESCE_ROWS` rows and :data:`COALESCE_MAX_STEPS` steps of one
 batch size). A group is read in one tensorstore operation, planned by the dataset's stateless
-``plan_read_groups`` (one plan per group, :data:`PLAN_GROUPS` groups' index math in one pass), and
+``plan_read_groups`` (one plan per group; the index math of the groups of up to :data:`PLAN_INDICES`
+indices and :data:`PLAN_MAX_STEPS` steps in one pass), and
 finished once; each step then takes its share of the rows. When a step is asked for, its group and the
 :data:`GROUPS_AHEAD` groups after it are being read, so a group is read while the ones before it are
 served.
@@ -37,7 +38,9 @@ from .dataset import AsyncDataset, ReadPlan, StackedBatch
 COALESCE_ROWS = 128
 COALESCE_MAX_STEPS = 16
 GROUPS_AHEAD = 2
-PLAN_GROUPS = 8
+# A planning pass covers whole groups: up to this many indices and this many steps.
+PLAN_INDICES = 2048
+PLAN_MAX_STEPS = 128
 
 # What :meth:`ReadAhead.read` returns for a step it does not serve: the caller reads it with get_batch.
 MISS = object()
@@ -94,6 +97,8 @@ class ReadAhead:
         self._next_first = start + 1
         self._ended = False
         self._plans: dict[int, asyncio.Task] = {}  # planning pass number -> task of its groups' plans
+        self._pass_starts: list[int] = []  # first group of each planning pass
+        self._pass_of: list[int] = []  # planning pass of each group cut so far that has one
         self._reads: dict[int, asyncio.Task] = {}  # group number -> task of its finished rows (or None)
         self._taken: set[int] = set()  # steps served from a group: a second request reads afresh
 
@@ -165,7 +170,8 @@ class ReadAhead:
             first, end = self._groups[old]
             del self._reads[old]
             self._taken.difference_update(range(first, end))
-        for old in [k for k in self._plans if (k + 1) * PLAN_GROUPS <= g]:
+        current = self._pass_of_group(g)
+        for old in [k for k in self._plans if k < current]:
             del self._plans[old]
 
     def steps_held(self) -> list[int]:
@@ -175,8 +181,10 @@ class ReadAhead:
     async def _read_group(self, g: int):
         """``(finished rows of group g's steps back to back, rows per step)``, or None where the dataset
         cannot plan the group (its steps are then read one by one)."""
-        plans = await self._plan_pass(g // PLAN_GROUPS)
-        plan = plans[g % PLAN_GROUPS] if g % PLAN_GROUPS < len(plans) else None
+        p = self._pass_of_group(g)
+        plans = await self._plan_pass(p)
+        at = g - self._pass_starts[p]
+        plan = plans[at] if at < len(plans) else None
         if plan is None:
             return None
         from ..store.jagged_array import awaited
@@ -184,6 +192,28 @@ class ReadAhead:
         first = self._groups[g][0]
         rows = await awaited(start_read(plan))
         return plan.finish(rows), self.indices_for_step(first).size
+
+    def _pass_of_group(self, g: int) -> int:
+        """The planning pass of group ``g``: passes are cut in order, each from the first group without
+        one, taking whole groups while they fit in ``PLAN_INDICES`` indices and ``PLAN_MAX_STEPS`` steps."""
+        while len(self._pass_of) <= g:
+            first = len(self._pass_of)
+            p = len(self._pass_starts)
+            self._pass_starts.append(first)
+            steps = indices = 0
+            k = first
+            while k < len(self._groups) or self._extend():
+                a, b = self._groups[k]
+                n = (b - a) * self.indices_for_step(a).size
+                if k > first and (steps + b - a > PLAN_MAX_STEPS or indices + n > PLAN_INDICES):
+                    break
+                steps, indices = steps + b - a, indices + n
+                self._pass_of.append(p)
+                k += 1
+            if k == first:  # no group left to plan: the steps have ended
+                self._pass_starts.pop()
+                return -1
+        return self._pass_of[g]
 
     def _plan_pass(self, p: int) -> asyncio.Task:
         task = self._plans.get(p)
@@ -193,13 +223,10 @@ class ReadAhead:
         return task
 
     async def _plan(self, p: int) -> list:
-        """Plans of groups ``[p * PLAN_GROUPS, (p + 1) * PLAN_GROUPS)`` (None for a one-step group), with
-        their index math in one pass. A group the dataset cannot plan (past its end, say) gets None."""
-        groups = []
-        for g in range(p * PLAN_GROUPS, (p + 1) * PLAN_GROUPS):
-            if g >= len(self._groups) and not self._extend():
-                break
-            groups.append(self._groups[g])
+        """Plans of the groups of planning pass ``p`` (None for a one-step group), with their index math
+        in one pass. A group the dataset cannot plan (past its end, say) gets None."""
+        end = self._pass_starts[p + 1] if p + 1 < len(self._pass_starts) else len(self._pass_of)
+        groups = self._groups[self._pass_starts[p] : end]
         steps = [s for first, end in groups for s in range(first, end)]
         if not steps:
             return []
