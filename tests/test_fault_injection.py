@@ -672,10 +672,10 @@ def test_non_finite_steps_are_skipped_when_allowed(tmp_path, monkeypatch):
 
         return loss
 
-    async def poisoned_fetch(self, step):
+    async def poisoned_fetch(self, step, *args, **kwargs):
         # Every step's batch gains a "poison" column (the same structure each step): zeros, but for a
         # mark at [0, 0] on the poisoned steps, which the loss turns into a NaN or an Inf.
-        batch = await original_fetch(self, step)
+        batch = await original_fetch(self, step, *args, **kwargs)
         arr = batch.data["tokens"]
         host = np.zeros(arr.shape, np.int32)
         host[0, 0] = poison.get(step, 0)
