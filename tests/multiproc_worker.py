@@ -19,12 +19,12 @@ def main() -> None:
     record = os.environ.get("LEVANTER_TEST_RECORD")
     original = DataLoader.fetch
 
-    async def fetch(self, step):
+    async def fetch(self, step, *args, **kwargs):
         if record:
             with open(record, "a") as f:
                 f.write(json.dumps({"process": jax.process_index(), "step": step,
                                     "indices": self.indices_for_step(step).tolist()}) + "\n")
-        return await original(self, step)
+        return await original(self, step, *args, **kwargs)
 
     DataLoader.fetch = fetch
     train_lm.cli(argv=sys.argv[1:])
