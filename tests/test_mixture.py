@@ -482,7 +482,7 @@ def test_coalesced_reads_never_change_what_is_read(tmp_path, monkeypatch, block_
     and starts again -- equals what a fresh mixture returns for that single request; and there are fewer
     reads than requests."""
     from levanter.data.dataset import StackedBatch
-    from levanter.data.read_ahead import MISS, ReadAhead
+    from levanter.data.read_ahead import TRIM_GROUPS, GROUPS_AHEAD, MISS, PLAN_MAX_STEPS, ReadAhead
     from levanter.store.jagged_array import JaggedArrayStore
 
     import levanter.data.read_ahead as read_ahead_module
@@ -636,3 +636,34 @@ def test_plan_reads_of_several_steps_read_each_steps_batch(tmp_path, monkeypatch
         want = [asyncio.run(source.get_batch(s, i)).tree for s, i in zip(steps, indices)]
         for k in want[0]:
             np.testing.assert_array_equal(got[k], np.concatenate([w[k] for w in want]), err_msg=f"{name} {k}")
+
+
+@pytest.mark.parametrize("rows, steps", [(8, 8000), (65, 3000)])
+def test_read_ahead_bookkeeping_stays_bounded_over_a_long_run(rows, steps):
+    """However many steps an iterator reads, the read-ahead holds the bookkeeping of a bounded number of
+    groups (groups of many steps at 8 rows a step, one-step groups at 65), and every step is served."""
+    from levanter.data.read_ahead import TRIM_GROUPS, GROUPS_AHEAD, MISS, PLAN_MAX_STEPS, ReadAhead
+
+    sources = {"a": ListAsyncDataset(np.arange(10**6)), "b": ListAsyncDataset(np.arange(10**6) + 10**7)}
+    mix = MixtureDataset(sources, {"a": 0.5, "b": 0.5}, batch_schedule=BatchSchedule(rows), key=1)
+
+    def indices(s):
+        return np.arange(s * rows, (s + 1) * rows)
+
+    async def run():
+        ahead = ReadAhead(mix, indices, 0, None)
+        most = 0
+        for step in range(1, steps + 1):
+            got = await ahead.read(step)
+            if got is MISS:
+                got = await mix.get_batch(step, indices(step))
+            assert len(got) == rows
+            most = max(most, ahead.groups_held())
+        ahead.close()
+        return most
+
+    # What is held: up to TRIM_GROUPS forgotten groups awaiting a trim, the current planning pass, the
+    # groups read ahead; fewer than the run cuts (500 and 3000 groups), so a leak cannot pass.
+    bound = TRIM_GROUPS + PLAN_MAX_STEPS + GROUPS_AHEAD + 1
+    assert bound < steps // (16 if rows == 8 else 1)
+    assert asyncio.run(run()) <= bound

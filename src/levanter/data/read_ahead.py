@@ -42,6 +42,9 @@ GROUPS_AHEAD = 2
 PLAN_INDICES = 2048
 PLAN_MAX_STEPS = 128
 
+# Bookkeeping of forgotten groups is dropped this many at a time.
+TRIM_GROUPS = 256
+
 # What :meth:`ReadAhead.read` returns for a step it does not serve: the caller reads it with get_batch.
 MISS = object()
 
@@ -91,18 +94,28 @@ class ReadAhead:
         self.indices_for_step = indices_for_step
         self.start = start
         self.bound = bound
-        # Groups, consecutive from start + 1: (first step, end step); a one-step group is not read ahead.
+        # Groups, consecutive from start + 1, numbered from 0: group g is ``_groups[g - _g0]`` = (first
+        # step, end step); a one-step group is not read ahead. Groups before ``_g0`` are forgotten, so
+        # what is held stays bounded however long the run (see _forget_before).
+        self._g0 = 0
         self._groups: list[tuple[int, int]] = []
         self._group_starts: list[int] = []
+        self._pass_of: list[int] = []  # planning pass of each group from _g0 that has one
         self._next_first = start + 1
         self._ended = False
         self._plans: dict[int, asyncio.Task] = {}  # planning pass number -> task of its groups' plans
-        self._pass_starts: list[int] = []  # first group of each planning pass
-        self._pass_of: list[int] = []  # planning pass of each group cut so far that has one
+        self._pass_starts: dict[int, int] = {}  # planning pass number -> its first group
+        self._num_passes = 0
         self._reads: dict[int, asyncio.Task] = {}  # group number -> task of its finished rows (or None)
         self._taken: set[int] = set()  # steps served from a group: a second request reads afresh
 
     # -- groups --------------------------------------------------------------------------------------
+    def _num_groups(self) -> int:
+        return self._g0 + len(self._groups)
+
+    def _group(self, g: int) -> tuple[int, int]:
+        return self._groups[g - self._g0]
+
     def _extend(self) -> bool:
         """Cut the next group; False once the iterator's steps are all grouped."""
         first = self._next_first
@@ -123,11 +136,12 @@ class ReadAhead:
         return True
 
     def _group_of(self, step: int) -> int | None:
+        """The group holding ``step``; None past the iterator's steps or before the groups still held."""
         while self._next_first <= step:
             if not self._extend():
                 return None
-        g = bisect.bisect_right(self._group_starts, step) - 1
-        return g if g >= 0 else None
+        i = bisect.bisect_right(self._group_starts, step) - 1
+        return self._g0 + i if i >= 0 else None
 
     # -- reads ---------------------------------------------------------------------------------------
     async def read(self, step: int):
@@ -137,15 +151,18 @@ class ReadAhead:
         g = self._group_of(step)
         if g is None:
             return MISS
-        first, end = self._groups[g]
+        if self._pass_of_group(g) not in self._pass_starts:
+            return MISS  # a group of a planning pass already forgotten (asked for late)
+        first, end = self._group(g)
         if end - first == 1:
+            self._forget_before(g)
             return MISS
         self._taken.add(step)
         task = self._reads.get(g)
         if task is None:
             task = self._start(g)
         for ahead in range(g + 1, g + 1 + GROUPS_AHEAD):
-            if ahead >= len(self._groups) and not self._extend():
+            if ahead >= self._num_groups() and not self._extend():
                 break
             if ahead not in self._reads:
                 self._start(ahead)
@@ -158,52 +175,69 @@ class ReadAhead:
         return _rows(whole, lo, lo + n)
 
     def _start(self, g: int) -> asyncio.Task:
-        task = self._reads[g] = asyncio.ensure_future(self._read_group(g))
+        # Everything the read needs from the bookkeeping is taken now, while group g is surely held: the
+        # task runs later, when earlier groups may have been forgotten.
+        p = self._pass_of_group(g)
+        plans = self._plan_pass(p)
+        at = g - self._pass_starts[p]
+        rows_per_step = self.indices_for_step(self._group(g)[0]).size
+        task = self._reads[g] = asyncio.ensure_future(self._read_group(plans, at, rows_per_step))
         task.add_done_callback(_retrieve)
         return task
 
     def _forget_before(self, g: int) -> None:
-        """Drop the reads (and served steps) of groups before ``g``. The loader asks for its steps in
-        order (each fetch asks as soon as its task first runs), so every step of an earlier group has
-        already taken its group's read; a step asked for later is read afresh, never wrongly."""
+        """Drop the reads (and served steps) of groups before ``g``, and the bookkeeping of the groups
+        and planning passes no read can need any more. The loader asks for its steps in order (each fetch
+        asks as soon as its task first runs), so every step of an earlier group has already taken its
+        group's read; a step asked for later is read afresh, never wrongly."""
         for old in [k for k in self._reads if k < g]:
-            first, end = self._groups[old]
+            first, end = self._group(old)
             del self._reads[old]
             self._taken.difference_update(range(first, end))
         current = self._pass_of_group(g)
         for old in [k for k in self._plans if k < current]:
             del self._plans[old]
+        for old in [k for k in self._pass_starts if k < current]:
+            del self._pass_starts[old]
+        # Groups before both g and the current pass are never looked up again; trimmed in batches, so
+        # the cost per step stays constant.
+        keep = min(g, self._pass_starts[current]) if current >= 0 else g
+        drop = keep - self._g0
+        if drop >= TRIM_GROUPS:
+            del self._groups[:drop], self._group_starts[:drop], self._pass_of[:drop]
+            self._g0 = keep
 
     def steps_held(self) -> list[int]:
         """The steps whose group is being read or held, ascending (what the read-ahead costs in memory)."""
-        return [s for g in sorted(self._reads) for s in range(*self._groups[g])]
+        return [s for g in sorted(self._reads) for s in range(*self._group(g))]
 
-    async def _read_group(self, g: int):
-        """``(finished rows of group g's steps back to back, rows per step)``, or None where the dataset
-        cannot plan the group (its steps are then read one by one)."""
-        p = self._pass_of_group(g)
-        plans = await self._plan_pass(p)
-        at = g - self._pass_starts[p]
+    def groups_held(self) -> int:
+        """How many groups' bookkeeping is held (bounded whatever the step: a test checks it)."""
+        return len(self._groups)
+
+    async def _read_group(self, plans_task: asyncio.Task, at: int, rows_per_step: int):
+        """``(finished rows of a group's steps back to back, rows per step)``, or None where the dataset
+        cannot plan the group (its steps are then read one by one). ``at``: the group's place among the
+        groups planned by ``plans_task``."""
+        plans = await plans_task
         plan = plans[at] if at < len(plans) else None
         if plan is None:
             return None
         from ..store.jagged_array import awaited
 
-        first = self._groups[g][0]
         rows = await awaited(start_read(plan))
-        return plan.finish(rows), self.indices_for_step(first).size
+        return plan.finish(rows), rows_per_step
 
     def _pass_of_group(self, g: int) -> int:
         """The planning pass of group ``g``: passes are cut in order, each from the first group without
         one, taking whole groups while they fit in ``PLAN_INDICES`` indices and ``PLAN_MAX_STEPS`` steps."""
-        while len(self._pass_of) <= g:
-            first = len(self._pass_of)
-            p = len(self._pass_starts)
-            self._pass_starts.append(first)
+        while self._g0 + len(self._pass_of) <= g:
+            first = self._g0 + len(self._pass_of)
+            p = self._num_passes
             steps = indices = 0
             k = first
-            while k < len(self._groups) or self._extend():
-                a, b = self._groups[k]
+            while k < self._num_groups() or self._extend():
+                a, b = self._group(k)
                 n = (b - a) * self.indices_for_step(a).size
                 if k > first and (steps + b - a > PLAN_MAX_STEPS or indices + n > PLAN_INDICES):
                     break
@@ -211,22 +245,25 @@ class ReadAhead:
                 self._pass_of.append(p)
                 k += 1
             if k == first:  # no group left to plan: the steps have ended
-                self._pass_starts.pop()
                 return -1
-        return self._pass_of[g]
+            self._pass_starts[p] = first
+            self._num_passes += 1
+        return self._pass_of[g - self._g0]
 
     def _plan_pass(self, p: int) -> asyncio.Task:
         task = self._plans.get(p)
         if task is None:
-            task = self._plans[p] = asyncio.ensure_future(self._plan(p))
+            # The pass's groups are taken now (the task runs later, when older groups may be forgotten).
+            first = self._pass_starts[p]
+            end = self._pass_starts.get(p + 1, self._g0 + len(self._pass_of))
+            groups = self._groups[first - self._g0 : end - self._g0]
+            task = self._plans[p] = asyncio.ensure_future(self._plan(groups))
             task.add_done_callback(_retrieve)
         return task
 
-    async def _plan(self, p: int) -> list:
-        """Plans of the groups of planning pass ``p`` (None for a one-step group), with their index math
-        in one pass. A group the dataset cannot plan (past its end, say) gets None."""
-        end = self._pass_starts[p + 1] if p + 1 < len(self._pass_starts) else len(self._pass_of)
-        groups = self._groups[self._pass_starts[p] : end]
+    async def _plan(self, groups: list[tuple[int, int]]) -> list:
+        """Plans of ``groups`` (one planning pass; None for a one-step group), with their index math in
+        one pass. A group the dataset cannot plan (past its end, say) gets None."""
         steps = [s for first, end in groups for s in range(first, end)]
         if not steps:
             return []
