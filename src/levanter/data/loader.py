@@ -58,8 +58,8 @@ T = TypeVar("T")
 
 # The interpreter's GIL switch interval that a process running a prefetching loader should use. The
 # prefetch thread is busy with short Python steps while tensorstore's threads wait for the GIL to hand
-# back finished reads; at CPython's default 5 ms a finished read can wait that long. 1 ms measured
-# ~1.2x the loader's throughput at batches of 8 and 64 (2 cores); 0.2 ms was slower again (thrashing).
+# back finished reads; at CPython's default 5 ms a finished read can wait that long. Shorter intervals
+# bring the reads back sooner until switching itself costs more (docs/performance.md).
 # Applications set it (``train_lm`` does, through :func:`use_prefetch_switch_interval`); the loader itself
 # never changes process-wide interpreter settings.
 PREFETCH_SWITCH_INTERVAL = 0.001
@@ -334,9 +334,8 @@ class DataLoader(Generic[T]):
         examples = await self._read_with_retries(step, first + rows, read_ahead)
         if len(examples) != len(rows):
             raise ValueError(f"dataset returned {len(examples)} examples for {len(rows)} indices at step {step}")
-        # Inline, not in a worker thread: building the arrays costs ~60-400 us (batch 8-256, measured), less
-        # than a thread hop and back (~0.5 ms of wake-ups at batch 8, where it made the loader no faster
-        # than fetching on demand); the loop is blocked only that long.
+        # Inline, not in a worker thread: building the arrays costs less than a thread hop and back
+        # (docs/performance.md); the loop is blocked only that long.
         data = self._assemble(examples, rows, bs)
         provenance = await self._provenance(step, first, bs) if self.provenance else None
         return Batch(step=step, global_offset=first, batch_size=bs, data=data, provenance=provenance)
@@ -359,7 +358,7 @@ class DataLoader(Generic[T]):
         if fast is not None:
             aval, devices, slices = fast
             # The same call jax.make_array_from_callback ends in, without its per-call validation and
-            # sharding bookkeeping (~30 us an array, half the cost of a small batch's three arrays);
+            # sharding bookkeeping (a large share of a small batch's cost: docs/performance.md);
             # aval, devices and slices come from a first make_array_from_callback of this shape.
             return _batched_device_put(aval, self.sharding, [leaf[sl] for sl in slices], devices)
 
@@ -533,7 +532,7 @@ class _Prefetcher:
         # ``waiting``, both published before the producer re-checks ``taken``); with room for half the
         # window it finds out by itself (``_ROOM_POLL_SECONDS``). A wake-up from here is a syscall
         # after which this thread needs the GIL back while the producer, just woken, fetches a burst of
-        # steps: the consumer waited 2-13 ms for it in ~1 take in 8 (stall runs: 64x1024, 50 ms steps).
+        # steps: that wait was the tail of the consumer's data wait (docs/performance.md).
         if self.waiting and self.launched - self.taken <= self.depth // 4:
             self._nudge()
         return item
@@ -554,7 +553,7 @@ class _Prefetcher:
 
 # How often a waiting producer looks for room by itself (the consumer wakes it only when few steps are
 # left ahead; see ``_Prefetcher.take``): 1 ms after a launch, then twice as long after each look, up to
-# 16 ms. A look costs a loop iteration (~20 us): an idle producer beside slow steps looks ~70 times a
+# 16 ms. A look costs a loop iteration: an idle producer beside slow steps looks some 60 times a
 # second, not 1,000; and room is seen at most about as late as it has been waited for so far, while a
 # quarter of the window is still fetched ahead.
 _ROOM_POLL_SECONDS = (0.001, 0.016)
