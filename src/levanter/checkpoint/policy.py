@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from levanter.checkpoint.layout import (
 from levanter.checkpoint.serialization import Barrier, save_checkpoint
 from levanter.config import parse_timedelta
 from levanter.errors import is_out_of_space, out_of_space_error
-from levanter.utils.fs import remove_stale_temporaries
+from levanter.utils.fs import probe_writable, remove_stale_temporaries
 
 __all__ = ["CheckpointInterval", "Checkpointer", "CheckpointerConfig"]
 
@@ -123,12 +122,8 @@ class CheckpointerConfig:
         Meant to run before training starts, so a bad path fails in seconds, not at the first save.
         """
         local = local_path(self.expanded_path(run_id), "trainer.checkpointer.base_path")
-        probe = os.path.join(local, f".write-probe-{secrets.token_hex(4)}")
         try:
-            os.makedirs(local, exist_ok=True)
-            with open(probe, "wb") as f:
-                f.write(b"ok")
-            os.unlink(probe)
+            probe_writable(local)
         except OSError as e:
             raise ValueError(
                 f"trainer.checkpointer.base_path={self.base_path!r}: cannot write checkpoints to {local} "

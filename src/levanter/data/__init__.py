@@ -16,8 +16,9 @@ importing ``levanter.data`` stays cheap and no part of it imports another throug
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from levanter.utils.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "dataset": (
@@ -41,22 +42,9 @@ _EXPORTS = {
     "schedule_record": ("data_schedule_record", "first_difference"),
     "_prp": ("FeistelPermutation", "derive_seed", "permute_many", "seed_from_key"),
 }
-_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
-__all__ = sorted(_WHERE)
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
-
-def __getattr__(name: str):
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
 
 
 if TYPE_CHECKING:  # what static tools see: the same names, imported eagerly

@@ -17,7 +17,7 @@ tensorstore, which only the builder needs.
 
 from __future__ import annotations
 
-import importlib
+from levanter.utils.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "build": (
@@ -58,19 +58,5 @@ _EXPORTS = {
         "train_bpe",
     ),
 }
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
-__all__ = sorted(_MODULE_OF)
-
-
-def __getattr__(name: str):
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -35,7 +35,6 @@ import dataclasses
 import logging
 import multiprocessing
 import os
-import tempfile
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -48,7 +47,7 @@ from ..store.cache import TokenCache
 from ..store.jagged_array import JaggedArrayStore
 from ..store.ledger import CacheLedger
 from ..utils.fault import fault_point
-from ..utils.fs import remove_stale_temporaries
+from ..utils.fs import probe_writable, remove_stale_temporaries
 from .embedded import corpus_fingerprint, is_embedded_url, parse_embedded_url
 from .errors import SourceError
 from .sources import check_embedded_url, expand_urls, file_identity, iter_located_documents
@@ -242,9 +241,7 @@ def check_writable(cache_dir: str, key: str = "cache_dir") -> None:
     """Fail before any tokenizing when ``cache_dir`` cannot be created or written; ``key`` names the config
     key in the message."""
     try:
-        os.makedirs(cache_dir, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=cache_dir, prefix=".write-probe-"):
-            pass
+        probe_writable(cache_dir)
     except OSError as e:
         if is_out_of_space(e):
             raise out_of_space_error("creating the token cache", cache_dir) from None

@@ -238,16 +238,13 @@ def check_trackers_writable(
     directory that cannot be written fails before caches are built and the model initialised, naming
     the key; a full disk raises :class:`~levanter.errors.OutOfSpaceError`."""
     from levanter.errors import is_out_of_space, out_of_space_error
+    from levanter.utils.fs import probe_writable
 
     configs = [config] if isinstance(config, TrackerConfig) else list(config)
     for c in configs:
         for key, path in c.local_dirs(run_id, log_dir):
-            probe = os.path.join(path, f".write-probe-{os.getpid()}")
             try:
-                os.makedirs(path, exist_ok=True)
-                with open(probe, "wb") as f:
-                    f.write(b"ok")
-                os.unlink(probe)
+                probe_writable(path)
             except OSError as e:
                 if is_out_of_space(e):
                     raise out_of_space_error("checking the log directory", path) from None

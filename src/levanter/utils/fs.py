@@ -50,6 +50,16 @@ def atomic_write_text(path: str, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def probe_writable(directory: str) -> None:
+    """Create ``directory`` (and its parents) and write and delete a probe file in it; raises the
+    ``OSError`` of whichever step failed. Entry points call it before any work, so that a directory that
+    cannot be written fails in seconds, naming its config key, instead of after a cache build."""
+    os.makedirs(directory, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-probe-") as f:
+        f.write(b"ok")
+        f.flush()
+
+
 def remove_stale_temporaries(directory: str, name: str) -> list[str]:
     """Delete what interrupted :func:`atomic_write_bytes` calls for ``name`` left in ``directory``
     (``.<name>.<random>.tmp``); returns the removed paths. Call it where a run resumes."""

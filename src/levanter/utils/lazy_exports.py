@@ -1,0 +1,35 @@
+"""A package's public names, imported from their modules on first use.
+
+``levanter.data`` and ``levanter.ingest`` re-export their modules' public names (their doors) without
+importing those modules up front: importing the package stays cheap, tokenizer pool workers that import
+``levanter.ingest`` never load tensorstore, and no module of a package imports a sibling through the
+package's ``__init__``. Each name is resolved once, then cached in the package's namespace.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Mapping, Sequence
+
+
+def lazy_exports(
+    package: str, exports: Mapping[str, Sequence[str]]
+) -> tuple[list[str], Callable[[str], object], Callable[[], list[str]]]:
+    """``(__all__, __getattr__, __dir__)`` for ``package`` whose ``exports`` map each submodule (relative
+    name) to the names it provides."""
+    where = {name: module for module, names in exports.items() for name in names}
+    public = sorted(where)
+
+    def __getattr__(name: str):
+        module = where.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f"{package}.{module}"), name)
+        setattr(sys.modules[package], name, value)
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(vars(sys.modules[package])) | set(public))
+
+    return public, __getattr__, __dir__
