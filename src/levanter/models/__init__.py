@@ -11,6 +11,7 @@ from .llama import LlamaConfig, LlamaLMHeadModel, RopeConfig
 from .lm_model import (
     LmConfig,
     LmHeadModel,
+    blockwise_next_token_loss,
     check_input_length,
     next_token_loss,
     parameter_shapes,
@@ -27,6 +28,7 @@ __all__ = [
     "LmConfig",
     "LmHeadModel",
     "RopeConfig",
+    "blockwise_next_token_loss",
     "causal_attention",
     "causal_segment_mask",
     "check_activation",

@@ -30,7 +30,7 @@ from haliax import Axis, NamedArray
 from .attention import causal_attention, causal_segment_mask
 from .layers import ACTIVATIONS, check_activation, check_positive, normal_embedding, normal_linear
 from .lm_model import LAYERS, LmConfig, LmHeadModel, check_input_length, split_key
-from .token_dot import linear, token_dot
+from .token_dot import linear
 
 @LmConfig.register_subclass("gpt2")
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +69,7 @@ class Gpt2Config(LmConfig):
         return self.n_positions if self.n_positions is not None else self.seq_len
 
     def __post_init__(self):
+        super().__post_init__()
         check_positive(self, "seq_len", "hidden_dim", "num_layers", "num_heads", "mlp_scale")
         if self.n_positions is not None and self.seq_len > self.n_positions:
             raise ValueError(
@@ -210,7 +211,10 @@ class Gpt2LMHeadModel(LmHeadModel):
         ln_f = _layer_norm(config)
         return Gpt2LMHeadModel(wte=wte, wpe=wpe, blocks=blocks, ln_f=ln_f, config=config, Vocab=Vocab)
 
-    def __call__(
+    def get_lm_head(self) -> NamedArray:
+        return self.wte.weight  # tied: the output projection is the token embedding
+
+    def activations(
         self, input_ids: NamedArray, segment_ids: NamedArray | None = None, *, key=None
     ) -> NamedArray:
         Pos = check_input_length(self.config, input_ids)
@@ -225,5 +229,4 @@ class Gpt2LMHeadModel(LmHeadModel):
         # scan_layers=False unrolls the loop at trace time; the parameters stay stacked either way.
         x = self.blocks.fold(x, mask, layer_idx, key=block_keys, unroll=not self.config.scan_layers)
 
-        x = self.ln_f(x)
-        return token_dot(x, self.wte.weight, self.config.Embed)
+        return self.ln_f(x)

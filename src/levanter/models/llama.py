@@ -35,7 +35,7 @@ from haliax import Axis, NamedArray
 from .attention import causal_attention, causal_segment_mask
 from .layers import ACTIVATIONS, check_activation, check_positive, normal_embedding, normal_linear
 from .lm_model import LAYERS, LmConfig, LmHeadModel, check_input_length
-from .token_dot import linear, token_dot
+from .token_dot import linear
 
 HEAD_SIZE = "head_size"
 
@@ -93,6 +93,7 @@ class LlamaConfig(LmConfig):
     tokenizer: Optional[str] = None
 
     def __post_init__(self):
+        super().__post_init__()
         check_positive(
             self, "seq_len", "hidden_dim", "intermediate_dim", "num_layers", "num_heads", "num_kv_heads"
         )
@@ -277,7 +278,12 @@ class LlamaLMHeadModel(LmHeadModel):
             embed_tokens=embed_tokens, layers=layers, norm=norm, lm_head=lm_head, config=config, Vocab=Vocab
         )
 
-    def __call__(
+    def get_lm_head(self) -> NamedArray:
+        if self.lm_head is None:
+            return self.embed_tokens.weight  # tied
+        return self.lm_head.weight * self.lm_head.reparam.active_scale
+
+    def activations(
         self, input_ids: NamedArray, segment_ids: NamedArray | None = None, *, key=None
     ) -> NamedArray:
         del key  # no dropout
@@ -291,7 +297,4 @@ class LlamaLMHeadModel(LmHeadModel):
         # scan_layers=False unrolls the loop at trace time; the parameters stay stacked either way.
         x = self.layers.fold(x, mask, cos, sin, unroll=not self.config.scan_layers)
 
-        x = self.norm(x)
-        if self.lm_head is None:
-            return token_dot(x, self.embed_tokens.weight, self.config.Embed)
-        return linear(self.lm_head, x)
+        return self.norm(x)

@@ -6,7 +6,12 @@
   ``build(Vocab, key=...)``, ``flops_per_token(vocab_size)`` and ``max_seq_len``.
 * :class:`LmHeadModel` is the abstract Equinox module every architecture implements: token ids in,
   logits out, with optional ``segment_ids`` for packed sequences.
-* :func:`next_token_loss` is the causal-LM objective on those logits.
+* :func:`next_token_loss` is the causal-LM objective on those logits;
+  :func:`blockwise_next_token_loss` computes the same loss from the hidden states and the output
+  projection without materialising the ``[tokens, vocab]`` logits (``model.cross_entropy_block_size``;
+  the kernel is in :mod:`levanter.models.loss`). A model splits into :meth:`LmHeadModel.activations`
+  (the final hidden states) and :meth:`LmHeadModel.get_lm_head` (the ``[vocab, embed]`` projection), so
+  the loss can take either path.
 
 Axis names are shared by every model in this package (the trainer's axis mapping refers to them):
 ``batch``, ``position``, ``key_position``, ``embed``, ``heads``, ``kv_heads``,
@@ -19,7 +24,8 @@ The vocabulary size is not part of the model config: it belongs to the tokenizer
 from __future__ import annotations
 
 import abc
-from typing import ClassVar
+import dataclasses
+from typing import ClassVar, Optional
 
 import draccus
 import equinox as eqx
@@ -29,6 +35,9 @@ import jax.numpy as jnp
 import haliax as hax
 from haliax import Axis, NamedArray
 
+from .loss import blockwise_logsumexp
+from .token_dot import token_dot
+
 POS = "position"
 KEY_POS = "key_position"
 EMBED = "embed"
@@ -36,15 +45,38 @@ VOCAB = "vocab"
 LAYERS = "layers"
 
 
+@dataclasses.dataclass(frozen=True)
 class LmConfig(abc.ABC, draccus.ChoiceRegistry):
     """Abstract base of model configs. Subclasses are frozen dataclasses registered by name.
 
-    Subclasses must provide the dataclass fields ``seq_len`` and ``hidden_dim`` (upstream names) and
-    implement :meth:`build` and :meth:`flops_per_token`.
+    Subclasses must give the dataclass fields ``seq_len`` and ``hidden_dim`` (upstream names) defaults,
+    implement :meth:`build` and :meth:`flops_per_token`, and call ``super().__post_init__()`` from their
+    own ``__post_init__``.
+
+    Every architecture has ``cross_entropy_block_size`` (upstream's name): ``null`` computes the loss from
+    the full ``[tokens, vocab]`` float32 logits; a positive number computes it over blocks of that many
+    vocabulary entries (:func:`blockwise_next_token_loss`), so that only one ``[tokens, block]`` slice of
+    logits is ever live. Same loss and gradients up to float rounding; the backward pass recomputes the
+    block logits (docs/performance.md).
     """
 
     seq_len: int
     hidden_dim: int
+    cross_entropy_block_size: Optional[int] = None
+
+    def __post_init__(self):
+        b = self.cross_entropy_block_size
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b <= 0):
+            raise ValueError(
+                f"model.cross_entropy_block_size must be a positive number of vocabulary entries per block, "
+                f"or null for the full loss, got {b!r}"
+            )
+
+    def loss_logit_entries(self, vocab_size: int) -> int:
+        """Vocabulary entries per token whose float32 logits the loss holds at once: the whole vocabulary
+        for the full loss, one block for the blockwise one (for memory estimates)."""
+        b = self.cross_entropy_block_size
+        return vocab_size if b is None else min(b, vocab_size)
 
     # Architectures with learned absolute positions cannot run past their table; others (RoPE) can.
     has_hard_seq_len_limit: ClassVar[bool] = False
@@ -104,9 +136,21 @@ class LmHeadModel(eqx.Module):
         return self.config.Embed
 
     @abc.abstractmethod
+    def activations(
+        self, input_ids: NamedArray, segment_ids: NamedArray | None = None, *, key=None
+    ) -> NamedArray:
+        """The final hidden states ``[..., position, embed]``, before the output projection."""
+
+    @abc.abstractmethod
+    def get_lm_head(self) -> NamedArray:
+        """The output projection ``[vocab, embed]`` (in any axis order): logits are ``activations . lm_head``."""
+
     def __call__(
         self, input_ids: NamedArray, segment_ids: NamedArray | None = None, *, key=None
-    ) -> NamedArray: ...
+    ) -> NamedArray:
+        """Logits ``[..., position, vocab]``."""
+        x = self.activations(input_ids, segment_ids, key=key)
+        return token_dot(x, self.get_lm_head(), self.Embed)
 
     def compute_next_token_loss(
         self,
@@ -118,9 +162,19 @@ class LmHeadModel(eqx.Module):
         reduction: str | None = "mean",
         z_loss_weight: float = 0.0,
     ):
-        """Forward pass plus :func:`next_token_loss` on the same tokens."""
-        logits = self(input_ids, segment_ids, key=key)
-        return next_token_loss(logits, input_ids, loss_mask, reduction=reduction, z_loss_weight=z_loss_weight)
+        """Forward pass plus the next-token loss on the same tokens: :func:`next_token_loss` on the full
+        logits, or :func:`blockwise_next_token_loss` when ``config.cross_entropy_block_size`` is set."""
+        block = self.config.cross_entropy_block_size
+        if block is None:
+            logits = self(input_ids, segment_ids, key=key)
+            return next_token_loss(
+                logits, input_ids, loss_mask, reduction=reduction, z_loss_weight=z_loss_weight
+            )
+        hidden = self.activations(input_ids, segment_ids, key=key)
+        return blockwise_next_token_loss(
+            hidden, self.get_lm_head(), input_ids, loss_mask,
+            block_size=block, reduction=reduction, z_loss_weight=z_loss_weight,
+        )
 
 
 def check_input_length(config: LmConfig, input_ids: NamedArray) -> Axis:
@@ -158,9 +212,50 @@ def next_token_loss(
             position (PaLM's z-loss, keeps the softmax normaliser near 1).
     """
     Vocab = logits.resolve_axis(VOCAB)
-    Pos = tokens.resolve_axis(POS)
     logits = logits.astype(jnp.float32)
+    targets, valid = _targets_and_positions(tokens, loss_mask)
 
+    log_z = hax.nn.logsumexp(logits, Vocab)
+    # take() with an index that shares the batch/position axes gathers per position (take_along_axis),
+    # so the loss never materialises a one-hot [.., vocab] target.
+    target_logit = logits.take(Vocab, targets)
+    return _reduce(log_z, target_logit, valid, reduction, z_loss_weight)
+
+
+def blockwise_next_token_loss(
+    hidden: NamedArray,
+    lm_head: NamedArray,
+    tokens: NamedArray,
+    loss_mask: NamedArray | None = None,
+    *,
+    block_size: int,
+    reduction: str | None = "mean",
+    z_loss_weight: float = 0.0,
+):
+    """:func:`next_token_loss` of the logits ``hidden . lm_head``, computed without materialising them.
+
+    The normaliser ``logsumexp(logits[t])`` is accumulated over blocks of ``block_size`` vocabulary
+    entries (:func:`levanter.models.loss.blockwise_logsumexp`, whose backward pass recomputes each
+    block); the correct-class logit is the dot of ``hidden[t]`` with the gathered row
+    ``lm_head[tokens[t + 1]]``. Both in float32. Arguments and results as :func:`next_token_loss`, with
+    ``hidden`` ``[..., position, embed]`` and ``lm_head`` ``[vocab, embed]``.
+    """
+    Embed = hidden.resolve_axis(EMBED)
+    Vocab = lm_head.resolve_axis(VOCAB)
+    targets, valid = _targets_and_positions(tokens, loss_mask)
+
+    outer = tuple(a for a in hidden.axes if a.name != EMBED)
+    flat = hidden.rearrange((*outer, Embed)).array.reshape(-1, Embed.size)
+    weight = lm_head.rearrange((Vocab, Embed)).array
+    log_z = hax.named(blockwise_logsumexp(flat, weight, block_size).reshape([a.size for a in outer]), outer)
+    rows = lm_head.take(Vocab, targets)  # [..., position, embed]: the target rows, one per position
+    target_logit = hax.dot(hidden.astype(jnp.float32), rows.astype(jnp.float32), axis=Embed)
+    return _reduce(log_z, target_logit, valid, reduction, z_loss_weight)
+
+
+def _targets_and_positions(tokens: NamedArray, loss_mask: NamedArray | None) -> tuple[NamedArray, NamedArray]:
+    """The next token of every position, and which positions count (the mask, never the last)."""
+    Pos = tokens.resolve_axis(POS)
     targets = hax.roll(tokens, -1, Pos)
     not_last = hax.arange(Pos) < Pos.size - 1
     if loss_mask is None:
@@ -170,11 +265,11 @@ def next_token_loss(
         if loss_mask.dtype != jnp.bool_:
             loss_mask = loss_mask != 0
         valid = loss_mask & not_last
+    return targets, valid
 
-    log_z = hax.nn.logsumexp(logits, Vocab)
-    # take() with an index that shares the batch/position axes gathers per position (take_along_axis),
-    # so the loss never materialises a one-hot [.., vocab] target.
-    target_logit = logits.take(Vocab, targets)
+
+def _reduce(log_z: NamedArray, target_logit: NamedArray, valid: NamedArray, reduction, z_loss_weight: float):
+    """Per-position cross entropy (plus z-loss) from the normaliser and the target logit, then reduced."""
     per_pos = log_z - target_logit
     if z_loss_weight:
         per_pos = per_pos + z_loss_weight * hax.square(log_z)
