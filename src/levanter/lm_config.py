@@ -73,6 +73,9 @@ def validate(config: TrainLmConfig):
             "positions)"
         )
     config.trainer.validate()
+    check_platform = getattr(config.model, "check_platform", None)
+    if check_platform is not None:  # model.attn_backend: a kernel this platform has
+        check_platform(jax.default_backend())
     config.optimizer.lr_scheduler(config.trainer.num_train_steps)  # lr_schedule, warmup, decay, min_lr_ratio
     config.data.validate(num_train_steps=config.trainer.num_train_steps)
     max_len = getattr(config.model, "max_seq_len", None)

@@ -4,9 +4,25 @@ Importing this package registers every architecture with :class:`LmConfig`, so a
 block with ``type: gpt2`` or ``type: llama`` decodes to the right config class.
 """
 
-from .attention import causal_attention, causal_segment_mask
+from .attention import (
+    ATTN_BACKENDS,
+    AttentionMask,
+    attention_mask,
+    causal_attention,
+    causal_segment_mask,
+    dot_product_attention,
+    resolve_attn_backend,
+)
 from .gpt2 import Gpt2Config, Gpt2LMHeadModel
-from .layers import ACTIVATIONS, check_activation, check_positive, normal_embedding, normal_linear
+from .layers import (
+    ACTIVATIONS,
+    REMAT_POLICIES,
+    check_activation,
+    check_positive,
+    normal_embedding,
+    normal_linear,
+    remat_policy,
+)
 from .llama import LlamaConfig, LlamaLMHeadModel, RopeConfig
 from .lm_model import (
     LmConfig,
@@ -21,6 +37,13 @@ from .lm_model import (
 
 __all__ = [
     "ACTIVATIONS",
+    "ATTN_BACKENDS",
+    "AttentionMask",
+    "REMAT_POLICIES",
+    "attention_mask",
+    "dot_product_attention",
+    "remat_policy",
+    "resolve_attn_backend",
     "Gpt2Config",
     "Gpt2LMHeadModel",
     "LlamaConfig",

@@ -1,18 +1,37 @@
-"""Causal dot-product attention with packed-sequence (segment id) masking and grouped-query heads.
+"""Causal dot-product attention with packed-sequence (segment id) masking and grouped-query heads,
+behind one entry point (:func:`dot_product_attention`) with interchangeable backends.
 
 Position ``q`` may attend to key position ``k`` iff ``k <= q`` and, when segment ids are given,
-``segment_ids[q] == segment_ids[k]``. The mask is built once per forward pass
-(:func:`causal_segment_mask`, boolean ``[..., position, key_position]``) and shared by every layer.
+``segment_ids[q] == segment_ids[k]``. A model describes this once per forward pass with an
+:class:`AttentionMask` (the segment ids, plus the materialised boolean ``[..., position,
+key_position]`` mask only for the backend that reads one) and passes it to every layer.
 
-Trade-offs: this is the plain materialised-scores implementation (``O(seq_len**2)`` memory per head),
-chosen for correctness and portability; there is no flash/splash kernel. Its backward pass is written
-out (:func:`softmax_attention`, a ``jax.custom_vjp``) in the flash-attention form, which makes fewer
-passes over the scores than JAX's derivative; with attention-probability dropout the derivative is
-JAX's. It is fully traceable (no Python control flow on values), so it works under jit,
-scan-over-layers and remat. Scores are
-masked with a large finite negative number, not ``-inf``: every query can see at least itself, but
-a finite value also keeps fully masked rows (which cannot occur here) NaN-free. The softmax always
-runs in float32; ``upcast`` additionally computes the ``q . k`` product in float32.
+Backends (``model.attn_backend``; upstream Levanter's names where upstream has them):
+
+* ``vanilla``: the materialised-scores kernel below (:func:`causal_attention`): ``O(seq_len**2)``
+  memory per head, the fastest on CPU at short sequences, and the only one with attention-probability
+  dropout. Its backward pass is written out (:func:`softmax_attention`, a ``jax.custom_vjp``) in the
+  flash-attention form, which makes fewer passes over the scores than JAX's derivative.
+* ``jax_flash``: blockwise attention in pure JAX (:mod:`levanter.models.flash_attention`): online
+  softmax over key blocks of ``model.flash_attention_block_size`` positions, recomputed per block in
+  the backward pass; memory ``O(seq_len * block)``; runs everywhere.
+* ``splash``: JAX's Pallas splash-attention kernel, on TPU only (elsewhere it runs only in Pallas's
+  slow interpret mode, which the tests use).
+* ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``, on NVIDIA GPUs only, with
+  bfloat16/float16 activations and head sizes up to 128 (a multiple of 8). Packed segments reach it
+  as a boolean mask (cuDNN's own fused kernel still never materialises the scores).
+* ``default``: splash on TPU (when the sequence is a multiple of 128), cuDNN on GPU (when dtype and
+  head size allow), else ``jax_flash`` for sequences of at least :data:`CPU_BLOCKWISE_MIN_SEQ_LEN`
+  positions and ``vanilla`` below (where the materialised scores are small and faster on CPU).
+  ``vanilla`` is also chosen whenever attention dropout is active.
+
+A backend the platform cannot run is refused before any work by :func:`check_backend_platform` (run
+by the training entry point's config checks), with an error naming ``model.attn_backend``.
+
+Numerics: scores and softmax are float32 in every backend; ``upcast`` additionally computes the
+``q . k`` product in float32. Masked scores are a large finite negative number, not ``-inf``, so a
+fully masked row (which cannot occur: every query sees itself) would stay NaN-free. Everything is
+traceable, so all backends work under jit, scan-over-layers and remat.
 
 Axis names: queries ``[..., position, heads, head_size]``; keys/values either
 ``[..., position, heads, head_size]`` (multi-head) or ``[..., position, kv_heads, head_size]``
@@ -22,11 +41,17 @@ key/value head ``h // (heads // kv_heads)``, the Hugging Face ``repeat_kv`` conv
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 
 import haliax as hax
 from haliax import Axis, NamedArray
+
+from .flash_attention import blockwise_attention
 
 POS = "position"
 KEY_POS = "key_position"
@@ -183,3 +208,251 @@ def _attention_bwd(residuals, d_out):
 
 
 softmax_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# -- backends -------------------------------------------------------------------------------------------
+ATTN_BACKENDS = ("default", "vanilla", "jax_flash", "splash", "cudnn")
+# Where each backend runs (jax.default_backend() names); jax_flash and vanilla run everywhere.
+_BACKEND_PLATFORMS = {"splash": ("tpu",), "cudnn": ("gpu", "cuda")}
+DEFAULT_FLASH_BLOCK_SIZE = 512
+# On CPU, `default` picks blockwise attention from this sequence length on: below it the materialised
+# scores are small and the single fused kernel is faster (docs/performance.md, "Attention backends").
+CPU_BLOCKWISE_MIN_SEQ_LEN = 2048
+
+
+def check_attn_config(backend: str, use_flash_attention: Optional[bool], block_size: Optional[int]) -> str:
+    """The requested backend of a model config (``model.attn_backend``, or upstream's
+    ``use_flash_attention`` when that alone is given: true means ``jax_flash``, false ``vanilla``), after
+    checking the three keys; refuses unknown names, a conflict between the two keys, and a block size that
+    is not a positive integer."""
+    if backend is not None and backend not in ATTN_BACKENDS:
+        hint = " (Transformer Engine is not available here; use cudnn)" if backend == "nvte" else ""
+        raise ValueError(f"model.attn_backend {backend!r} is not one of {list(ATTN_BACKENDS)}{hint}")
+    if use_flash_attention is not None and backend is not None:
+        if use_flash_attention != (backend != "vanilla"):
+            raise ValueError(
+                f"model.use_flash_attention={str(use_flash_attention).lower()} conflicts with "
+                f"model.attn_backend={backend!r}; remove model.use_flash_attention (attn_backend says which "
+                "kernel to use)"
+            )
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0):
+        raise ValueError(f"model.flash_attention_block_size must be a positive integer, got {block_size!r}")
+    if backend is not None:
+        return backend
+    if use_flash_attention is not None:
+        return "jax_flash" if use_flash_attention else "vanilla"
+    return "default"
+
+
+def _platform_kind(platform: str) -> str:
+    return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+
+
+def check_backend_platform(backend: str, platform: str) -> None:
+    """Refuse a backend the platform (``jax.default_backend()``) cannot run, naming ``model.attn_backend``."""
+    allowed = _BACKEND_PLATFORMS.get(backend)
+    if allowed is not None and platform not in allowed:
+        where = "TPU" if backend == "splash" else "NVIDIA GPUs"
+        raise ValueError(
+            f"model.attn_backend {backend!r} runs only on {where}, but JAX's platform here is {platform!r}; "
+            "use attn_backend: default (the best one this platform has) or jax_flash"
+        )
+
+
+def _cudnn_shapes_ok(dtype, head_size: Optional[int]) -> bool:
+    dtype_ok = dtype is None or jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return dtype_ok and (head_size is None or (head_size <= 128 and head_size % 8 == 0))
+
+
+def resolve_attn_backend(
+    backend: str, *, platform: str, seq_len: int, dropout: float = 0.0, dtype=None, head_size: Optional[int] = None
+) -> str:
+    """The concrete backend ``vanilla | jax_flash | splash | cudnn`` that ``backend`` means here (see the
+    module docstring for what ``default`` picks). ``dtype``/``head_size`` refine the GPU choice when known."""
+    if backend != "default":
+        check_backend_platform(backend, platform)
+        return backend
+    kind = _platform_kind(platform)
+    if dropout > 0.0:
+        return "vanilla"
+    if kind == "tpu" and seq_len % 128 == 0:
+        return "splash"
+    if kind == "gpu" and platform != "rocm" and _cudnn_shapes_ok(dtype, head_size):
+        return "cudnn"
+    if kind == "cpu" and seq_len < CPU_BLOCKWISE_MIN_SEQ_LEN:
+        return "vanilla"
+    return "jax_flash"
+
+
+class AttentionMask(eqx.Module):
+    """What every layer needs to mask its attention, and which kernel runs it: causal always, plus
+    optional ``segment_ids [..., position]``; ``materialized`` is the boolean ``[..., position,
+    key_position]`` mask, built only for the ``vanilla`` kernel (the others never see a full mask).
+    ``backend`` is a concrete backend name (see :func:`resolve_attn_backend`)."""
+
+    segment_ids: Optional[NamedArray] = None
+    materialized: Optional[NamedArray] = None
+    backend: str = eqx.field(static=True, default="vanilla")
+    block_size: int = eqx.field(static=True, default=DEFAULT_FLASH_BLOCK_SIZE)
+
+
+def attention_mask(
+    Pos: Axis, segment_ids: NamedArray | None, backend: str = "vanilla", block_size: Optional[int] = None
+) -> AttentionMask:
+    """The :class:`AttentionMask` a model builds once per forward pass for the concrete ``backend``."""
+    if backend not in ATTN_BACKENDS or backend == "default":
+        raise ValueError(f"attention_mask needs a concrete backend, got {backend!r} (see resolve_attn_backend)")
+    block = block_size if block_size is not None else DEFAULT_FLASH_BLOCK_SIZE
+    full = causal_segment_mask(Pos, segment_ids) if backend == "vanilla" else None
+    return AttentionMask(segment_ids, full, backend, block)
+
+
+def plan_attention(
+    requested: str,
+    Pos: Axis,
+    segment_ids: NamedArray | None,
+    *,
+    block_size: Optional[int],
+    dtype,
+    head_size: int,
+    dropout: float = 0.0,
+) -> AttentionMask:
+    """The :class:`AttentionMask` for one forward pass of a model configured with backend ``requested``:
+    resolves it for this platform, sequence, activation ``dtype`` (as the scores' inputs will have it)
+    and active ``dropout``, and materialises the full mask only for ``vanilla``."""
+    backend = resolve_attn_backend(
+        requested, platform=jax.default_backend(), seq_len=Pos.size, dropout=dropout, dtype=dtype, head_size=head_size
+    )
+    return attention_mask(Pos, segment_ids, backend, block_size)
+
+
+def dot_product_attention(
+    q: NamedArray,
+    k: NamedArray,
+    v: NamedArray,
+    mask: AttentionMask,
+    *,
+    scale: float | NamedArray | None = None,
+    upcast: bool = True,
+    dropout: float = 0.0,
+    key=None,
+) -> NamedArray:
+    """Causal attention through ``mask.backend``; returns ``[..., position, heads, head_size]`` in
+    ``v``'s dtype. Arguments as :func:`causal_attention`. Dropout needs the ``vanilla`` backend."""
+    backend = mask.backend
+    if backend == "vanilla":
+        full = mask.materialized
+        if full is None:
+            full = causal_segment_mask(q.resolve_axis(POS), mask.segment_ids)
+        return causal_attention(q, k, v, full, scale=scale, upcast=upcast, dropout=dropout, key=key)
+    if dropout > 0.0 and key is not None:
+        raise ValueError(
+            f"model.attn_backend {backend!r} has no attention dropout; set model.attn_pdrop: 0 or use vanilla"
+        )
+    platform = jax.default_backend()
+    check_backend_platform(backend, platform)
+    q5, k4, v4, seg, rebuild = _head_arrays(q, k, v, mask.segment_ids, scale, upcast)
+    if backend == "jax_flash":
+        out = blockwise_attention(q5, k4, v4, seg, block_size=mask.block_size)
+    elif backend == "splash":
+        out = splash_attention(q5, k4, v4, seg, block_size=mask.block_size, interpret=platform != "tpu")
+    elif backend == "cudnn":
+        out = _cudnn_attention(q5, k4, v4, seg)
+    else:
+        raise ValueError(f"model.attn_backend {backend!r} is not one of {list(ATTN_BACKENDS)}")
+    return rebuild(out.astype(v.dtype))
+
+
+def _head_arrays(q, k, v, segment_ids, scale, upcast):
+    """Plain arrays ``q [b, kv_heads, group, position, head_size]``, ``k``/``v [b, kv_heads, position,
+    head_size]`` and ``segment_ids [b, position]`` (or None), with ``b`` the flattened leading axes, and
+    the function that turns ``[b, kv_heads, group, position, head_size]`` back into a named output."""
+    HeadSize, Heads, Pos = q.resolve_axis(HEAD_SIZE), q.resolve_axis(HEADS), q.resolve_axis(POS)
+    if scale is None:
+        scale = 1.0 / (HeadSize.size**0.5)
+    grouped = k.has_axis(KV_HEADS)
+    kv_name = KV_HEADS if grouped else HEADS
+    kv_heads = k.resolve_axis(kv_name).size
+    if Heads.size % kv_heads != 0:
+        raise ValueError(f"{Heads.size} query heads are not divisible into {kv_heads} kv heads")
+    if upcast:
+        q = q.astype(jnp.float32)
+        k = k.astype(jnp.float32)
+    q = q * scale
+    lead = tuple(ax for ax in q.axes if ax.name not in (HEADS, POS, HEAD_SIZE))
+    b = math.prod(ax.size for ax in lead)
+    group = Heads.size // kv_heads
+    q_arr = q.rearrange((*lead, HEADS, POS, HEAD_SIZE)).array.reshape(b, kv_heads, group, Pos.size, HeadSize.size)
+    k_arr = hax.broadcast_to(k, (*lead, *k.axes)).rearrange((*lead, kv_name, POS, HEAD_SIZE)).array
+    v_named = hax.broadcast_to(v, (*lead, *v.axes)).rearrange((*lead, kv_name, POS, HEAD_SIZE))
+    k_arr = k_arr.reshape(b, kv_heads, Pos.size, k_arr.shape[-1])
+    v_arr = v_named.array.reshape(b, kv_heads, Pos.size, v_named.array.shape[-1])
+    seg = None
+    if segment_ids is not None:
+        seg = hax.broadcast_to(segment_ids, (*lead, Pos)).array.reshape(b, Pos.size).astype(jnp.int32)
+    VHead = v_named.resolve_axis(HEAD_SIZE)
+
+    def rebuild(out: jax.Array) -> NamedArray:
+        arr = out.reshape(*(ax.size for ax in lead), Heads.size, Pos.size, VHead.size)
+        return hax.named(arr, (*lead, Heads, Pos, VHead)).rearrange((..., POS, HEADS, HEAD_SIZE))
+
+    return q_arr, k_arr, v_arr, seg, rebuild
+
+
+def _splash_block(seq_len: int, block_size: int) -> int:
+    """The largest block up to ``block_size`` that divides ``seq_len`` (the splash kernel needs one)."""
+    block = min(block_size, seq_len)
+    while seq_len % block:
+        block -= 1
+    return block
+
+
+def splash_attention(q, k, v, segment_ids=None, *, block_size: int, interpret: bool = False) -> jax.Array:
+    """Causal attention through JAX's Pallas splash kernel, on the array layout of
+    :func:`levanter.models.flash_attention.blockwise_attention` (``q`` already scaled). ``interpret``
+    runs the kernel in Pallas's interpreter (any platform; slow, for tests)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    b, kv_heads, group, seq_len, head_size = q.shape
+    heads = kv_heads * group
+    block = _splash_block(seq_len, block_size)
+    sizes = sk.BlockSizes(
+        block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block, block_kv_dkv=block,
+        block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
+    )
+    mask = sm.MultiHeadMask([sm.CausalMask((seq_len, seq_len)) for _ in range(heads)])
+    kernel = sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+    dtype = q.dtype
+    q_h = q.reshape(b, heads, seq_len, head_size)
+    # Grouped-query heads: each kv head serves `group` consecutive query heads.
+    k_h = jnp.repeat(k, group, axis=1).astype(dtype)
+    v_h = jnp.repeat(v, group, axis=1).astype(dtype)
+    if segment_ids is None:
+        out = jax.vmap(lambda q1, k1, v1: kernel(q1, k1, v1))(q_h, k_h, v_h)
+    else:
+        out = jax.vmap(lambda q1, k1, v1, s1: kernel(q1, k1, v1, segment_ids=sk.SegmentIds(q=s1, kv=s1)))(
+            q_h, k_h, v_h, segment_ids
+        )
+    return out.reshape(b, kv_heads, group, seq_len, -1)
+
+
+def _cudnn_attention(q, k, v, segment_ids=None) -> jax.Array:
+    """Causal attention through cuDNN's fused kernel (``jax.nn.dot_product_attention``); same layouts."""
+    b, kv_heads, group, seq_len, head_size = q.shape
+    if not _cudnn_shapes_ok(q.dtype, head_size) or q.dtype != k.dtype or k.dtype != v.dtype:
+        raise ValueError(
+            f"model.attn_backend 'cudnn' needs bfloat16 or float16 q/k/v (got {q.dtype}/{k.dtype}/{v.dtype}; "
+            f"set model.upcast_attn: false and a half-precision trainer.mp) and a head size <= 128 that is a "
+            f"multiple of 8 (got {head_size}); use jax_flash otherwise"
+        )
+    # [b, position, heads, head_size]; kv-major head order matches jax's grouped-query convention.
+    q_t = q.reshape(b, kv_heads * group, seq_len, head_size).transpose(0, 2, 1, 3)
+    k_t, v_t = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    mask = None
+    if segment_ids is not None:
+        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [b, 1, q, k]
+    out = jax.nn.dot_product_attention(
+        q_t, k_t, v_t, mask=mask, scale=1.0, is_causal=True, implementation="cudnn"
+    )
+    return out.transpose(0, 2, 1, 3).reshape(b, kv_heads, group, seq_len, -1)

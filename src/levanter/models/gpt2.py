@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import equinox as eqx
 import jax
@@ -27,8 +27,16 @@ import haliax as hax
 import haliax.nn as hnn
 from haliax import Axis, NamedArray
 
-from .attention import causal_attention, causal_segment_mask
-from .layers import ACTIVATIONS, check_activation, check_positive, normal_embedding, normal_linear
+from .attention import AttentionMask, check_attn_config, check_backend_platform, dot_product_attention, plan_attention
+from .layers import (
+    ACTIVATIONS,
+    check_activation,
+    check_positive,
+    check_remat,
+    normal_embedding,
+    normal_linear,
+    remat_policy,
+)
 from .lm_model import LAYERS, LmConfig, LmHeadModel, check_input_length, split_key
 from .token_dot import linear
 
@@ -49,14 +57,17 @@ class Gpt2Config(LmConfig):
     scale_attn_by_inverse_layer_idx: bool = False
     upcast_attn: bool = True
     use_bias: bool = True
-    gradient_checkpointing: bool = True
+    # true/false or a named remat policy (levanter.models.layers.REMAT_POLICIES).
+    gradient_checkpointing: Union[bool, str] = True
     # True: the layers run as one lax.scan (compile time independent of depth). False: the same stacked
     # parameters, but the loop is unrolled when traced, which lets XLA fuse across layers: faster steps
     # and compiles for small models (docs/performance.md). Large models keep True.
     scan_layers: bool = True
-    # Accepted for upstream config compatibility and ignored: attention here is always the plain
-    # materialised implementation in levanter.models.attention.
-    use_flash_attention: bool = False
+    # Which attention kernel runs (levanter.models.attention.ATTN_BACKENDS); None means "default", or what
+    # upstream's use_flash_attention says when only that is given (true: jax_flash, false: vanilla).
+    attn_backend: Optional[str] = None
+    use_flash_attention: Optional[bool] = None
+    # Query/key block of jax_flash and splash; None means 512 (or the whole sequence when shorter).
     flash_attention_block_size: Optional[int] = None
     # Rows of the learned position table (HF's n_positions); None means seq_len. Training on longer
     # sequences than the table has is refused up front.
@@ -86,6 +97,22 @@ class Gpt2Config(LmConfig):
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"model.{name} must be in [0, 1), got {p}")
         check_activation(self.activation_function)
+        check_remat(self.gradient_checkpointing)
+        backend = self.attention_backend
+        if self.attn_pdrop > 0.0 and backend not in ("default", "vanilla"):
+            raise ValueError(
+                f"model.attn_pdrop={self.attn_pdrop} needs model.attn_backend: vanilla (or default); "
+                f"{backend!r} has no attention dropout"
+            )
+
+    @property
+    def attention_backend(self) -> str:
+        """The requested backend (``default`` until resolved for a platform); validates the keys."""
+        return check_attn_config(self.attn_backend, self.use_flash_attention, self.flash_attention_block_size)
+
+    def check_platform(self, platform: str) -> None:
+        """Refuse an ``attn_backend`` that ``platform`` (``jax.default_backend()``) cannot run."""
+        check_backend_platform(self.attention_backend, platform)
 
     @property
     def Heads(self) -> Axis:
@@ -132,7 +159,7 @@ class Gpt2Attention(eqx.Module):
         )
         return Gpt2Attention(c_attn, c_proj, config)
 
-    def __call__(self, x: NamedArray, mask: NamedArray, layer_idx: NamedArray, *, key=None) -> NamedArray:
+    def __call__(self, x: NamedArray, mask: AttentionMask, layer_idx: NamedArray, *, key=None) -> NamedArray:
         c = self.config
         qkv = linear(self.c_attn, x)
         q, k, v = (qkv["qkv", i] for i in range(3))
@@ -140,7 +167,7 @@ class Gpt2Attention(eqx.Module):
         if c.scale_attn_by_inverse_layer_idx:
             # layer_idx is a traced scalar (scanned alongside the stacked blocks), so no recompile per layer.
             scale = scale / (layer_idx.astype(jnp.float32) + 1.0)
-        attn = causal_attention(
+        attn = dot_product_attention(
             q, k, v, mask, scale=scale, upcast=c.upcast_attn, dropout=c.attn_pdrop, key=key
         )
         return linear(self.c_proj, attn)
@@ -181,7 +208,7 @@ class Gpt2Block(eqx.Module):
         attn, mlp = Gpt2Attention.init(config, key=k_attn), Gpt2Mlp.init(config, key=k_mlp)
         return Gpt2Block(_layer_norm(config), attn, _layer_norm(config), mlp, config)
 
-    def __call__(self, x: NamedArray, mask: NamedArray, layer_idx: NamedArray, *, key=None) -> NamedArray:
+    def __call__(self, x: NamedArray, mask: AttentionMask, layer_idx: NamedArray, *, key=None) -> NamedArray:
         k_attn, k_drop1, k_drop2 = split_key(key, 3)
         p = self.config.resid_pdrop
         h = self.attn(self.ln_1(x), mask, layer_idx, key=k_attn)
@@ -205,7 +232,7 @@ class Gpt2LMHeadModel(LmHeadModel):
         wte = normal_embedding(Vocab, config.Embed, std=std, key=k_wte)
         # GPT-2 initialises position embeddings at half the token-embedding scale.
         wpe = normal_embedding(Axis("position", config.max_seq_len), config.Embed, std=std / 2, key=k_wpe)
-        remat = config.gradient_checkpointing
+        remat = remat_policy(config.gradient_checkpointing)
         stack = hnn.Stacked.init(config.Layers, Gpt2Block, gradient_checkpointing=remat)
         blocks = stack(config, key=jax.random.split(k_blocks, config.num_layers))
         ln_f = _layer_norm(config)
@@ -223,7 +250,16 @@ class Gpt2LMHeadModel(LmHeadModel):
         x = self.wte.embed(input_ids) + self.wpe.weight["position", : Pos.size]
         x = hnn.dropout(x, self.config.embed_pdrop, inference=k_embed is None, key=k_embed)
 
-        mask = causal_segment_mask(Pos, segment_ids)
+        c = self.config
+        mask = plan_attention(
+            c.attention_backend,
+            Pos,
+            segment_ids,
+            block_size=c.flash_attention_block_size,
+            dtype=jnp.float32 if c.upcast_attn else x.dtype,
+            head_size=c.HeadSize.size,
+            dropout=c.attn_pdrop if k_blocks is not None else 0.0,
+        )
         layer_idx = hax.arange(self.config.Layers)  # scanned with the blocks (inverse-layer-idx scaling)
         block_keys = None if k_blocks is None else jax.random.split(k_blocks, self.config.num_layers)
         # scan_layers=False unrolls the loop at trace time; the parameters stay stacked either way.

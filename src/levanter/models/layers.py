@@ -1,10 +1,15 @@
 """Building blocks the architectures share: activation functions by config name, the config checks
-that name the offending ``model.*`` key, and normal-initialised linear and embedding layers."""
+that name the offending ``model.*`` key, the remat policies ``gradient_checkpointing`` names, and
+normal-initialised linear and embedding layers."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Callable
+from typing import Callable, Union
+
+import equinox as eqx
+import jax
 
 import haliax as hax
 import haliax.nn as hnn
@@ -33,6 +38,52 @@ def check_activation(name: str) -> None:
     """Refuse an ``activation_function`` that is not one of :data:`ACTIVATIONS`."""
     if name not in ACTIVATIONS:
         raise ValueError(f"model.activation_function {name!r} is not one of {sorted(ACTIVATIONS)}")
+
+
+# `gradient_checkpointing` values besides true/false: what each block saves for the backward pass.
+# true and "nothing_saveable" (JAX's name) save only each layer's input and recompute the rest;
+# "dots_saveable" saves every matmul output (JAX's policy of that name; with the vanilla kernel that
+# includes the [position, key_position] scores); "save_dots" saves the outputs of the weight matmuls only
+# (dots without batch dimensions), recomputing the elementwise work and attention; "offload" (upstream's
+# name, haliax's policy) keeps each layer's input in host memory instead of device memory; "recompute" /
+# "full", "save_all" and "nested" are haliax's other named policies, accepted as upstream does.
+REMAT_POLICIES = (
+    "nothing_saveable", "dots_saveable", "save_dots", "offload", "recompute", "full", "save_all", "nested",
+)
+RematSpec = Union[bool, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class _JaxRematPolicy(hnn.ScanCheckpointPolicy):
+    """A haliax scan checkpoint policy that applies one of ``jax.checkpoint_policies`` to every block."""
+
+    jax_policy: Callable = None
+
+    def checkpoint(self, carry_name: str, input_name: str, callable):
+        return eqx.filter_checkpoint(callable, policy=self.jax_policy, prevent_cse=self.prevent_cse)
+
+
+def check_remat(value: RematSpec) -> None:
+    """Refuse a ``gradient_checkpointing`` value that is neither a boolean nor a named policy."""
+    if isinstance(value, bool) or value in REMAT_POLICIES:
+        return
+    raise ValueError(
+        f"model.gradient_checkpointing {value!r} is not true, false or one of {list(REMAT_POLICIES)}"
+    )
+
+
+def remat_policy(value: RematSpec):
+    """What ``haliax.nn.Stacked`` takes for a ``gradient_checkpointing`` value (see :data:`REMAT_POLICIES`)."""
+    check_remat(value)
+    if value is True or value == "nothing_saveable":
+        return True
+    if value is False:
+        return False
+    if value == "dots_saveable":
+        return _JaxRematPolicy(jax_policy=jax.checkpoint_policies.dots_saveable)
+    if value == "save_dots":
+        return _JaxRematPolicy(jax_policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    return value  # haliax's own names
 
 
 def normal_linear(In, Out, *, std: float, use_bias: bool, key) -> hnn.Linear:

@@ -21,7 +21,7 @@ nested form (``rope: {type: default, theta: ..., factor: ...}``); without it, ``
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Union
 
 import draccus
 import equinox as eqx
@@ -32,8 +32,16 @@ import haliax as hax
 import haliax.nn as hnn
 from haliax import Axis, NamedArray
 
-from .attention import causal_attention, causal_segment_mask
-from .layers import ACTIVATIONS, check_activation, check_positive, normal_embedding, normal_linear
+from .attention import AttentionMask, check_attn_config, check_backend_platform, dot_product_attention, plan_attention
+from .layers import (
+    ACTIVATIONS,
+    check_activation,
+    check_positive,
+    check_remat,
+    normal_embedding,
+    normal_linear,
+    remat_policy,
+)
 from .lm_model import LAYERS, LmConfig, LmHeadModel, check_input_length
 from .token_dot import linear
 
@@ -77,14 +85,17 @@ class LlamaConfig(LmConfig):
     upcast_attn: bool = False
     use_bias: bool = False
     use_layer_norm_weight: bool = True
-    gradient_checkpointing: bool = True
+    # true/false or a named remat policy (levanter.models.layers.REMAT_POLICIES).
+    gradient_checkpointing: Union[bool, str] = True
     # True: the layers run as one lax.scan (compile time independent of depth). False: the same stacked
     # parameters, but the loop is unrolled when traced, which lets XLA fuse across layers: faster steps
     # and compiles for small models (docs/performance.md). Large models keep True.
     scan_layers: bool = True
-    # Accepted for upstream config compatibility and ignored: attention is always the plain
-    # materialised implementation in levanter.models.attention.
-    use_flash_attention: bool = False
+    # Which attention kernel runs (levanter.models.attention.ATTN_BACKENDS); None means "default", or what
+    # upstream's use_flash_attention says when only that is given (true: jax_flash, false: vanilla).
+    attn_backend: Optional[str] = None
+    use_flash_attention: Optional[bool] = None
+    # Query/key block of jax_flash and splash; None means 512 (or the whole sequence when shorter).
     flash_attention_block_size: Optional[int] = None
     rope_theta: float = 10000.0
     rope: Optional[RopeConfig] = None  # upstream's nested form; overrides rope_theta when given
@@ -116,6 +127,17 @@ class LlamaConfig(LmConfig):
         if theta <= 0 or factor <= 0:
             raise ValueError(f"model.rope theta and factor must be positive, got {theta=}, {factor=}")
         check_activation(self.activation_function)
+        check_remat(self.gradient_checkpointing)
+        self.attention_backend  # validates attn_backend, use_flash_attention, flash_attention_block_size
+
+    @property
+    def attention_backend(self) -> str:
+        """The requested backend (``default`` until resolved for a platform); validates the keys."""
+        return check_attn_config(self.attn_backend, self.use_flash_attention, self.flash_attention_block_size)
+
+    def check_platform(self, platform: str) -> None:
+        """Refuse an ``attn_backend`` that ``platform`` (``jax.default_backend()``) cannot run."""
+        check_backend_platform(self.attention_backend, platform)
 
     @property
     def rope_theta_and_factor(self) -> tuple[float, float]:
@@ -193,11 +215,11 @@ class LlamaAttention(eqx.Module):
         o_proj = normal_linear((c.Heads, c.HeadSize), c.Embed, std=std, use_bias=c.use_bias, key=k_o)
         return LlamaAttention(q_proj, k_proj, v_proj, o_proj, config)
 
-    def __call__(self, x: NamedArray, mask: NamedArray, cos: NamedArray, sin: NamedArray) -> NamedArray:
+    def __call__(self, x: NamedArray, mask: AttentionMask, cos: NamedArray, sin: NamedArray) -> NamedArray:
         q = apply_rotary(linear(self.q_proj, x), cos, sin)
         k = apply_rotary(linear(self.k_proj, x), cos, sin)
         v = linear(self.v_proj, x)
-        attn = causal_attention(q, k, v, mask, upcast=self.config.upcast_attn)
+        attn = dot_product_attention(q, k, v, mask, upcast=self.config.upcast_attn)
         return linear(self.o_proj, attn)
 
 
@@ -247,7 +269,7 @@ class LlamaDecoderLayer(eqx.Module):
         return LlamaDecoderLayer(_rms_norm(config), attn, _rms_norm(config), mlp)
 
     def __call__(
-        self, x: NamedArray, mask: NamedArray, cos: NamedArray, sin: NamedArray, *, key=None
+        self, x: NamedArray, mask: AttentionMask, cos: NamedArray, sin: NamedArray, *, key=None
     ) -> NamedArray:
         del key  # no dropout in Llama; accepted so every block has the same signature
         x = x + self.self_attn(self.input_layernorm(x), mask, cos, sin)
@@ -268,7 +290,7 @@ class LlamaLMHeadModel(LmHeadModel):
         std = config.initializer_range
         embed_tokens = normal_embedding(Vocab, config.Embed, std=std, key=k_embed)
         layers = hnn.Stacked.init(
-            config.Layers, LlamaDecoderLayer, gradient_checkpointing=config.gradient_checkpointing
+            config.Layers, LlamaDecoderLayer, gradient_checkpointing=remat_policy(config.gradient_checkpointing)
         )(config, key=jax.random.split(k_layers, config.num_layers))
         lm_head = None
         if not config.tie_word_embeddings:
@@ -290,7 +312,15 @@ class LlamaLMHeadModel(LmHeadModel):
         Pos = check_input_length(self.config, input_ids)
         x = self.embed_tokens.embed(input_ids)
 
-        mask = causal_segment_mask(Pos, segment_ids)
+        c = self.config
+        mask = plan_attention(
+            c.attention_backend,
+            Pos,
+            segment_ids,
+            block_size=c.flash_attention_block_size,
+            dtype=jnp.float32 if c.upcast_attn else x.dtype,
+            head_size=c.HeadSize.size,
+        )
         theta, factor = self.config.rope_theta_and_factor
         cos, sin = rotary_tables(Pos, self.config.HeadSize, theta, factor)
         # mask, cos and sin have no `layers` axis, so the scan passes them unchanged to every layer.
