@@ -368,3 +368,95 @@ def test_a_full_disk_is_out_of_space_naming_the_metrics_file(tmp_path):
     tracker.finish()
     with open(tmp_path / "r1" / "metrics.jsonl") as f:
         assert [json.loads(line)["step"] for line in f] == [0]
+
+
+# ---------------------------------------------------------------------------------------- object stores
+# memory:// is an object store in this process (fsspec's memory filesystem, reached through
+# levanter.utils.fs like gs:// and s3://): no append, whole-object writes. The real servers are exercised
+# end to end in tests/test_object_store_e2e.py.
+
+
+@pytest.fixture
+def store_dir():
+    import uuid
+
+    from levanter.utils import fs
+
+    url = f"memory://tracker-{uuid.uuid4().hex}"
+    yield url
+    fs.remove_tree(url)
+
+
+def test_json_on_an_object_store_uploads_the_whole_file(tmp_path, store_dir):
+    """Lines are kept in memory and uploaded as one object: when ``flush_secs`` has passed at a ``log``,
+    at ``flush`` and at ``finish``; what is stored then is byte for byte what a local tracker writes."""
+    from levanter.utils import fs
+
+    now = [0.0]
+    url = fs.join(store_dir, "logs", "run", "metrics.jsonl")
+    remote = JsonTracker(fs.join(store_dir, "logs", "run"), flush_secs=30, clock=lambda: now[0])
+    local = JsonTracker(str(tmp_path / "run"))
+    calls = [({"loss": 0.1 + 0.2, "f32": np.float32(0.1)}, 0), ({"loss": float("nan")}, 1), ({"x": 1}, 2),
+             ({"eval/loss": 2.5}, 2)]
+    for metrics, step in calls:
+        local.log(metrics, step=step)
+    remote.log(*calls[0][:1], step=0)
+    assert not fs.exists(url)  # nothing uploaded before flush_secs have passed
+    now[0] = 31.0
+    remote.log(calls[1][0], step=1)
+    assert len(fs.read_text(url).splitlines()) == 2  # flush_secs passed: the whole file so far
+    remote.log(calls[2][0], step=2)
+    assert len(fs.read_text(url).splitlines()) == 2
+    remote.flush()
+    assert len(fs.read_text(url).splitlines()) == 3
+    remote.log(calls[3][0], step=2)
+    remote.finish()
+    local.finish()
+    assert fs.read_bytes(url) == (tmp_path / "run" / "metrics.jsonl").read_bytes()
+    remote.finish()  # harmless twice
+    with pytest.raises(RuntimeError, match="after finish"):
+        remote.log({"loss": 1.0}, step=3)
+
+
+def test_json_on_an_object_store_resumes_like_a_local_file(store_dir):
+    """A resumed run drops the stored lines with step >= resume_step and a trailing partial line, and
+    stores the result at once; config.json and summary.json merge into what the earlier attempt wrote."""
+    from levanter.utils import fs
+
+    run = fs.join(store_dir, "run")
+    url = fs.join(run, "metrics.jsonl")
+    with JsonConfig().init("run", store_dir) as first:
+        first.log_hyperparameters({"lr": 1e-3, "seed": 0})
+        for step in range(5):
+            first.log({"loss": float(step)}, step=step)
+    fs.atomic_write_bytes(url, fs.read_bytes(url) + b'{"step": 5, "lo')  # cut off mid-line
+    tracker = JsonConfig().init("run", store_dir, resume_step=3)
+    assert [json.loads(line)["step"] for line in fs.read_text(url).splitlines()] == [0, 1, 2]
+    tracker.log({"loss": 3.5}, step=3)
+    tracker.log_hyperparameters({"lr": 2e-3})
+    tracker.log_summary({"best": np.float32(0.5)})
+    tracker.finish()
+    assert fs.read_text(url).splitlines()[-1] == '{"step": 3, "loss": 3.5}'
+    assert json.loads(fs.read_text(fs.join(run, "config.json"))) == {"lr": 2e-3, "seed": 0}
+    assert json.loads(fs.read_text(fs.join(run, "summary.json"))) == {"best": 0.5}
+    assert sorted(fs.listdir(run)) == ["config.json", "metrics.jsonl", "summary.json"]
+
+
+def test_tensorboard_on_an_object_store_uploads_its_event_files(tmp_path, store_dir):
+    from levanter.utils import fs
+
+    cfg = TensorboardConfig(logdir=fs.join(store_dir, "tb"))
+    tracker = cfg.init("run", "unused-log-dir")
+    staging = tracker._staging
+    tracker.log({"loss": np.float32(0.25)}, step=3)
+    tracker.flush()
+    names = fs.listdir(fs.join(store_dir, "tb", "run"))
+    assert len(names) == 1 and names[0].startswith("events.out.tfevents.")
+    tracker.log({"loss": 0.125}, step=4)
+    tracker.finish()
+    assert not os.path.exists(staging)  # the local copy is removed once uploaded
+    data = fs.read_bytes(fs.join(store_dir, "tb", "run", names[0]))
+    (tmp_path / names[0]).write_bytes(data)
+    scalars = [(e.step, v.simple_value) for e in _read_events(tmp_path) for v in e.summary.value]
+    assert scalars == [(3, 0.25), (4, 0.125)]
+    assert not os.path.exists("unused-log-dir")

@@ -2,7 +2,8 @@
 
 :class:`TrainLmConfig` is the whole YAML of ``python -m levanter.main.train_lm`` (and what
 ``levanter.main.data_schedule`` plans); :func:`validate` is every check that needs no data and no compile;
-:func:`data_key` is the key the training data is derived from. Entry points import these from here, never
+:func:`data_key` is the key the training data is derived from; :func:`check_storage_access` (part of
+:func:`validate`) checks every object-store URL in the config. Entry points import these from here, never
 from one another (``levanter.main.train_lm`` re-exports them under upstream's path).
 """
 
@@ -18,6 +19,7 @@ from levanter.data.config import DataConfig, UrlSingleDatasetLMConfig
 from levanter.models import LlamaConfig, LmConfig
 from levanter.optim import AdamConfig, OptimizerConfig
 from levanter.trainer import TrainerConfig
+from levanter.utils import fs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +83,7 @@ def validate(config: TrainLmConfig):
     max_len = getattr(config.model, "max_seq_len", None)
     if max_len is not None and config.model.seq_len > max_len:
         raise ValueError(f"model.seq_len={config.model.seq_len} exceeds what the model supports ({max_len})")
+    check_storage_access(config)
     tokenizer = config.data.the_tokenizer()
     model_vocab = getattr(config.model, "vocab_size", None)
     if model_vocab is not None and model_vocab < tokenizer.vocab_size:
@@ -89,6 +92,42 @@ def validate(config: TrainLmConfig):
         )
     config.data.check_inputs()  # missing files and empty globs, before any cache is built
     return tokenizer
+
+
+def storage_locations(config: TrainLmConfig) -> list[tuple[str, str, bool]]:
+    """``(config key, URL, written)`` for every object-store location (``gs://``, ``s3://``, ``memory://``)
+    the run reads or writes: caches, input files, checkpoints, the checkpoint to load, the log directory."""
+    data = config.data
+    found: list[tuple[str, str, bool]] = [("data.cache_dir", data.cache_dir or "cache/", True)]
+    sources = getattr(data, "configs", None)
+    if sources is None:  # one source
+        found += [("data.train_urls", u, False) for u in data.train_urls]
+        found += [("data.validation_urls", u, False) for u in data.validation_urls]
+    else:
+        for name, src in sources.items():
+            found.append((data.source_cache_key(name), data.source_cache_dir(name), True))
+            found += [(f"data.configs.{name}.train_urls", u, False) for u in src.train_urls]
+            found += [(f"data.configs.{name}.validation_urls", u, False) for u in src.validation_urls]
+    tcfg = config.trainer
+    found.append(("trainer.checkpointer.base_path", tcfg.checkpointer.base_path, True))
+    if tcfg.load_checkpoint_path:
+        found.append(("trainer.load_checkpoint_path", tcfg.load_checkpoint_path, False))
+    found.append(("trainer.log_dir", tcfg.log_dir, True))
+    seen, out = set(), []
+    for key, url, written in found:
+        if url and fs.is_url(url) and (key, url) not in seen:
+            seen.add((key, url))
+            out.append((key, url, written))
+    return out
+
+
+def check_storage_access(config: TrainLmConfig) -> None:
+    """Refuse, before any work, an object-store location that is missing or refuses access (a bucket that
+    does not exist, bad credentials, a 403): the bucket is listed, and a probe object written and deleted
+    where the run writes. :class:`levanter.utils.fs.StorageAccessError` (a ``ValueError``) names the URL
+    and the config key; transient errors are retried inside the check."""
+    for key, url, written in storage_locations(config):
+        fs.check_access(url, key, write=written)
 
 
 SEED_LIMIT = 2**32  # jax.random.PRNGKey keeps the low 32 bits (without jax_enable_x64)
@@ -101,4 +140,4 @@ def data_key(config: TrainLmConfig) -> jax.Array:
     return jax.random.split(jax.random.PRNGKey(config.trainer.seed), 4)[0]
 
 
-__all__ = ["SEED_LIMIT", "TrainLmConfig", "data_key", "validate"]
+__all__ = ["SEED_LIMIT", "TrainLmConfig", "check_storage_access", "data_key", "storage_locations", "validate"]

@@ -24,7 +24,15 @@ Format and guarantees:
 * ``log_hyperparameters`` writes ``config.json`` and ``log_summary`` writes ``summary.json`` next to the
   metrics, each atomically and each merging with what earlier calls wrote.
 
-Local filesystems only: appending and atomic replacement are not available on object stores.
+Object stores (``gs://``, ``s3://``, ``memory://`` log directories, through :mod:`levanter.utils.fs`) cannot
+append to an object. There the tracker keeps the whole file in memory and uploads it whole, as one PUT
+(atomic: readers see the previous upload or this one, never a part): at most every ``flush_secs``
+seconds while logging, at every :meth:`JsonTracker.flush` (``train_lm`` flushes before each checkpoint
+save, so the metrics of every step a checkpoint covers are stored before the checkpoint commits) and at
+``finish``. A crashed process loses the lines since the last upload, which a run resuming from its
+latest checkpoint logs again. The trade-off: each upload costs one request and sends the whole file,
+so uploads are spaced in time rather than made per line. Resume truncation is the same as on a local
+disk: the stored file is read, lines with ``step >= resume_step`` are dropped, and the result uploaded.
 
 Registered as ``json`` and, for upstream configs, ``json_logger``. Upstream's ``json_logger`` wrote the
 records through Python logging instead; its ``logger_name`` and ``level`` fields are accepted, and when
@@ -37,14 +45,15 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 import numpy as np
 
 from levanter.errors import is_out_of_space, out_of_space_error
 from levanter.tracker.tracker import Tracker, TrackerConfig, normalize_metrics, to_python
-from levanter.utils.fs import atomic_write_bytes, atomic_write_text, remove_stale_temporaries
+from levanter.utils import fs
 
 logger = logging.getLogger(__name__)
 
@@ -82,14 +91,9 @@ def _line_step(line: bytes) -> Optional[int]:
     return record["step"]
 
 
-def prepare_metrics_file(path: str, resume_step: Optional[int]) -> None:
-    """Make ``path`` ready for appending: drop a trailing partial line and, when ``resume_step`` is given,
-    every line with ``step >= resume_step``. The file is rewritten atomically, and only if it changes."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        return
+def trim_metrics(data: bytes, resume_step: Optional[int], where: str) -> bytes:
+    """``data`` (a metrics file) without a trailing partial line and, when ``resume_step`` is given,
+    without the lines with ``step >= resume_step``; ``where`` names the file in log messages."""
     lines = data.split(b"\n")
     tail = lines.pop()  # b"" when the file ends with a newline, else a line cut off by a crash
     kept = []
@@ -100,26 +104,38 @@ def prepare_metrics_file(path: str, resume_step: Optional[int]) -> None:
         if step is None:
             # A complete but unparseable line is not something this tracker writes; keep it rather than
             # destroy data we do not understand, but say so.
-            logger.warning("%s: keeping a line that is not a metrics record: %r", path, line[:200])
+            logger.warning("%s: keeping a line that is not a metrics record: %r", where, line[:200])
             kept.append(line)
         elif resume_step is None or step < resume_step:
             kept.append(line)
     new = b"".join(line + b"\n" for line in kept)
-    if new == data:
+    if new != data:
+        dropped = len([x for x in lines if x.strip()]) - len(kept)
+        logger.info(
+            "%s: removing %d line(s) with step >= %s%s before resuming",
+            where,
+            dropped,
+            resume_step,
+            " and a trailing partial line" if tail else "",
+        )
+    return new
+
+
+def prepare_metrics_file(path: str, resume_step: Optional[int]) -> None:
+    """Make ``path`` ready for appending: drop a trailing partial line and, when ``resume_step`` is given,
+    every line with ``step >= resume_step``. The file is rewritten atomically, and only if it changes."""
+    try:
+        data = fs.read_bytes(path)
+    except FileNotFoundError:
         return
-    dropped = len([x for x in lines if x.strip()]) - len(kept)
-    logger.info(
-        "%s: removing %d line(s) with step >= %s%s before resuming",
-        path,
-        dropped,
-        resume_step,
-        " and a trailing partial line" if tail else "",
-    )
-    atomic_write_bytes(path, new)
+    new = trim_metrics(data, resume_step, path)
+    if new != data:
+        fs.atomic_write_bytes(path, new)
 
 
 class JsonTracker(Tracker):
-    """Writes ``metrics.jsonl`` (a line per ``log``), ``config.json`` and ``summary.json`` in ``run_dir``."""
+    """Writes ``metrics.jsonl`` (a line per ``log``), ``config.json`` and ``summary.json`` in ``run_dir``
+    (a local directory or an object-store URL; see the module docstring for the difference)."""
 
     name = "json"
 
@@ -130,57 +146,106 @@ class JsonTracker(Tracker):
         resume_step: Optional[int] = None,
         mirror_logger: Optional[logging.Logger] = None,
         mirror_level: int = logging.INFO,
+        flush_secs: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        os.makedirs(run_dir, exist_ok=True)
         self.run_dir = run_dir
-        self.metrics_path = os.path.join(run_dir, METRICS_FILE)
-        self.config_path = os.path.join(run_dir, CONFIG_FILE)
-        self.summary_path = os.path.join(run_dir, SUMMARY_FILE)
+        self.metrics_path = fs.join(run_dir, METRICS_FILE)
+        self.config_path = fs.join(run_dir, CONFIG_FILE)
+        self.summary_path = fs.join(run_dir, SUMMARY_FILE)
         self._mirror_logger = mirror_logger
         self._mirror_level = mirror_level
-        for name in (METRICS_FILE, CONFIG_FILE, SUMMARY_FILE):
-            remove_stale_temporaries(run_dir, name)  # left by a run killed inside an atomic rewrite
-        prepare_metrics_file(self.metrics_path, resume_step)
+        self._remote = fs.is_url(run_dir)
+        self._flush_secs = flush_secs
+        self._clock = clock
+        self._file = None
+        # On an object store: the whole metrics file, and whether it holds lines not yet uploaded.
+        self._buffer: Optional[bytearray] = None
+        self._dirty = False
+        self._closed = False
+        if self._remote:
+            try:
+                stored = fs.read_bytes(self.metrics_path)
+            except FileNotFoundError:
+                stored = b""
+            self._buffer = bytearray(trim_metrics(stored, resume_step, self.metrics_path))
+            if bytes(self._buffer) != stored:
+                self._upload()  # the earlier attempt's lines past the resume step are gone from the store
+            self._last_upload = self._clock()
+        else:
+            os.makedirs(run_dir, exist_ok=True)
+            for name in (METRICS_FILE, CONFIG_FILE, SUMMARY_FILE):
+                fs.remove_stale_temporaries(run_dir, name)  # left by a run killed inside an atomic rewrite
+            prepare_metrics_file(self.metrics_path, resume_step)
+            self._file = open(self.metrics_path, "a", encoding="utf-8")
         self._hparams = self._read_json(self.config_path)
         self._summary = self._read_json(self.summary_path)
-        self._file = open(self.metrics_path, "a", encoding="utf-8")
 
     @staticmethod
     def _read_json(path: str) -> dict:
         # A resumed run merges into what the earlier attempt recorded.
         try:
-            with open(path, encoding="utf-8") as f:
-                value = json.load(f)
+            value = json.loads(fs.read_text(path))
             return value if isinstance(value, dict) else {}
         except (FileNotFoundError, ValueError):
             return {}
 
+    def _upload(self) -> None:
+        """Store the whole metrics file (one atomic PUT) on the object store."""
+        assert self._buffer is not None
+        try:
+            fs.atomic_write_bytes(self.metrics_path, bytes(self._buffer))
+        except OSError as e:
+            raise self._write_failed(e, "logging metrics", self.metrics_path) from None
+        self._dirty = False
+        self._last_upload = self._clock()
+
     def log(self, metrics: Mapping[str, Any], *, step: int) -> None:
-        if self._file is None:
+        if self._closed:
             raise RuntimeError("JsonTracker.log called after finish()")
         values = normalize_metrics(metrics)
         if "step" in values:
             raise ValueError("a metric may not be named 'step': the key holds the training step")
         line = _dumps({"step": int(step), **values})
+        if self._buffer is not None:
+            self._buffer += (line + "\n").encode("utf-8")
+            self._dirty = True
+            if self._clock() - self._last_upload >= self._flush_secs:
+                self._upload()
+        else:
+            try:
+                self._file.write(line + "\n")
+                self._file.flush()
+            except OSError as e:
+                raise self._write_failed(e, "logging metrics", self.metrics_path) from None
+        if self._mirror_logger is not None:
+            self._mirror_logger.log(self._mirror_level, line)
+
+    def flush(self) -> None:
+        """Make every line logged so far durable where it is kept: uploaded (object store) or flushed to
+        the operating system (local file; see the module docstring for fsync)."""
+        if self._closed:
+            return
+        if self._buffer is not None:
+            if self._dirty:
+                self._upload()
+            return
         try:
-            self._file.write(line + "\n")
             self._file.flush()
         except OSError as e:
             raise self._write_failed(e, "logging metrics", self.metrics_path) from None
-        if self._mirror_logger is not None:
-            self._mirror_logger.log(self._mirror_level, line)
 
     def log_hyperparameters(self, params: Mapping[str, Any]) -> None:
         self._hparams.update(params)
         try:
-            atomic_write_text(self.config_path, _dumps(self._hparams, indent=2) + "\n")
+            fs.atomic_write_text(self.config_path, _dumps(self._hparams, indent=2) + "\n")
         except OSError as e:
             raise self._write_failed(e, "writing the run's config", self.config_path) from None
 
     def log_summary(self, metrics: Mapping[str, Any]) -> None:
         self._summary.update(normalize_metrics(metrics))
         try:
-            atomic_write_text(self.summary_path, _dumps(self._summary, indent=2) + "\n")
+            fs.atomic_write_text(self.summary_path, _dumps(self._summary, indent=2) + "\n")
         except OSError as e:
             raise self._write_failed(e, "writing the run's summary", self.summary_path) from None
 
@@ -189,6 +254,7 @@ class JsonTracker(Tracker):
         file (its own exit status). The metrics file is closed without retrying the write, so that the
         caller's clean-up (``finish``) does not fail a second time over the same lost bytes; a partial last
         line is dropped when the run resumes."""
+        self._closed = True
         if self._file is not None:
             try:
                 self._file.close()
@@ -200,7 +266,12 @@ class JsonTracker(Tracker):
         return err
 
     def finish(self) -> None:
-        if self._file is None:
+        if self._closed:
+            return
+        if self._buffer is not None:
+            if self._dirty:
+                self._upload()
+            self._closed = True
             return
         try:
             self._file.flush()
@@ -209,6 +280,7 @@ class JsonTracker(Tracker):
             raise self._write_failed(e, "logging metrics", self.metrics_path) from None
         self._file.close()
         self._file = None
+        self._closed = True
 
 
 @TrackerConfig.register_subclass("json")
@@ -222,17 +294,23 @@ class JsonConfig(TrackerConfig):
     """Also send each line to this Python logger (upstream ``json_logger`` behaviour); None: don't."""
     level: int = logging.INFO
     """Logging level for the mirrored lines."""
+    flush_secs: float = 30.0
+    """Object-store log directories only: upload the metrics file at most this often while logging (it is
+    also uploaded before each checkpoint save and at the end). Local files are flushed at every line."""
 
     def local_dirs(self, run_id: str, log_dir: str) -> list[tuple[str, str]]:
         if self.log_dir is not None:
-            return [("trainer.tracker.log_dir", os.path.join(self.log_dir, run_id))]
-        return [("trainer.log_dir", os.path.join(log_dir, run_id))]
+            return [("trainer.tracker.log_dir", fs.join(self.log_dir, run_id))]
+        return [("trainer.log_dir", fs.join(log_dir, run_id))]
 
     def init(self, run_id: str, log_dir: str, *, resume_step: Optional[int] = None) -> JsonTracker:
         base = self.log_dir if self.log_dir is not None else log_dir
         mirror = logging.getLogger(self.logger_name) if self.logger_name else None
+        if self.flush_secs < 0:
+            raise ValueError(f"trainer.tracker.flush_secs must be >= 0, got {self.flush_secs}")
         return JsonTracker(
-            os.path.join(base, run_id), resume_step=resume_step, mirror_logger=mirror, mirror_level=self.level
+            fs.join(base, run_id), resume_step=resume_step, mirror_logger=mirror, mirror_level=self.level,
+            flush_secs=self.flush_secs,
         )
 
 

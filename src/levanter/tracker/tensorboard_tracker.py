@@ -9,9 +9,12 @@ with one warning per metric name. Hyperparameters are written once as a JSON tex
 have); summary values become scalars under ``summary/`` at the last logged step.
 
 ``logdir`` is taken as given, relative paths from the current directory as upstream Levanter does;
-the trainer's ``log_dir`` is not used. On ``resume_step=k`` the writer is opened with
-``purge_step=k``, which tells TensorBoard to discard the earlier attempt's events at steps ``>= k``
-when it reads the directory.
+the trainer's ``log_dir`` is not used. A ``gs://`` or ``s3://`` ``logdir`` (anything
+:func:`levanter.utils.fs.is_url` accepts): event files are written to a local temporary directory and
+uploaded whole (one atomic PUT per file, since object stores cannot append) at each ``flush`` -- before
+each checkpoint save -- and at ``finish``; the temporary directory is removed at ``finish``.
+On ``resume_step=k`` the writer is opened with ``purge_step=k``, which tells TensorBoard to discard the
+earlier attempt's events at steps ``>= k`` when it reads the directory.
 
 Fields other than ``logdir`` are ``tensorboardX.SummaryWriter`` arguments, kept for compatibility with
 upstream configs.
@@ -23,12 +26,15 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Mapping
 from typing import Any, Optional
 
 import numpy as np
 
 from levanter.tracker.tracker import Tracker, TrackerConfig, to_python
+from levanter.utils import fs
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +44,14 @@ class TensorboardTracker(Tracker):
 
     name = "tensorboard"
 
-    def __init__(self, writer: Any) -> None:
+    def __init__(
+        self, writer: Any, *, staging: Optional[str] = None, upload_to: Optional[str] = None
+    ) -> None:
+        """``staging``, ``upload_to``: the writer's local temporary directory and the object-store prefix
+        its files are uploaded to; None when the writer writes where the files belong."""
         self.writer = writer
+        self._staging = staging
+        self._upload_to = upload_to
         self._last_step = 0
         self._warned: set[str] = set()
         self._closed = False
@@ -75,11 +87,32 @@ class TensorboardTracker(Tracker):
     def log_summary(self, metrics: Mapping[str, Any]) -> None:
         self.log({f"summary/{k}": v for k, v in metrics.items()}, step=self._last_step)
 
+    def _upload(self) -> None:
+        staging = self._staging
+        for root, _, files in os.walk(staging):
+            for name in sorted(files):
+                local = os.path.join(root, name)
+                rel = os.path.relpath(local, staging).split(os.sep)
+                with open(local, "rb") as f:
+                    fs.atomic_write_bytes(fs.join(self._upload_to, *rel), f.read())
+
+    def flush(self) -> None:
+        if self._closed:
+            return
+        self.writer.flush()
+        if self._staging is not None:
+            self._upload()
+
     def finish(self) -> None:
         if self._closed:
             return
         self._closed = True
         self.writer.close()
+        if self._staging is not None:
+            try:
+                self._upload()
+            finally:
+                shutil.rmtree(self._staging, ignore_errors=True)
 
 
 @TrackerConfig.register_subclass("tensorboard")
@@ -97,14 +130,17 @@ class TensorboardConfig(TrackerConfig):
     write_to_disk: bool = True
 
     def local_dirs(self, run_id: str, log_dir: str) -> list[tuple[str, str]]:
-        return [("trainer.tracker.logdir", os.path.join(self.logdir, run_id))] if self.write_to_disk else []
+        return [("trainer.tracker.logdir", fs.join(self.logdir, run_id))] if self.write_to_disk else []
 
     def init(self, run_id: str, log_dir: str, *, resume_step: Optional[int] = None) -> TensorboardTracker:
         from tensorboardX import SummaryWriter
 
         purge_step = self.purge_step if self.purge_step is not None else resume_step
+        target = fs.join(self.logdir, run_id)
+        upload_to = target if fs.is_url(target) and self.write_to_disk else None
+        staging = tempfile.mkdtemp(prefix="levanter-tensorboard-") if upload_to is not None else None
         writer = SummaryWriter(
-            logdir=os.path.join(self.logdir, run_id),
+            logdir=staging if staging is not None else target,
             comment=self.comment,
             purge_step=purge_step,
             max_queue=self.max_queue,
@@ -112,4 +148,4 @@ class TensorboardConfig(TrackerConfig):
             filename_suffix=self.filename_suffix,
             write_to_disk=self.write_to_disk,
         )
-        return TensorboardTracker(writer)
+        return TensorboardTracker(writer, staging=staging, upload_to=upload_to)

@@ -98,6 +98,11 @@ class Tracker(abc.ABC):
     def finish(self) -> None:
         """Flush and close. Calling it twice is harmless."""
 
+    def flush(self) -> None:
+        """Make what was logged so far durable where the backend keeps it (a backend that buffers, such
+        as the JSON tracker on an object store, uploads here). A run calls it before each checkpoint save,
+        so that a run resumed from that checkpoint finds the metrics of every step before it."""
+
     def __enter__(self) -> Tracker:
         return self
 
@@ -175,6 +180,10 @@ class CompositeTracker(Tracker):
         for t in self.trackers:
             t.log_summary(metrics)
 
+    def flush(self) -> None:
+        for t in self.trackers:
+            t.flush()
+
     def finish(self) -> None:
         # Finish every backend even if one fails, so a broken wandb never costs the JSON file its tail.
         errors = []
@@ -202,8 +211,9 @@ class TrackerConfig(draccus.PluginRegistry, abc.ABC, discover_packages_path="lev
         """
 
     def local_dirs(self, run_id: str, log_dir: str) -> list[tuple[str, str]]:
-        """``(config key, directory)`` for each local directory ``init`` will write to; checked for
-        writability before any expensive work (see :func:`check_trackers_writable`)."""
+        """``(config key, directory)`` for each directory ``init`` will write to (a local path or an
+        object-store URL); checked for writability before any expensive work
+        (see :func:`check_trackers_writable`)."""
         return []
 
     @classmethod
@@ -234,17 +244,24 @@ class NoopConfig(TrackerConfig):
 def check_trackers_writable(
     config: TrackerConfig | Sequence[TrackerConfig], run_id: str, log_dir: str
 ) -> None:
-    """Create each tracker's local directory and write and delete a probe file there, so that a log
-    directory that cannot be written fails before caches are built and the model initialised, naming
-    the key; a full disk raises :class:`~levanter.errors.OutOfSpaceError`."""
+    """Create each tracker's directory (local, or a prefix on an object store) and write and delete a
+    probe file there, so that a log directory that cannot be written fails before caches are built and
+    the model initialised, naming the key; a full disk raises :class:`~levanter.errors.OutOfSpaceError`,
+    a bucket that is missing or refuses access a ``ValueError`` naming the URL and the key."""
     from levanter.errors import is_out_of_space, out_of_space_error
-    from levanter.utils.fs import probe_writable
+    from levanter.utils import fs
 
     configs = [config] if isinstance(config, TrackerConfig) else list(config)
     for c in configs:
         for key, path in c.local_dirs(run_id, log_dir):
             try:
-                probe_writable(path)
+                if fs.is_url(path):
+                    fs.check_access(path, key, write=True)
+                else:
+                    fs.probe_writable(path)
+            except fs.StorageAccessError as e:
+                message = str(e)
+                raise ValueError(message if message.startswith(key) else f"{key}: {message}") from None
             except OSError as e:
                 if is_out_of_space(e):
                     raise out_of_space_error("checking the log directory", path) from None

@@ -7,7 +7,8 @@ The fields are upstream Levanter's, so upstream ``tracker: {type: wandb, ...}`` 
   ``wandb sync``. ``mode: disabled`` writes nothing at all.
 * Files go under ``dir``; when it is unset, under ``$WANDB_DIR`` if that is set (wandb's own convention)
   and otherwise under the trainer's ``log_dir``, so the run sits at ``<log_dir>/wandb/...`` next to
-  the other local logs instead of in the current directory.
+  the other local logs instead of in the current directory. wandb needs a local directory: with a
+  ``gs://``/``s3://`` ``log_dir`` its files go to ``./wandb``, and a URL ``dir`` is refused.
 * The wandb run id is the trainer's ``run_id`` unless ``id`` is set, so a restarted job with
   ``resume: allow`` (the default) continues the same wandb run. wandb ignores (with a warning) values
   logged at a step lower than the run's last step; so after a restart from step ``k`` the steps between
@@ -26,6 +27,7 @@ from collections.abc import Mapping
 from typing import Any, Optional, Union
 
 from levanter.tracker.tracker import Tracker, TrackerConfig, normalize_metrics
+from levanter.utils import fs
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +97,15 @@ class WandbConfig(TrackerConfig):
             directory = None  # wandb would create `dir` even though it writes nothing into it
         else:
             directory = self.dir or os.environ.get("WANDB_DIR") or log_dir
+            if fs.is_url(directory):
+                if directory != log_dir:
+                    raise ValueError(
+                        f"trainer.tracker.dir={directory!r}: wandb writes its files to a local directory "
+                        "before sending them to its server; give a local path"
+                    )
+                # An object-store log_dir holds the other trackers' files; wandb keeps its local staging
+                # files where it would without a log_dir (./wandb).
+                directory = "."
             # wandb falls back to a temporary directory when `dir` does not exist; create it so the run
             # lands where the config says.
             os.makedirs(directory, exist_ok=True)
