@@ -305,8 +305,18 @@ class _FlatStep:
         out = jitted(tuple(leaves[:n_state]), tuple(leaves[n_state:]))
         return jax.tree_util.tree_unflatten(out_treedef, out)
 
-    def _build(self, state, batch, leaves):
-        if not all(isinstance(x, jax.Array) for x in leaves):
+    def lower(self, state: TrainerState, batch) -> jax.stages.Lowered:
+        """The step lowered for ``(state, batch)`` without running it; the leaves may be abstract
+        (``jax.ShapeDtypeStruct`` with shardings), so nothing needs to be allocated."""
+        leaves, _ = jax.tree_util.tree_flatten((state, batch))
+        entry = self._build(state, batch, leaves, abstract=True)
+        if entry is None:
+            raise ValueError("the train step's outputs lack shardings: it cannot be lowered ahead of time")
+        jitted, n_state, _ = entry
+        return jitted.lower(tuple(leaves[:n_state]), tuple(leaves[n_state:]))
+
+    def _build(self, state, batch, leaves, abstract: bool = False):
+        if not abstract and not all(isinstance(x, jax.Array) for x in leaves):
             return None
         n_state = len(jax.tree_util.tree_leaves(state))
         state_def = jax.tree_util.tree_structure(state)
@@ -513,6 +523,14 @@ class Trainer:
             fn = self._step_fns[batch_size] = self._make_step(batch_size)
         with hax.partitioning.set_mesh(self.mesh), hax.axis_mapping(self.compute_mapping):
             return fn(state, batch)
+
+    def lower_train_step(self, state: TrainerState, batch, batch_size: int) -> jax.stages.Lowered:
+        """The train step for a batch of ``batch_size``, traced and lowered but not run: ``state`` and
+        ``batch`` may be ``jax.ShapeDtypeStruct`` leaves carrying their shardings, so the compiled step's
+        memory needs can be read (``.compile().memory_analysis()``) before anything is allocated."""
+        fn = self._make_step(batch_size)
+        with hax.partitioning.set_mesh(self.mesh), hax.axis_mapping(self.compute_mapping):
+            return fn.lower(state, batch)
 
     def eval_loss(self, model, batch) -> Tuple[jax.Array, jax.Array]:
         if self._eval_fn is None:

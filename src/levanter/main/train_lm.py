@@ -50,7 +50,7 @@ from levanter.errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError
 from levanter.distributed import DistributedStartupError, barrier, check_same_config_everywhere
 from levanter.tracker import NoopTracker, check_trackers_writable
 from levanter.lm_config import SEED_LIMIT, TrainLmConfig, data_key, validate  # noqa: F401 -- upstream's path
-from levanter.models import next_token_loss
+from levanter.memory_plan import FLAG_HELP, format_plan, make_plan, split_plan_args
 from levanter.trainer import (
     DataEndedError,
     StepReport,
@@ -124,8 +124,10 @@ def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tup
 
     The estimate is a lower bound from shapes alone (``jax.eval_shape``: nothing is allocated):
     parameters and their gradients at the parameter precision, the optimizer's state, and the float32
-    logits of one (micro)batch, which the loss materialises. Activations and XLA's temporaries come on
-    top. ``available``: ``(bytes, description)``, by default what the devices (or, for CPU devices, the
+    logits of one (micro)batch that the loss holds at once (the whole vocabulary, or one block of
+    ``model.cross_entropy_block_size`` entries). Activations and XLA's temporaries come on top
+    (``--dry_run`` compiles the step and measures them).
+    ``available``: ``(bytes, description)``, by default what the devices (or, for CPU devices, the
     host) have free; no check where that cannot be known. Without this, a huge vocabulary failed with an
     out-of-memory traceback deep in the initialisation, or hung.
     """
@@ -154,7 +156,8 @@ def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tup
         micro = tcfg.per_device_parallelism * tcfg.data_axis_size
     else:
         micro = max(seg.value for seg in tcfg.batch_schedule.segments)
-    logit_bytes = micro * config.model.seq_len * vocab_size * 4
+    logit_entries = config.model.loss_logit_entries(vocab_size)
+    logit_bytes = micro * config.model.seq_len * logit_entries * 4
     need = (2 * param_bytes + opt_bytes + logit_bytes) // max(jax.process_count(), 1)
     have, where = available
     if need <= have:
@@ -163,7 +166,8 @@ def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tup
     raise ValueError(
         f"the model cannot fit: training needs at least {_gib(need)} (parameters and gradients "
         f"{_gib(2 * param_bytes)}, optimizer state {_gib(opt_bytes)}, float32 logits of a batch of {micro} x "
-        f"{config.model.seq_len} positions x {vocab_size:,} vocabulary {_gib(logit_bytes)}) but {where} has "
+        f"{config.model.seq_len} positions x {logit_entries:,} vocabulary entries {_gib(logit_bytes)}) but "
+        f"{where} has "
         f"{_gib(have)} free. Shrink the model ({vocab_key}={vocab_size:,}, model.hidden_dim, "
         "model.num_layers) or the batch (trainer.train_batch_size, trainer.per_device_parallelism), or use "
         "more devices."
@@ -243,7 +247,8 @@ def check_data_schedule(checkpoint_path: str, record: dict, start_step: int, *, 
 
 def lm_loss_fn(z_loss_weight: float = 0.0, eos_id: int | None = None):
     """``(sum of next-token cross-entropies over loss positions, number of loss positions)``: the model's
-    logits scored by :func:`levanter.models.next_token_loss`.
+    ``compute_next_token_loss`` (:func:`levanter.models.next_token_loss` on the logits, or the blockwise
+    loss when ``model.cross_entropy_block_size`` is set).
 
     A batch of ``{tokens}`` alone (the training set ``train_lm`` reads, ``tokens_only``) gets its loss mask
     and segment ids from the tokens and ``eos_id``, on the device (:func:`causal_lm_columns_jax`: the
@@ -258,8 +263,9 @@ def lm_loss_fn(z_loss_weight: float = 0.0, eos_id: int | None = None):
             derived = causal_lm_columns_jax(tokens.array, eos_id)
             mask = hax.named(derived["loss_mask"], tokens.axes)
             seg = hax.named(derived["segment_ids"], tokens.axes)
-        logits = model(tokens, seg)
-        return next_token_loss(logits, tokens, mask, reduction="sum_and_count", z_loss_weight=z_loss_weight)
+        return model.compute_next_token_loss(
+            tokens, mask, seg, reduction="sum_and_count", z_loss_weight=z_loss_weight
+        )
 
     return loss
 
@@ -457,11 +463,27 @@ def cli_main(config: TrainLmConfig):
     return main(config)
 
 
+def dry_run(config: TrainLmConfig, options, config_path: Optional[str] = None) -> None:
+    """Print the memory plan of ``config`` (:mod:`levanter.memory_plan`): nothing is trained or read."""
+    config.trainer.distributed.initialize()
+    config.trainer.apply_jax_config()
+    print(format_plan(make_plan(config, lm_loss_fn(config.z_loss_weight), options), config_path))
+
+
 def cli(argv=None) -> None:
     """The command-line entry point: user errors (bad config values, missing or damaged files) print one
     paragraph and exit with status 2; run failures (see below) print one paragraph and exit with status 1.
-    Neither prints a traceback. ``docs/reference/errors.md`` lists the cases."""
+    Neither prints a traceback. ``docs/reference/errors.md`` lists the cases. ``--dry_run`` prints the
+    memory plan instead of training (:data:`levanter.memory_plan.FLAG_HELP`)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--help" in argv or "-h" in argv:
+        print(FLAG_HELP)
     try:
+        plan, argv = split_plan_args(argv)
+        if plan is not None:
+            path, rest = levanter.config.split_config_path(argv)
+            dry_run(levanter.config.parse_config(TrainLmConfig, path, rest), plan, path)
+            return
         cli_main(argv=argv)
     except OutOfSpaceError as e:  # a full disk: free space and rerun (resumes from the latest checkpoint)
         print(f"error: {e}", file=sys.stderr)

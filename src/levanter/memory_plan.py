@@ -1,0 +1,405 @@
+"""A memory plan before launch: what one device needs to train a config, found without training it.
+
+``python -m levanter.main.train_lm --config_path X --dry_run [--device_memory 16GiB] [--vocab_size N]
+[--peak_flops 989e12] [--step_seconds S]`` builds the mesh the config asks for, traces the model and the
+optimizer with ``jax.eval_shape`` (nothing is allocated, however large the model), compiles the train step
+ahead of time for abstract inputs carrying the config's shardings (``jax.jit(...).lower(...).compile()``),
+and prints per device: the parameters, the optimizer state, the batch, the compiled step's temporaries
+(XLA's ``memory_analysis()``: activations kept for the backward pass, gradients, logits, scratch) and the
+total against the device memory; then the training FLOPs per token and what they mean for the step time
+at a given peak. It reads no data, builds no cache, and needs no accelerator.
+
+What it can and cannot know:
+
+* The mesh is made of the devices JAX sees. To plan for a pod slice on a workstation, simulate its device
+  count on CPU: ``XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu``. The figures are
+  then XLA's CPU compiler's: the same shardings, shapes and remat policy, but another backend's fusion and
+  buffer assignment, so accelerator temporaries differ (typically by tens of percent, not by factors).
+  Compiled on the accelerator itself, they are that accelerator's own.
+* The step is compiled for the largest batch of the schedule (the one that needs the most memory).
+* The vocabulary size comes from the tokenizer when it is at hand without the network (``byte``,
+  ``passthrough``, a local ``tokenizer.json``, or a hub tokenizer already in the local Hugging Face
+  cache), else from ``--vocab_size``; the output says which.
+* FLOPs per token are the model config's count (``flops_per_token``: 3 x the forward matmuls, lm head
+  included, attention over the full ``seq_len`` map). The step time cannot be known without running, so
+  the plan prints the step time and tokens/s that given MFUs would mean, and the MFU of a given
+  ``--step_seconds``. The peak FLOP/s per device comes from ``--peak_flops`` or, for a known accelerator,
+  the trainer's table (none for CPUs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from typing import Any, Callable, Optional, Sequence
+
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from levanter.lm_config import TrainLmConfig
+from levanter.trainer import Trainer, TrainerState, peak_flops_per_device
+
+FLAG_HELP = """\
+memory plan (no training):
+  --dry_run              compile the train step ahead of time and print, per device, the memory of the
+                         parameters, optimizer state, batch and the step's temporaries, the total, and
+                         the FLOPs per token; reads no data, allocates no parameters. On CPU, simulate the
+                         run's devices: XLA_FLAGS=--xla_force_host_platform_device_count=8
+  --device_memory SIZE   device memory to compare the total against (e.g. 16GiB, 80GB); default: what
+                         the device reports, if it does
+  --vocab_size N         vocabulary size when the tokenizer is not available locally
+  --peak_flops F         peak FLOP/s of one device (e.g. 989e12); default: known accelerators only
+  --step_seconds S       a measured or expected step time: the plan prints the MFU it means
+"""
+
+_VALUE_FLAGS = ("--device_memory", "--vocab_size", "--peak_flops", "--step_seconds")
+
+
+class PlanArgumentError(ValueError):
+    """A bad ``--dry_run`` flag or value."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    device_memory: Optional[int] = None  # bytes
+    vocab_size: Optional[int] = None
+    peak_flops: Optional[float] = None  # per device
+    step_seconds: Optional[float] = None
+
+
+def split_plan_args(argv: Sequence[str]) -> tuple[Optional[PlanOptions], list[str]]:
+    """The memory-plan flags out of ``argv``: ``(PlanOptions, the other arguments)`` with ``--dry_run``,
+    ``(None, argv)`` without it. The value flags without ``--dry_run`` are an error (they do nothing else)."""
+    rest: list[str] = []
+    values: dict[str, str] = {}
+    dry = False
+    argv = list(argv)
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        i += 1
+        name = a.split("=", 1)[0]
+        if a == "--dry_run":
+            dry = True
+        elif name in _VALUE_FLAGS:
+            if "=" in a:
+                value = a.split("=", 1)[1]
+            else:
+                value = argv[i] if i < len(argv) else ""
+                i += 1
+            if not value or value.startswith("--"):
+                raise PlanArgumentError(f"{name} needs a value (e.g. {name} {_EXAMPLES[name]})")
+            values[name] = value
+        else:
+            rest.append(a)
+    if not dry:
+        if values:
+            raise PlanArgumentError(f"{', '.join(values)} only applies to a memory plan: add --dry_run")
+        return None, rest
+    opts = PlanOptions(
+        device_memory=parse_bytes(values["--device_memory"]) if "--device_memory" in values else None,
+        vocab_size=_positive(values.get("--vocab_size"), "--vocab_size", int),
+        peak_flops=_positive(values.get("--peak_flops"), "--peak_flops", float),
+        step_seconds=_positive(values.get("--step_seconds"), "--step_seconds", float),
+    )
+    return opts, rest
+
+
+_EXAMPLES = {
+    "--device_memory": "16GiB", "--vocab_size": "128256", "--peak_flops": "989e12", "--step_seconds": "2.5"
+}
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str, flag: str = "--device_memory") -> int:
+    """``16GiB`` -> 17179869184; decimal (GB) and binary (GiB) units, or a plain number of bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)(?:e(\d+))?\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(3).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise PlanArgumentError(
+            f"{flag} {text!r} is not a size: give a number with a unit, e.g. 16GiB, 80GB or 512MiB"
+        )
+    value = float(m.group(1)) * (10 ** int(m.group(2)) if m.group(2) else 1) * _UNITS[unit]
+    if value <= 0:
+        raise PlanArgumentError(f"{flag} must be positive, got {text!r}")
+    return int(value)
+
+
+def _positive(text: Optional[str], flag: str, kind: Callable[[str], Any]):
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0) or (kind is int and value != int(value)):
+        what = "a positive integer" if kind is int else "a positive number"
+        raise PlanArgumentError(f"{flag} must be {what}, got {text!r} (e.g. {flag} {_EXAMPLES[flag]})")
+    return int(value) if kind is int else value
+
+
+# -- vocabulary --------------------------------------------------------------------------------------------
+def plan_vocab(config: TrainLmConfig, given: Optional[int]) -> tuple[int, str]:
+    """``(vocabulary size, where it came from)``: the tokenizer if it loads without the network, else
+    ``given`` (``--vocab_size``); neither is an error naming both."""
+    from levanter.ingest import HfTokenizer, load_tokenizer
+
+    spec = (config.data.tokenizer or "").strip()
+    padded = config.data.vocab_size
+    tok, why_not = None, ""
+    try:
+        if spec in ("byte", "passthrough") or os.path.exists(os.path.expanduser(spec)):
+            tok = load_tokenizer(spec, vocab_size=padded)
+        else:
+            cached = _hub_cache_file(spec)
+            if cached is not None:
+                tok = HfTokenizer.from_path(cached)
+            else:
+                why_not = f"tokenizer {spec!r} is not a local path and not in the local Hugging Face cache"
+    except ValueError as e:
+        why_not = str(e)
+    if tok is not None:
+        size = max(tok.vocab_size, padded or 0)
+        source = f"the tokenizer {spec!r}" + (f" (padded by data.vocab_size={padded})" if padded else "")
+        if given is not None and given != size:
+            source += f"; --vocab_size {given} ignored"
+        return size, source
+    if given is not None:
+        return given, f"--vocab_size ({why_not})"
+    raise PlanArgumentError(
+        f"data.tokenizer: {why_not}, so the memory plan does not know the vocabulary size: pass "
+        "--vocab_size N (e.g. 128256 for Llama 3), or point data.tokenizer at a local tokenizer.json"
+    )
+
+
+def _hub_cache_file(name: str) -> Optional[str]:
+    """``tokenizer.json`` of hub tokenizer ``name`` if the local Hugging Face cache has it (no network)."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        found = try_to_load_from_cache(name, "tokenizer.json")
+    except Exception:  # noqa: BLE001 -- a name the hub would reject: not cached either
+        return None
+    return found if isinstance(found, str) and os.path.isfile(found) else None
+
+
+# -- the plan ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Per-device figures in bytes (FLOPs in FLOPs) of one compiled train step."""
+
+    devices: int
+    platform: str
+    mesh_shape: dict
+    vocab_size: int
+    vocab_source: str
+    batch_size: int
+    seq_len: int
+    microbatches: int
+    param_count: int
+    param_bytes: int
+    param_dtype: str
+    opt_bytes: int
+    batch_bytes: int
+    temp_bytes: int
+    total_bytes: int
+    device_memory: Optional[int]
+    device_memory_source: str
+    flops_per_token: float
+    peak_flops: Optional[float]
+    peak_source: str
+    step_seconds: Optional[float]
+    loss: str
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+    @property
+    def flops_per_device_step(self) -> float:
+        return self.flops_per_token * self.tokens_per_step / self.devices
+
+    @property
+    def fits(self) -> Optional[bool]:
+        return None if self.device_memory is None else self.total_bytes <= self.device_memory
+
+
+def _shard_bytes(leaves: Sequence[Any]) -> int:
+    """Bytes one device holds of ``leaves`` (ShapeDtypeStructs with shardings): the largest shard."""
+    total = 0
+    for x in leaves:
+        shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+        total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def _abstract_state(trainer: Trainer, config: TrainLmConfig, vocab_size: int, optimizer) -> TrainerState:
+    """The trainer state as ShapeDtypeStructs with the shardings the run would give it."""
+    Vocab = hax.Axis("vocab", vocab_size)
+
+    def init(key):
+        model = trainer.mp.cast_to_param(config.model.build(Vocab, key=key))
+        opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+        return TrainerState(jnp.zeros((), jnp.int32), model, opt_state, key)
+
+    mapping = trainer.param_mapping
+    with hax.partitioning.set_mesh(trainer.mesh), hax.axis_mapping(mapping):
+        shapes = jax.eval_shape(init, jax.random.PRNGKey(0))
+        shardings = hax.partitioning.infer_resource_partitions(
+            shapes, mapping, preserve_existing_shardings=False
+        )
+    leaves, treedef = jax.tree_util.tree_flatten(shapes)
+    is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)  # noqa: E731
+    sh_leaves = jax.tree_util.tree_leaves(shardings, is_leaf=is_sharding)
+    if len(sh_leaves) != len(leaves):
+        replicated = NamedSharding(trainer.mesh, PartitionSpec())
+        sh_leaves = [replicated] * len(leaves)
+    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(leaves, sh_leaves)]
+    return jax.tree_util.tree_unflatten(treedef, abstract)
+
+
+def _device_memory(options: PlanOptions) -> tuple[Optional[int], str]:
+    if options.device_memory is not None:
+        return options.device_memory, "--device_memory"
+    d = jax.devices()[0]
+    try:
+        stats = d.memory_stats() or {}
+    except Exception:  # noqa: BLE001 -- backends without statistics (CPU)
+        stats = {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]), f"reported by {d.device_kind}"
+    return None, "unknown (pass --device_memory)"
+
+
+def make_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptions) -> MemoryPlan:
+    """Compile ``config``'s train step (with ``loss_fn``) ahead of time for abstract inputs and measure it."""
+    import jmp
+
+    tcfg = dataclasses.replace(config.trainer, require_accelerator=False)  # a plan needs no accelerator
+    tcfg.validate()
+    config.optimizer.lr_scheduler(tcfg.num_train_steps)
+    vocab_size, vocab_source = plan_vocab(config, options.vocab_size)
+    optimizer = config.optimizer.build(tcfg.num_train_steps)
+    trainer = Trainer(tcfg, optimizer, loss_fn)
+    state = _abstract_state(trainer, config, vocab_size, optimizer)
+
+    batch_size = max(seg.value for seg in tcfg.batch_schedule.segments)
+    seq_len = config.model.seq_len
+    tokens = jax.ShapeDtypeStruct(
+        (batch_size, seq_len), jnp.int32, sharding=NamedSharding(trainer.mesh, PartitionSpec("data", None))
+    )
+    # What named_batch makes of the loader's batch, built directly (hax.named would convert the struct).
+    batch = {"tokens": hax.NamedArray(tokens, (hax.Axis(tcfg.batch_axis, batch_size), config.model.Pos))}
+    compiled = trainer.lower_train_step(state, batch, batch_size).compile()
+    mem = compiled.memory_analysis()
+
+    floats = [x for x in jax.tree_util.tree_leaves(state.model) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    param_bytes = _shard_bytes(floats)
+    opt_bytes = _shard_bytes(jax.tree_util.tree_leaves(state.opt_state))
+    batch_bytes = _shard_bytes([tokens])
+    temp = int(mem.temp_size_in_bytes)
+    # Live at the peak: the arguments (state and batch), the outputs that do not reuse a donated argument's
+    # buffer, and the step's temporaries.
+    args, outs, aliased = (int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
+                           int(mem.alias_size_in_bytes))
+    total = args + outs - aliased + temp
+    device_memory, memory_source = _device_memory(options)
+    peak, peak_source = options.peak_flops, "--peak_flops"
+    if peak is None:
+        peak = peak_flops_per_device(jax.devices()[0])
+        kind = jax.devices()[0].device_kind
+        peak_source = f"{kind} (trainer's table)" if peak else "unknown (pass --peak_flops)"
+    n_micro = 1
+    if tcfg.per_device_parallelism > 0:
+        n_micro = batch_size // (tcfg.per_device_parallelism * tcfg.data_axis_size)
+    block = getattr(config.model, "cross_entropy_block_size", None)
+    loss = "full logits" if block is None else f"blockwise, {block:,} vocabulary entries per block"
+    return MemoryPlan(
+        devices=jax.device_count(), platform=jax.devices()[0].platform,
+        mesh_shape=dict(trainer.mesh.shape), vocab_size=vocab_size, vocab_source=vocab_source,
+        batch_size=batch_size, seq_len=seq_len, microbatches=n_micro,
+        param_count=sum(math.prod(x.shape) for x in floats), param_bytes=param_bytes,
+        param_dtype=str(jnp.dtype(jmp.get_policy(tcfg.mp).param_dtype)),
+        opt_bytes=opt_bytes, batch_bytes=batch_bytes, temp_bytes=temp, total_bytes=total,
+        device_memory=device_memory, device_memory_source=memory_source,
+        flops_per_token=float(config.model.flops_per_token(vocab_size)),
+        peak_flops=peak, peak_source=peak_source,
+        step_seconds=options.step_seconds, loss=loss,
+    )
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def format_plan(plan: MemoryPlan, config_path: Optional[str] = None) -> str:
+    """The plan as the table ``--dry_run`` prints."""
+    mesh = " x ".join(f"{k}={v}" for k, v in plan.mesh_shape.items())
+    lines = [
+        f"memory plan{f' for {config_path}' if config_path else ''}: {plan.devices} {plan.platform} devices, "
+        f"mesh {mesh}",
+        f"  vocabulary        {plan.vocab_size:,} (from {plan.vocab_source})",
+        f"  step compiled for a batch of {plan.batch_size} x {plan.seq_len} tokens (the schedule's largest), "
+        f"{plan.microbatches} microbatch{'es' if plan.microbatches != 1 else ''}; loss: {plan.loss}",
+        "per device:",
+        f"  parameters            {_size(plan.param_bytes):>14}   "
+        f"({plan.param_count:,} in all, {plan.param_dtype})",
+        f"  optimizer state       {_size(plan.opt_bytes):>14}",
+        f"  batch                 {_size(plan.batch_bytes):>14}",
+        f"  compiled temporaries  {_size(plan.temp_bytes):>14}   (activations, gradients, logits, scratch)",
+        f"  total                 {_size(plan.total_bytes):>14}",
+    ]
+    if plan.device_memory is None:
+        lines.append(f"  device memory         {'?':>14}   {plan.device_memory_source}")
+    else:
+        short = _size(plan.total_bytes - plan.device_memory)
+        verdict = "fits" if plan.fits else f"DOES NOT FIT (short by {short})"
+        used = plan.total_bytes / plan.device_memory
+        lines.append(f"  device memory         {_size(plan.device_memory):>14}   "
+                     f"({plan.device_memory_source}): {verdict}, {used:.0%} used")
+    lines += [
+        "compute:",
+        f"  FLOPs per token       {plan.flops_per_token:,.4g}   (model.flops_per_token: 3 x forward)",
+        f"  FLOPs per step        {plan.flops_per_device_step:,.4g} per device "
+        f"({plan.tokens_per_step:,} tokens)",
+    ]
+    if plan.peak_flops is None:
+        lines.append(f"  peak FLOP/s           {'?':>14}   {plan.peak_source}: no step-time or MFU estimate")
+    else:
+        lines.append(f"  peak FLOP/s           {plan.peak_flops:,.4g} per device ({plan.peak_source})")
+        for mfu in (0.3, 0.5):
+            seconds = plan.flops_per_device_step / (mfu * plan.peak_flops)
+            lines.append(f"  at {mfu:.0%} MFU           a step takes {seconds:,.3g} s, "
+                         f"{plan.tokens_per_step / seconds:,.0f} tokens/s")
+        if plan.step_seconds is not None:
+            mfu = plan.flops_per_device_step / (plan.step_seconds * plan.peak_flops)
+            lines.append(f"  at {plan.step_seconds:g} s per step   MFU {mfu:.1%}")
+    lines.append(
+        "Figures from XLA's compile for these devices; an accelerator's own compile differs in fusion and "
+        "buffer reuse. The step time is not measured: run to know it."
+    )
+    return "\n".join(lines)
+
+
+__all__ = [
+    "FLAG_HELP",
+    "MemoryPlan",
+    "PlanArgumentError",
+    "PlanOptions",
+    "format_plan",
+    "make_plan",
+    "parse_bytes",
+    "plan_vocab",
+    "split_plan_args",
+]
