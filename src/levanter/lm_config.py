@@ -115,7 +115,7 @@ def storage_locations(config: TrainLmConfig) -> list[tuple[str, str, bool]]:
     found.append(("trainer.log_dir", tcfg.log_dir, True))
     seen, out = set(), []
     for key, url, written in found:
-        if url and fs.is_url(url) and (key, url) not in seen:
+        if url and fs.is_object_store(url) and (key, url) not in seen:
             seen.add((key, url))
             out.append((key, url, written))
     return out

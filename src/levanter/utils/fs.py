@@ -82,6 +82,12 @@ def is_url(path: str | os.PathLike) -> bool:
     return s != "" and s != "file"
 
 
+def is_object_store(path: str | os.PathLike) -> bool:
+    """A URL of a store this module reads and writes (``s3://``, ``gs://``, ``memory://``), as opposed to a
+    local path or another scheme some reader understands (``embedded://``, ``http://``)."""
+    return _scheme(os.fspath(path)) in _OBJECT_SCHEMES
+
+
 def _strip_file(path: str) -> str:
     path = os.fspath(path)
     if path.lower().startswith("file://"):
@@ -246,7 +252,13 @@ def _make_fs(scheme: str):
         kwargs: dict[str, Any] = {"use_listings_cache": False, "skip_instance_cache": True}
         if emulator:
             kwargs.update(endpoint_url=emulator, token="anon")
-        make = lambda: fsspec.filesystem("gcs", **kwargs)  # noqa: E731
+            # gcsfs's default class first asks GCS's gRPC control plane for the bucket's layout, which an
+            # emulator does not serve: a 60 s timeout per bucket. The plain JSON-API class skips it.
+            from gcsfs.core import GCSFileSystem
+
+            make = lambda: GCSFileSystem(**kwargs)  # noqa: E731
+        else:
+            make = lambda: fsspec.filesystem("gcs", **kwargs)  # noqa: E731
     elif scheme == "memory":
         key = ("memory",)
         make = lambda: fsspec.filesystem("memory")  # noqa: E731
