@@ -109,7 +109,7 @@ class Case:
     setup: Callable[[Path, Path], None] | None = None  # (tmp, shared): create or damage files
     patch: Callable[[pytest.MonkeyPatch], None] | None = None  # in-process fault injection
     after: Callable[[Path, Path], None] | None = None  # extra checks once it has failed
-    needs: Sequence[str] = ()  # shared artefacts (see ensure): "cache", "checkpoint"
+    needs: Sequence[str] = ()  # shared artefacts (see ensure): "cache", "checkpoint"; servers: "s3_server", "gcs_server"
 
 
 def _write(path: Path, data: str | bytes) -> None:
@@ -358,9 +358,22 @@ CASES: list[Case] = [
     Case("checkpoint-dir-unwritable", "trainer", "a checkpoint base path under a regular file", 2,
          ["trainer.checkpointer.base_path", "$TMP/afile/ckpt", "Not a directory"],
          args=["--trainer.checkpointer.base_path", "$TMP/afile/ckpt"], setup=block_checkpoint_dir),
-    Case("checkpoint-dir-object-store", "trainer", "a `gs://` checkpoint base path", 2,
-         ["trainer.checkpointer.base_path", "gs://bucket/ckpt", "POSIX"],
-         args=["--trainer.checkpointer.base_path", "gs://bucket/ckpt"]),
+    # -------------------------------------------------------------------------------- object stores
+    # Against the local servers of tests/object_store.py (needs: the session's s3_server / gcs_server).
+    Case("object-store-missing-bucket", "object stores", "`data.cache_dir` in an S3 bucket that does not exist",
+         2, ["data.cache_dir", "s3://no-such-bucket/cache", "'no-such-bucket' does not exist"],
+         args=["--data.cache_dir", "s3://no-such-bucket/cache"], needs=["s3_server"],
+         after=lambda t, s: None if not (t / "logs").exists() else pytest.fail("work started before the check")),
+    Case("object-store-checkpoint-bucket-missing", "object stores",
+         "`trainer.checkpointer.base_path` in a GCS bucket that does not exist", 2,
+         ["trainer.checkpointer.base_path", "gs://no-such-bucket/ckpt", "'no-such-bucket' does not exist"],
+         args=["--trainer.checkpointer.base_path", "gs://no-such-bucket/ckpt"], needs=["gcs_server"]),
+    Case("object-store-log-dir-bucket-missing", "object stores", "`trainer.log_dir` in an S3 bucket that does not exist",
+         2, ["trainer.log_dir", "s3://no-such-bucket/logs", "'no-such-bucket' does not exist"],
+         args=["--trainer.log_dir", "s3://no-such-bucket/logs"], needs=["s3_server"]),
+    Case("object-store-train-urls-bucket-missing", "object stores", "`data.train_urls` in a GCS bucket that does not exist",
+         2, ["data.train_urls", "gs://no-such-bucket/docs.jsonl", "'no-such-bucket' does not exist"],
+         yaml=files_data('["gs://no-such-bucket/docs.jsonl"]'), needs=["gcs_server"]),
     # ------------------------------------------------------------------------------------------ model
     Case("unknown-model-type", "model", "`model.type: transformer9000`", 2, ["$TMP/config.yaml", "`model`", "'transformer9000'", "gpt2, llama"],
          yaml=edit(BASE, "type: gpt2", "type: transformer9000")),
@@ -824,9 +837,12 @@ def ensure(what: str, shared: Path) -> None:
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_bad_input(case: Case, tmp_path, shared, capsys, monkeypatch):
+def test_bad_input(case: Case, tmp_path, shared, capsys, monkeypatch, request):
     for what in case.needs:
-        ensure(what, shared)
+        if what in ("s3_server", "gcs_server"):
+            request.getfixturevalue(what)  # started once per session; its environment is set while it runs
+        else:
+            ensure(what, shared)
     status, stderr = run_case(case, tmp_path, shared, capsys, monkeypatch)
     assert "Traceback (most recent call last)" not in stderr, stderr
     message = error_message(stderr)
