@@ -1,0 +1,257 @@
+"""Attention backends and remat policies: blockwise attention (``jax_flash``) against the materialised
+``vanilla`` kernel (outputs and gradients), the splash kernel in Pallas interpret mode, the platform
+refusals of ``splash``/``cudnn``, what ``default`` resolves to, the config keys, whole-model forwards,
+and that every ``gradient_checkpointing`` policy computes the same loss and gradients.
+
+Shapes are small and each case is one jitted function, so the file stays within a few seconds' compile."""
+
+import dataclasses
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import haliax as hax
+from haliax import Axis
+from haliax.nn import ScanCheckpointPolicy
+from levanter.models import (
+    Gpt2Config,
+    LlamaConfig,
+    attention_mask,
+    causal_attention,
+    causal_segment_mask,
+    dot_product_attention,
+    remat_policy,
+    resolve_attn_backend,
+)
+from levanter.models.attention import check_backend_platform, plan_attention, splash_attention
+from levanter.models.flash_attention import blockwise_attention
+
+Batch = Axis("batch", 2)
+Vocab = Axis("vocab", 100)  # the tiny models of tests/test_models.py: their eager init ops are compiled once
+
+
+# Inputs come from numpy (not eager JAX ops, each of which would compile a program of its own).
+def _qkv(seed, Pos, heads, kv_heads, head_size=8, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    Heads, HeadSize = Axis("heads", heads), Axis("head_size", head_size)
+    KV = Axis("kv_heads", kv_heads) if kv_heads != heads else Heads
+
+    def normal(*axes):
+        return hax.named(jnp.asarray(rng.standard_normal([ax.size for ax in axes]), dtype), axes)
+
+    return normal(Batch, Pos, Heads, HeadSize), normal(Batch, Pos, KV, HeadSize), normal(Batch, Pos, KV, HeadSize)
+
+
+def _many_documents(seed, Pos):
+    """Segment ids of many short packed documents (a new one starts with probability 1/3 per position)."""
+    starts = np.random.default_rng(seed).random((Batch.size, Pos.size)) < 1 / 3
+    return hax.named(jnp.asarray(np.cumsum(starts, axis=1), jnp.int32), (Batch, Pos))
+
+
+@jax.jit
+def _vanilla_f32(q, k, v, seg):
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    return causal_attention(*f32, causal_segment_mask(q.resolve_axis("position"), seg))
+
+
+def _value_and_grads(mask, q, k, v):
+    """Attention output and the gradients of a non-trivial scalar of it, for q, k and v."""
+    g = jnp.asarray(np.random.default_rng(7).standard_normal(q.array.shape), jnp.float32)
+
+    def loss(qa, ka, va):
+        named = hax.named(qa, q.axes), hax.named(ka, k.axes), hax.named(va, v.axes)
+        out = dot_product_attention(*named, mask, scale=0.3)
+        return jnp.sum(out.array.astype(jnp.float32) * g), out.array
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q.array, k.array, v.array)
+    return out, grads
+
+
+def _rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+# (seq_len, block, heads, kv_heads, packed documents): a length that is a multiple of the block and one
+# that is not, GQA ratios 1 and 4 (ratio 2: the bfloat16 case and the Llama forward below).
+CASES = [(24, 8, 4, 4, False), (13, 4, 4, 1, True)]
+
+
+@pytest.mark.parametrize("seq_len,block,heads,kv_heads,packed", CASES)
+def test_blockwise_matches_vanilla_outputs_and_gradients(seq_len, block, heads, kv_heads, packed):
+    Pos = Axis("position", seq_len)
+    q, k, v = _qkv(seq_len, Pos, heads, kv_heads)
+    seg = _many_documents(seq_len, Pos) if packed else None
+    flash_out, flash_grads = _value_and_grads(attention_mask(Pos, seg, "jax_flash", block), q, k, v)
+    ref_out, ref_grads = _value_and_grads(attention_mask(Pos, seg, "vanilla"), q, k, v)
+    assert _rel_err(flash_out, ref_out) < 1e-5
+    for name, ours, ref in zip("qkv", flash_grads, ref_grads):
+        assert _rel_err(ours, ref) < 1e-5, name
+
+
+def test_blockwise_bfloat16_within_bfloat16_tolerance():
+    Pos = Axis("position", 20)
+    q, k, v = _qkv(3, Pos, 4, 2, head_size=16, dtype=jnp.bfloat16)
+    seg = _many_documents(3, Pos)
+    mask = attention_mask(Pos, seg, "jax_flash", 8)
+    out = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, mask, upcast=False))(q, k, v)
+    assert out.dtype == jnp.bfloat16
+    ref = _vanilla_f32(q, k, v, seg)
+    # bfloat16 keeps 8 bits of mantissa: outputs of magnitude ~1 agree to a few 1e-3.
+    np.testing.assert_allclose(np.asarray(out.array, np.float32), ref.array, atol=3e-2, rtol=3e-2)
+
+
+def test_blockwise_never_materialises_the_score_matrix():
+    """The compiled forward+backward at 512 positions (block 32) holds far fewer bytes of temporaries
+    than the materialised kernel's scores alone ([heads, position, key_position] float32)."""
+    b, h, length, d = 1, 2, 512, 16
+    q = jnp.ones((b, h, 1, length, d))
+    k = v = jnp.ones((b, h, length, d))
+    f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(blockwise_attention(q, k, v, block_size=32)), argnums=(0, 1, 2)))
+    temp = f.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes
+    assert temp < h * length * length * 4 / 4, temp
+
+
+def test_splash_kernel_in_interpret_mode_matches_blockwise():
+    """JAX's Pallas splash kernel runs in interpret mode on CPU: same outputs as the blockwise kernel,
+    with grouped heads (GQA ratio 2) and packed documents."""
+    b, kv, group, length, d = 1, 1, 2, 128, 16
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((b, kv, group, length, d)) * 0.25, jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, kv, length, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, kv, length, d)), jnp.float32)
+    seg = jnp.asarray(np.cumsum(rng.random((b, length)) < 0.05, axis=1), jnp.int32)
+    ours = jax.jit(functools.partial(splash_attention, block_size=128, interpret=True))(q, k, v, seg)
+    ref = jax.jit(functools.partial(blockwise_attention, block_size=64))(q, k, v, seg)
+    np.testing.assert_allclose(ours, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_platform_refusals_name_the_key():
+    for backend, where in (("splash", "TPU"), ("cudnn", "NVIDIA GPUs")):
+        with pytest.raises(ValueError, match=rf"model.attn_backend '{backend}' runs only on {where}.*'cpu'"):
+            check_backend_platform(backend, "cpu")
+    check_backend_platform("splash", "tpu")
+    check_backend_platform("cudnn", "gpu")
+    if jax.default_backend() == "cpu":
+        Pos = Axis("position", 16)
+        with pytest.raises(ValueError, match="model.attn_backend 'cudnn'"):
+            plan_attention("cudnn", Pos, None, block_size=None, dtype=jnp.bfloat16, head_size=64)
+
+
+def test_default_backend_per_platform():
+    def pick(platform, **kw):
+        return resolve_attn_backend("default", platform=platform, **{"seq_len": 4096, **kw})
+
+    assert pick("tpu") == "splash"
+    assert pick("tpu", seq_len=1000) == "jax_flash"  # splash needs a multiple of 128
+    assert pick("gpu", dtype=jnp.bfloat16, head_size=64) == "cudnn"
+    assert pick("gpu", dtype=jnp.float32, head_size=64) == "jax_flash"  # cuDNN needs half precision
+    assert pick("gpu", dtype=jnp.bfloat16, head_size=256) == "jax_flash"
+    assert pick("cpu") == "jax_flash"
+    assert pick("cpu", seq_len=1024) == "vanilla"
+    assert pick("tpu", dropout=0.1) == "vanilla"  # only vanilla has attention dropout
+    assert resolve_attn_backend("jax_flash", platform="tpu", seq_len=16) == "jax_flash"
+
+
+def test_config_keys():
+    assert Gpt2Config().attention_backend == "default"
+    assert Gpt2Config(use_flash_attention=True).attention_backend == "jax_flash"
+    assert LlamaConfig(use_flash_attention=False).attention_backend == "vanilla"
+    assert LlamaConfig(attn_backend="splash", use_flash_attention=True).attention_backend == "splash"
+    with pytest.raises(ValueError, match="model.use_flash_attention=false conflicts with model.attn_backend='jax_flash'"):
+        Gpt2Config(use_flash_attention=False, attn_backend="jax_flash")
+    with pytest.raises(ValueError, match="model.attn_backend 'flash3' is not one of"):
+        LlamaConfig(attn_backend="flash3")
+    for bad in (0, -64, 1.5):
+        with pytest.raises(ValueError, match="model.flash_attention_block_size must be a positive integer"):
+            LlamaConfig(flash_attention_block_size=bad)
+    with pytest.raises(ValueError, match="model.attn_pdrop=0.1 needs model.attn_backend: vanilla"):
+        Gpt2Config(attn_pdrop=0.1, attn_backend="jax_flash")
+    with pytest.raises(ValueError, match="model.gradient_checkpointing 'sometimes'"):
+        LlamaConfig(gradient_checkpointing="sometimes")
+
+
+def _tiny(kind, num_layers=2, **kw):
+    if kind == "gpt2":
+        return Gpt2Config(hidden_dim=32, num_heads=4, num_layers=num_layers, seq_len=16, **kw)
+    return LlamaConfig(
+        hidden_dim=32, intermediate_dim=64, num_heads=4, num_kv_heads=2, num_layers=num_layers, seq_len=16, **kw
+    )
+
+
+def _build(config):
+    return config.build(Vocab, key=jax.random.PRNGKey(0))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_model_forward_jax_flash_equals_vanilla(kind):
+    """A whole model (packed documents, a block that does not divide the sequence) gives the same logits
+    with either kernel; both share the parameters (the backend is not part of them)."""
+    vanilla = _tiny(kind, attn_backend="vanilla")
+    flash = _tiny(kind, attn_backend="jax_flash", flash_attention_block_size=6)
+    model = _build(vanilla)
+    flash_model = _build(flash)
+    Pos = vanilla.Pos
+    ids = hax.named(jnp.asarray(np.random.default_rng(1).integers(0, Vocab.size, (Batch.size, Pos.size))), (Batch, Pos))
+    seg = _many_documents(2, Pos)
+
+    @jax.jit
+    def both(ids, seg):
+        return model(ids, seg).array, flash_model(ids, seg).array
+
+    ref, ours = both(ids, seg)
+    assert _rel_err(ours, ref) < 1e-5
+
+
+REMAT = [True, "save_dots", "offload"]
+
+
+def test_remat_policy_names():
+    assert remat_policy("nothing_saveable") is True and remat_policy(True) is True
+    assert remat_policy(False) is False
+    dots = remat_policy("dots_saveable")
+    assert dots.jax_policy is jax.checkpoint_policies.dots_saveable
+    assert remat_policy("save_dots").jax_policy is jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    assert remat_policy("offload") == "offload"  # haliax's policy: layer inputs kept in host memory
+
+
+def test_remat_policies_give_the_same_loss_and_gradients():
+    Pos = Axis("position", 16)
+    ids = hax.named(jnp.asarray(np.random.default_rng(3).integers(0, Vocab.size, (Batch.size, Pos.size))), (Batch, Pos))
+    results = {}
+    base = _build(_tiny("llama", gradient_checkpointing=False, attn_backend="vanilla", num_layers=2))
+    for policy in [False, *REMAT]:
+        # The same parameters under each policy (the policy is a static field of the layer stack).
+        layers = dataclasses.replace(base.layers, gradient_checkpointing=ScanCheckpointPolicy._mk(remat_policy(policy)))
+        model = eqx.tree_at(lambda m: m.layers, base, layers)
+
+        @jax.jit
+        def loss_and_grad(m):
+            def loss(m):
+                return jnp.mean(jax.nn.log_softmax(m(ids).array)[..., 0])
+
+            return jax.value_and_grad(loss)(m)
+
+        results[policy] = loss_and_grad(model)
+    ref_loss, ref_grads = results[False]
+    for policy in REMAT:
+        loss, grads = results[policy]
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-6, err_msg=str(policy))
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=str(policy))
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN attention needs an NVIDIA GPU")
+def test_cudnn_matches_vanilla_on_gpu():
+    Pos = Axis("position", 256)
+    q, k, v = _qkv(5, Pos, 8, 2, head_size=64, dtype=jnp.bfloat16)
+    seg = _many_documents(5, Pos)
+    out = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, attention_mask(Pos, seg, "cudnn"), upcast=False))(
+        q, k, v
+    )
+    ref = _vanilla_f32(q, k, v, seg)
+    np.testing.assert_allclose(np.asarray(out.array, np.float32), ref.array, atol=3e-2, rtol=3e-2)
