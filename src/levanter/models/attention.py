@@ -383,13 +383,17 @@ def _head_arrays(q, k, v, segment_ids, scale, upcast):
     b = math.prod(ax.size for ax in lead)
     group = Heads.size // kv_heads
     q_arr = q.rearrange((*lead, HEADS, POS, HEAD_SIZE)).array.reshape(b, kv_heads, group, Pos.size, HeadSize.size)
-    k_arr = hax.broadcast_to(k, (*lead, *k.axes)).rearrange((*lead, kv_name, POS, HEAD_SIZE)).array
-    v_named = hax.broadcast_to(v, (*lead, *v.axes)).rearrange((*lead, kv_name, POS, HEAD_SIZE))
+    def with_lead(x):
+        missing = tuple(ax for ax in lead if not x.has_axis(ax.name))
+        return x.broadcast_axis(missing) if missing else x
+
+    k_arr = with_lead(k).rearrange((*lead, kv_name, POS, HEAD_SIZE)).array
+    v_named = with_lead(v).rearrange((*lead, kv_name, POS, HEAD_SIZE))
     k_arr = k_arr.reshape(b, kv_heads, Pos.size, k_arr.shape[-1])
     v_arr = v_named.array.reshape(b, kv_heads, Pos.size, v_named.array.shape[-1])
     seg = None
     if segment_ids is not None:
-        seg = hax.broadcast_to(segment_ids, (*lead, Pos)).array.reshape(b, Pos.size).astype(jnp.int32)
+        seg = with_lead(segment_ids).rearrange((*lead, POS)).array.reshape(b, Pos.size).astype(jnp.int32)
     VHead = v_named.resolve_axis(HEAD_SIZE)
 
     def rebuild(out: jax.Array) -> NamedArray:
