@@ -383,6 +383,7 @@ def _head_arrays(q, k, v, segment_ids, scale, upcast):
     b = math.prod(ax.size for ax in lead)
     group = Heads.size // kv_heads
     q_arr = q.rearrange((*lead, HEADS, POS, HEAD_SIZE)).array.reshape(b, kv_heads, group, Pos.size, HeadSize.size)
+
     def with_lead(x):
         missing = tuple(ax for ax in lead if not x.has_axis(ax.name))
         return x.broadcast_axis(missing) if missing else x

@@ -2,7 +2,10 @@
 
 Registered as ``type: gpt2``. Field names and defaults follow upstream Levanter's ``Gpt2Config``.
 Layers are stacked with ``haliax.nn.Stacked`` (a ``lax.scan`` over the ``layers`` axis), so compile
-time does not grow with depth; ``gradient_checkpointing`` is passed to ``Stacked`` as its remat policy.
+time does not grow with depth; ``gradient_checkpointing`` (true/false or a named policy,
+``levanter.models.layers.REMAT_POLICIES``) becomes ``Stacked``'s remat policy. ``attn_backend`` picks the
+attention kernel (``levanter.models.attention``); the forward pass builds one ``AttentionMask`` for it
+and hands it to every layer. Attention dropout (``attn_pdrop``) exists only in the ``vanilla`` kernel.
 
 Parameter axes (for sharding): ``wte [vocab, embed]``, ``wpe [position, embed]``,
 ``c_attn [embed -> qkv, heads, head_size]``, ``c_proj [heads, head_size -> embed]``,

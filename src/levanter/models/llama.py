@@ -1,8 +1,10 @@
 """Llama: rotary position embeddings, RMSNorm, SwiGLU MLP and grouped-query attention.
 
 Registered as ``type: llama``. Field names and defaults follow upstream Levanter's ``LlamaConfig``.
-Layers are stacked with ``haliax.nn.Stacked`` (scan over ``layers``); ``gradient_checkpointing``
-becomes Stacked's remat policy.
+Layers are stacked with ``haliax.nn.Stacked`` (scan over ``layers``); ``gradient_checkpointing`` (true/false
+or a named policy, ``levanter.models.layers.REMAT_POLICIES``) becomes Stacked's remat policy.
+``attn_backend`` picks the attention kernel (``levanter.models.attention``); the forward pass builds one
+``AttentionMask`` for it and hands it to every layer.
 
 Parameter axes (for sharding): ``embed_tokens [vocab, embed]``, ``q_proj [embed -> heads, head_size]``,
 ``k_proj``/``v_proj [embed -> kv_heads, head_size]``, ``o_proj [heads, head_size -> embed]``,
