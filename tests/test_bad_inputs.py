@@ -396,6 +396,8 @@ CASES: list[Case] = [
          args=["--model.use_flash_attention", "false", "--model.attn_backend", "jax_flash"]),
     Case("unknown-activation", "model", "`activation_function: swishy`", 2,
          ["model.activation_function", "'swishy'"], args=["--model.activation_function", "swishy"]),
+    Case("cross-entropy-block-zero", "model", "`cross_entropy_block_size: 0`", 2,
+         ["model.cross_entropy_block_size", "positive", "got 0"], args=["--model.cross_entropy_block_size", "0"]),
     # -------------------------------------------------------------------------------------- optimizer
     Case("beta1-at-1", "optimizer", "`beta1: 1.0`", 2, ["optimizer.beta1", "1.0", "[0, 1)"],
          args=["--optimizer.beta1", "1.0"]),
@@ -741,6 +743,14 @@ CASES: list[Case] = [
     Case("data-schedule-data-key-typo", "config file and CLI (more)", "`data_schedule` over a config with a `data` typo",
          2, ["$TMP/config.yaml", "`data`", "unknown key `shufle`", "did you mean `shuffle`?"], entry="data_schedule",
          yaml=edit(BASE, "shuffle: true", "shufle: true")),
+    Case("dry-run-bad-device-memory", "config file and CLI (more)", "`--dry_run --device_memory 16XB`", 2,
+         ["--device_memory", "'16XB'", "16GiB"], args=["--dry_run", "--device_memory", "16XB"]),
+    Case("dry-run-unknown-vocab", "config file and CLI (more)",
+         "`--dry_run` with a hub tokenizer that is not cached locally and no `--vocab_size`", 2,
+         ["data.tokenizer", "'some-org/not-cached-tokenizer'", "--vocab_size"], args=["--dry_run"],
+         yaml=edit(BASE, "tokenizer: byte", "tokenizer: some-org/not-cached-tokenizer")),
+    Case("plan-flag-without-dry-run", "config file and CLI (more)", "`--vocab_size 50000` without `--dry_run`", 2,
+         ["--vocab_size", "--dry_run"], args=["--vocab_size", "50000"]),
 ]
 
 MIN_CASES = 30

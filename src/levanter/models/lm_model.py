@@ -143,7 +143,7 @@ class LmHeadModel(eqx.Module):
 
     @abc.abstractmethod
     def get_lm_head(self) -> NamedArray:
-        """The output projection ``[vocab, embed]`` (in any axis order): logits are ``activations . lm_head``."""
+        """The output projection ``[vocab, embed]`` (any axis order): logits are ``activations . lm_head``."""
 
     def __call__(
         self, input_ids: NamedArray, segment_ids: NamedArray | None = None, *, key=None

@@ -44,7 +44,9 @@ def blockwise_logsumexp(hidden: jax.Array, weight: jax.Array, block_size: int) -
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"expected hidden [tokens, d] and weight [vocab, d], got {hidden.shape} and {weight.shape}")
+        raise ValueError(
+            f"expected hidden [tokens, d] and weight [vocab, d], got {hidden.shape} and {weight.shape}"
+        )
     return _lse(hidden, weight, min(block_size, weight.shape[0]))
 
 

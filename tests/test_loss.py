@@ -1,0 +1,200 @@
+"""The blockwise next-token loss (``model.cross_entropy_block_size``) against the full-logits loss.
+
+The kernel (``levanter.models.loss.blockwise_logsumexp``) is checked against ``jax.nn.logsumexp`` of the
+materialised logits, values and gradients, for vocabularies that are and are not a multiple of the block;
+the named loss against :func:`next_token_loss` with and without z-loss and loss masks in every reduction;
+a model's loss and gradients, and a whole trainer step, with and without blocks; and ``check_memory``
+counting one block of logits instead of the vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from levanter.main.train_lm import check_memory, lm_loss_fn
+from levanter.models import Gpt2Config, LlamaConfig, blockwise_next_token_loss, next_token_loss
+from levanter.models.loss import blockwise_logsumexp
+from levanter.trainer import Trainer, TrainerConfig
+
+RTOL, ATOL = 2e-5, 2e-6
+
+
+def _close(a, b, rtol=RTOL, atol=ATOL):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("vocab,block", [(40, 8), (37, 8)])
+def test_blockwise_logsumexp_matches_full(vocab, block):
+    """40 = 5 blocks of 8; 37 ends in a partial block (read overlapping the previous one)."""
+    kh, kw, kg = jax.random.split(jax.random.PRNGKey(vocab * 100 + block), 3)
+    h = jax.random.normal(kh, (11, 16)) * 2.0
+    w = jax.random.normal(kw, (vocab, 16))
+    g = jax.random.normal(kg, (11,))
+
+    def blockwise(h, w):
+        return jnp.sum(blockwise_logsumexp(h, w, block) * g)
+
+    def full(h, w):
+        return jnp.sum(jax.nn.logsumexp(h @ w.T, axis=-1) * g)
+
+    _close(blockwise_logsumexp(h, w, block), jax.nn.logsumexp(h @ w.T, axis=-1))
+    got, want = jax.jit(jax.grad(blockwise, (0, 1)))(h, w), jax.jit(jax.grad(full, (0, 1)))(h, w)
+    for a, b in zip(got, want):
+        _close(a, b, atol=1e-5)
+
+
+def test_blockwise_logsumexp_refuses_bad_block():
+    h, w = jnp.zeros((2, 4)), jnp.zeros((5, 4))
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="block_size must be a positive integer"):
+            blockwise_logsumexp(h, w, bad)
+
+
+def _named_case(vocab: int, key: int = 0):
+    Batch, Pos = hax.Axis("batch", 3), hax.Axis("position", 9)
+    Embed, Vocab = hax.Axis("embed", 16), hax.Axis("vocab", vocab)
+    k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(key), 4)
+    hidden = hax.random.normal(k1, (Batch, Pos, Embed))
+    lm_head = hax.random.normal(k2, (Vocab, Embed)) * 0.7
+    tokens = hax.random.randint(k3, (Batch, Pos), 0, vocab)
+    mask = hax.random.bernoulli(k4, (Batch, Pos), 0.6)
+    return hidden, lm_head, tokens, mask
+
+
+@pytest.mark.parametrize("vocab,z_loss,masked", [(48, 0.0, False), (45, 1e-2, True)])
+def test_blockwise_loss_and_gradients_match_full(vocab, z_loss, masked):
+    """A vocabulary of whole blocks without z-loss or mask; a partial last block with both."""
+    hidden, lm_head, tokens, mask = _named_case(vocab, key=vocab)
+    mask = mask if masked else None
+
+    def full(hidden, lm_head, reduction):
+        logits = hax.dot(hidden, lm_head, axis="embed")
+        return next_token_loss(logits, tokens, mask, reduction=reduction, z_loss_weight=z_loss)
+
+    def blockwise(hidden, lm_head, reduction):
+        return blockwise_next_token_loss(
+            hidden, lm_head, tokens, mask, block_size=8, reduction=reduction, z_loss_weight=z_loss
+        )
+
+    for reduction in ("mean", None):  # a scalar, and the per-position losses
+        got, want = blockwise(hidden, lm_head, reduction), full(hidden, lm_head, reduction)
+        _close(getattr(got, "array", got), getattr(want, "array", want))
+    (bt, bc), (ft, fc) = blockwise(hidden, lm_head, "sum_and_count"), full(hidden, lm_head, "sum_and_count")
+    _close(bt, ft)
+    assert float(bc) == float(fc) > 0
+
+    def summed(loss):
+        return lambda h, w: loss(h, w, "sum_and_count")[0]
+
+    got = jax.jit(jax.grad(summed(blockwise), argnums=(0, 1)))(hidden, lm_head)
+    want = jax.jit(jax.grad(summed(full), argnums=(0, 1)))(hidden, lm_head)
+    for a, b in zip(got, want):
+        assert a.axes == b.axes
+        _close(a.array, b.array, atol=1e-5)
+
+
+def test_blockwise_loss_in_bfloat16_is_close():
+    """bfloat16 hidden states and projection: the blockwise logits accumulate in float32, the full path
+    casts bfloat16 logits, so the two agree within bfloat16 precision."""
+    hidden, lm_head, tokens, mask = _named_case(45, key=3)
+    h16, w16 = hidden.astype(jnp.bfloat16), lm_head.astype(jnp.bfloat16)
+    full = next_token_loss(hax.dot(h16, w16, axis="embed"), tokens, mask)
+    block = blockwise_next_token_loss(h16, w16, tokens, mask, block_size=16)
+    exact = next_token_loss(hax.dot(hidden, lm_head, axis="embed"), tokens, mask)
+    assert abs(float(block) - float(full)) < 0.05 * abs(float(full))
+    assert abs(float(block) - float(exact)) < 0.05 * abs(float(exact))
+
+
+TINY_LLAMA = LlamaConfig(seq_len=16, hidden_dim=32, intermediate_dim=64, num_layers=1, num_heads=4,
+                         num_kv_heads=2, gradient_checkpointing=False)
+TINY_GPT2 = Gpt2Config(seq_len=16, hidden_dim=32, num_heads=4, num_layers=1, gradient_checkpointing=False)
+
+
+@pytest.mark.slow
+def test_model_loss_and_gradients_with_blocks_equal_full():
+    """The same parameters (the block size does not change the initialisation) give the same loss and
+    gradients through ``compute_next_token_loss``: Llama with an untied lm head (GPT-2's tied embedding is
+    in the trainer step below)."""
+    config = TINY_LLAMA
+    Vocab = hax.Axis("vocab", 61)
+    full_model = config.build(Vocab, key=jax.random.PRNGKey(0))
+    block_config = dataclasses.replace(config, cross_entropy_block_size=16)
+    block_model = block_config.build(Vocab, key=jax.random.PRNGKey(0))
+    ids = hax.random.randint(jax.random.PRNGKey(1), (hax.Axis("batch", 2), config.Pos), 0, Vocab.size)
+    mask = hax.random.bernoulli(jax.random.PRNGKey(2), ids.axes, 0.8)
+
+    def loss(model):
+        total, count = model.compute_next_token_loss(
+            ids, mask, reduction="sum_and_count", z_loss_weight=1e-3
+        )
+        return total / count
+
+    value_and_grad = eqx.filter_value_and_grad(loss)
+    # One compile for both models.
+    both = eqx.filter_jit(lambda a, b: (value_and_grad(a), value_and_grad(b)))
+    (lf, gf), (lb, gb) = both(full_model, block_model)
+    _close(lb, lf)
+    for a, b in zip(jax.tree.leaves(gb), jax.tree.leaves(gf)):
+        _close(a, b, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_trainer_step_with_blocks_equals_full():
+    """One optimizer step of the trainer (the loss train_lm uses, 8 data-parallel devices, GPT-2's tied
+    embedding as the lm head) gives the same loss, gradient norm and parameters with
+    ``cross_entropy_block_size`` as with the full loss (plain SGD, so parameters differ by the gradients'
+    rounding only)."""
+    tcfg = TrainerConfig(num_train_steps=2, train_batch_size=8, require_accelerator=False, mp="f32")
+    Vocab = hax.Axis("vocab", 50)
+    tokens = jax.random.randint(jax.random.PRNGKey(3), (8, TINY_GPT2.seq_len), 0, Vocab.size)
+    results = []
+    for block in (None, 12):
+        model_cfg = dataclasses.replace(TINY_GPT2, cross_entropy_block_size=block)
+        trainer = Trainer(tcfg, optax.sgd(0.5), lm_loss_fn(1e-3, eos_id=0))
+        state = trainer.initial_state(lambda k: model_cfg.build(Vocab, key=k), key=jax.random.PRNGKey(0))
+        batch = {"tokens": hax.named(tokens, (hax.Axis("batch", 8), model_cfg.Pos))}
+        with hax.partitioning.set_mesh(trainer.mesh):
+            batch = hax.shard(batch, trainer.compute_mapping)
+        new_state, metrics = trainer.train_step(state, batch, 8)
+        results.append((new_state, metrics))
+    (full_state, full_m), (block_state, block_m) = results
+    _close(block_m["loss"], full_m["loss"])
+    _close(block_m["grad_norm"], full_m["grad_norm"])
+    for a, b in zip(jax.tree.leaves(eqx.filter(block_state.model, eqx.is_array)),
+                    jax.tree.leaves(eqx.filter(full_state.model, eqx.is_array))):
+        _close(a, b, atol=1e-5)
+
+
+def test_config_refuses_bad_block_size():
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match=r"model.cross_entropy_block_size must be a positive"):
+            LlamaConfig(cross_entropy_block_size=bad)
+        with pytest.raises(ValueError, match=r"model.cross_entropy_block_size must be a positive"):
+            Gpt2Config(cross_entropy_block_size=bad)
+    assert LlamaConfig(cross_entropy_block_size=4096).loss_logit_entries(128_256) == 4096
+    assert LlamaConfig().loss_logit_entries(128_256) == 128_256
+    assert LlamaConfig(cross_entropy_block_size=10**6).loss_logit_entries(1000) == 1000
+
+
+def test_check_memory_counts_one_block_of_logits():
+    """A vocabulary whose full float32 logits cannot fit is refused; with a block size the same model
+    passes (its parameters fit, and only one block of logits is counted)."""
+    from levanter.lm_config import TrainLmConfig
+
+    model = Gpt2Config(seq_len=512, hidden_dim=16, num_heads=2, num_layers=1)
+    trainer = TrainerConfig(train_batch_size=64, require_accelerator=False)
+    config = TrainLmConfig(model=model, trainer=trainer)
+    vocab = 1_000_000  # params + Adam ~ 256 MB; full logits 64 x 512 x 1M x 4 B = 131 GB
+    available = (4 * 2**30, "a 4 GiB test budget")
+    with pytest.raises(ValueError, match=r"cannot fit.*1,000,000 vocabulary entries"):
+        check_memory(config, vocab, available)
+    blocked = dataclasses.replace(config, model=dataclasses.replace(model, cross_entropy_block_size=1024))
+    check_memory(blocked, vocab, available)
