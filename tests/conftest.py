@@ -15,3 +15,73 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if cases is not None:
         areas = sorted({c.area for c in cases})
         terminalreporter.write_line(f"bad-input catalogue: {len(cases)} cases ({len(areas)} areas)")
+
+
+# ------------------------------------------------------------------ local object stores (tests/object_store.py)
+# One moto server and one GCS emulator per test session, started on first use and stopped at the end. While
+# a server is active its environment (AWS_ENDPOINT_URL + keys, STORAGE_EMULATOR_HOST) is set in os.environ
+# for in-process clients; ``.env`` holds the same variables for subprocesses.
+
+import pytest  # noqa: E402
+
+
+def _object_store_module():
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import object_store
+
+    return object_store
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A moto S3 server with the bucket ``levanter-test``: ``.url(path)`` -> ``s3://levanter-test/path``."""
+    server = _object_store_module().S3Server()
+    server.activate()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    """A GCS emulator with the bucket ``levanter-test``: ``.url(path)`` -> ``gs://levanter-test/path``."""
+    server = _object_store_module().GcsServer()
+    server.activate()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def fault_proxy():
+    """``fault_proxy(server, fail_fraction=0.1, delay_s=(0.02, 0.05), seed=0)`` starts a
+    :class:`object_store.FaultProxy` in front of ``server`` and points this process's environment at it for
+    the rest of the test (``proxy.env_for(server)`` gives the same for subprocesses)."""
+    module = _object_store_module()
+    started = []
+    saved: dict[str, str | None] = {}
+
+    def start(server, fail_fraction=0.1, delay_s=(0.02, 0.05), seed=0):
+        proxy = module.FaultProxy(server.port, fail_fraction=fail_fraction, delay_s=delay_s, seed=seed)
+        started.append(proxy)
+        for k, v in proxy.env_for(server).items():
+            saved.setdefault(k, os.environ.get(k))
+            os.environ[k] = v
+        return proxy
+
+    try:
+        yield start
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for proxy in started:
+            proxy.close()

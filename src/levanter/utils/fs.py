@@ -212,6 +212,10 @@ def kvstore_spec(path: str | os.PathLike) -> dict[str, Any]:
         endpoint = _s3_endpoint()
         if endpoint:
             spec["endpoint"] = endpoint
+        if os.environ.get("AWS_ACCESS_KEY_ID"):
+            # Keys from the environment: without this, tensorstore first tries ~/.aws/{config,credentials}
+            # and logs an error line for each missing file.
+            spec["aws_credentials"] = {"type": "environment"}
         return spec
     if scheme in ("gs", "gcs"):
         _prepare_tensorstore_gcs()
@@ -258,7 +262,7 @@ def _make_fs(scheme: str):
 
             make = lambda: GCSFileSystem(**kwargs)  # noqa: E731
         else:
-            make = lambda: fsspec.filesystem("gcs", **kwargs)  # noqa: E731
+            make = lambda: _gcs_class()(**kwargs)  # noqa: E731
     elif scheme == "memory":
         key = ("memory",)
         make = lambda: fsspec.filesystem("memory")  # noqa: E731
@@ -271,6 +275,14 @@ def _make_fs(scheme: str):
             fs = make()
             _FS_CACHE[key] = fs
         return fs
+
+
+def _gcs_class():
+    # gcsfs's default class probes each bucket's layout over gRPC (a 60 s timeout against an emulator,
+    # which has no gRPC endpoint); the JSON-API core class serves flat and hierarchical buckets alike.
+    from gcsfs.core import GCSFileSystem
+
+    return GCSFileSystem
 
 
 def filesystem(path: str | os.PathLike):

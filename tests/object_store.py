@@ -1,0 +1,373 @@
+"""Real local object stores for tests and benchmarks: an S3-compatible server (moto in server mode), a GCS
+emulator (gcp-storage-emulator) and a fault-injecting HTTP proxy that can sit in front of either.
+
+Each server runs as a subprocess on a free port of 127.0.0.1 and is stopped by :meth:`close`. Clients reach
+them through the ecosystem's environment variables (``AWS_ENDPOINT_URL`` and friends,
+``STORAGE_EMULATOR_HOST``), which :attr:`env` holds for subprocesses and :meth:`activate` sets in
+``os.environ`` for in-process use (restored by :meth:`deactivate`). ``levanter.utils.fs`` maps them onto
+s3fs, gcsfs and tensorstore.
+
+The GCS emulator ignores upload preconditions (``ifGenerationMatch``), which exclusive creation
+(``fs.create_exclusive``, run locks) relies on. The emulator is therefore started through this module
+(``python tests/object_store.py gcs PORT``), which wraps its upload handlers to answer 412 when a
+precondition does not hold, as GCS does. Its HTTP server is single-threaded: requests are served one at a
+time, which is slow but faithful.
+
+:class:`FaultProxy` forwards HTTP requests to a server, answers a seeded fraction of them with 503 and
+delays the others, and counts what it saw: the transient-error and latency half of a real store.
+"""
+
+from __future__ import annotations
+
+import http.client
+from http import HTTPStatus
+import http.server
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+S3_BUCKET = "levanter-test"
+GCS_BUCKET = "levanter-test"
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing-key-id",
+    "AWS_SECRET_ACCESS_KEY": "testing-secret-key",
+    "AWS_REGION": "us-east-1",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server for {url} exited with {proc.returncode}")
+        try:
+            urllib.request.urlopen(url, timeout=2).read()
+            return
+        except urllib.error.HTTPError:
+            return  # it answers
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"server for {url} did not answer within {timeout}s")
+
+
+class _Server:
+    scheme = ""
+    bucket = ""
+
+    def __init__(self):
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+        self._saved: dict[str, str | None] | None = None
+        self.env: dict[str, str] = {}
+
+    def url(self, path: str = "") -> str:
+        """``scheme://bucket/path`` on this server."""
+        path = path.lstrip("/")
+        return f"{self.scheme}://{self.bucket}/{path}" if path else f"{self.scheme}://{self.bucket}"
+
+    def activate(self) -> None:
+        """Set :attr:`env` in ``os.environ`` (the previous values are restored by :meth:`deactivate`)."""
+        if self._saved is None:
+            self._saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+
+    def deactivate(self) -> None:
+        if self._saved is None:
+            return
+        for k, v in self._saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        self._saved = None
+
+    def close(self) -> None:
+        self.deactivate()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class S3Server(_Server):
+    """moto in server mode with one bucket, :data:`S3_BUCKET`."""
+
+    scheme = "s3"
+    bucket = S3_BUCKET
+
+    def __init__(self):
+        super().__init__()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.env = {**S3_ENV, "AWS_ENDPOINT_URL": self.endpoint}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, **self.env},
+        )
+        try:
+            _wait_http(self.endpoint + "/moto-api/", self.proc)
+            self.create_bucket(self.bucket)
+        except BaseException:
+            self.close()
+            raise
+
+    def client(self):
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=self.env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=self.env["AWS_SECRET_ACCESS_KEY"],
+            region_name=self.env["AWS_REGION"],
+        )
+
+    def create_bucket(self, name: str) -> None:
+        self.client().create_bucket(Bucket=name)
+
+
+class GcsServer(_Server):
+    """gcp-storage-emulator (in memory, upload preconditions enforced) with one bucket, :data:`GCS_BUCKET`."""
+
+    scheme = "gs"
+    bucket = GCS_BUCKET
+
+    def __init__(self):
+        super().__init__()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.env = {"STORAGE_EMULATOR_HOST": self.endpoint}
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "gcs", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            _wait_http(self.endpoint + "/storage/v1/b", self.proc)
+            self.create_bucket(self.bucket)
+        except BaseException:
+            self.close()
+            raise
+
+    def create_bucket(self, name: str) -> None:
+        req = urllib.request.Request(
+            self.endpoint + "/storage/v1/b?project=test",
+            data=json.dumps({"name": name}).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        urllib.request.urlopen(req, timeout=10).read()
+
+
+def _serve_gcs(port: int) -> None:
+    """Run the GCS emulator in this process, with upload preconditions (``ifGenerationMatch``) enforced."""
+    import logging
+
+    from gcp_storage_emulator import server as gserver
+    from gcp_storage_emulator.handlers import objects
+
+    logging.disable(logging.CRITICAL)
+
+    def current_generation(storage, bucket, name):
+        try:
+            return str(storage.get_file_obj(bucket, name).get("generation"))
+        except Exception:
+            return None
+
+    def with_preconditions(handler):
+        def wrapped(request, response, storage, *args, **kwargs):
+            want = request.query.get("ifGenerationMatch")
+            name = (request.query.get("name") or [None])[0]
+            if want and name is None and isinstance(request.data, dict):
+                name = (request.data.get("meta") or {}).get("name")
+            if want and name:
+                have = current_generation(storage, request.params["bucket_name"], name)
+                ok = have is None if want[0] == "0" else have == want[0]
+                if not ok:
+                    response.status = HTTPStatus.PRECONDITION_FAILED
+                    response.json(
+                        {"error": {"code": 412, "message": "Precondition Failed", "errors": [
+                            {"reason": "conditionNotMet", "message": "Precondition Failed"}]}}
+                    )
+                    return
+            return handler(request, response, storage, *args, **kwargs)
+
+        return wrapped
+
+    for _, handlers in gserver.HANDLERS:
+        for method, handler in list(handlers.items()):
+            if handler is objects.insert:
+                handlers[method] = with_preconditions(handler)
+    original_insert = objects.insert
+    objects.insert = with_preconditions(original_insert)  # the router's fallback for uploads without /upload
+
+    def with_generation_headers(handler):
+        # GCS sends an object's generation with its media download; tensorstore keeps it to revalidate
+        # what it read (a second open of the same array in one context), and the emulator leaves it out.
+        def wrapped(request, response, storage, *args, **kwargs):
+            try:
+                obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+                response["x-goog-generation"] = str(obj["generation"])
+                response["x-goog-metageneration"] = str(obj.get("metageneration", 1))
+            except Exception:
+                pass  # absent: the handler answers 404
+            return handler(request, response, storage, *args, **kwargs)
+
+        return wrapped
+
+    for _, handlers in gserver.HANDLERS:
+        for method, handler in list(handlers.items()):
+            if handler is objects.download:
+                handlers[method] = with_generation_headers(handler)
+    objects.download = with_generation_headers(objects.download)  # objects.get(alt=media) calls it by name
+
+    srv = gserver.create_server("127.0.0.1", port, in_memory=True)
+    srv.run()
+
+
+# ------------------------------------------------------------------------------------------ fault proxy
+
+
+class FaultProxy:
+    """An HTTP proxy on 127.0.0.1 that forwards to ``127.0.0.1:target_port``, answers a fraction
+    ``fail_fraction`` of requests with 503 (seeded, so a run's pattern repeats) and delays every forwarded
+    request by a uniform draw from ``delay_s`` (seconds). ``requests``, ``failed`` and ``forwarded``
+    count what it saw. Point a client at :attr:`endpoint` instead of the server."""
+
+    def __init__(self, target_port: int, fail_fraction: float = 0.1, delay_s: tuple[float, float] = (0.02, 0.05),
+                 seed: int = 0):
+        self.target_port = target_port
+        self.fail_fraction = fail_fraction
+        self.delay_s = delay_s
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self.requests = 0
+        self.failed = 0
+        self.forwarded = 0
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    out = b""
+                    while True:
+                        line = self.rfile.readline()
+                        n = int(line.split(b";")[0].strip() or b"0", 16)
+                        if n == 0:
+                            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                                pass
+                            return out
+                        out += self.rfile.read(n)
+                        self.rfile.readline()
+                length = int(self.headers.get("Content-Length") or 0)
+                return self.rfile.read(length) if length else b""
+
+            def _handle(self):
+                body = self._body()
+                with proxy._lock:
+                    proxy.requests += 1
+                    fail = proxy._rng.random() < proxy.fail_fraction
+                    delay = proxy._rng.uniform(*proxy.delay_s) if proxy.delay_s else 0.0
+                    if fail:
+                        proxy.failed += 1
+                if fail:
+                    payload = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>SlowDown</Code>"
+                               b"<Message>Please reduce your request rate.</Message></Error>")
+                    self.send_response(503, "Service Unavailable")
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return
+                if delay:
+                    time.sleep(delay)
+                headers = {k: v for k, v in self.headers.items()
+                           if k.lower() not in ("transfer-encoding", "connection", "proxy-connection", "keep-alive")}
+                if body or self.command in ("POST", "PUT", "PATCH"):
+                    headers["Content-Length"] = str(len(body))
+                conn = http.client.HTTPConnection("127.0.0.1", proxy.target_port, timeout=60)
+                try:
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                    self.send_response(resp.status, resp.reason)
+                    for k, v in resp.getheaders():
+                        if k.lower() in ("transfer-encoding", "connection", "content-length", "keep-alive"):
+                            continue
+                        self.send_header(k, v)
+                    if self.command != "HEAD" or data:
+                        self.send_header("Content-Length", str(len(data)))
+                    else:
+                        length = resp.getheader("Content-Length")
+                        if length is not None:
+                            self.send_header("Content-Length", length)
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(data)
+                finally:
+                    conn.close()
+                with proxy._lock:
+                    proxy.forwarded += 1
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _handle
+
+        self._httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd.daemon_threads = True
+        self.port = self._httpd.server_address[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._thread.start()
+
+    def env_for(self, server: _Server) -> dict[str, str]:
+        """``server.env`` with the endpoint replaced by this proxy's."""
+        env = dict(server.env)
+        for k in ("AWS_ENDPOINT_URL", "STORAGE_EMULATOR_HOST"):
+            if k in env:
+                env[k] = self.endpoint
+        return env
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "gcs":
+        _serve_gcs(int(sys.argv[2]))
+    else:
+        raise SystemExit("usage: python tests/object_store.py gcs PORT")
