@@ -11,6 +11,8 @@ KEYS = {
     "loader_tokens_per_s", "raw_read_tokens_per_s", "upstream_loader_tokens_per_s", "ttfb_step0_s",
     "ttfb_step1e9_s", "data_wait_p99_s", "train_step_s", "upstream_train_step_s",
 }
+# The loss section (scripts/bench/loss.py).
+KEYS |= {"loss_blockwise_temp_ratio", "loss_blockwise_time_ratio", "llama_vanilla_over_flash_memory"}
 
 
 @pytest.fixture(scope="module")

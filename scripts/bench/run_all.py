@@ -27,6 +27,11 @@ Sections (each figure is the median over repeats, shown with min and max; ratios
    the caches above (crc32c on every chunk, as training writes them) and on the same tokens written
    without checksums, interleaved; the ratio checksummed / plain is what the checksums cost in read speed.
 
+Loss -- ``loss.py``: the blockwise next-token loss against the full-logits loss, loss + gradient at 4,096
+tokens x 128,256 vocabulary x 512 hidden (``--quick``: 1,024 x 32,768): compiled temporaries and time; and a
+small Llama's train step at sequence 2,048 compiled ahead of time, ``jax_flash`` + blockwise loss against
+``vanilla`` + full loss (per-device memory).
+
 Upstream needs the venv of ``setup_upstream_venv.sh`` (default ``~/.cache/levanter-bench/upstream-venv``,
 or ``--upstream-venv``); without it the upstream figures are null. See ``docs/performance.md``.
 """
@@ -51,6 +56,7 @@ import yaml
 
 import _synthetic as syn
 import loader_cache as lc
+import loss as loss_bench
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -403,6 +409,9 @@ def report(out: dict) -> dict:
     if out.get("checksum"):
         lc.print_checksum_section(out["checksum"])
 
+    if out.get("loss"):
+        loss_bench.print_section(out["loss"])
+
     def pick(d, *path):
         for p in path:
             if d is None:
@@ -419,6 +428,9 @@ def report(out: dict) -> dict:
         "data_wait_p99_s": pick(out, "stalls", "p99_s"),
         "train_step_s": pick(out, "training", "ours", "steady_step_s"),
         "upstream_train_step_s": pick(out, "training", "upstream", "steady_step_s"),
+        "loss_blockwise_temp_ratio": pick(out, "loss", "loss", "temp_ratio"),
+        "loss_blockwise_time_ratio": pick(out, "loss", "loss", "time_ratio"),
+        "llama_vanilla_over_flash_memory": pick(out, "loss", "llama", "total_ratio"),
     }
 
 
@@ -429,10 +441,10 @@ def main(argv=None) -> None:
     p.add_argument("--upstream-venv", default=DEFAULT_UPSTREAM, help="upstream levanter venv (setup_upstream_venv.sh)")
     p.add_argument("--no-upstream", action="store_true", help="skip the upstream columns")
     p.add_argument("--only", default=None,
-                   help="comma-separated sections: loader,upstream,stalls,memory,training,checksum")
+                   help="comma-separated sections: loader,upstream,stalls,memory,training,checksum,loss")
     args = p.parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    sections = set((args.only or "loader,upstream,stalls,memory,training,checksum").split(","))
+    sections = set((args.only or "loader,upstream,stalls,memory,training,checksum,loss").split(","))
     t_start = time.perf_counter()
     import jax
 
@@ -468,6 +480,7 @@ def main(argv=None) -> None:
             ("checksum", lambda: out.update(checksum=lc.checksum_section(
                 work, root, cfg["tokens"], {k: n for k, n in cfg["loader_n"].items() if k in ((8, 1024), (64, 1024))},
                 cfg["repeats"]))),
+            ("loss", lambda: out.update(loss=loss_bench.run(loss_bench.QUICK if args.quick else loss_bench.FULL))),
         ):
             if name in sections and name != "upstream":
                 t0 = time.perf_counter()
