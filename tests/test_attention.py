@@ -172,6 +172,9 @@ def test_config_keys():
             LlamaConfig(flash_attention_block_size=bad)
     with pytest.raises(ValueError, match="model.attn_pdrop=0.1 needs model.attn_backend: vanilla"):
         Gpt2Config(attn_pdrop=0.1, attn_backend="jax_flash")
+    with pytest.raises(ValueError, match="model.attn_backend 'cudnn' needs model.upcast_attn: false"):
+        Gpt2Config(attn_backend="cudnn")
+    assert LlamaConfig(attn_backend="cudnn").attention_backend == "cudnn"  # Llama's upcast_attn is false
     with pytest.raises(ValueError, match="model.gradient_checkpointing 'sometimes'"):
         LlamaConfig(gradient_checkpointing="sometimes")
 

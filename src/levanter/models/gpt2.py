@@ -102,6 +102,11 @@ class Gpt2Config(LmConfig):
         check_activation(self.activation_function)
         check_remat(self.gradient_checkpointing)
         backend = self.attention_backend
+        if self.attention_backend == "cudnn" and self.upcast_attn:
+            raise ValueError(
+                "model.attn_backend 'cudnn' needs model.upcast_attn: false (cuDNN takes bfloat16/float16 queries "
+                "and keys; the scores and softmax are float32 inside it either way)"
+            )
         if self.attn_pdrop > 0.0 and backend not in ("default", "vanilla"):
             raise ValueError(
                 f"model.attn_pdrop={self.attn_pdrop} needs model.attn_backend: vanilla (or default); "

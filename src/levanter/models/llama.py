@@ -131,6 +131,11 @@ class LlamaConfig(LmConfig):
         check_activation(self.activation_function)
         check_remat(self.gradient_checkpointing)
         self.attention_backend  # validates attn_backend, use_flash_attention, flash_attention_block_size
+        if self.attention_backend == "cudnn" and self.upcast_attn:
+            raise ValueError(
+                "model.attn_backend 'cudnn' needs model.upcast_attn: false (cuDNN takes bfloat16/float16 queries "
+                "and keys; the scores and softmax are float32 inside it either way)"
+            )
 
     @property
     def attention_backend(self) -> str:
