@@ -27,6 +27,9 @@ Sections (each figure is the median over repeats, shown with min and max; ratios
    the caches above (crc32c on every chunk, as training writes them) and on the same tokens written
    without checksums, interleaved; the ratio checksummed / plain is what the checksums cost in read speed.
 
+Attention -- ``attention.py``: blockwise (``jax_flash``) against the materialised ``vanilla`` kernel,
+forward+backward at sequence 4,096 (``--quick``: 2,048), 8 heads of 64: compiled temporaries and step time.
+
 Loss -- ``loss.py``: the blockwise next-token loss against the full-logits loss, loss + gradient at 4,096
 tokens x 128,256 vocabulary x 512 hidden (``--quick``: 1,024 x 32,768): compiled temporaries and time; and a
 small Llama's train step at sequence 2,048 compiled ahead of time, ``jax_flash`` + blockwise loss against
@@ -55,6 +58,7 @@ import numpy as np
 import yaml
 
 import _synthetic as syn
+import attention as attention_bench
 import loader_cache as lc
 import loss as loss_bench
 
@@ -409,6 +413,9 @@ def report(out: dict) -> dict:
     if out.get("checksum"):
         lc.print_checksum_section(out["checksum"])
 
+    if out.get("attention"):
+        attention_bench.print_section(out["attention"])
+
     if out.get("loss"):
         loss_bench.print_section(out["loss"])
 
@@ -431,6 +438,8 @@ def report(out: dict) -> dict:
         "loss_blockwise_temp_ratio": pick(out, "loss", "loss", "temp_ratio"),
         "loss_blockwise_time_ratio": pick(out, "loss", "loss", "time_ratio"),
         "llama_vanilla_over_flash_memory": pick(out, "loss", "llama", "total_ratio"),
+        "attention_flash_temp_ratio": pick(out, "attention", "temp_ratio"),
+        "attention_flash_time_ratio": pick(out, "attention", "time_ratio"),
     }
 
 
@@ -441,10 +450,10 @@ def main(argv=None) -> None:
     p.add_argument("--upstream-venv", default=DEFAULT_UPSTREAM, help="upstream levanter venv (setup_upstream_venv.sh)")
     p.add_argument("--no-upstream", action="store_true", help="skip the upstream columns")
     p.add_argument("--only", default=None,
-                   help="comma-separated sections: loader,upstream,stalls,memory,training,checksum,loss")
+                   help="comma-separated sections: loader,upstream,stalls,memory,training,checksum,attention,loss")
     args = p.parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    sections = set((args.only or "loader,upstream,stalls,memory,training,checksum,loss").split(","))
+    sections = set((args.only or "loader,upstream,stalls,memory,training,checksum,attention,loss").split(","))
     t_start = time.perf_counter()
     import jax
 
@@ -480,6 +489,8 @@ def main(argv=None) -> None:
             ("checksum", lambda: out.update(checksum=lc.checksum_section(
                 work, root, cfg["tokens"], {k: n for k, n in cfg["loader_n"].items() if k in ((8, 1024), (64, 1024))},
                 cfg["repeats"]))),
+            ("attention", lambda: out.update(attention=attention_bench.run(
+                attention_bench.QUICK if args.quick else attention_bench.FULL))),
             ("loss", lambda: out.update(loss=loss_bench.run(loss_bench.QUICK if args.quick else loss_bench.FULL))),
         ):
             if name in sections and name != "upstream":
