@@ -13,6 +13,8 @@ KEYS = {
 }
 # The loss section (scripts/bench/loss.py).
 KEYS |= {"loss_blockwise_temp_ratio", "loss_blockwise_time_ratio", "llama_vanilla_over_flash_memory"}
+# The attention section (scripts/bench/attention.py).
+KEYS |= {"attention_flash_temp_ratio", "attention_flash_time_ratio"}
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +53,17 @@ def test_headline_keys_come_from_the_measured_sections(run_all, capsys):
     assert head["train_step_s"] is None and head["upstream_train_step_s"] is None
     printed = capsys.readouterr().out
     assert "64x1024" in printed and "8.0x" in printed  # ours / upstream = 2.0 / 0.25
+
+
+def test_attention_row_is_reported(run_all, capsys):
+    def backend(temp, step):
+        return {"temp_bytes": temp, "compile_s": 1.0, "step_s": step, "step_s_all": [step]}
+
+    out = {"attention": {"config": {"seq_len": 4096, "heads": 8, "head_size": 64, "batch": 1, "block": 512,
+                                    "repeats": 1},
+                         "platform": "cpu", "vanilla": backend(2**30, 2.0), "jax_flash": backend(2**27, 1.0),
+                         "temp_ratio": 0.125, "time_ratio": 0.5}}
+    head = run_all.report(out)
+    assert head["attention_flash_temp_ratio"] == 0.125 and head["attention_flash_time_ratio"] == 0.5
+    printed = capsys.readouterr().out
+    assert "1024.0" in printed and "128.0" in printed and "0.125x" in printed
