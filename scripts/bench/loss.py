@@ -30,9 +30,11 @@ import sys
 import time
 
 QUICK = dict(tokens=1024, vocab=32_768, hidden=512, block=4096, repeats=3,
-             llama=dict(seq_len=2048, batch=4, hidden=512, layers=4, heads=8, kv_heads=4, mlp=1408, vocab=32_000))
+             llama=dict(seq_len=2048, batch=4, hidden=512, layers=4, heads=8, kv_heads=4, mlp=1408, vocab=32_000,
+                        block=2048))
 FULL = dict(tokens=4096, vocab=128_256, hidden=512, block=8192, repeats=3,
-            llama=dict(seq_len=2048, batch=8, hidden=768, layers=8, heads=12, kv_heads=4, mlp=2048, vocab=128_256))
+            llama=dict(seq_len=2048, batch=8, hidden=768, layers=8, heads=12, kv_heads=4, mlp=2048, vocab=128_256,
+                       block=2048))
 
 
 def run_loss(cfg: dict) -> dict:
@@ -98,13 +100,14 @@ def run_llama(cfg: dict) -> dict:
 
     c = cfg["llama"]
     base = LlamaConfig(seq_len=c["seq_len"], hidden_dim=c["hidden"], intermediate_dim=c["mlp"], num_layers=c["layers"],
-                       num_heads=c["heads"], num_kv_heads=c["kv_heads"], gradient_checkpointing=True)
+                       num_heads=c["heads"], num_kv_heads=c["kv_heads"], gradient_checkpointing=True,
+                       tie_word_embeddings=True)
     trainer = TrainerConfig(train_batch_size=c["batch"] * jax.device_count(), require_accelerator=False, mp="f32")
     data = UrlSingleDatasetLMConfig(tokenizer="passthrough", vocab_size=c["vocab"])
     res: dict = {"config": c, "platform": jax.default_backend(), "devices": jax.device_count()}
     variants = {
         "vanilla_full": dict(attn_backend="vanilla", cross_entropy_block_size=None),
-        "flash_blockwise": dict(attn_backend="jax_flash", cross_entropy_block_size=cfg["block"]),
+        "flash_blockwise": dict(attn_backend="jax_flash", cross_entropy_block_size=c["block"]),
     }
     for name, overrides in variants.items():
         model = dataclasses.replace(base, **overrides)
@@ -136,7 +139,8 @@ def print_section(res: dict) -> None:
     r = res["llama"]
     c = r["config"]
     print(f"\nLlama train step ({c['layers']} layers, hidden {c['hidden']}, {c['heads']}/{c['kv_heads']} heads, "
-          f"vocabulary {c['vocab']:,}), sequence {c['seq_len']}, {c['batch']} sequences per device, "
+          f"tied vocabulary {c['vocab']:,}, loss block {c['block']}), sequence {c['seq_len']}, {c['batch']} "
+          "sequences per device, "
           f"{r['devices']} {r['platform']} device(s), compiled ahead of time")
     print(f"{'variant':<16} {'total MiB':>10} {'temporaries MiB':>16}")
     for v in ("vanilla_full", "flash_blockwise"):
