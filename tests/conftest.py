@@ -60,15 +60,16 @@ def gcs_server():
 
 @pytest.fixture
 def fault_proxy():
-    """``fault_proxy(server, fail_fraction=0.1, delay_s=(0.02, 0.05), seed=0)`` starts a
+    """``fault_proxy(server, fail_fraction=0.1, delay_s=(0.02, 0.05), seed=0, fail_status=503)`` starts a
     :class:`object_store.FaultProxy` in front of ``server`` and points this process's environment at it for
     the rest of the test (``proxy.env_for(server)`` gives the same for subprocesses)."""
     module = _object_store_module()
     started = []
     saved: dict[str, str | None] = {}
 
-    def start(server, fail_fraction=0.1, delay_s=(0.02, 0.05), seed=0):
-        proxy = module.FaultProxy(server.port, fail_fraction=fail_fraction, delay_s=delay_s, seed=seed)
+    def start(server, fail_fraction=0.1, delay_s=(0.02, 0.05), seed=0, fail_status=503):
+        proxy = module.FaultProxy(server.port, fail_fraction=fail_fraction, delay_s=delay_s, seed=seed,
+                                  fail_status=fail_status)
         started.append(proxy)
         for k, v in proxy.env_for(server).items():
             saved.setdefault(k, os.environ.get(k))

@@ -7,10 +7,12 @@ them through the ecosystem's environment variables (``AWS_ENDPOINT_URL`` and fri
 ``os.environ`` for in-process use (restored by :meth:`deactivate`). ``levanter.utils.fs`` maps them onto
 s3fs, gcsfs and tensorstore.
 
-The GCS emulator ignores upload preconditions (``ifGenerationMatch``), which exclusive creation
-(``fs.create_exclusive``, run locks) relies on. The emulator is therefore started through this module
-(``python tests/object_store.py gcs PORT``), which wraps its upload handlers to answer 412 when a
-precondition does not hold, as GCS does. Its HTTP server is single-threaded: requests are served one at a
+The GCS emulator ignores two parts of the JSON API that we rely on: upload preconditions
+(``ifGenerationMatch``, used by exclusive creation: ``fs.create_exclusive``, run locks) and the
+``startOffset`` / ``endOffset`` of object listings (tensorstore lists and deletes key ranges with them, so
+the emulator's answer -- every object in the bucket -- made ``delete_existing`` wipe the bucket). The
+emulator is therefore started through this module (``python tests/object_store.py gcs PORT``), which wraps
+those handlers to answer 412 when a precondition does not hold and to honour the offsets, as GCS does. Its HTTP server is single-threaded: requests are served one at a
 time, which is slow but faithful.
 
 :class:`FaultProxy` forwards HTTP requests to a server, answers a seeded fraction of them with 503 and
@@ -218,10 +220,29 @@ def _serve_gcs(port: int) -> None:
 
         return wrapped
 
+    def with_offsets(handler):
+        # objects.list's startOffset/endOffset (tensorstore lists and deletes key ranges with them; the
+        # emulator would list, and so delete, every object of the bucket).
+        def wrapped(request, response, storage, *args, **kwargs):
+            out = handler(request, response, storage, *args, **kwargs)
+            start = (request.query.get("startOffset") or [None])[0]
+            end = (request.query.get("endOffset") or [None])[0]
+            if (start or end) and response.status == HTTPStatus.OK:
+                body = json.loads(response._content)
+                keep = lambda name: (not start or name >= start) and (not end or name < end)  # noqa: E731
+                body["items"] = [o for o in body.get("items") or [] if keep(o.get("name", ""))]
+                body["prefixes"] = [p for p in body.get("prefixes") or [] if keep(p)]
+                response.json(body)
+            return out
+
+        return wrapped
+
     for _, handlers in gserver.HANDLERS:
         for method, handler in list(handlers.items()):
             if handler is objects.insert:
                 handlers[method] = with_preconditions(handler)
+            elif handler is objects.ls:
+                handlers[method] = with_offsets(handler)
     original_insert = objects.insert
     objects.insert = with_preconditions(original_insert)  # the router's fallback for uploads without /upload
 
@@ -254,13 +275,15 @@ def _serve_gcs(port: int) -> None:
 
 class FaultProxy:
     """An HTTP proxy on 127.0.0.1 that forwards to ``127.0.0.1:target_port``, answers a fraction
-    ``fail_fraction`` of requests with 503 (seeded, so a run's pattern repeats) and delays every forwarded
-    request by a uniform draw from ``delay_s`` (seconds). ``requests``, ``failed`` and ``forwarded``
+    ``fail_fraction`` of requests with ``fail_status`` (503 by default; 403 with ``fail_fraction=1`` plays
+    a store that denies access), seeded so a run's pattern repeats, and delays every forwarded request by a
+    uniform draw from ``delay_s`` (seconds). ``requests``, ``failed`` and ``forwarded``
     count what it saw. Point a client at :attr:`endpoint` instead of the server."""
 
     def __init__(self, target_port: int, fail_fraction: float = 0.1, delay_s: tuple[float, float] = (0.02, 0.05),
-                 seed: int = 0):
+                 seed: int = 0, fail_status: int = 503):
         self.target_port = target_port
+        self.fail_status = fail_status
         self.fail_fraction = fail_fraction
         self.delay_s = delay_s
         self._rng = random.Random(seed)
@@ -291,6 +314,13 @@ class FaultProxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 return self.rfile.read(length) if length else b""
 
+            def _final_headers(self):
+                # One request per connection: a client never reuses a connection whose framing a fault
+                # could have disturbed. (Not in end_headers: that also ends an interim "100 Continue".)
+                self.send_header("Connection", "close")
+                self.close_connection = True
+                self.end_headers()
+
             def _handle(self):
                 body = self._body()
                 with proxy._lock:
@@ -300,18 +330,20 @@ class FaultProxy:
                     if fail:
                         proxy.failed += 1
                 if fail:
-                    payload = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>SlowDown</Code>"
-                               b"<Message>Please reduce your request rate.</Message></Error>")
-                    self.send_response(503, "Service Unavailable")
+                    status = HTTPStatus(proxy.fail_status)
+                    code = {503: "SlowDown", 403: "AccessDenied"}.get(status.value, status.phrase.replace(" ", ""))
+                    payload = (f"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>{code}</Code>"
+                               f"<Message>{status.phrase}</Message></Error>").encode()
+                    self.send_response(status.value, status.phrase)
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(payload)))
-                    self.end_headers()
+                    self._final_headers()
                     self.wfile.write(payload)
                     return
                 if delay:
                     time.sleep(delay)
                 headers = {k: v for k, v in self.headers.items()
-                           if k.lower() not in ("transfer-encoding", "connection", "proxy-connection", "keep-alive")}
+                           if k.lower() not in ("transfer-encoding", "connection", "proxy-connection", "keep-alive", "expect")}
                 if body or self.command in ("POST", "PUT", "PATCH"):
                     headers["Content-Length"] = str(len(body))
                 conn = http.client.HTTPConnection("127.0.0.1", proxy.target_port, timeout=60)
@@ -321,7 +353,8 @@ class FaultProxy:
                     data = resp.read()
                     self.send_response(resp.status, resp.reason)
                     for k, v in resp.getheaders():
-                        if k.lower() in ("transfer-encoding", "connection", "content-length", "keep-alive"):
+                        if k.lower() in ("transfer-encoding", "connection", "content-length", "keep-alive", "server",
+                                         "date"):
                             continue
                         self.send_header(k, v)
                     if self.command != "HEAD" or data:
@@ -330,7 +363,7 @@ class FaultProxy:
                         length = resp.getheader("Content-Length")
                         if length is not None:
                             self.send_header("Content-Length", length)
-                    self.end_headers()
+                    self._final_headers()
                     if self.command != "HEAD":
                         self.wfile.write(data)
                 finally:

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import re
 from typing import Dict, List, Optional, Tuple, Union
 
 from ..schedule import BatchSchedule
+from ..utils import fs
 from ._prp import derive_seed, seed_from_key
 from .dataset import AsyncDataset
 from .mixture import STOP_STRATEGIES, MixtureDataset
@@ -123,12 +123,12 @@ class LMTaskConfig:
             return None
         return build_or_load_cache(
             urls,
-            os.path.join(cache_dir, split),
+            fs.join(cache_dir, split),
             tokenizer,
             text_key=source.resolved_text_key(self.text_key),
             enforce_eos=self.enforce_eos,
             options=self.cache_options,
-            embedded_dir=os.path.join(cache_dir, "_embedded"),
+            embedded_dir=fs.join(cache_dir, "_embedded"),
             what=what,
             cache_key=cache_key,
         )
@@ -154,8 +154,11 @@ class LMTaskConfig:
             for u in urls:
                 if u.startswith("embedded://"):
                     check_embedded_url(u, what=f"{what}.{split}_urls")
-            split_dir = os.path.join(cache_dir, split)
-            ledger = CacheLedger.load(split_dir)
+            split_dir = fs.join(cache_dir, split)
+            try:
+                ledger = CacheLedger.load(split_dir)
+            except fs.StorageAccessError as e:
+                raise fs.StorageAccessError(f"{cache_key}: {e}") from None
             if ledger is not None and ledger.is_finished:
                 verify_inputs(split_dir, ledger, urls, what=f"{what}.{split}_urls")
                 continue
@@ -299,7 +302,7 @@ class LMMixtureDatasetConfig(LMTaskConfig):
 
     def source_cache_dir(self, name: str) -> str:
         src = self.configs[name]
-        return src.cache_dir if src.cache_dir is not None else os.path.join(self.cache_dir or "cache/", name)
+        return src.cache_dir if src.cache_dir is not None else fs.join(self.cache_dir or "cache/", name)
 
     def source_cache_key(self, name: str) -> str:
         """The config key that sets :meth:`source_cache_dir`, for error messages."""

@@ -9,7 +9,7 @@ in a process pool (``spawn``, so a parent that has started JAX is safe) but resu
 submission order, so the cache is byte-identical whatever the worker count.
 
 Crash safety: a batch of documents is appended to the store *first* and committed to the ledger
-*second* (atomic rename). The ledger is the authority: rows past ``ledger.total_rows`` are garbage from
+*second* (an atomic rename locally, one PUT on an object store: the ledger write is the commit). The ledger is the authority: rows past ``ledger.total_rows`` are garbage from
 a killed writer and are overwritten on the next run, which skips the documents the ledger already
 counts. A killed build therefore resumes and ends byte-identical to an uninterrupted one. A finished
 cache is never rewritten, and a cache whose recorded settings (tokenizer, text key, EOS, shard list)
@@ -47,7 +47,7 @@ from ..store.cache import TokenCache
 from ..store.jagged_array import JaggedArrayStore
 from ..store.ledger import CacheLedger
 from ..utils.fault import fault_point
-from ..utils.fs import probe_writable, remove_stale_temporaries
+from ..utils import fs
 from .embedded import corpus_fingerprint, is_embedded_url, parse_embedded_url
 from .errors import SourceError
 from .sources import check_embedded_url, expand_urls, file_identity, iter_located_documents
@@ -134,13 +134,7 @@ def _differing(a, b):
 
 
 def _total_bytes(paths: Sequence[str]) -> int:
-    import fsspec
-
-    total = 0
-    for p in paths:
-        fs, _, (path,) = fsspec.core.get_fs_token_paths(p)
-        total += int(fs.size(path) or 0)
-    return total
+    return sum(int(fs.size(p) or 0) for p in paths)
 
 
 def _doc_batches(shard: str, text_key: str, skip: int, batch_size: int) -> Iterator[tuple[list, list]]:
@@ -213,7 +207,7 @@ def verify_inputs(
     if recorded is None:
         # Once per cache and process: a run (or a benchmark) opens the same cache many times, and the
         # warning says nothing new after the first.
-        key = cache_dir if "://" in cache_dir else os.path.abspath(cache_dir)
+        key = fs.abspath(cache_dir)
         if key not in _warned_unchecked:
             _warned_unchecked.add(key)
             logger.warning(
@@ -241,7 +235,9 @@ def check_writable(cache_dir: str, key: str = "cache_dir") -> None:
     """Fail before any tokenizing when ``cache_dir`` cannot be created or written; ``key`` names the config
     key in the message."""
     try:
-        probe_writable(cache_dir)
+        fs.probe_writable(cache_dir)
+    except fs.StorageAccessError as e:
+        raise fs.StorageAccessError(f"{key}: {e}; point {key} at a bucket and prefix this run can write") from None
     except OSError as e:
         if is_out_of_space(e):
             raise out_of_space_error("creating the token cache", cache_dir) from None
@@ -274,7 +270,10 @@ def build_or_load_cache(
         if u.startswith("embedded://"):
             check_embedded_url(u, what=what)
     wanted = cache_metadata(tokenizer, urls=urls, text_key=text_key, enforce_eos=enforce_eos)
-    ledger = CacheLedger.load(cache_dir)
+    try:
+        ledger = CacheLedger.load(cache_dir)
+    except fs.StorageAccessError as e:
+        raise fs.StorageAccessError(f"{cache_key}: {e}") from None
     if ledger is not None:
         _check_metadata(cache_dir, ledger.metadata, wanted)
         if ledger.is_finished:
@@ -298,7 +297,7 @@ def _build(urls, cache_dir, tokenizer, ledger, wanted, *, text_key, enforce_eos,
            progress) -> TokenCache:
     # A build killed inside a ledger save leaves its temporary file behind; the resumed build must end
     # byte-identical to an uninterrupted one, so clear it.
-    remove_stale_temporaries(cache_dir, "shard_ledger.json")
+    fs.remove_stale_temporaries(cache_dir, "shard_ledger.json")
     shards = expand_urls(urls, embedded_dir=embedded_dir, what=what)
     if ledger is not None:
         changed = _resume_mismatch(ledger, urls, shards, what)
@@ -315,13 +314,13 @@ def _build(urls, cache_dir, tokenizer, ledger, wanted, *, text_key, enforce_eos,
         else:
             logger.info("resuming the cache build at %s from %d documents", cache_dir, ledger.total_rows)
     if ledger is None:
-        os.makedirs(cache_dir, exist_ok=True)
+        fs.makedirs(cache_dir)
         ledger = CacheLedger(
             shard_rows={}, shard_docs={}, finished_shards=[], total_rows=0, total_tokens=0, is_finished=False,
             metadata={**wanted, "shards": shards, "inputs": _input_identities(urls, shards, what)},
         )
         ledger.save(cache_dir)
-    store = JaggedArrayStore.open(os.path.join(cache_dir, "input_ids"), mode="a", num_rows=ledger.total_rows)
+    store = JaggedArrayStore.open(fs.join(cache_dir, "input_ids"), mode="a", num_rows=ledger.total_rows)
     eos = tokenizer.eos_token_id if enforce_eos else None
     workers = options.resolved_workers()
 
@@ -329,7 +328,7 @@ def _build(urls, cache_dir, tokenizer, ledger, wanted, *, text_key, enforce_eos,
     if progress:
         from tqdm.auto import tqdm
 
-        label = "/".join(os.path.normpath(cache_dir).split(os.sep)[-2:])
+        label = f"{fs.basename(fs.parent(cache_dir))}/{fs.basename(cache_dir)}"
         bar = tqdm(desc=f"caching {label}", unit=" docs", initial=ledger.total_rows)
     t0, tokens_at_start = time.perf_counter(), ledger.total_tokens
 

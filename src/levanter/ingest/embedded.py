@@ -54,7 +54,7 @@ import sysconfig
 import tokenize
 from collections.abc import Iterator
 
-from ..utils.fs import atomic_write_bytes
+from ..utils import fs
 
 __all__ = [
     "EMBEDDED_SOURCES",
@@ -346,20 +346,18 @@ def iter_documents(name: str, split: str) -> Iterator[dict]:
 def materialize(name: str, split: str, out_dir: str) -> str:
     """Write one split as ``<out_dir>/<name>/<split>.jsonl`` (one JSON object per line); return the path.
 
-    The write is atomic (temp file + ``os.replace``) and skipped when an identical file is already
+    ``out_dir`` may be a local directory or a URL. The write is atomic (:func:`levanter.utils.fs.atomic_write_bytes`) and skipped when an identical file is already
     there, so the file's mtime only changes when its content does and concurrent writers are safe.
     """
     _check_name(name)
     _check_split(split)
-    path = os.path.join(out_dir, name, f"{split}.jsonl")
+    path = fs.join(out_dir, name, f"{split}.jsonl")
     data = "".join(json.dumps(doc, ensure_ascii=False) + "\n" for doc in iter_documents(name, split))
     blob = data.encode("utf-8")
-    if os.path.isfile(path) and os.path.getsize(path) == len(blob):
-        with open(path, "rb") as f:
-            if f.read() == blob:
-                return path
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    atomic_write_bytes(path, blob)
+    if fs.isfile(path) and fs.size(path) == len(blob) and fs.read_bytes(path) == blob:
+        return path
+    fs.makedirs(fs.parent(path))
+    fs.atomic_write_bytes(path, blob)
     return path
 
 

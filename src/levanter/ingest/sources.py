@@ -2,8 +2,9 @@
 
 Supported inputs: ``.txt`` (the whole file is one document), ``.jsonl`` / ``.json`` (one JSON object per
 line, text under ``text_key``), ``.jsonl.gz``, ``.jsonl.zst`` / ``.jsonl.zstd``, and ``.parquet`` (column
-``text_key``). Paths may be local or any fsspec URL; ``embedded://<name>/<split>`` names a source of the
-embedded default corpus (:mod:`levanter.ingest.embedded`), materialised to a local file on first use.
+``text_key``). Paths may be local, ``gs://``, ``s3://`` or ``memory://`` URLs (reached through
+:mod:`levanter.utils.fs`, which owns endpoints and retries); ``embedded://<name>/<split>`` names a source of
+the embedded default corpus (:mod:`levanter.ingest.embedded`), materialised next to the cache on first use.
 
 Everything is deterministic: a URL list expands to the same ordered shard list every time (glob results
 sorted), and a shard yields its documents in file order. Errors name the file and the 1-based line (or
@@ -27,7 +28,7 @@ import os
 import re
 from collections.abc import Iterator, Sequence
 
-import fsspec
+from ..utils import fs
 
 from .errors import SourceError
 
@@ -106,6 +107,18 @@ def _is_local(fs) -> bool:
     return protocol in ("file", "local")
 
 
+def _storage(url: str, what: str, op):
+    """``op()``, with a permanent storage error (access denied, missing bucket) named by ``what``."""
+    try:
+        return op()
+    except fs.StorageAccessError:
+        raise
+    except Exception as e:
+        if isinstance(e, (PermissionError,)) or fs.is_permanent(e):
+            raise fs.access_error(url, what, e) from None
+        raise
+
+
 def _directory_error(what: str, path: str) -> SourceError:
     return SourceError(
         f"{what}: {path!r} is a directory, not a data file; list its files or use a glob like "
@@ -141,24 +154,21 @@ def expand_urls(
             shards.append(resolve_embedded_url(url, embedded_dir))
             continue
         for pattern in expand_braces(url):
-            fs, _, _ = fsspec.core.get_fs_token_paths(pattern)
-            protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
             if any(ch in pattern for ch in "*?["):
-                matches = fs.glob(pattern, detail=True)
+                matches = _storage(pattern, what, lambda: fs.glob_detail(pattern))
                 if not matches and not missing_ok:
                     raise SourceError(f"{what}: the pattern {pattern!r} matches no files")
                 found = []
-                for m in sorted(matches):
-                    name = m if _is_local(fs) else f"{protocol}://{m}"
-                    if matches[m].get("type") == "directory":
+                for name, is_dir in matches.items():
+                    if is_dir:
                         raise _directory_error(what, name)
                     found.append(name)
             else:
-                if not fs.exists(pattern):
+                if not _storage(pattern, what, lambda: fs.exists(pattern)):
                     if missing_ok:
                         continue
                     raise SourceError(f"{what}: file not found: {pattern!r}")
-                if fs.isdir(pattern):
+                if _storage(pattern, what, lambda: fs.isdir(pattern)):
                     raise _directory_error(what, pattern)
                 found = [pattern]
             for f in found:
@@ -195,8 +205,8 @@ def file_identity(path: str, *, content_hash: bool = True) -> dict:
 
 
 def _file_identity(path: str, content_hash: bool) -> dict:
-    fs, _, (fpath,) = fsspec.core.get_fs_token_paths(path)
-    if _is_local(fs):
+    fsys, fpath = fs.filesystem(path)
+    if _is_local(fsys):
         st = os.stat(fpath)
         ident: dict = {"size": int(st.st_size), "mtime": str(st.st_mtime_ns)}
         if not content_hash:
@@ -213,7 +223,7 @@ def _file_identity(path: str, content_hash: bool) -> dict:
                 ident["sampled"] = True
         ident["sha256"] = h.hexdigest()
         return ident
-    info = fs.info(fpath)
+    info = fs.info(path)
     stamp = next((info[k] for k in ("mtime", "updated", "LastModified", "last_modified", "ETag", "etag")
                   if info.get(k) is not None), None)
     return {"size": int(info.get("size") or 0), "mtime": None if stamp is None else str(stamp)}
@@ -275,10 +285,10 @@ def _open_text(path: str):
     # line it is on: a strict reader decodes ahead in blocks and fails on whatever line starts the block.
     try:
         if path.lower().endswith((".zst", ".zstd")):
-            raw = fsspec.open(path, "rb").open()
+            raw = fs.open_file(path, "rb")
             reader = io.BufferedReader(_ZstdReader(raw), buffer_size=1 << 16)
             return io.TextIOWrapper(reader, encoding="utf-8", errors="surrogateescape")
-        return fsspec.open(path, "rt", compression="infer", encoding="utf-8", errors="surrogateescape").open()
+        return fs.open_file(path, "rt", compression="infer", encoding="utf-8", errors="surrogateescape")
     except FileNotFoundError as e:
         raise SourceError(f"file not found: {path!r}") from e
     except IsADirectoryError:
@@ -375,8 +385,7 @@ def iter_located_documents(path: str, *, text_key: str = "text") -> Iterator[tup
         import pyarrow.parquet as pq
 
         try:
-            with fsspec.open(path, "rb") as f:
-                pf = pq.ParquetFile(io.BytesIO(f.read()))
+            pf = pq.ParquetFile(io.BytesIO(fs.read_bytes(path)))
         except FileNotFoundError as e:
             raise SourceError(f"file not found: {path!r}") from e
         except IsADirectoryError:

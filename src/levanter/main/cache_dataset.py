@@ -17,6 +17,7 @@ import draccus
 from ..config import ConfigError, describe_error, load_yaml, split_config_path
 from ..data.config import DataConfig, LMMixtureDatasetConfig
 from ..errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError
+from ..utils import fs
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ def cli(argv: Sequence[str] | None = None) -> None:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(OUT_OF_SPACE_EXIT_CODE) from None
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {fs.redact(str(e))}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

@@ -9,8 +9,7 @@ ledger is not marked finished is refused (its build was interrupted). Caches are
 
 from __future__ import annotations
 
-import os
-
+from ..utils import fs
 from .jagged_array import JaggedArrayStore
 from .ledger import CacheLedger
 
@@ -43,6 +42,6 @@ class TokenCache:
                 f"the token cache at {cache_dir!r} is unfinished; rerun the build to complete it"
             )
         store = JaggedArrayStore.open(
-            os.path.join(cache_dir, "input_ids"), mode="r", num_rows=ledger.total_rows
+            fs.join(cache_dir, "input_ids"), mode="r", num_rows=ledger.total_rows
         )
         return TokenCache(cache_dir, store, ledger)

@@ -52,6 +52,8 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from ..utils import fs
+
 __all__ = [
     "JaggedArrayStore",
     "DEFAULT_DATA_CHUNK",
@@ -77,7 +79,8 @@ DEFAULT_OFFSETS_CHUNK = 2**13
 
 # One context for every store in the process: "memory://" stores are visible across opens only within
 # a shared context, and tensorstore's I/O thread pools are shared instead of multiplied per store.
-_CONTEXT = ts.Context()
+# Its retry budgets let array reads and writes on object stores ride out throttling and 5xx answers.
+_CONTEXT = ts.Context(fs.tensorstore_context_spec())
 
 _SHORTHAND_CODECS: dict[str, dict[str, Any]] = {
     "zstd": {"name": "zstd", "configuration": {"level": 3, "checksum": False}},
@@ -102,13 +105,14 @@ def cache_root(store_path: str) -> str:
     """The directory to delete to rebuild the store at ``store_path``: the token cache holding it (the
     nearest directory up to two levels above with a ``shard_ledger.json``), else the store itself."""
     p = os.fspath(store_path).rstrip("/")
-    if "://" in p:
-        return p
     up = p
     for _ in range(3):
-        if os.path.isfile(os.path.join(up, "shard_ledger.json")):
-            return up
-        up = os.path.dirname(up)
+        try:
+            if fs.isfile(fs.join(up, "shard_ledger.json")):
+                return up
+        except Exception:  # an unreachable store: name the store itself
+            return p
+        up = fs.parent(up)
     return p
 
 
@@ -117,12 +121,9 @@ def _damaged(store_path: str, what: str) -> DamagedStoreError:
     return DamagedStoreError(f"the cache at {root} is damaged ({what}); delete it to rebuild")
 
 
-def _kvstore(path: str | os.PathLike, sub: str) -> str | dict[str, Any]:
-    """Kvstore spec of ``<path>/<sub>/``: a local path becomes the ``file`` driver, a URL is passed on."""
-    p = os.fspath(path)
-    if "://" in p:
-        return p.rstrip("/") + "/" + sub + "/"
-    return {"driver": "file", "path": os.path.join(os.path.abspath(p), sub) + "/"}
+def _kvstore(path: str | os.PathLike, sub: str) -> dict[str, Any]:
+    """Kvstore spec of ``<path>/<sub>/`` (``file``, ``memory``, ``s3`` or ``gcs``; see :mod:`levanter.utils.fs`)."""
+    return fs.kvstore_spec(fs.join(os.fspath(path), sub))
 
 
 def _capacity(needed: int, chunk: int) -> int:
@@ -220,32 +221,34 @@ def _truncate(arr: ts.TensorStore, size: int) -> ts.TensorStore:
 
 
 def _join(path: str, sub: str) -> str:
-    return path.rstrip("/") + "/" + sub if "://" in path else os.path.join(path, sub)
+    return fs.join(path, sub)
 
 
 def _check_chunks(path: str, name: str, arr: ts.TensorStore, size: int) -> None:
-    """Refuse a local store whose array ``name`` lacks a chunk file that its first ``size`` elements need.
+    """Refuse a store whose array ``name`` lacks a chunk that its first ``size`` elements need.
 
-    One directory listing; for other kvstores and chunk key encodings nothing is checked here (a missing
-    chunk is still an error when it is read).
+    One listing of the array's ``c/`` prefix through its kvstore (a directory listing locally, a prefix
+    listing on an object store, the same keys in ``memory://``); for other chunk key encodings nothing is
+    checked here (a missing chunk is still an error when it is read).
     """
-    if "://" in path or size <= 0:
+    if size <= 0:
         return
     meta = arr.spec().to_json().get("metadata", {})
     encoding = meta.get("chunk_key_encoding", {"name": "default"})
     if encoding.get("name") != "default" or encoding.get("configuration", {}).get("separator", "/") != "/":
         return
-    chunk_dir = os.path.join(path, name, "c")
+    chunk_dir = fs.join(path, name, "c")
     try:
-        present = set(os.listdir(chunk_dir))
-    except FileNotFoundError:
-        present = set()
-    except OSError as e:
-        raise _damaged(path, f"{chunk_dir} cannot be listed: {e.strerror or e}") from e
+        kv = ts.KvStore.open(fs.kvstore_spec(chunk_dir), context=_CONTEXT).result()
+        present = {k.decode("utf-8", "replace").split("/", 1)[0] for k in kv.list().result()}
+    except ValueError as e:
+        if fs.is_transient(e):
+            raise
+        raise _damaged(path, f"{chunk_dir} cannot be listed: {_status_text(e)}") from e
     needed = -(-size // _chunk(arr))
     missing = [k for k in range(needed) if str(k) not in present]
     if missing:
-        shown = ", ".join(os.path.join(chunk_dir, str(k)) for k in missing[:3])
+        shown = ", ".join(fs.join(chunk_dir, str(k)) for k in missing[:3])
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         plural = len(missing) > 1
         files, verb = ("chunk files", "are") if plural else ("chunk file", "is")
@@ -389,7 +392,7 @@ class JaggedArrayStore:
         codec: str | Mapping[str, Any] | None = None,
         checksum: bool = True,
     ) -> "JaggedArrayStore":
-        """Open the store at ``path`` (a local path or a tensorstore kvstore URL such as ``memory://x``).
+        """Open the store at ``path`` (a local path or a ``gs://``, ``s3://`` or ``memory://`` URL).
 
         ``mode``: ``"r"`` read only, the store must exist; ``"w"`` create afresh, deleting an existing
         store; ``"a"`` open for append, creating it if absent.

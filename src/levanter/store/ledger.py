@@ -3,8 +3,10 @@
 A build appends each input shard's rows to the stores, waits for the writes to land, then saves the
 ledger. The ledger is therefore the authority on what is valid: on resume the stores are opened with
 ``num_rows=ledger.total_rows`` and anything they hold past that is overwritten. Saving is atomic
-(temporary file in the same directory, fsync, ``os.replace``, fsync of the directory), so a crash
-leaves either the old ledger or the new one, never a torn one.
+(locally: temporary file in the same directory, fsync, ``os.replace``, fsync of the directory; on an
+object store: one PUT, which readers see whole or not at all), so a crash leaves either the old ledger or
+the new one, never a torn one. The ledger write is the commit: rows a store holds past the ledger's count
+are garbage, on local disk and in buckets alike.
 
 The content is deterministic: keys are written sorted and nothing about the build's own timing is
 recorded (the input files' modification times in ``metadata["inputs"]`` are the files', not the build's),
@@ -24,7 +26,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..utils.fs import atomic_write_bytes
+from ..utils import fs
 
 __all__ = ["CacheLedger", "CorruptLedgerError", "LEDGER_FILENAME", "LEDGER_FORMAT_VERSION"]
 
@@ -126,14 +128,14 @@ class CacheLedger:
     # -- files ---------------------------------------------------------------------------------------
     @staticmethod
     def path_in(cache_dir: str | os.PathLike) -> str:
-        return os.path.join(os.fspath(cache_dir), LEDGER_FILENAME)
+        return fs.join(os.fspath(cache_dir), LEDGER_FILENAME)
 
     def save(self, cache_dir: str | os.PathLike) -> str:
         """Atomically write ``<cache_dir>/shard_ledger.json`` (creating ``cache_dir``); returns its path."""
         cache_dir = os.fspath(cache_dir)
-        os.makedirs(cache_dir, exist_ok=True)
+        fs.makedirs(cache_dir)
         target = self.path_in(cache_dir)
-        atomic_write_bytes(target, self.to_json().encode("utf-8"))
+        fs.atomic_write_bytes(target, self.to_json().encode("utf-8"))
         return target
 
     @classmethod
@@ -141,10 +143,13 @@ class CacheLedger:
         """The ledger in ``cache_dir``, or None if there is none. Raises :class:`CorruptLedgerError`."""
         path = cls.path_in(cache_dir)
         try:
-            with open(path, "rb") as f:
-                raw = f.read()
+            raw = fs.read_bytes(path)
         except (FileNotFoundError, NotADirectoryError):  # no cache there (yet); writing it will say why not
             return None
+        except Exception as e:
+            if fs.is_url(path) and fs.is_permanent(e):  # access denied, refused credentials
+                raise fs.access_error(path, None, e) from None
+            raise
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:

@@ -300,13 +300,17 @@ def filesystem(path: str | os.PathLike):
     return fs, f"{bucket}/{key}" if key else bucket
 
 
-def open_file(path: str | os.PathLike, mode: str = "rb", **kwargs):
-    """Open ``path`` (local or URL) like ``open``; for text modes ``kwargs`` go to the text wrapper."""
-    path = os.fspath(path)
-    if not is_url(path):
-        return open(abspath(path), mode, **kwargs)
-    fs, p = filesystem(path)
-    return fs.open(p, mode, **kwargs)
+def open_file(path: str | os.PathLike, mode: str = "rb", *, compression: str | None = None, **text_kwargs):
+    """Open ``path`` (local or URL) for streaming, like ``fsspec.open(...).open()``: ``compression``
+    (``"infer"`` from the suffix, a codec name, or None) and, in text modes, ``encoding`` / ``errors`` /
+    ``newline``. Closing the returned object closes every layer."""
+    import fsspec
+    from fsspec.utils import infer_compression
+
+    fsys, p = filesystem(path)
+    if compression == "infer":
+        compression = infer_compression(p)
+    return fsspec.core.OpenFile(fsys, p, mode=mode, compression=compression, **text_kwargs).open()
 
 
 # ------------------------------------------------------------------------------------------- errors
@@ -403,7 +407,9 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
-def _is_permanent(exc: BaseException) -> bool:
+def is_permanent(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it was raised from) is an access error that retrying cannot fix: 401/403,
+    refused credentials, a missing bucket."""
     for e in _chain(exc):
         if isinstance(e, (PermissionError, StorageAccessError)):
             return True
@@ -648,6 +654,8 @@ def remove(path: str | os.PathLike, missing_ok: bool = True) -> None:
                 raise
         return
     fs, p = filesystem(path)
+    if not missing_ok and not exists(path):  # S3 answers a delete of a missing key with success
+        raise FileNotFoundError(errno.ENOENT, "no such file", path)
     try:
         retry_transient(fs.rm_file, p, what=f"remove {path}")
     except FileNotFoundError:
@@ -700,19 +708,36 @@ def mtime(path: str | os.PathLike) -> float:
     return fs.modified(p).timestamp()
 
 
-def glob(pattern: str) -> list[str]:
-    """Paths/URLs matching ``pattern`` (with the pattern's scheme), sorted."""
-    pattern = os.fspath(pattern)
-    if not is_url(pattern):
-        import glob as _glob
-
-        return sorted(_glob.glob(abspath(pattern)))
-    scheme = _scheme(pattern)
-    fs, p = filesystem(pattern)
-    matches = retry_transient(fs.glob, p, what=f"glob {pattern}")
+def _url_of(scheme: str, fs_path: str) -> str:
     if scheme == "memory":
-        return sorted(f"memory://{m.lstrip('/')}" for m in matches)
-    return sorted(f"{scheme}://{m}" for m in matches)
+        return f"memory://{fs_path.lstrip('/')}"
+    return f"{scheme}://{fs_path}"
+
+
+def glob_detail(pattern: str | os.PathLike) -> dict[str, bool]:
+    """``{path or URL: is_directory}`` for everything matching the glob ``pattern``, in sorted order.
+    Local matches are absolute paths; URL matches keep the pattern's scheme."""
+    pattern = os.fspath(pattern)
+    fsys, p = filesystem(pattern)
+    matches = retry_transient(fsys.glob, p, detail=True, what=f"glob {pattern}")
+    scheme = _scheme(pattern) if is_url(pattern) else ""
+    out = {}
+    for m in sorted(matches):
+        name = _url_of(scheme, m) if scheme else m
+        out[name] = matches[m].get("type") == "directory"
+    return out
+
+
+def glob(pattern: str | os.PathLike) -> list[str]:
+    """Paths/URLs matching ``pattern`` (with the pattern's scheme), sorted."""
+    return list(glob_detail(pattern))
+
+
+def info(path: str | os.PathLike) -> dict:
+    """fsspec's ``info`` of ``path`` (``size``, ``type`` and the store's own fields such as ``mtime``,
+    ``LastModified``, ``updated``, ``ETag``); ``FileNotFoundError`` when absent."""
+    fsys, p = filesystem(path)
+    return retry_transient(fsys.info, p, what=f"stat {path}")
 
 
 def size(path: str | os.PathLike) -> int:
@@ -744,10 +769,8 @@ def probe_writable(directory: str | os.PathLike) -> None:
         remove(probe)
     except StorageAccessError:
         raise
-    except Exception as e:
-        if _is_permanent(e) or isinstance(e, FileNotFoundError):
-            raise access_error(directory, None, e) from None
-        raise
+    except Exception as e:  # at start-up, any failure (even retried timeouts) is reported as one error
+        raise access_error(directory, None, e) from None
 
 
 def check_access(url: str | os.PathLike, key: str | None, *, write: bool = False) -> None:
@@ -770,7 +793,7 @@ def check_access(url: str | os.PathLike, key: str | None, *, write: bool = False
     try:
         retry_transient(fs.ls, bucket, detail=False, what=f"list {url}")
     except Exception as e:
-        if isinstance(e, FileNotFoundError) or _is_permanent(e):
+        if isinstance(e, FileNotFoundError) or is_permanent(e):
             raise access_error(url, key, e if not isinstance(e, FileNotFoundError) else "NoSuchBucket") from None
         raise access_error(url, key, e) from None
     if write:
