@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import signal
 import sys
 import time
@@ -50,6 +49,7 @@ from .data.loader import Batch
 from .distributed import DistributedConfig
 from .schedule import BatchSchedule, ScheduleStep
 from .tracker import JsonConfig, TrackerConfig, init_trackers
+from .utils import fs
 from .utils.fault import fault_point
 
 logger = logging.getLogger(__name__)
@@ -418,10 +418,10 @@ class Trainer:
             path = discover_latest_checkpoint(run_dir)
         else:
             explicit = path
-            if not os.path.basename(os.path.normpath(path)).startswith("step-"):
+            if not fs.basename(fs.abspath(path)).startswith("step-"):
                 path = discover_latest_checkpoint(path)
-            if path is None or not os.path.isdir(path):
-                why = "does not exist" if not os.path.exists(explicit) else "holds no complete checkpoint"
+            if path is None or not fs.isdir(path):
+                why = "does not exist" if not fs.exists(explicit) else "holds no complete checkpoint"
                 raise FileNotFoundError(
                     f"trainer.load_checkpoint_path={explicit!r} {why} (expected a step-N checkpoint directory "
                     "or a directory of them). Fix the path, or remove the key to start from scratch."

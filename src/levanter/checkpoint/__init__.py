@@ -2,12 +2,13 @@
 
 - :mod:`~levanter.checkpoint.serialization`: the pytree <-> TensorStore format (:func:`save_checkpoint`,
   :func:`load_checkpoint`): bit-exact, checksummed, finite values only, multi-process.
-- :mod:`~levanter.checkpoint.layout`: the on-disk layout of a run's checkpoints: ``step-N`` directories,
-  ``.tmp-`` temporaries and the atomic commit, ``metadata.json``, discovery of the latest complete one
-  and of damaged ones.
+- :mod:`~levanter.checkpoint.layout`: the layout of a run's checkpoints on local disk or an object store
+  (``gs://``, ``s3://``): ``step-N`` directories, ``metadata.json``, the all-or-nothing commit (a renamed
+  ``.tmp-`` directory on POSIX storage; ``metadata.json`` written last as the commit record on object
+  stores), discovery of the latest complete one and of damaged ones.
 - :mod:`~levanter.checkpoint.policy`: when to save and what to keep (:class:`CheckpointerConfig`,
   :class:`Checkpointer`).
-- :mod:`~levanter.checkpoint.run_lock`: one writer per run directory.
+- :mod:`~levanter.checkpoint.run_lock`: one writer per run directory (a create-if-absent lock record).
 
 Durations in the config (``save_interval: 15m``) are parsed by :func:`levanter.config.parse_timedelta`.
 """

@@ -3,7 +3,9 @@
 
 Permanent checkpoints are taken at the steps the ``keep`` intervals name, plus a temporary one whenever
 ``save_interval`` of wall time has passed since the last save. A temporary checkpoint is deleted once a
-newer checkpoint is complete; permanent ones are never deleted. Saves are synchronous;
+newer checkpoint is complete; permanent ones are never deleted. The base path may be a local directory
+or an object-store URL (``gs://``, ``s3://``); :mod:`levanter.checkpoint.layout` says how saves commit
+and deletions proceed on each. Saves are synchronous;
 :meth:`Checkpointer.wait_until_finished` exists so that an asynchronous version can be swapped in
 without changing callers.
 """
@@ -12,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,18 +26,19 @@ from levanter.checkpoint.errors import CheckpointSaveError
 from levanter.checkpoint.layout import (
     METADATA_FILENAME,
     atomic_write_json,
+    commits_by_rename,
     delete_stale_temporaries,
     discover_latest_checkpoint,
     is_complete,
-    local_path,
     read_checkpoint_metadata,
     remove_dir,
+    resolve_path,
     step_dirs,
 )
-from levanter.checkpoint.serialization import Barrier, save_checkpoint
+from levanter.checkpoint.serialization import Barrier, io_error_text, save_checkpoint
 from levanter.config import parse_timedelta
 from levanter.errors import is_out_of_space, out_of_space_error
-from levanter.utils.fs import probe_writable, remove_stale_temporaries
+from levanter.utils import fs
 
 __all__ = ["CheckpointInterval", "Checkpointer", "CheckpointerConfig"]
 
@@ -95,6 +97,7 @@ class CheckpointerConfig:
     """``trainer.checkpointer`` in the config (upstream Levanter's field names)."""
 
     base_path: str = "checkpoints/"
+    """A local directory, or ``gs://bucket/...`` / ``s3://bucket/...`` (see docs/guides/storage.md)."""
     save_interval: datetime.timedelta = datetime.timedelta(minutes=15)
     """Wall time between temporary checkpoints (YAML: ``15m``, ``30s``, ``1h``, or seconds)."""
     keep: list[CheckpointInterval] = field(default_factory=lambda: [CheckpointInterval(every=10000)])
@@ -113,23 +116,27 @@ class CheckpointerConfig:
     def expanded_path(self, run_id: str) -> str:
         """Where this run's checkpoints go: ``<base_path>/<run_id>`` (or ``base_path`` alone)."""
         if self.append_run_id_to_base_path:
-            return os.path.join(self.base_path, run_id)
+            return fs.join(self.base_path, run_id)
         return self.base_path
 
     def validate_writable(self, run_id: str) -> str:
-        """Create the run's checkpoint directory and write/delete a probe file there; returns the path.
+        """Create the run's checkpoint directory and write/delete a probe file there; returns the path
+        (absolute, or the URL).
 
         Meant to run before training starts, so a bad path fails in seconds, not at the first save.
         """
-        local = local_path(self.expanded_path(run_id), "trainer.checkpointer.base_path")
+        path = resolve_path(self.expanded_path(run_id))
         try:
-            probe_writable(local)
-        except OSError as e:
+            fs.retry_transient(fs.probe_writable, path, what=f"writing to {path}")
+        except Exception as e:
+            why = io_error_text(e)
+            if why is None:
+                raise
             raise ValueError(
-                f"trainer.checkpointer.base_path={self.base_path!r}: cannot write checkpoints to {local} "
-                f"({e.strerror or e}). Choose a writable directory."
+                f"trainer.checkpointer.base_path={fs.redact(self.base_path)!r}: cannot write checkpoints to "
+                f"{path} ({why}). Choose a writable directory."
             ) from None
-        return local
+        return path
 
     def create(
         self,
@@ -174,7 +181,7 @@ class Checkpointer:
         metadata: dict | None = None,
         process_index: int | None = None,
     ):
-        self.base_path = local_path(base_path, "trainer.checkpointer.base_path")
+        self.base_path = resolve_path(base_path)
         # Stored in every checkpoint's metadata.json (e.g. the data-schedule record checked on resume).
         self.metadata = dict(metadata or {})
         self.save_interval = save_interval
@@ -188,9 +195,10 @@ class Checkpointer:
         self._retire: list[str] = []
         if self.process_index == 0:
             delete_stale_temporaries(self.base_path)
-            for _, path in step_dirs(self.base_path):
-                # A kill inside _make_permanent's metadata rewrite leaves a temporary file in the checkpoint.
-                remove_stale_temporaries(path, METADATA_FILENAME)
+            if commits_by_rename(self.base_path):
+                for _, path in step_dirs(self.base_path):
+                    # A kill inside _make_permanent's metadata rewrite leaves a temporary file there.
+                    fs.remove_stale_temporaries(path, METADATA_FILENAME)
         if delete_old_temp_checkpoints:
             for _, path in step_dirs(self.base_path):
                 if is_complete(path) and self._is_temporary(path):
@@ -198,7 +206,7 @@ class Checkpointer:
 
     # -- queries -------------------------------------------------------------------------------------
     def path_for_step(self, step: int) -> str:
-        return os.path.join(self.base_path, f"step-{int(step)}")
+        return fs.join(self.base_path, f"step-{int(step)}")
 
     def latest_checkpoint(self) -> str | None:
         return discover_latest_checkpoint(self.base_path)
@@ -264,7 +272,7 @@ class Checkpointer:
         self._last_saved_step = step
         if self.process_index == 0:
             for old in self._retire:
-                if old != path and os.path.isdir(old):
+                if old != path and fs.isdir(old):
                     logger.info("deleting superseded temporary checkpoint %s", old)
                     remove_dir(old)
         self._retire = [path] if is_temporary else []
@@ -278,13 +286,14 @@ class Checkpointer:
         doc = read_checkpoint_metadata(path)
         doc["is_temporary"] = False
         try:
-            atomic_write_json(os.path.join(path, METADATA_FILENAME), doc)
-        except OSError as e:  # the old metadata.json is intact: the checkpoint stays a temporary one
+            atomic_write_json(fs.join(path, METADATA_FILENAME), doc)
+        except Exception as e:  # the old metadata.json is intact: the checkpoint stays a temporary one
             if is_out_of_space(e):
                 raise out_of_space_error("marking the checkpoint permanent", path) from e
-            raise CheckpointSaveError(
-                f"could not mark the checkpoint {path} permanent: {e.strerror or e}"
-            ) from e
+            why = io_error_text(e)
+            if why is None:
+                raise
+            raise CheckpointSaveError(f"could not mark the checkpoint {path} permanent: {why}") from e
 
     def wait_until_finished(self) -> None:
         """Block until pending saves are on disk. Saves are synchronous, so there is nothing to wait for."""

@@ -9,17 +9,27 @@ error, or after SIGTERM). A start-up that finds the file refuses to run, naming 
 Protocol. The only primitive is "create this object with these bytes unless it exists", which a local
 or network filesystem provides (the record is written to a temporary file and hard-linked into place,
 so the lock never exists half-written; ``O_CREAT | O_EXCL`` where hard links are not supported) and an
-object store provides as a conditional write (``if-generation-match: 0`` on GCS, ``If-None-Match: *``
-on S3). Release deletes the file only if it still holds this run's ``token``.
+object store provides as a conditional write (``ifGenerationMatch=0`` on GCS, ``If-None-Match: *`` on
+S3; :func:`levanter.utils.fs.create_exclusive`). Release deletes the file only if it still holds this
+run's ``token``. Transient store errors are retried; a create whose reply was lost and whose retry finds
+the object finds this run's own token in it, and holds the lock.
 
 Stale locks. A process killed with SIGKILL (or a machine that died) leaves its lock behind. When the
 holder ran on this machine -- same host name, same boot and, where Linux reports them, the same PID
 namespace -- and its PID is gone (or now belongs to a process started later), the lock is stale and is
 taken over with a warning. A holder on another machine cannot be checked from here, so the holder
-also keeps a heartbeat: it touches the file every ``HEARTBEAT_SECONDS``, and a lock untouched for
-``STALE_AFTER_SECONDS`` (a machine lost with its run, a job killed after its grace period and requeued
-elsewhere) is stale wherever it was taken. Before that, the error says how to break the lock (delete the
-file) once the user is sure that run is dead.
+also keeps a heartbeat: every ``HEARTBEAT_SECONDS`` it touches the file (POSIX storage) or rewrites the
+record with a ``heartbeat`` time (object stores, whose objects cannot be touched), and a lock whose
+modification time is ``STALE_AFTER_SECONDS`` old (a machine lost with its run, a job killed after its
+grace period and requeued elsewhere) is stale wherever it was taken. On an object store that time is
+the store's clock, compared with this machine's: the generous limit absorbs ordinary skew. Before that,
+the error says how to break the lock (delete the file or object) once the user is sure that run is dead.
+
+Taking over a stale lock. On POSIX storage the stale file is renamed aside and checked, so two start-ups
+breaking the same lock cannot both win. An object store has no rename: the stale record is read again,
+deleted if unchanged, and the lock created anew; since another start-up could delete the new lock in the
+moment between its own check and delete, a start-up that took over re-reads the lock after
+``TAKEOVER_SETTLE_SECONDS`` and refuses to run if it is no longer its own.
 
 Multi-process runs take the lock on process 0 only; :func:`hold_run_lock` tells the other processes
 whether it succeeded, so that all of them stop with the same message instead of waiting at a barrier.
@@ -39,6 +49,7 @@ import time
 from typing import Any, Optional
 
 from levanter.errors import is_out_of_space, out_of_space_error
+from levanter.utils import fs
 
 __all__ = ["LOCK_FILENAME", "RunLock", "RunLockedError", "acquire_run_lock", "hold_run_lock"]
 
@@ -48,6 +59,8 @@ LOCK_FILENAME = "run.lock"
 HEARTBEAT_SECONDS = 30.0
 # Generous against clock skew between machines sharing the filesystem and against a busy holder.
 STALE_AFTER_SECONDS = 600.0
+# After taking over a stale lock on an object store: how long to wait before checking it is still ours.
+TAKEOVER_SETTLE_SECONDS = 1.0
 
 
 class RunLockedError(ValueError):
@@ -122,8 +135,8 @@ def _this_process(run_id: str) -> dict:
 
 def _heartbeat_age(path: str) -> Optional[float]:
     try:
-        return time.time() - os.stat(path).st_mtime
-    except OSError:
+        return time.time() - fs.retry_transient(fs.mtime, path, what=f"reading the run lock {path}")
+    except Exception:  # noqa: BLE001 -- gone, or unreadable: no heartbeat to judge by
         return None
 
 
@@ -159,6 +172,8 @@ def _is_stale(holder: dict, path: str) -> bool:
 
 def _create_if_absent(path: str, data: bytes) -> bool:
     """Create ``path`` holding ``data`` unless it exists; True if this call created it."""
+    if not fs.supports_rename(path):
+        return fs.retry_transient(fs.create_exclusive, path, data, what=f"creating the run lock {path}")
     directory, name = os.path.split(path)
     tmp = os.path.join(directory, f".{name}.{secrets.token_hex(4)}.tmp")
     with open(tmp, "wb") as f:
@@ -193,8 +208,7 @@ def _create_if_absent(path: str, data: bytes) -> bool:
 def _read_record(path: str) -> tuple[Optional[dict], Optional[bytes]]:
     """``(record, raw bytes)``; ``(None, None)`` if the file is gone, ``(None, raw)`` if unparseable."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        raw = fs.retry_transient(fs.read_bytes, path, what=f"reading the run lock {path}")
     except FileNotFoundError:
         return None, None
     try:
@@ -230,11 +244,27 @@ class RunLock:
             threading.Thread(target=self._beat, args=(path,), name="run-lock-heartbeat", daemon=True).start()
 
     def _beat(self, path: str) -> None:
+        touch = fs.supports_rename(path)
         while not self._stop.wait(HEARTBEAT_SECONDS):
             try:
-                os.utime(path)
-            except OSError as e:  # gone (broken by hand) or storage trouble: the run itself goes on
-                logger.warning("cannot refresh the run lock %s: %s", path, e)
+                if touch:
+                    os.utime(path)
+                elif not self._rewrite(path):
+                    return
+            except Exception as e:  # noqa: BLE001 -- gone (broken by hand) or storage trouble: run on
+                logger.warning("cannot refresh the run lock %s: %s", path, fs.redact(str(e)))
+
+    def _rewrite(self, path: str) -> bool:
+        """Rewrite the record (a fresh modification time on an object store); False once it is not ours."""
+        current, _ = _read_record(path)
+        if self.record is None or current is None or current.get("token") != self.record["token"]:
+            logger.warning("run lock %s is no longer this run's (broken by hand?); no more heartbeats", path)
+            return False
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        beat = dict(self.record, heartbeat=now)
+        data = (json.dumps(beat, indent=1, sort_keys=True) + "\n").encode()
+        fs.retry_transient(fs.atomic_write_bytes, path, data, what=f"refreshing the run lock {path}")
+        return True
 
     @property
     def held(self) -> bool:
@@ -249,10 +279,7 @@ class RunLock:
         if current is None or current.get("token") != self.record["token"]:
             logger.warning("run lock %s is no longer this run's (it was broken by hand?); leaving it", path)
             return
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+        fs.retry_transient(fs.remove, path, missing_ok=True, what=f"removing the run lock {path}")
 
     def __enter__(self) -> "RunLock":
         return self
@@ -268,22 +295,29 @@ def acquire_run_lock(run_dir: str, run_id: str) -> RunLock:
     holder has certainly exited (a process of this machine that is gone, or no heartbeat for
     ``STALE_AFTER_SECONDS``).
     """
-    os.makedirs(run_dir, exist_ok=True)
-    path = os.path.join(run_dir, LOCK_FILENAME)
+    run_dir = fs.abspath(run_dir)
+    path = fs.join(run_dir, LOCK_FILENAME)
     record = _this_process(run_id)
     data = (json.dumps(record, indent=1, sort_keys=True) + "\n").encode()
+    took_over = False
     for _ in range(5):
         try:
-            if _create_if_absent(path, data):
-                return RunLock(path, record)
-        except OSError as e:
-            if is_out_of_space(e):
+            fs.makedirs(run_dir)
+            created = _create_if_absent(path, data)
+        except (OSError, fs.StorageAccessError) as e:
+            if isinstance(e, OSError) and is_out_of_space(e):
                 raise out_of_space_error("taking the run lock", path) from e
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
             raise ValueError(
-                f"trainer.checkpointer.base_path: cannot create the run lock {path} ({e.strerror or e}). "
+                f"trainer.checkpointer.base_path: cannot create the run lock {path} ({fs.redact(why)}). "
                 "Choose a writable directory."
             ) from None
-        holder, raw = _read_record(path)
+        holder, raw = (None, None) if created else _read_record(path)
+        if created or (holder is not None and holder.get("token") == record["token"]):
+            # (Not created, yet ours: a retried create whose first attempt went through.)
+            if took_over and not fs.supports_rename(path):
+                _confirm_takeover(path, record, run_id)
+            return RunLock(path, record)
         if raw is None:
             continue  # released between our attempt and the read: try again
         if holder is None or not _is_stale(holder, path):
@@ -302,14 +336,31 @@ def acquire_run_lock(run_dir: str, run_id: str) -> RunLock:
             _describe(holder, run_id),
         )
         _break_stale(path, raw)
+        took_over = True
     raise RunLockedError(
         f"run {run_id!r}: could not take its lock {path}: other processes keep taking it. Is the same run "
         "being started several times at once?"
     )
 
 
+def _confirm_takeover(path: str, record: dict, run_id: str) -> None:
+    """After taking over on an object store: wait, then make sure no concurrent start-up replaced the lock."""
+    time.sleep(TAKEOVER_SETTLE_SECONDS)
+    holder, _ = _read_record(path)
+    if holder is None or holder.get("token") != record["token"]:
+        raise RunLockedError(
+            f"run {run_id!r}: another start-up took over the stale lock {path} at the same moment (it is now "
+            f"held by {_describe(holder, run_id)}). Is the same run being started several times at once?"
+        )
+
+
 def _break_stale(path: str, raw: bytes) -> None:
     """Remove the lock at ``path`` if it still holds ``raw`` (another start-up may have replaced it)."""
+    if not fs.supports_rename(path):
+        _, current = _read_record(path)
+        if current == raw:
+            fs.retry_transient(fs.remove, path, missing_ok=True, what=f"removing the stale run lock {path}")
+        return
     aside = f"{path}.stale-{secrets.token_hex(4)}"
     try:
         os.rename(path, aside)

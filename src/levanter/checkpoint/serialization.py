@@ -1,14 +1,14 @@
 """Tree serialisation: write a training-state pytree to TensorStore so that it restores bit for bit.
 
-Format. A checkpoint is a directory holding one TensorStore zarr3 array per array leaf of the pytree
-(the leaf's key path, percent-encoded, is its sub-directory: ``model/layers/0/weight``,
-``opt_state/0/mu/...``) and a ``metadata.json`` (see :mod:`levanter.checkpoint.layout`). Only arrays are
-stored -- ``jax.Array``, numpy arrays and numpy scalars; everything else (static fields, activation
-functions, Python numbers, the tree structure itself) comes from the *template* passed to
-:func:`load_checkpoint`. A Python ``int`` step in the tree is therefore *not* saved: keep the step as a
-jax/numpy scalar if it must round-trip (the step is also recorded in ``metadata.json``). Typed PRNG key
-arrays are stored as their ``jax.random.key_data`` and rewrapped on load with the recorded
-implementation.
+Format. A checkpoint is a directory (a prefix on an object store) holding one TensorStore zarr3 array
+per array leaf of the pytree (the leaf's key path, percent-encoded, is its sub-directory:
+``model/layers/0/weight``, ``opt_state/0/mu/...``) and a ``metadata.json`` (see
+:mod:`levanter.checkpoint.layout`). Only arrays are stored -- ``jax.Array``, numpy arrays and numpy
+scalars; everything else (static fields, activation functions, Python numbers, the tree structure
+itself) comes from the *template* passed to :func:`load_checkpoint`. A Python ``int`` step in the tree
+is therefore *not* saved: keep the step as a jax/numpy scalar if it must round-trip (the step is also
+recorded in ``metadata.json``). Typed PRNG key arrays are stored as their ``jax.random.key_data`` and
+rewrapped on load with the recorded implementation.
 
 Bit-exactness. Chunks are written raw (no compression, no dtype conversion) with a crc32c codec, so a
 flipped or truncated chunk fails its checksum on load instead of silently restoring garbage; chunks
@@ -16,19 +16,30 @@ equal to the fill value are stored anyway and missing chunks are read as an erro
 zeros, so a deleted chunk file is caught too. The trade-off is disk space: zstd would shrink
 optimizer moments a little, at a CPU cost on every save.
 
+Storage. Arrays go through the TensorStore kvstore of the path (:func:`levanter.utils.fs.kvstore_spec`:
+``file``, ``gcs``, ``s3`` or ``memory``) with the retrying context of :mod:`levanter.utils.fs`, so
+transient HTTP errors of an object store are retried by TensorStore itself; ``metadata.json`` and the
+listing and deletion of prefixes go through :mod:`levanter.utils.fs`, retried the same way. How a save
+commits -- a temporary directory renamed into place on POSIX storage, ``metadata.json`` written last
+under the final prefix on object stores -- is described in :mod:`levanter.checkpoint.layout`.
+
 Finite values only. :func:`save_checkpoint` first checks every floating-point leaf (an all-finite
 reduction on the devices, one small transfer back) and refuses a tree holding a NaN or an infinity,
 writing nothing: a poisoned state must never become the checkpoint a rerun resumes from. A full disk
 raises :class:`levanter.errors.OutOfSpaceError` (exit status 74 from the command line), other storage
-errors :class:`CheckpointSaveError`; either way the partial write is removed.
+errors (after the retries, for transient ones) :class:`CheckpointSaveError` naming the path or URL
+(never credentials); either way the partial write is removed.
 
 Multi-process. Leaves are written with ``jax.experimental.array_serialization``'s ``async_serialize``
 and read with ``async_deserialize``. Each process writes only the shards it can address and only one
 replica of each (``replica_id == 0``); zarr chunks are the per-device shard shape (split further only
 above 2 GiB), so no two processes ever write the same chunk file. Array metadata (``zarr.json``) and
-``metadata.json`` are written by process 0 only, which then commits the save by renaming its temporary
-directory. The caller hands in its process index (``process_index``, by default
-``jax.process_index()``). On load each process reads only the slices its own devices need.
+``metadata.json`` are written by process 0 only, which then commits the save (renaming its temporary
+directory, or writing ``metadata.json`` under the final prefix once a barrier says every process has
+written its shards). On an object store process 0 first removes what an earlier, uncommitted save of
+the same step left, and a barrier keeps the others from writing before that is done. The caller hands
+in its process index (``process_index``, by default ``jax.process_index()``). On load each process
+reads only the slices its own devices need.
 
 Saving is synchronous: the caller waits for the data to reach disk. That keeps the multi-process
 story simple (barriers run on the main thread) at the price of a training pause per checkpoint.
@@ -64,14 +75,15 @@ from levanter.checkpoint.layout import (
     METADATA_FILENAME,
     TMP_PREFIX,
     atomic_write_json,
+    commits_by_rename,
     is_complete,
-    local_path,
     read_checkpoint_metadata,
     remove_dir,
+    resolve_path,
 )
 from levanter.errors import is_out_of_space, out_of_space_error
+from levanter.utils import fs
 from levanter.utils.fault import fault_point
-from levanter.utils.fs import fsync_dir
 
 __all__ = ["Barrier", "io_error_text", "load_checkpoint", "save_checkpoint", "write_leaf"]
 
@@ -192,10 +204,25 @@ def _chunk_shape(shard_shape: Sequence[int], itemsize: int) -> list[int]:
     return chunk
 
 
+_URL_CONTEXT: ts.Context | None = None
+
+
+def _ts_context(path: str) -> ts.Context:
+    """The TensorStore context for arrays under ``path``: JAX's default for local disk; for URLs one
+    process-wide context with the storage layer's request retries (one, because a ``memory://`` kvstore
+    lives in its context: a second context would not see what the first wrote)."""
+    global _URL_CONTEXT
+    if not fs.is_url(path):
+        return jax_serialization.TS_CONTEXT
+    if _URL_CONTEXT is None:
+        _URL_CONTEXT = ts.Context({"data_copy_concurrency": {"limit": 128}, **fs.tensorstore_context_spec()})
+    return _URL_CONTEXT
+
+
 def _write_spec(directory: str, shape: Sequence[int], dtype: Any, chunk: Sequence[int]) -> dict:
     return {
         "driver": "zarr3",
-        "kvstore": {"driver": "file", "path": directory},
+        "kvstore": fs.kvstore_spec(directory),
         "metadata": {
             "shape": list(shape),
             "data_type": np.dtype(dtype).name,
@@ -212,7 +239,7 @@ def _read_spec(directory: str) -> dict:
     # A missing chunk file is an error, not a block of zeros.
     return {
         "driver": "zarr3",
-        "kvstore": {"driver": "file", "path": directory},
+        "kvstore": fs.kvstore_spec(directory),
         "fill_missing_data_reads": False,
     }
 
@@ -280,7 +307,8 @@ def _prepare_leaves(tree: Any) -> list[_ToWrite]:
 
 async def write_leaf(root: str, item: _ToWrite, process_index: int) -> None:
     """Write one leaf under ``root``: this process's replica-0 shards, or a host value (process 0 only)."""
-    directory = os.path.join(root, item.record["name"])
+    directory = fs.join(root, item.record["name"])
+    context = _ts_context(root)
     value = item.value
     multi = jax.process_count() > 1
     if isinstance(value, jax.Array) and not (multi and value.is_fully_addressable):
@@ -288,7 +316,7 @@ async def write_leaf(root: str, item: _ToWrite, process_index: int) -> None:
         chunk = _chunk_shape(shard_shape, value.dtype.itemsize)
         spec = _write_spec(directory, value.shape, value.dtype, chunk)
         # primary_host=0: only process 0 creates zarr.json; every process writes its own replica-0 shards.
-        await jax_serialization.async_serialize(value, spec, primary_host=0)
+        await jax_serialization.async_serialize(value, spec, primary_host=0, context=context)
         return
     # A host value (numpy leaf, or a process-local jax array in a multi-process job): each process
     # may hold its own copy, so process 0's is the one written.
@@ -296,7 +324,7 @@ async def write_leaf(root: str, item: _ToWrite, process_index: int) -> None:
         return
     host = np.asarray(value)
     spec = _write_spec(directory, host.shape, host.dtype, _chunk_shape(host.shape, host.dtype.itemsize))
-    store = await ts.open(spec, create=True, open=True)
+    store = await ts.open(spec, create=True, open=True, context=context)
     await store.write(host)
 
 
@@ -364,16 +392,95 @@ def _non_finite_leaves(items: list[_ToWrite]) -> list[str]:
 
 # Tensorstore appends its whole spec and source locations to an error; the first clause is the message.
 _TS_NOISE = re.compile(r"\s*\[(?:tensorstore_spec|source locations)=.*$", re.S)
+# The status codes TensorStore (absl) puts first in the message of a failed storage operation.
+_TS_STORAGE_STATUS = re.compile(
+    r"^(FAILED_PRECONDITION|UNAVAILABLE|PERMISSION_DENIED|UNAUTHENTICATED|NOT_FOUND|DEADLINE_EXCEEDED|"
+    r"RESOURCE_EXHAUSTED|ABORTED|INTERNAL|UNKNOWN|DATA_LOSS): "
+)
+
+
+def _one_line(text: str) -> str:
+    text = fs.redact(_TS_NOISE.sub("", text.strip().splitlines()[0] if text.strip() else text))
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def io_error_text(e: BaseException) -> Optional[str]:
-    """A one-line description of a storage error, or None if ``e`` is not one."""
+    """A one-line description of a storage error (credentials redacted), or None if ``e`` is not one."""
+    if isinstance(e, fs.StorageAccessError):
+        return _one_line(str(e))
     if isinstance(e, OSError):
-        return e.strerror or str(e)
-    if isinstance(e, ValueError) and ("[OS error" in str(e) or "os_error_code=" in str(e)):  # tensorstore I/O
-        text = _TS_NOISE.sub("", str(e).splitlines()[0])
-        return text if len(text) <= 300 else text[:297] + "..."
+        return _one_line(e.strerror or str(e))
+    if isinstance(e, ValueError) and (
+        "[OS error" in str(e) or "os_error_code=" in str(e) or _TS_STORAGE_STATUS.match(str(e))
+    ):  # a tensorstore I/O error (local file or HTTP)
+        return _one_line(str(e))
+    if isinstance(e, Exception) and fs.is_transient(e):  # retries exhausted
+        return _one_line(f"{type(e).__name__}: {e}")
     return None
+
+
+def _metadata_doc(step: int, is_temporary: bool, user_metadata: dict, items: list[_ToWrite]) -> dict:
+    return {
+        "format_version": CHECKPOINT_FORMAT_VERSION,
+        "step": step,
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "is_temporary": bool(is_temporary),
+        "metadata": user_metadata,
+        "leaves": [it.record for it in items],
+    }
+
+
+def _commit_by_rename(final: str, items: list[_ToWrite], doc: Callable[[], dict], barrier: Barrier,
+                      token: str, process_index: int) -> None:
+    """POSIX storage: write into ``.tmp-<name>-<token>``, then rename it to ``final``."""
+    parent, name = os.path.split(final)
+    tmp = os.path.join(parent, f"{TMP_PREFIX}{name}-{token}")
+    is_leader = process_index == 0
+    try:
+        if is_leader:
+            os.makedirs(tmp, exist_ok=True)
+        _run(_write_all(tmp, items, process_index))
+        barrier(f"levanter_checkpoint_written_{name}_{token}")
+        if is_leader:
+            atomic_write_json(os.path.join(tmp, METADATA_FILENAME), doc())
+            fault_point("checkpoint_before_rename")
+            if os.path.lexists(final):
+                # Not complete (checked by the caller): debris from something other than save_checkpoint.
+                logger.warning("replacing incomplete directory %s (no %s)", final, METADATA_FILENAME)
+                remove_dir(final)
+            os.rename(tmp, final)
+            fs.fsync_dir(parent)
+    except BaseException:
+        if is_leader:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _commit_by_record(final: str, items: list[_ToWrite], doc: Callable[[], dict], barrier: Barrier,
+                      token: str, process_index: int) -> None:
+    """Object stores: write the arrays under ``final`` itself, then ``metadata.json`` (the commit record)."""
+    name = fs.basename(final)
+    is_leader = process_index == 0
+    try:
+        if is_leader and fs.retry_transient(fs.isdir, final, what=f"looking for {final}"):
+            # Not complete (checked by the caller): an earlier save of this step that never committed.
+            logger.warning("removing the uncommitted save %s (no %s) before saving again", final,
+                           METADATA_FILENAME)
+            fs.retry_transient(fs.remove_tree, final, what=f"deleting {final}")
+        barrier(f"levanter_checkpoint_cleared_{name}_{token}")
+        _run(_write_all(final, items, process_index))
+        barrier(f"levanter_checkpoint_written_{name}_{token}")
+        if is_leader:
+            fault_point("checkpoint_before_record")
+            atomic_write_json(fs.join(final, METADATA_FILENAME), doc())
+    except BaseException:
+        if is_leader:
+            try:  # best effort: what stays behind is uncommitted and removed by the next save or start-up
+                remove_dir(final)
+            except Exception as cleanup:  # noqa: BLE001 -- the original error is the one to report
+                logger.warning("could not remove the partial save %s: %s", final,
+                               io_error_text(cleanup) or cleanup)
+        raise
 
 
 def save_checkpoint(
@@ -386,8 +493,9 @@ def save_checkpoint(
     barrier: Barrier | None = None,
     process_index: int | None = None,
 ) -> str:
-    """Write the arrays of ``tree`` to ``checkpoint_path`` atomically; returns the absolute path.
+    """Write the arrays of ``tree`` to ``checkpoint_path`` atomically; returns the absolute path (or URL).
 
+    ``checkpoint_path`` is a local path or an object-store URL (``gs://``, ``s3://``, ``memory://``).
     ``step`` is recorded in ``metadata.json`` (conventionally: the number of completed updates).
     ``metadata`` is extra JSON-serialisable information stored alongside. ``barrier(name)`` must block
     until every process has called it with the same name; pass
@@ -399,7 +507,7 @@ def save_checkpoint(
     """
     barrier = barrier or _no_barrier
     process_index = jax.process_index() if process_index is None else process_index
-    final = local_path(checkpoint_path)
+    final = resolve_path(checkpoint_path)
     if isinstance(step, bool):
         raise TypeError("step must be an int, got a bool")
     try:
@@ -422,44 +530,22 @@ def save_checkpoint(
             f"{'holds' if len(bad) == 1 else 'hold'} NaN or infinite values. Nothing was written; the latest "
             "complete checkpoint is unchanged. Resume from it with a fixed config (learning rate, epsilon)."
         )
-    parent, name = os.path.split(final)
+    name = fs.basename(final)
     token = _shared_token()
-    tmp = os.path.join(parent, f"{TMP_PREFIX}{name}-{token}")
-    is_leader = process_index == 0
     started = time.perf_counter()
+    commit = _commit_by_rename if commits_by_rename(final) else _commit_by_record
     try:
-        if is_leader:
-            os.makedirs(tmp, exist_ok=True)
-        _run(_write_all(tmp, items, process_index))
-        barrier(f"levanter_checkpoint_written_{name}_{token}")
-        if is_leader:
-            doc = {
-                "format_version": CHECKPOINT_FORMAT_VERSION,
-                "step": step,
-                "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                "is_temporary": bool(is_temporary),
-                "metadata": user_metadata,
-                "leaves": [it.record for it in items],
-            }
-            atomic_write_json(os.path.join(tmp, METADATA_FILENAME), doc)
-            fault_point("checkpoint_before_rename")
-            if os.path.lexists(final):
-                # Not complete (checked above): debris from something other than save_checkpoint.
-                logger.warning("replacing incomplete directory %s (no %s)", final, METADATA_FILENAME)
-                remove_dir(final)
-            os.rename(tmp, final)
-            fsync_dir(parent)
-    except BaseException as e:
-        if is_leader:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, Exception) and is_out_of_space(e):
+        commit(final, items, lambda: _metadata_doc(step, is_temporary, user_metadata, items), barrier, token,
+               process_index)
+    except Exception as e:
+        if is_out_of_space(e):
             raise out_of_space_error(f"saving the checkpoint of step {step}", final) from e
-        what = io_error_text(e) if isinstance(e, Exception) else None
+        what = io_error_text(e)
         if what is not None:
             raise CheckpointSaveError(
                 f"could not save the checkpoint of step {step} to {final}: {what}. Nothing was committed "
-                f"(the partial write was removed); free space or fix {parent}, then rerun to resume from "
-                "the latest complete checkpoint."
+                f"(the partial write was removed); free space or fix {fs.parent(final)}, then rerun to "
+                "resume from the latest complete checkpoint."
             ) from e
         raise
     barrier(f"levanter_checkpoint_committed_{name}_{token}")
@@ -510,18 +596,21 @@ def _target_sharding(leaf: Any, explicit: jax.sharding.Sharding | None) -> jax.s
 
 async def _read_leaf(root: str, item: _ToRead, limiter: _ByteLimiter) -> Any:
     rec = item.record
-    directory = os.path.join(root, rec["name"])
+    directory = fs.join(root, rec["name"])
+    context = _ts_context(root)
 
     def fail(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"checkpoint {root}: leaf {item.keypath} ({rec['name']}) {why}")
 
-    if not os.path.isfile(os.path.join(directory, "zarr.json")):
-        raise fail(f"is missing: there is no array at {directory}")
     spec = _read_spec(directory)
     try:
-        store = await ts.open(spec, open=True)
+        store = await ts.open(spec, open=True, context=context)
     except ValueError as e:
-        raise fail(f"cannot be opened: {e}") from e
+        # Asked only on failure: one existence check per leaf would cost a request each on object stores.
+        zarr_json = fs.join(directory, "zarr.json")
+        if not fs.retry_transient(fs.isfile, zarr_json, what=f"looking for {zarr_json}"):
+            raise fail(f"is missing: there is no array at {directory}") from None
+        raise fail(f"cannot be opened: {_one_line(str(e))}") from e
     stored_shape = tuple(rec["stored_shape"])
     stored_dtype = np.dtype(rec["stored_dtype"])
     if tuple(store.shape) != stored_shape or store.dtype.numpy_dtype != stored_dtype:
@@ -536,21 +625,23 @@ async def _read_leaf(root: str, item: _ToRead, limiter: _ByteLimiter) -> Any:
         key_impl = rec.get("key_impl")
         if key_impl is None:
             return await jax_serialization.async_deserialize(
-                item.sharding, spec, global_shape=stored_shape, dtype=stored_dtype, byte_limiter=limiter
+                item.sharding, spec, global_shape=stored_shape, dtype=stored_dtype, byte_limiter=limiter,
+                context=context,
             )
         ndim = len(rec["shape"])
         data_sharding = _key_data_sharding(item.sharding, ndim, len(stored_shape) - ndim)
         if data_sharding is None:  # an exotic sharding: load on one device, then move the keys
             data_sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         data = await jax_serialization.async_deserialize(
-            data_sharding, spec, global_shape=stored_shape, dtype=stored_dtype, byte_limiter=limiter
+            data_sharding, spec, global_shape=stored_shape, dtype=stored_dtype, byte_limiter=limiter,
+            context=context,
         )
         keys = jax.random.wrap_key_data(data, impl=key_impl)
         if keys.sharding != item.sharding:
             keys = jax.device_put(keys, item.sharding)
         return keys
     except ValueError as e:  # tensorstore reports DATA_LOSS / NOT_FOUND chunk errors as ValueError
-        raise fail(f"cannot be read (truncated or damaged chunk?): {e}") from e
+        raise fail(f"cannot be read (truncated or damaged chunk?): {_one_line(str(e))}") from e
 
 
 async def _read_all(root: str, items: list[_ToRead]) -> list[Any]:
@@ -593,7 +684,7 @@ def load_checkpoint(template_tree: Any, checkpoint_path: str, *, shardings: Any 
     numpy. Shapes and dtypes must match the template exactly (:class:`CheckpointMismatchError`);
     missing, truncated or damaged files raise :class:`CorruptCheckpointError`.
     """
-    root = local_path(checkpoint_path)
+    root = resolve_path(checkpoint_path)
     doc = read_checkpoint_metadata(root)
     saved = {rec["name"]: rec for rec in doc["leaves"]}
     sharding_for = _sharding_lookup(shardings)
