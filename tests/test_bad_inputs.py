@@ -112,6 +112,25 @@ class Case:
     needs: Sequence[str] = ()  # shared artefacts (see ensure): "cache", "checkpoint"; servers: "s3_server", "gcs_server"
 
 
+_denying_proxies: list = []
+
+
+def deny_access(monkeypatch) -> None:
+    """Point S3 clients at a proxy in front of the session's moto server that answers every request with
+    403 (tests/object_store.py), as a store does for credentials without rights to the bucket."""
+    from object_store import FaultProxy
+
+    port = int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
+    proxy = FaultProxy(port, fail_fraction=1.0, delay_s=(0.0, 0.0), fail_status=403)
+    _denying_proxies.append(proxy)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+
+
+def close_denying_proxy() -> None:
+    while _denying_proxies:
+        _denying_proxies.pop().close()
+
+
 def _write(path: Path, data: str | bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     if isinstance(data, bytes):
@@ -374,6 +393,12 @@ CASES: list[Case] = [
     Case("object-store-train-urls-bucket-missing", "object stores", "`data.train_urls` in a GCS bucket that does not exist",
          2, ["data.train_urls", "gs://no-such-bucket/docs.jsonl", "'no-such-bucket' does not exist"],
          yaml=files_data('["gs://no-such-bucket/docs.jsonl"]'), needs=["gcs_server"]),
+    Case("object-store-access-denied", "object stores",
+         "`cache_dataset` with `data.cache_dir` on an S3 store that denies access (HTTP 403)", 2,
+         ["data.cache_dir", "s3://levanter-test/denied", "access denied"], entry="cache_dataset",
+         yaml=files_data('["$TMP/data.jsonl"]'), setup=write_files({"data.jsonl": '{"text": "a"}\n'}),
+         args=["--data.cache_dir", "s3://levanter-test/denied"], needs=["s3_server"], patch=lambda mp: deny_access(mp),
+         after=lambda t, s: close_denying_proxy()),
     # ------------------------------------------------------------------------------------------ model
     Case("unknown-model-type", "model", "`model.type: transformer9000`", 2, ["$TMP/config.yaml", "`model`", "'transformer9000'", "gpt2, llama"],
          yaml=edit(BASE, "type: gpt2", "type: transformer9000")),
