@@ -377,7 +377,8 @@ class FaultProxy:
         self._httpd.daemon_threads = True
         self.port = self._httpd.server_address[1]
         self.endpoint = f"http://127.0.0.1:{self.port}"
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        daemon=True)
         self._thread.start()
 
     def env_for(self, server: _Server) -> dict[str, str]:

@@ -130,7 +130,7 @@ def test_redact_removes_credentials(monkeypatch):
 @pytest.mark.parametrize("server_name", ["s3_server", "gcs_server"])
 def test_transient_errors_are_retried_through_a_faulty_store(request, fault_proxy, server_name):
     server = request.getfixturevalue(server_name)
-    proxy = fault_proxy(server, fail_fraction=0.3, delay_s=(0.0, 0.004), seed=3)
+    proxy = fault_proxy(server, fail_fraction=0.25, delay_s=(0.0, 0.004), seed=3)
     base = server.url(f"faulty-{server_name}-{time.monotonic_ns()}")
     for i in range(6):
         fs.atomic_write_bytes(fs.join(base, f"f{i}"), bytes([i]) * i)
@@ -140,8 +140,8 @@ def test_transient_errors_are_retried_through_a_faulty_store(request, fault_prox
     small_file_requests = proxy.requests
 
     rows = [np.arange(n, dtype=np.int32) for n in (5, 0, 17, 3)]
-    store = JaggedArrayStore.open(fs.join(base, "store"), mode="w", dtype=np.int32, data_chunk=8,
-                                  offsets_chunk=4)
+    store = JaggedArrayStore.open(fs.join(base, "store"), mode="w", dtype=np.int32, data_chunk=16,
+                                  offsets_chunk=8)
     store.append(rows)
     reopened = JaggedArrayStore.open(fs.join(base, "store"), mode="r", num_rows=len(rows))
     got = reopened.read_rows_sync(list(range(len(rows))))
@@ -244,9 +244,12 @@ def _run_build(script, out, shards, env, kill_at=None):
 
 
 def _kill_and_resume(server, tmp_path, kill_at):
+    """A build into the bucket SIGKILLed at ``kill_at`` (a real process, ended without any clean-up), then
+    resumed (in this process: a resume is an ordinary build) ends byte-identical to a local build."""
     shards = _shards(str(tmp_path), _docs(96, seed=2), 2)  # 3 batches of 16 per shard
+    options = CacheOptions(1, 16)
     local = tmp_path / "local"
-    build_or_load_cache(shards, str(local), ByteTokenizer(), options=CacheOptions(1, 16), progress=False)
+    build_or_load_cache(shards, str(local), ByteTokenizer(), options=options, progress=False)
     script = tmp_path / "build.py"
     script.write_text(BUILD_SCRIPT)
     url = server.url(f"killed-{time.monotonic_ns()}")
@@ -254,8 +257,7 @@ def _kill_and_resume(server, tmp_path, kill_at):
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     with pytest.raises((ValueError, FileNotFoundError)):
         TokenCache.open(url)  # an unfinished cache is never served
-    resumed = _run_build(script, url, shards, server.env)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    build_or_load_cache(shards, url, ByteTokenizer(), options=options, progress=False)
     assert bucket_tree(url) == tree_bytes(local)
 
 
