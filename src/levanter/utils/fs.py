@@ -26,7 +26,10 @@ Endpoints follow the ecosystem's conventions, so one config runs against the clo
   network. :func:`kvstore_spec` therefore sets ``TENSORSTORE_GCS_HTTP_URL`` from
   ``STORAGE_EMULATOR_HOST`` and, against an emulator only, a placeholder ``GOOGLE_AUTH_TOKEN_FOR_TESTING``
   (both in ``os.environ`` before the first gcs open, since tensorstore reads them from the process
-  environment). gcsfs is given ``token="anon"`` against an emulator for the same reason.
+  environment; both are taken back once ``STORAGE_EMULATOR_HOST`` is unset). gcsfs is given
+  ``token="anon"`` against an emulator for the same reason, and its JSON-API class is used: the default
+  class of current gcsfs first asks each bucket's layout over gRPC, which an emulator does not serve (a
+  60 s timeout per bucket).
 
 Errors. :func:`is_transient` recognises throttling, 5xx answers and dropped connections in the shapes
 fsspec, botocore, aiohttp and tensorstore raise them; :func:`retry_transient` retries those with
@@ -180,12 +183,25 @@ def _gcs_emulator() -> str | None:
     return host if "://" in host else "http://" + host
 
 
+_SET_FOR_EMULATOR: dict[str, str] = {}  # what _prepare_tensorstore_gcs put into os.environ
+
+
 def _prepare_tensorstore_gcs() -> None:
     emulator = _gcs_emulator()
     if emulator is None:
+        # The emulator is gone (e.g. a test server stopped): take back what was set for it, so that
+        # tensorstore reaches real GCS with real credentials again.
+        for name, value in list(_SET_FOR_EMULATOR.items()):
+            if os.environ.get(name) == value:
+                del os.environ[name]
+            del _SET_FOR_EMULATOR[name]
         return
-    os.environ["TENSORSTORE_GCS_HTTP_URL"] = emulator.rstrip("/")
-    os.environ.setdefault("GOOGLE_AUTH_TOKEN_FOR_TESTING", "emulator")
+    wanted = {"TENSORSTORE_GCS_HTTP_URL": emulator.rstrip("/")}
+    if "GOOGLE_AUTH_TOKEN_FOR_TESTING" not in os.environ or "GOOGLE_AUTH_TOKEN_FOR_TESTING" in _SET_FOR_EMULATOR:
+        wanted["GOOGLE_AUTH_TOKEN_FOR_TESTING"] = "emulator"
+    for name, value in wanted.items():
+        os.environ[name] = value
+        _SET_FOR_EMULATOR[name] = value
 
 
 def _bucket_and_key(path: str) -> tuple[str, str]:
