@@ -268,3 +268,18 @@ def test_build_killed_in_an_s3_bucket_resumes_byte_identical(s3_server, tmp_path
 @pytest.mark.slow
 def test_build_killed_in_a_gcs_bucket_resumes_byte_identical(gcs_server, tmp_path):
     _kill_and_resume(gcs_server, tmp_path, "cache_after_commit:2")
+
+
+@pytest.mark.parametrize("server_name", ["s3_server", "gcs_server"])
+def test_a_missing_chunk_in_a_bucket_is_refused_at_open(request, server_name):
+    from levanter.store import DamagedStoreError
+
+    server = request.getfixturevalue(server_name)
+    url = server.url(f"holes-{server_name}-{time.monotonic_ns()}")
+    rows = [np.full(n, n, dtype=np.int32) for n in (9, 30, 4)]
+    store = JaggedArrayStore.open(url, mode="w", dtype=np.int32, data_chunk=8, offsets_chunk=8)
+    store.append(rows)
+    assert fs.listdir(fs.join(url, "data", "c")) == [str(k) for k in range(6)]  # 43 tokens, chunks of 8
+    fs.remove(fs.join(url, "data", "c", "2"))
+    with pytest.raises(DamagedStoreError, match=r"chunk file .*data/c/2 is missing"):
+        JaggedArrayStore.open(url, mode="r", num_rows=len(rows))
