@@ -9,7 +9,7 @@ import pytest
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench")
 KEYS = {
     "loader_tokens_per_s", "raw_read_tokens_per_s", "upstream_loader_tokens_per_s", "ttfb_step0_s",
-    "ttfb_step1e9_s", "data_wait_p99_s", "train_step_s", "upstream_train_step_s",
+    "ttfb_step1e9_s", "data_wait_p99_s", "train_step_s", "upstream_train_step_s", "object_store_wait_fraction",
 }
 # The loss section (scripts/bench/loss.py).
 KEYS |= {"loss_blockwise_temp_ratio", "loss_blockwise_time_ratio", "llama_vanilla_over_flash_memory"}
@@ -53,6 +53,22 @@ def test_headline_keys_come_from_the_measured_sections(run_all, capsys):
     assert head["train_step_s"] is None and head["upstream_train_step_s"] is None
     printed = capsys.readouterr().out
     assert "64x1024" in printed and "8.0x" in printed  # ours / upstream = 2.0 / 0.25
+
+
+def test_object_store_row_is_reported(run_all, capsys):
+    def store(tok_s, wait, requests):
+        return {"steps": 4, "step_seconds": 0.3, "batch": 64, "seq_len": 1024, "first_wait_s": 0.2,
+                "startup_wait_s": 1.0, "mean_wait_s": wait, "p50_wait_s": wait, "p99_wait_s": wait,
+                "max_wait_s": wait, "wait_fraction": wait / 0.3, "wait_fraction_with_step1": 0.5, "elapsed_s": 1.5,
+                "requests_per_step": requests, "tokens_per_s": tok_s}
+
+    out = {"object_store": {"local": store(4e6, 0.0003, None), "s3": store(2e6, 0.0006, 3.25), "objects": 99,
+                            "delay_s": [0.02, 0.05], "fail_fraction": 0.0, "tokens": 1000,
+                            "s3_over_local_tokens_per_s": 0.5}}
+    head = run_all.report(out)
+    assert head["object_store_wait_fraction"] == 0.002
+    printed = capsys.readouterr().out
+    assert "+20-50 ms" in printed and "0.50x" in printed and "3.2" in printed and "99 objects" in printed
 
 
 def test_attention_row_is_reported(run_all, capsys):

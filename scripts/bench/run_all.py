@@ -26,6 +26,9 @@ Sections (each figure is the median over repeats, shown with min and max; ratios
 6. **Checksums** -- ``loader_cache.checksum_section``: the loader and the raw read at 8x1024 and 64x1024 on
    the caches above (crc32c on every chunk, as training writes them) and on the same tokens written
    without checksums, interleaved; the ratio checksummed / plain is what the checksums cost in read speed.
+7. **Object store** -- ``loader_object_store.py``: the loader on the same cache in an S3 bucket (moto behind
+   a proxy adding 20-50 ms to every request) and on local disk, in the same run: data wait per step at a
+   simulated 300 ms step, tokens/s, requests per step.
 
 Attention -- ``attention.py``: blockwise (``jax_flash``) against the materialised ``vanilla`` kernel,
 forward+backward at sequence 4,096 (``--quick``: 2,048), 8 heads of 64: compiled temporaries and step time.
@@ -61,6 +64,7 @@ import _synthetic as syn
 import attention as attention_bench
 import loader_cache as lc
 import loss as loss_bench
+import loader_object_store as los
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -413,6 +417,9 @@ def report(out: dict) -> dict:
     if out.get("checksum"):
         lc.print_checksum_section(out["checksum"])
 
+    if out.get("object_store"):
+        los.print_section(out["object_store"])
+
     if out.get("attention"):
         attention_bench.print_section(out["attention"])
 
@@ -438,6 +445,7 @@ def report(out: dict) -> dict:
         "loss_blockwise_temp_ratio": pick(out, "loss", "loss", "temp_ratio"),
         "loss_blockwise_time_ratio": pick(out, "loss", "loss", "time_ratio"),
         "llama_vanilla_over_flash_memory": pick(out, "loss", "llama", "total_ratio"),
+        "object_store_wait_fraction": pick(out, "object_store", "s3", "wait_fraction"),
         "attention_flash_temp_ratio": pick(out, "attention", "temp_ratio"),
         "attention_flash_time_ratio": pick(out, "attention", "time_ratio"),
     }
@@ -450,10 +458,10 @@ def main(argv=None) -> None:
     p.add_argument("--upstream-venv", default=DEFAULT_UPSTREAM, help="upstream levanter venv (setup_upstream_venv.sh)")
     p.add_argument("--no-upstream", action="store_true", help="skip the upstream columns")
     p.add_argument("--only", default=None,
-                   help="comma-separated sections: loader,upstream,stalls,memory,training,checksum,attention,loss")
+                   help="comma-separated sections: loader,upstream,stalls,memory,training,checksum,object_store,attention,loss")
     args = p.parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    sections = set((args.only or "loader,upstream,stalls,memory,training,checksum,attention,loss").split(","))
+    sections = set((args.only or "loader,upstream,stalls,memory,training,checksum,object_store,attention,loss").split(","))
     t_start = time.perf_counter()
     import jax
 
@@ -489,6 +497,7 @@ def main(argv=None) -> None:
             ("checksum", lambda: out.update(checksum=lc.checksum_section(
                 work, root, cfg["tokens"], {k: n for k, n in cfg["loader_n"].items() if k in ((8, 1024), (64, 1024))},
                 cfg["repeats"]))),
+            ("object_store", lambda: out.update(object_store=los.run(los.QUICK if args.quick else los.FULL))),
             ("attention", lambda: out.update(attention=attention_bench.run(
                 attention_bench.QUICK if args.quick else attention_bench.FULL))),
             ("loss", lambda: out.update(loss=loss_bench.run(loss_bench.QUICK if args.quick else loss_bench.FULL))),
