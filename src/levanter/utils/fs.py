@@ -648,14 +648,24 @@ def create_exclusive(path: str | os.PathLike, data: bytes) -> bool:
             fs.pipe_file(p, bytes(data))
             return True
 
+    tries = []
+
     def attempt() -> bool:
+        tries.append(1)
         try:
             fs.pipe_file(p, bytes(data), mode="create")
             return True
         except Exception as e:
-            if _is_precondition_failure(e):
-                return False
-            raise
+            if not _is_precondition_failure(e):
+                raise
+            # A retry after an answer that was lost (a timeout, a dropped connection) can find the object
+            # this call created: the content tells (callers write something unique, such as a run id).
+            if len(tries) > 1:
+                try:
+                    return fs.cat_file(p) == bytes(data)
+                except FileNotFoundError:
+                    return False
+            return False
 
     return retry_transient(attempt, what=f"create {path}")
 
