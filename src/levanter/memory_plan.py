@@ -171,7 +171,7 @@ def plan_vocab(config: TrainLmConfig, given: Optional[int]) -> tuple[int, str]:
             source += f"; --vocab_size {given} ignored"
         return size, source
     if given is not None:
-        return given, f"--vocab_size ({why_not})"
+        return given, f"--vocab_size; {why_not}"
     raise PlanArgumentError(
         f"data.tokenizer: {why_not}, so the memory plan does not know the vocabulary size: pass "
         "--vocab_size N (e.g. 128256 for Llama 3), or point data.tokenizer at a local tokenizer.json"
@@ -260,6 +260,8 @@ def _abstract_state(trainer: Trainer, config: TrainLmConfig, vocab_size: int, op
     is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)  # noqa: E731
     sh_leaves = jax.tree_util.tree_leaves(shardings, is_leaf=is_sharding)
     if len(sh_leaves) != len(leaves):
+        # Not expected (every leaf gets a sharding, replicated when it has no mapped axis); replicating
+        # everything would over-count, never under-count, what a device holds.
         replicated = NamedSharding(trainer.mesh, PartitionSpec())
         sh_leaves = [replicated] * len(leaves)
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(leaves, sh_leaves)]
