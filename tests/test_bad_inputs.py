@@ -461,6 +461,8 @@ CASES: list[Case] = [
                    'code: {validation_urls: ["embedded://python-code/validation"]}')),
     Case("unknown-stop-strategy", "data/mixture", "`stop_strategy: never`", 2, ["data.stop_strategy", "'never'"],
          yaml=MIX, args=["--data.stop_strategy", "never"]),
+    Case("mixture-block-size-zero", "data/mixture", "`mixture_block_size: 0`", 2,
+         ["data.mixture_block_size", "positive", "got 0"], yaml=edit(MIX, "mixture_block_size: null", "mixture_block_size: 0")),
     Case("target-budget", "data/mixture", "upstream's `data.target_budget` (not implemented here)", 2,
          ["data.target_budget", "not supported"], yaml=MIX, args=["--data.target_budget", "1000000"]),
     Case("initialize-from-hf", "data/mixture", "upstream's `initialize_from_hf` (needs the HF hub)", 2,

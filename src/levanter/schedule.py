@@ -24,10 +24,27 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import numbers
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Generic, TypeVar, Union
 
 T = TypeVar("T")
+
+def as_int(value, *, what: str = "step") -> int:
+    """``value`` as a Python int: any integral type (Python or numpy integers, via ``operator.index``).
+
+    Floats (even integral ones such as 2.0) and bools are refused with a ``ValueError`` naming ``what``:
+    a float step would give a float offset, a truncated one would silently move a switch, and ``True``
+    is never meant as 1. Converting up front also keeps the arithmetic on Python ints, which never
+    wrap (an ``np.int32`` step times a batch size would).
+    """
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        raise ValueError(f"{what} must be an integer, got the bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{what} must be an integer, got {value!r} ({type(value).__name__})") from None
+
 
 FIRST_START_ERROR = "{name}: the first entry must start at step 0, got start={start}"
 ORDER_ERROR = "{name}: starts must be strictly increasing, got {prev} then {cur}"
@@ -57,7 +74,7 @@ class StepSchedule(Generic[T]):
         pairs = [(start, value) for start, value in entries]
         if not pairs:
             raise ValueError(f"{name}: the schedule is empty")
-        starts = tuple(int(start) for start, _ in pairs)
+        starts = tuple(as_int(start, what=f"{name}: a start step") for start, _ in pairs)
         if starts[0] != 0:
             raise ValueError(first_error.format(name=name, start=starts[0]))
         for prev, cur in zip(starts, starts[1:]):
@@ -69,6 +86,7 @@ class StepSchedule(Generic[T]):
 
     def index_at(self, step: int) -> int:
         """Index of the entry in force at ``step``."""
+        step = as_int(step)
         if step < 0:
             raise ValueError(f"step must be non-negative, got {step}")
         return bisect.bisect_right(self.starts, step) - 1
@@ -187,21 +205,25 @@ class BatchSchedule:
 
     def batch_size_at_step(self, step: int) -> int:
         """Number of examples (global indices) step ``step`` reads."""
+        step = as_int(step)
         return self._sizes[self._segment_of_step(step)]
 
     def global_data_offset_by_step(self, step: int) -> int:
         """First global index read by step ``step``; equals the number of examples before it."""
+        step = as_int(step)
         seg = self._segment_of_step(step)
         return self._offsets[seg] + (step - self._starts[seg]) * self._sizes[seg]
 
     def step_range(self, step: int) -> tuple[int, int]:
         """``(first, end)``: step ``step`` reads global indices ``first <= i < end``."""
+        step = as_int(step)
         seg = self._segment_of_step(step)
         first = self._offsets[seg] + (step - self._starts[seg]) * self._sizes[seg]
         return first, first + self._sizes[seg]
 
     def find_step_containing_offset(self, offset: int) -> int:
         """The step whose batch contains global index ``offset``."""
+        offset = as_int(offset, what="offset")
         if offset < 0:
             raise ValueError(f"offset must be non-negative, got {offset}")
         seg = bisect.bisect_right(self._offsets, offset) - 1
@@ -213,14 +235,19 @@ class BatchSchedule:
         Returns ``(first_step, end_step, batch_size)`` triples; ``end_step`` None means unbounded and
         the last triple then has end ``None``. Used for closed-form counting (O(#segments)).
         """
-        if end_step is not None and end_step <= start_step:
-            return []
-        out = []
+        start_step = as_int(start_step, what="start_step")
+        if end_step is not None:
+            end_step = as_int(end_step, what="end_step")
+            if end_step <= start_step:
+                return []
+        out: list[tuple[int, int, int]] = []
         seg = self._segment_of_step(start_step)
         lo = start_step
         while True:
             nxt = self._schedule.end_of(seg)
             hi = nxt if end_step is None else (end_step if nxt is None else min(nxt, end_step))
+            if out and out[-1][2] == self._sizes[seg]:  # a schedule may list the same size twice in a row
+                lo = out.pop()[0]
             out.append((lo, hi, self._sizes[seg]))
             if hi is None or hi == end_step:
                 return out

@@ -24,7 +24,7 @@ import logging
 import re
 from typing import Dict, List, Optional, Tuple, Union
 
-from ..schedule import BatchSchedule
+from ..schedule import BatchSchedule, as_int
 from ..utils import fs
 from ._prp import derive_seed, seed_from_key
 from .dataset import AsyncDataset
@@ -247,7 +247,10 @@ class LMMixtureDatasetConfig(LMTaskConfig):
     def stages(self) -> list:
         """``train_weights`` as ``[(start_step, {name: weight})]``, validated against ``configs``."""
         w = self.train_weights
-        stages = [(0, dict(w))] if isinstance(w, dict) else [(int(s), dict(m)) for s, m in w]
+        # A start is taken as written: 2.5 is refused, never truncated to 2 (that would move the switch).
+        stages = [(0, dict(w))] if isinstance(w, dict) else [
+            (as_int(s, what="data.train_weights: a stage's start step"), dict(m)) for s, m in w
+        ]
         for _, mapping in stages:
             for name in mapping:
                 if name not in self.configs:
@@ -271,6 +274,13 @@ class LMMixtureDatasetConfig(LMTaskConfig):
             raise ValueError(f"data.train_weights: {why}") from None
         if self.stop_strategy not in STOP_STRATEGIES:
             raise ValueError(f"data.stop_strategy: expected one of {STOP_STRATEGIES}, got {self.stop_strategy!r}")
+        if self.mixture_block_size is not None:
+            k = as_int(self.mixture_block_size, what="data.mixture_block_size")
+            if k < 1:
+                raise ValueError(
+                    f"data.mixture_block_size: must be a positive number of sequences, or null for one block "
+                    f"per batch; got {k}"
+                )
         for name in ("target_budget", "experiment_budget", "max_train_batches", "num_validation_sequences"):
             if getattr(self, name) is not None:
                 raise ValueError(f"data.{name} is not supported by this fork yet; remove it from the config")

@@ -46,7 +46,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ..schedule import BatchSchedule
+from ..schedule import BatchSchedule, as_int
 from ..store.jagged_array import StorageFault, storage_fault
 from .dataset import AsyncDataset, DatasetExhausted, StackedBatch
 from .read_ahead import MISS, ReadAhead, can_read_ahead
@@ -243,6 +243,7 @@ class DataLoader(Generic[T]):
         for ax in self.data_axes:
             if ax not in mesh.axis_names:
                 raise ValueError(f"data axis {ax!r} is not an axis of the mesh {dict(mesh.shape)}")
+        prefetch_depth = as_int(prefetch_depth, what="prefetch_depth")
         if prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be >= 0, got {prefetch_depth}")
         self.prefetch_depth = prefetch_depth
@@ -250,7 +251,16 @@ class DataLoader(Generic[T]):
             raise ValueError(f"retries and retry_backoff must be >= 0, got {retries}, {retry_backoff}")
         self.retries = retries
         self.retry_backoff = retry_backoff
+        if process_index is not None:
+            process_index = as_int(process_index, what="process_index")
         self.process_index = jax.process_index() if process_index is None else process_index
+        processes = sorted({d.process_index for d in mesh.devices.flat})
+        if self.process_index not in processes:
+            # Checked here: a process holding no device of the mesh would fail at its first step, in jax.
+            raise ValueError(
+                f"process_index {self.process_index} holds no device of the mesh (its devices belong to "
+                f"processes {processes})"
+            )
         self.data_parallel_size = int(np.prod([mesh.shape[a] for a in self.data_axes]))
         for seg in self.schedule.segments:
             if seg.value % self.data_parallel_size:
@@ -383,7 +393,10 @@ class DataLoader(Generic[T]):
         return out
 
     def iter_from_step(self, step: int = 0, end_step: int | None = None) -> "DataLoaderIterator[T]":
-        """Batches for steps ``step, step+1, ...`` (up to ``end_step``, exclusive, if given)."""
+        """Batches for steps ``step, step+1, ...`` (up to ``end_step``, exclusive, if given). Steps may be
+        any integral type (numpy integers included); floats and bools are refused."""
+        step = as_int(step)
+        end_step = None if end_step is None else as_int(end_step, what="end_step")
         if step < 0:
             raise ValueError(f"step must be non-negative, got {step}")
         return DataLoaderIterator(self, step, end_step)

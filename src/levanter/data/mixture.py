@@ -42,8 +42,10 @@ sequential reader's steps ahead, in groups, is the loader's business (:mod:`leva
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
+import logging
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
@@ -53,7 +55,7 @@ from typing import TypeVar
 import jax
 import numpy as np
 
-from ..schedule import BatchSchedule, StepSchedule
+from ..schedule import BatchSchedule, StepSchedule, as_int
 from ._prp import permute_many, seed_from_key
 from .dataset import AsyncDataset, DatasetExhausted, PermutationDataset, ReadPlan, StackedBatch, as_index_array
 from .mixture_layout import MixtureLayout, largest_remainder_counts
@@ -61,6 +63,8 @@ from .mixture_layout import MixtureLayout, largest_remainder_counts
 __all__ = ["STOP_STRATEGIES", "MixtureDataset", "largest_remainder_counts", "stage_schedule"]
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 STOP_STRATEGIES = ("restart", "first_exhausted", "all_exhausted")
 
@@ -102,7 +106,8 @@ def stage_schedule(weights, names: Sequence[str]) -> StepSchedule[list[Fraction]
                 raise ValueError(f"weights stage {k} (step {start}): weight of {n!r} must be a finite number, got {w!r}")
             if w < 0:
                 raise ValueError(f"weights stage {k} (step {start}): weight of {n!r} is negative ({w})")
-            fr.append(Fraction(w))
+            # Fraction takes Python floats and rationals; a numpy float (np.float32) goes through float.
+            fr.append(Fraction(w) if isinstance(w, (float, numbers.Rational)) else Fraction(float(w)))
         total = sum(fr)
         if total == 0:
             raise ValueError(f"weights stage {k} (step {start}): all weights are zero")
@@ -114,6 +119,20 @@ def stage_schedule(weights, names: Sequence[str]) -> StepSchedule[list[Fraction]
         first_error="{name}: the first stage must start at step 0, got step {start}",
         order_error="{name}: stage start steps must be strictly increasing, got {prev} then {cur}",
     )
+
+
+def _refuse_nested_mixture(name: str, dataset) -> None:
+    """Refuse a source that is (or wraps) a mixture: a mixture's indices are training-order global
+    indices tied to steps, which a source index never is, so a nested one could not read any step."""
+    d = dataset
+    while d is not None:
+        if isinstance(d, MixtureDataset):
+            raise ValueError(
+                f"MixtureDataset: source {name!r} is itself a mixture{'' if d is dataset else ' (wrapped)'}; "
+                "mixtures do not nest. List its sources in this mixture, with their weights multiplied by "
+                f"{name!r}'s weight."
+            )
+        d = getattr(d, "dataset", None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,13 +195,17 @@ class MixtureDataset(AsyncDataset[T]):
             raise ValueError("MixtureDataset: no datasets given")
         self.names: tuple[str, ...] = tuple(datasets)
         self.datasets = [datasets[n] for n in self.names]
+        for name, d in zip(self.names, self.datasets):
+            _refuse_nested_mixture(name, d)
         self.seed = seed_from_key(key)
         if stop_strategy not in STOP_STRATEGIES:
             raise ValueError(f"stop_strategy: unknown value {stop_strategy!r}; expected one of {STOP_STRATEGIES}")
         self.stop_strategy = stop_strategy
-        if block_size is not None and (not isinstance(block_size, numbers.Integral) or block_size < 1):
-            raise ValueError(f"block_size must be a positive integer or None, got {block_size!r}")
-        self.block_size = None if block_size is None else int(block_size)
+        if block_size is not None:
+            block_size = as_int(block_size, what="block_size")
+            if block_size < 1:
+                raise ValueError(f"block_size must be a positive integer or None, got {block_size!r}")
+        self.block_size = block_size
         self.schedule = batch_schedule if isinstance(batch_schedule, BatchSchedule) else BatchSchedule(batch_schedule)
 
         self.stages: StepSchedule[list[Fraction]] = stage_schedule(weights, self.names)
@@ -194,6 +217,25 @@ class MixtureDataset(AsyncDataset[T]):
         # Facts about the sources, not the callers: computed once (any racing computations agree) and
         # replaced whole, never mutated.
         self._lengths: list[int | None] | None = None
+        self._warn_never_drawn()
+
+    def _warn_never_drawn(self) -> None:
+        """Warn about a source whose weight is positive in a stage but rounds to zero examples in every
+        block of it (a small weight against a small batch with one block per step): it is never drawn there."""
+        for j, (start, fractions) in enumerate(self.stages):
+            if self.block_size is not None:
+                sizes = {self.block_size}
+            else:
+                sizes = {bs for _, _, bs in self.schedule.constant_segments(start, self.stages.end_of(j))}
+            for s, f in enumerate(fractions):
+                if f > 0 and all(self.counts_per_block(j, k)[s] == 0 for k in sizes):
+                    per = "block_size" if self.block_size is not None else "batch size"
+                    logger.warning(
+                        "mixture: source %r has weight %.4g (of all weights summing to 1) from step %d, but "
+                        "rounds to 0 examples in every block (%s %s), so it is never drawn there; raise its "
+                        "weight, or use a block size (mixture_block_size) in which it gets at least one example",
+                        self.names[s], float(f), start, per, "/".join(str(k) for k in sorted(sizes)),
+                    )
 
     # -- pure index maps ----------------------------------------------------------------------------
     def stage_at_step(self, step: int) -> int:
@@ -232,11 +274,25 @@ class MixtureDataset(AsyncDataset[T]):
             self._lengths = lengths
         return self._lengths
 
+    def _lengths_now(self) -> list[int | None]:
+        """The sources' lengths from synchronous code (``is_finite``): read once with ``asyncio.run``, in a
+        worker thread when the caller is inside an event loop (datasets hold no loop-bound state), and kept."""
+        if self._lengths is None:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                return asyncio.run(self._source_lengths())
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                return pool.submit(asyncio.run, self._source_lengths()).result()
+        return self._lengths
+
     async def _end_index(self) -> int | None:
         """First global index past the end, or None if the mixture never ends."""
         if self.stop_strategy == "restart":
             return None
-        lengths = await self._source_lengths()
+        return self._end_from_lengths(await self._source_lengths())
+
+    def _end_from_lengths(self, lengths: list[int | None]) -> int | None:
         ends = []
         for s, n in enumerate(lengths):
             if n is None:
@@ -259,14 +315,39 @@ class MixtureDataset(AsyncDataset[T]):
     def _ever_drawn(self, source: int) -> bool:
         return any(f[source] > 0 for f in self.stage_fractions)
 
+    def _drawn_forever(self, source: int) -> bool:
+        """Whether the last stage (which never ends) draws ``source`` in every block, so a finite one runs out."""
+        last = len(self.stage_fractions) - 1
+        if self.block_size is not None:
+            k = self.block_size
+        else:  # one block per step: the batch size from the last stage's final segment on
+            k = self.schedule.constant_segments(self.stage_start_steps[last], None)[-1][2]
+        return bool(self.counts_per_block(last, k)[source] > 0)
+
     def is_finite(self) -> bool:
-        """Whether the stop strategy can end the mixture (its exact end depends on source lengths)."""
-        drawn = [d.is_finite() for s, d in enumerate(self.datasets) if self._ever_drawn(s)]
+        """Whether the mixture ends, i.e. whether :meth:`async_len` is defined.
+
+        The weights settle it in the common cases: ``first_exhausted`` ends if the last stage draws a
+        finite source, ``all_exhausted`` if it draws every drawn source and all are finite. When a finite
+        source's weight falls to zero in a later stage, whether it runs out first depends on its length:
+        then the sources' lengths are read (once) and the end is computed. A mixture none of whose finite
+        sources runs out never ends: it is infinite, and a loader reads it for as many steps as asked.
+        """
+        if self.stop_strategy == "restart":
+            return False
+        drawn = [s for s in range(len(self.datasets)) if self._ever_drawn(s)]
+        finite = [s for s in drawn if self.datasets[s].is_finite()]
         if self.stop_strategy == "first_exhausted":
-            return any(drawn)
-        if self.stop_strategy == "all_exhausted":
-            return all(drawn)
-        return False
+            if not finite:
+                return False
+            if any(self._drawn_forever(s) for s in finite):
+                return True
+        else:
+            if len(finite) < len(drawn):
+                return False
+            if all(self._drawn_forever(s) for s in drawn):
+                return True
+        return self._end_from_lengths(self._lengths_now()) is not None
 
     async def async_len(self) -> int:
         end = await self._end_index()
@@ -287,6 +368,7 @@ class MixtureDataset(AsyncDataset[T]):
     async def source_indices(self, step: int, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """``(source_id, source_index)`` actually read for each global index of ``step``, after the stop
         strategy (wrapping). Raises :class:`DatasetExhausted` past the end."""
+        step = as_int(step)
         source, src_index = self.unwrapped_source_indices(step, indices)
         await self._check_end(step, as_index_array(indices))
         lengths = await self._source_lengths()
@@ -309,6 +391,7 @@ class MixtureDataset(AsyncDataset[T]):
         permutation already applied). The index math (layout lookups, stop strategy, permutations) costs
         ~30 numpy calls per pass whatever the number of indices -- most of a small batch's CPU -- so a
         reader that plans many steps at once pays it once. Raises past the end, as ``get_batch`` does."""
+        steps = [as_int(s) for s in steps]
         for step, idx in zip(steps, requests):
             self.check_indices_belong_to_step(step, idx)
             await self._check_end(step, idx)
@@ -390,6 +473,7 @@ class MixtureDataset(AsyncDataset[T]):
         """``plan_reads`` of consecutive groups of ``steps`` (``group_sizes[g]`` steps each), with the
         index math of all of them done in one pass: a plan's cost is mostly per pass, not per index. A
         group that reaches past the end of the mixture gets None (its steps' ``get_batch`` says so)."""
+        steps = [as_int(s) for s in steps]
         requests = [as_index_array(i) for i in indices]
         end = await self._end_index()
         groups, at = [], 0
@@ -446,6 +530,7 @@ class MixtureDataset(AsyncDataset[T]):
 
     # -- reads -----------------------------------------------------------------------------------------
     async def get_batch(self, step: int, indices: Sequence[int]) -> Sequence[T]:
+        step = as_int(step)
         (draws,) = await self._draws([step], [as_index_array(indices)])
         selections = draws.selections
         whole, results = await self._read_sources(step, draws)

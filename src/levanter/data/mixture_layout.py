@@ -19,7 +19,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from ..schedule import BatchSchedule, StepSchedule
+from ..schedule import BatchSchedule, StepSchedule, as_int
 from ._prp import FeistelPermutation, derive_seed
 from .dataset import as_index_array
 
@@ -118,6 +118,7 @@ class MixtureLayout:
 
     def drawn_in_stage(self, stage: int, until_step: int) -> np.ndarray:
         """Examples of each source drawn by stage ``stage`` in steps ``[start, until_step)`` (exact)."""
+        until_step = as_int(until_step)
         start = self.stage_start_steps[stage]
         if self.block_size is None:
             total = np.zeros(self.num_sources, dtype=object)
@@ -134,6 +135,7 @@ class MixtureLayout:
         return total
 
     def check_indices_belong_to_step(self, step: int, idx: np.ndarray) -> None:
+        step = as_int(step)
         first, end = self.schedule.step_range(step)
         if idx.size and (idx.min() < first or idx.max() >= end):
             bad = int(idx[(idx < first) | (idx >= end)][0])
@@ -145,6 +147,7 @@ class MixtureLayout:
 
     def unwrapped_source_indices(self, step: int, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """``(source_id, source_index)`` for each global index of ``step``, before any stop strategy."""
+        step = as_int(step)
         idx = as_index_array(indices)
         self.check_indices_belong_to_step(step, idx)
         stage = self.stage_at_step(step)
@@ -154,6 +157,7 @@ class MixtureLayout:
 
     def step_source_indices(self, stage: int, step: int, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``unwrapped_source_indices`` of ``step`` (in ``stage``, checked) for one block per step."""
+        step = as_int(step)
         first = self.schedule.global_data_offset_by_step(step)
         bs = self.schedule.batch_size_at_step(step)
         lay = self.block_layout(stage, step - self.stage_start_steps[stage], bs)
@@ -183,6 +187,7 @@ class MixtureLayout:
     def global_index_of_draw(self, source: int, n: int) -> int | None:
         """The global index at which ``source`` draws its ``n``-th example (0-based, unwrapped), or
         None if it never does (its weight falls to zero first)."""
+        n = as_int(n, what="n")
         for stage in range(len(self.stage_start_steps)):
             last = stage + 1 == len(self.stage_start_steps)
             if not last and n >= self.consumed_before_stage[stage + 1][source]:

@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..schedule import as_int
 from .dataset import AsyncDataset, ReadPlan, StackedBatch
 
 COALESCE_ROWS = 128
@@ -92,8 +93,9 @@ class ReadAhead:
                  bound: int | None):
         self.dataset = dataset
         self.indices_for_step = indices_for_step
-        self.start = start
-        self.bound = bound
+        self.start = as_int(start, what="start")
+        self.bound = None if bound is None else as_int(bound, what="bound")
+        start = self.start
         # Groups, consecutive from start + 1, numbered from 0: group g is ``_groups[g - _g0]`` = (first
         # step, end step); a one-step group is not read ahead. Groups before ``_g0`` are forgotten, so
         # what is held stays bounded however long the run (see _forget_before).
