@@ -272,13 +272,7 @@ def _make_fs(scheme: str):
         kwargs: dict[str, Any] = {"use_listings_cache": False, "skip_instance_cache": True}
         if emulator:
             kwargs.update(endpoint_url=emulator, token="anon")
-            # gcsfs's default class first asks GCS's gRPC control plane for the bucket's layout, which an
-            # emulator does not serve: a 60 s timeout per bucket. The plain JSON-API class skips it.
-            from gcsfs.core import GCSFileSystem
-
-            make = lambda: GCSFileSystem(**kwargs)  # noqa: E731
-        else:
-            make = lambda: _gcs_class()(**kwargs)  # noqa: E731
+        make = lambda: _gcs_class()(**kwargs)  # noqa: E731
     elif scheme == "memory":
         key = ("memory",)
         make = lambda: fsspec.filesystem("memory")  # noqa: E731
@@ -693,7 +687,8 @@ def remove_tree(path: str | os.PathLike) -> None:
     """Remove a local directory tree, or every object under the prefix ``path/`` (absent: nothing)."""
     path = os.fspath(path)
     if not is_url(path):
-        shutil.rmtree(abspath(path), ignore_errors=False) if os.path.isdir(abspath(path)) else None
+        if os.path.isdir(abspath(path)):
+            shutil.rmtree(abspath(path))
         return
     fs, p = filesystem(path)
     p = p.rstrip("/")
