@@ -191,6 +191,9 @@ def test_a_failed_save_is_one_line_naming_the_url(gcs_server):
     msg = str(e.value)
     assert f"could not save the checkpoint of step 1 to {url}: NOT_FOUND" in msg, msg
     assert "\n" not in msg and "tensorstore_spec" not in msg and "Nothing was committed" in msg, msg
+    # A Checkpointer checks its bucket when it is made, before any training step.
+    with pytest.raises(fs.StorageAccessError, match=r"trainer\.checkpointer\.base_path: .*no-such-bucket"):
+        CheckpointerConfig(base_path=fs.parent(fs.parent(url))).create("r")
 
 
 def test_the_run_lock_on_a_bucket(store, caplog, monkeypatch):

@@ -182,6 +182,9 @@ class Checkpointer:
         process_index: int | None = None,
     ):
         self.base_path = resolve_path(base_path)
+        # A bucket that does not exist or cannot be read fails here, naming it, not at the first save (where
+        # tensorstore's S3 driver may wait on it instead of failing). Free for local paths.
+        fs.check_access(self.base_path, "trainer.checkpointer.base_path")
         # Stored in every checkpoint's metadata.json (e.g. the data-schedule record checked on resume).
         self.metadata = dict(metadata or {})
         self.save_interval = save_interval
