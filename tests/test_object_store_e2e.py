@@ -1,7 +1,8 @@
 """Whole runs on object stores, end to end, against the real local servers of ``tests/object_store.py``.
 
-For S3 (moto) and GCS (the emulator), with the command-line entry points in subprocesses, as a user runs
-them (endpoints from ``AWS_ENDPOINT_URL`` / ``STORAGE_EMULATOR_HOST``):
+For S3 (moto) and GCS (the emulator), with the command-line entry points, as a user runs them (endpoints
+from ``AWS_ENDPOINT_URL`` / ``STORAGE_EMULATOR_HOST``; ``train_lm`` in subprocesses, so that it can be
+killed):
 
 1. ``cache_dataset`` builds the token cache into the bucket from input files in the bucket;
 2. ``train_lm`` trains from it, checkpointing into the bucket and logging ``metrics.jsonl`` there, and is
@@ -13,7 +14,7 @@ The resumed run's losses (``metrics.jsonl`` read back from the bucket) equal, bi
 uninterrupted run on local disk (shared by both stores). On S3 every request goes through the fault
 proxy, which answers 10 % of them with 503 and delays the others: retries change nothing in the
 numbers. The model is tiny and every run shares one persistent compilation cache, so each run costs
-mostly its start-up.
+mostly its start-up; ``cache_dataset`` runs in this process.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import sys
 
 import pytest
 
+from levanter.main import cache_dataset
 from levanter.utils import fs
 
 pytestmark = pytest.mark.slow
@@ -66,12 +68,19 @@ def _write_config(path: str, data: str, cache: str, logs: str, ckpt: str) -> str
 def _documents(seed: int, n: int) -> bytes:
     """``n`` JSON-lines documents of seeded pseudo-words (byte-level tokens: ~60k for the training set)."""
     rng = random.Random(seed)
-    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(300)]
-    lines = [json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(60, 140)))}) for _ in range(n)]
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 9))) for _ in range(300)]
+    texts = (" ".join(rng.choice(words) for _ in range(rng.randint(60, 140))) for _ in range(n))
+    lines = [json.dumps({"text": text}) for text in texts]
     return ("\n".join(lines) + "\n").encode()
 
 
 INPUTS = {"train.jsonl": _documents(0, 80), "validation.jsonl": _documents(1, 12)}
+
+
+def _env() -> dict:
+    # No re-execution with huge-page malloc: it would add an interpreter start-up to every run.
+    return {**os.environ, "LEVANTER_MALLOC_HUGETLB": "0"}
 
 
 def _run(module: str, args: list[str], env: dict, timeout: float = 400) -> subprocess.CompletedProcess:
@@ -102,9 +111,9 @@ def reference(tmp_path_factory):
     xla = str(tmp / "xla-cache")
     for name, data in INPUTS.items():
         (tmp / name).write_bytes(data)
-    cfg = _write_config(str(tmp / "local.yaml"), str(tmp), str(tmp / "cache"), str(tmp / "logs"), str(tmp / "ckpt"))
+    cfg = _write_config(str(tmp / "local.yaml"), str(tmp), *(str(tmp / d) for d in ("cache", "logs", "ckpt")))
     proc = _run("levanter.main.train_lm", ["--config_path", cfg, "--trainer.jax_compilation_cache_dir", xla],
-                dict(os.environ))
+                _env())
     _check(proc)
     arrays = int(re.search(r"saved checkpoint for step 4 .*\((\d+) arrays", proc.stderr).group(1))
     with open(tmp / "logs" / "e2e" / "metrics.jsonl") as f:
@@ -116,7 +125,7 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("store", ["s3", "gs"])
 def test_cache_train_kill_resume_on_an_object_store(store, reference, request, fault_proxy, tmp_path):
     server = request.getfixturevalue("s3_server" if store == "s3" else "gcs_server")
-    env = {**os.environ, **server.env}
+    env = {**_env(), **server.env}
     proxy = None
     if store == "s3":
         proxy = fault_proxy(server, fail_fraction=0.1, delay_s=(0.002, 0.01), seed=1)
@@ -128,7 +137,8 @@ def test_cache_train_kill_resume_on_an_object_store(store, reference, request, f
     cfg = _write_config(str(tmp_path / "run.yaml"), data, cache, logs, ckpt)
     xla = ["--trainer.jax_compilation_cache_dir", reference["xla"]]
 
-    _check(_run("levanter.main.cache_dataset", ["--config_path", cfg], env))
+    # In this process (the servers' environment is set here too): a subprocess would add only its start-up.
+    assert cache_dataset.cli(["--config_path", cfg]) is None
     ledger = json.loads(fs.read_text(fs.join(cache, "train", "shard_ledger.json")))
     assert ledger["is_finished"], ledger
 
@@ -138,13 +148,15 @@ def test_cache_train_kill_resume_on_an_object_store(store, reference, request, f
     else:
         n = reference["arrays"]
         kill_at = f"checkpoint_mid_write:{(n - 1) + n // 2}"
-    killed = _run("levanter.main.train_lm", ["--config_path", cfg, *xla], {**env, "LEVANTER_FAULT_KILL_AT": kill_at})
+    killed = _run("levanter.main.train_lm", ["--config_path", cfg, *xla],
+                  {**env, "LEVANTER_FAULT_KILL_AT": kill_at})
     _check(killed, -signal.SIGKILL)
     run = fs.join(ckpt, "e2e")
     assert fs.exists(fs.join(run, "step-4", "metadata.json"))
     assert fs.isdir(fs.join(run, "step-8")) and not fs.exists(fs.join(run, "step-8", "metadata.json"))
     # metrics.jsonl holds every step before the committed checkpoint (uploaded before each save)
-    steps = [s for s, k, _ in _records(fs.read_text(fs.join(logs, "e2e", "metrics.jsonl"))) if k == "train/loss"]
+    stored = _records(fs.read_text(fs.join(logs, "e2e", "metrics.jsonl")))
+    steps = [s for s, k, _ in stored if k == "train/loss"]
     assert steps[:4] == [0, 1, 2, 3]
 
     resumed = _run("levanter.main.train_lm", ["--config_path", cfg, *xla], env)

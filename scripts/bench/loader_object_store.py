@@ -72,6 +72,8 @@ def upload_tree(client, bucket: str, local_root: str, prefix: str) -> int:
 def measure(root: str, cfg: dict, counter=None) -> dict:
     """The loader on the cache at ``root`` (a local directory or a URL): waits at a simulated step time,
     then tokens/s with no consumer delay; ``counter()`` (requests so far) gives the requests per step."""
+    import jax
+
     batch, steps, step_s = cfg["batch"], cfg["steps"], cfg["step_s"]
     loader = lc.make_loader(root, batch, 8)
     before = counter() if counter else None
@@ -79,7 +81,7 @@ def measure(root: str, cfg: dict, counter=None) -> dict:
     t0 = time.perf_counter()
     with loader.iter_from_step(0, steps) as it:
         for b in it:
-            lc._ready(b)
+            jax.block_until_ready(b.data)
             waits.append(b.wait_seconds)
             del b
             time.sleep(step_s)
@@ -112,7 +114,8 @@ def run(cfg: dict, fail_fraction: float = 0.0, delay_s=(0.02, 0.05)) -> dict:
         results = {"local": measure(local_root, cfg)}
         with object_store.S3Server() as server:
             objects = upload_tree(server.client(), server.bucket, local_root, "bench/cache")
-            with object_store.FaultProxy(server.port, fail_fraction=fail_fraction, delay_s=delay_s, seed=0) as proxy:
+            proxy = object_store.FaultProxy(server.port, fail_fraction=fail_fraction, delay_s=delay_s, seed=0)
+            with proxy:
                 for k, v in proxy.env_for(server).items():
                     saved.setdefault(k, os.environ.get(k))
                     os.environ[k] = v
@@ -120,7 +123,8 @@ def run(cfg: dict, fail_fraction: float = 0.0, delay_s=(0.02, 0.05)) -> dict:
                 s3["failed_requests"] = proxy.failed
         results["s3"] = s3
         return {
-            **results, "objects": objects, "load_average": os.getloadavg(), "delay_s": list(delay_s), "fail_fraction": fail_fraction,
+            **results, "objects": objects, "load_average": os.getloadavg(), "delay_s": list(delay_s),
+            "fail_fraction": fail_fraction,
             "tokens": cfg["tokens"],
             "s3_over_local_tokens_per_s": results["s3"]["tokens_per_s"] / results["local"]["tokens_per_s"],
         }
@@ -142,12 +146,14 @@ def print_section(res: dict) -> None:
     rows = []
     for name, r in (("local disk", lo), (f"s3 (moto, +{delay}{fails})", s3)):
         rows.append([name, f"{r['tokens_per_s'] / 1e6:.2f}", f"{r['mean_wait_s'] * 1e3:.2f}",
-                     f"{r['p99_wait_s'] * 1e3:.2f}", f"{r['max_wait_s'] * 1e3:.1f}", f"{r['wait_fraction'] * 100:.3f}",
+                     f"{r['p99_wait_s'] * 1e3:.2f}", f"{r['max_wait_s'] * 1e3:.1f}",
+                     f"{r['wait_fraction'] * 100:.3f}",
                      f"{r['first_wait_s'] * 1e3:.0f}", f"{r['startup_wait_s'] * 1e3:.0f}",
                      f"{r['wait_fraction_with_step1'] * 100:.2f}",
                      "-" if r["requests_per_step"] is None else f"{r['requests_per_step']:.1f}"])
     print_table(f"Object store: loader (prefetch 8) on the same cache ({res['objects']} objects), "
-                f"{lo['steps']} steps of {lo['batch']}x{lo['seq_len']} at a simulated {lo['step_seconds'] * 1e3:.0f} ms "
+                f"{lo['steps']} steps of {lo['batch']}x{lo['seq_len']} at a simulated "
+                f"{lo['step_seconds'] * 1e3:.0f} ms "
                 f"step; waits from step 2 on (steady), start-up = steps 0 + 1; tokens/s without step delay; "
                 f"s3/local tokens/s {res['s3_over_local_tokens_per_s']:.2f}x",
                 [("store", 34), ("M tok/s", 8), ("wait ms", 8), ("p99 ms", 7), ("max ms", 7), ("wait %", 7),
