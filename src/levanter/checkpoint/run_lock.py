@@ -241,7 +241,9 @@ class RunLock:
         self.record = record
         self._stop = threading.Event()
         if path is not None:
-            threading.Thread(target=self._beat, args=(path,), name="run-lock-heartbeat", daemon=True).start()
+            self._thread = threading.Thread(target=self._beat, args=(path,), name="run-lock-heartbeat",
+                                            daemon=True)
+            self._thread.start()
 
     def _beat(self, path: str) -> None:
         touch = fs.supports_rename(path)
@@ -275,6 +277,9 @@ class RunLock:
             return
         path, self.path = self.path, None
         self._stop.set()
+        # A heartbeat in flight must land before the record is deleted: on an object store a rewrite that
+        # landed after the delete would put the lock back.
+        self._thread.join(timeout=60)
         current, _ = _read_record(path)
         if current is None or current.get("token") != self.record["token"]:
             logger.warning("run lock %s is no longer this run's (it was broken by hand?); leaving it", path)
