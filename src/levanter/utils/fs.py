@@ -272,6 +272,7 @@ def _make_fs(scheme: str):
         kwargs: dict[str, Any] = {"use_listings_cache": False, "skip_instance_cache": True}
         if emulator:
             kwargs.update(endpoint_url=emulator, token="anon")
+        _quiet_gcsfs_logger()
         make = lambda: _gcs_class()(**kwargs)  # noqa: E731
     elif scheme == "memory":
         key = ("memory",)
@@ -285,6 +286,12 @@ def _make_fs(scheme: str):
             fs = make()
             _FS_CACHE[key] = fs
         return fs
+
+
+def _quiet_gcsfs_logger() -> None:
+    # gcsfs logs every request that ran out of retries with its traceback (logger.exception) and then
+    # raises; the error reaches the caller, which reports it once, so the log record is only noise.
+    logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
 
 
 def _gcs_class():
@@ -812,8 +819,21 @@ def check_access(url: str | os.PathLike, key: str | None, *, write: bool = False
     fs, p = filesystem(url)
     bucket, _ = _bucket_and_key(url)
     try:
-        retry_transient(fs.ls, bucket, detail=False, what=f"list {url}")
+        try:
+            fs.ls(bucket, detail=False)
+        except Exception as e:
+            # An endpoint that cannot be reached at all (nothing listening, a wrong AWS_ENDPOINT_URL or
+            # STORAGE_EMULATOR_HOST) is reported at once: the client library has already retried the
+            # connection, and retrying it again for every URL of the config only delays the error.
+            if _unreachable(e) or not is_transient(e):
+                raise
+            retry_transient(fs.ls, bucket, detail=False, what=f"list {url}")
     except Exception as e:
+        if _unreachable(e):
+            raise StorageAccessError(
+                f"{key + ': ' if key else ''}cannot use {redact(url)}: the storage endpoint "
+                f"{_endpoint_description(url)} cannot be reached ({type(e).__name__})"
+            ) from None
         if isinstance(e, FileNotFoundError) or is_permanent(e):
             raise access_error(url, key, e if not isinstance(e, FileNotFoundError) else "NoSuchBucket") from None
         raise access_error(url, key, e) from None
@@ -822,6 +842,28 @@ def check_access(url: str | os.PathLike, key: str | None, *, write: bool = False
             probe_writable(url)
         except StorageAccessError as e:
             raise StorageAccessError(f"{key + ': ' if key else ''}{e}") from None
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says that no connection to the storage endpoint could be made at all."""
+    for e in _chain(exc):
+        if type(e).__name__ in ("EndpointConnectionError", "ClientConnectorError", "ConnectTimeoutError"):
+            return True
+        if isinstance(e, ConnectionRefusedError) or (isinstance(e, OSError) and e.errno == errno.ECONNREFUSED):
+            return True
+    return False
+
+
+def _endpoint_description(url: str) -> str:
+    """Where requests for ``url`` go, for messages (no credentials)."""
+    scheme = _scheme(url)
+    if scheme == "s3":
+        endpoint = _s3_endpoint()
+        return f"{endpoint} (AWS_ENDPOINT_URL)" if endpoint else "of Amazon S3"
+    if scheme in ("gs", "gcs"):
+        emulator = _gcs_emulator()
+        return f"{emulator} (STORAGE_EMULATOR_HOST)" if emulator else "of Google Cloud Storage"
+    return scheme
 
 
 # --------------------------------------------------------------------------------- local leftovers
