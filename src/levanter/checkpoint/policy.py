@@ -180,8 +180,12 @@ class Checkpointer:
         barrier: Barrier | None = None,
         metadata: dict | None = None,
         process_index: int | None = None,
+        before_save: Callable[[], None] | None = None,
     ):
         self.base_path = resolve_path(base_path)
+        # Called before every save (train_lm flushes its trackers, so that a run resumed from a checkpoint
+        # finds the metrics of every step before it, also where a tracker buffers its file).
+        self.before_save = before_save
         # A bucket that does not exist or cannot be read fails here, naming it, not at the first save (where
         # tensorstore's S3 driver may wait on it instead of failing). Free for local paths.
         fs.check_access(self.base_path, "trainer.checkpointer.base_path")
@@ -252,6 +256,8 @@ class Checkpointer:
 
     def save(self, tree: Any, step: int, *, is_temporary: bool = False) -> str:
         """Save now, then delete the temporary checkpoints this one supersedes."""
+        if self.before_save is not None:
+            self.before_save()
         path = self.path_for_step(step)
         if is_complete(path):
             # Typically the checkpoint this attempt resumed from. Rewriting it would change nothing.

@@ -368,7 +368,9 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
         barrier=barrier if jax.process_count() > 1 else None,
         process_index=jax.process_index(),
     )
-    flush_logs_before_saves(checkpointer, tracker)
+    # A run resumed from a checkpoint finds the metrics of every step before it, also where the tracker
+    # buffers (the JSON tracker on an object store uploads its file at a flush, not per line).
+    checkpointer.before_save = tracker.flush
     loader = DataLoader(train_set, schedule, mesh=trainer.mesh, data_axis="data", prefetch_depth=config.prefetch_depth,
                         provenance=True)
     flops_per_token = config.model.flops_per_token(Vocab.size)
@@ -434,19 +436,6 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
         bar.close()
         tracker.finish()
     return {"run_id": run_id, "final_step": int(state.step), "final_loss": last_loss}
-
-
-def flush_logs_before_saves(checkpointer, tracker) -> None:
-    """Flush ``tracker`` before each checkpoint ``checkpointer`` saves: a run resumed from a checkpoint then
-    finds the metrics of every step before it, also where the tracker buffers (the JSON tracker on an
-    object store uploads its file at a flush, not per line)."""
-    save = checkpointer.save
-
-    def save_after_flushing_logs(tree, step, **kwargs):
-        tracker.flush()
-        return save(tree, step, **kwargs)
-
-    checkpointer.save = save_after_flushing_logs
 
 
 def _config_dict(config) -> dict:
