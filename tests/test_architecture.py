@@ -22,6 +22,7 @@ FORBIDDEN: dict[str, frozenset[str]] = {
     "ingest": frozenset({"data", "models", "trainer", "main"}),
     "data": frozenset({"trainer", "models", "main", "checkpoint"}),
     "models": frozenset({"data", "trainer", "main"}),
+    "compat": frozenset({"store", "ingest", "data", "trainer", "main"}),
     "trainer": frozenset({"main"}),
 }
 
