@@ -4,9 +4,13 @@ A cache directory holds ``input_ids/`` (a :class:`~levanter.store.jagged_array.J
 row per document) and ``shard_ledger.json`` (a :class:`~levanter.store.ledger.CacheLedger`). This module
 writes them; :class:`~levanter.store.cache.TokenCache` opens a finished one for reading.
 
-Determinism: shards are processed in the given order and documents in file order; tokenization runs
-in a process pool (``spawn``, so a parent that has started JAX is safe) but results are committed in
-submission order, so the cache is byte-identical whatever the worker count.
+Determinism: shards are processed in the given order and documents in file order. Tokenization runs
+in this process, in a process pool (``spawn``, so a parent that has started JAX is safe) or in Ray tasks
+(``cache_options.backend: ray``, :mod:`levanter.ingest.ray_backend`), but this module reads the shards,
+cuts the batches and commits the results in submission order in every case -- one code path above "who
+tokenizes this batch" -- so the cache is byte-identical whatever the backend and worker count. Progress
+is reported by :class:`~levanter.ingest.progress.BuildProgress` (a bar on a terminal, log lines elsewhere,
+a summary at the end).
 
 Crash safety: a batch of documents is appended to the store *first* and committed to the ledger
 *second* (an atomic rename locally, one PUT on an object store: the ledger write is the commit). The ledger is the authority: rows past ``ledger.total_rows`` are garbage from
@@ -35,7 +39,6 @@ import dataclasses
 import logging
 import multiprocessing
 import os
-import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Optional
@@ -50,6 +53,7 @@ from ..utils.fault import fault_point
 from ..utils import fs
 from .embedded import corpus_fingerprint, is_embedded_url, parse_embedded_url
 from .errors import SourceError
+from .progress import BuildProgress
 from .sources import check_embedded_url, expand_urls, file_identity, iter_located_documents
 from .tokenize_worker import encode, encode_in_worker, init_worker
 
@@ -62,25 +66,51 @@ class CacheMismatchError(ValueError):
     """A cache exists at the path but was built with other settings."""
 
 
+BACKENDS = ("process", "ray")
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheOptions:
     """How caches are built: the ``cache_options`` section of a data config.
 
-    ``num_workers``: tokenizer processes (None: one per core). ``batch_size``: documents per task and per
-    ledger commit. ``min_bytes_for_pool``: inputs smaller than this are tokenized in this process --
-    spawning workers costs about a second, more than a small corpus takes (HF tokenizers are
-    multithreaded in-process anyway). Where a batch is encoded never changes what is written.
+    ``min_bytes_for_pool``: with the process backend, inputs smaller than this are tokenized in this
+    process -- spawning workers costs about a second, more than a small corpus takes (HF tokenizers are
+    multithreaded in-process anyway). Where a batch is encoded never changes what is written: every
+    backend gives the same bytes.
     """
 
+    # Tokenizer workers: processes or concurrent Ray tasks (None: one per core, or the Ray cluster's CPUs).
     num_workers: Optional[int] = None
+    # Documents per tokenization task and per ledger commit.
     batch_size: int = 512
+    # With backend process, inputs smaller than this many bytes are tokenized in the building process.
     min_bytes_for_pool: int = 64 * 2**20
+    # Who tokenizes: 'process' (a process pool on this machine) or 'ray' (Ray tasks; needs levanter[ray]).
+    backend: str = "process"
+    # With backend ray: the cluster to join (host:port or 'auto'); unset starts a local Ray instance.
+    ray_address: Optional[str] = None
 
     def resolved_workers(self) -> int:
         n = self.num_workers if self.num_workers is not None else (os.cpu_count() or 1)
         if n < 1:
             raise ValueError(f"cache_options.num_workers must be >= 1, got {n}")
         return n
+
+    def check(self) -> None:
+        """Refuse settings no build can use, naming the key."""
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"cache_options.backend: expected one of {', '.join(BACKENDS)}, got {self.backend!r}"
+            )
+        if self.num_workers is not None and self.num_workers < 1:
+            raise ValueError(f"cache_options.num_workers must be >= 1, got {self.num_workers}")
+        if self.batch_size < 1:
+            raise ValueError(f"cache_options.batch_size must be >= 1, got {self.batch_size}")
+        if self.ray_address is not None and self.backend != "ray":
+            raise ValueError(
+                f"cache_options.ray_address is set ({self.ray_address!r}) but cache_options.backend is "
+                f"{self.backend!r}; set backend: ray to build on that cluster"
+            )
 
 
 def cache_metadata(tokenizer, *, urls: Sequence[str], text_key: str, enforce_eos: bool) -> dict:
@@ -131,10 +161,6 @@ def _differing(a, b):
     if len(keys) > 1 and "hash" in keys:
         keys.remove("hash")
     return {k: a.get(k) for k in keys}, {k: b.get(k) for k in keys}
-
-
-def _total_bytes(paths: Sequence[str]) -> int:
-    return sum(int(fs.size(p) or 0) for p in paths)
 
 
 def _doc_batches(shard: str, text_key: str, skip: int, batch_size: int) -> Iterator[tuple[list, list]]:
@@ -266,6 +292,7 @@ def build_or_load_cache(
     materialised under ``embedded_dir``); ``what`` names the config key of the inputs in errors and
     ``cache_key`` that of the cache directory.
     """
+    options.check()
     for u in urls:
         if u.startswith("embedded://"):
             check_embedded_url(u, what=what)
@@ -322,15 +349,9 @@ def _build(urls, cache_dir, tokenizer, ledger, wanted, *, text_key, enforce_eos,
         ledger.save(cache_dir)
     store = JaggedArrayStore.open(fs.join(cache_dir, "input_ids"), mode="a", num_rows=ledger.total_rows)
     eos = tokenizer.eos_token_id if enforce_eos else None
-    workers = options.resolved_workers()
-
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        label = f"{fs.basename(fs.parent(cache_dir))}/{fs.basename(cache_dir)}"
-        bar = tqdm(desc=f"caching {label}", unit=" docs", initial=ledger.total_rows)
-    t0, tokens_at_start = time.perf_counter(), ledger.total_tokens
+    todo = [sh for sh in shards if sh not in ledger.finished_shards]
+    todo_bytes = {sh: int(fs.size(sh) or 0) for sh in todo}
+    report: BuildProgress | None = None
 
     def commit(shard: str, flat: np.ndarray, lengths: np.ndarray) -> None:
         store.append_flat(flat, lengths)
@@ -341,13 +362,16 @@ def _build(urls, cache_dir, tokenizer, ledger, wanted, *, text_key, enforce_eos,
         ledger.total_tokens += int(lengths.sum())
         ledger.save(cache_dir)
         fault_point("cache_after_commit")
-        if bar is not None:
-            bar.update(len(lengths))
-            rate = (ledger.total_tokens - tokens_at_start) / max(time.perf_counter() - t0, 1e-9)
-            bar.set_postfix(tokens=f"{ledger.total_tokens:,}", tok_per_s=f"{rate:,.0f}", refresh=False)
+        if report is not None:
+            report.committed(len(lengths), int(lengths.sum()))
 
-    todo = [sh for sh in shards if sh not in ledger.finished_shards]
-    use_pool = workers > 1 and _total_bytes(todo) >= options.min_bytes_for_pool
+    def finish_shard(shard: str) -> None:
+        ledger.shard_docs.setdefault(shard, 0)
+        ledger.shard_rows.setdefault(shard, 0)
+        ledger.finished_shards.append(shard)
+        ledger.save(cache_dir)
+        if report is not None:
+            report.shard_done(shard)
 
     def tasks():
         """``(shard, locations, docs)`` in commit order; ``docs`` None marks the end of a shard."""
@@ -357,44 +381,40 @@ def _build(urls, cache_dir, tokenizer, ledger, wanted, *, text_key, enforce_eos,
                 yield shard, where, docs
             yield shard, None, None
 
-    def finish_shard(shard: str) -> None:
-        ledger.shard_docs.setdefault(shard, 0)
-        ledger.shard_rows.setdefault(shard, 0)
-        ledger.finished_shards.append(shard)
-        ledger.save(cache_dir)
-
-    pool = None
+    finished = False
+    encoder = None
     try:
-        if not use_pool:
-            for shard, where, docs in tasks():
-                if docs is None:
-                    finish_shard(shard)
-                else:
-                    commit(shard, *encode(tokenizer, eos, docs, shard, where))
-        else:
-            pool = cf.ProcessPoolExecutor(
-                max_workers=workers,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=init_worker,
-                initargs=(tokenizer, eos, os.getpid()),
-            )
-            # One pool for all shards and a bounded window of tasks, committed strictly in order.
-            in_flight: deque = deque()
+        encoder = _encoder(options, tokenizer, eos, sum(todo_bytes.values()))
+        # The clock starts once the workers exist: the throughput is the build's, not Ray's start-up.
+        report = BuildProgress(
+            f"{fs.basename(fs.parent(cache_dir))}/{fs.basename(cache_dir)}", shard_bytes=todo_bytes,
+            shards_total=len(shards), docs=ledger.total_rows, tokens=ledger.total_tokens,
+            backend=options.backend, enabled=progress,
+        )
+        # Whoever tokenizes, results are committed here strictly in submission order, with at most
+        # encoder.window batches in flight: the one place that decides what the cache holds.
+        in_flight: deque = deque()
+        pending = 0
 
-            def drain_one():
-                shard, fut = in_flight.popleft()
-                if fut is None:
-                    finish_shard(shard)
-                else:
-                    commit(shard, *fut.result())
+        def drain_one():
+            nonlocal pending
+            shard, fut = in_flight.popleft()
+            if fut is None:
+                finish_shard(shard)
+            else:
+                pending -= 1
+                commit(shard, *fut.result())
 
-            for shard, where, docs in tasks():
-                fut = None if docs is None else pool.submit(encode_in_worker, docs, shard, where)
-                in_flight.append((shard, fut))
-                while sum(f is not None for _, f in in_flight) > 2 * workers:
-                    drain_one()
-            while in_flight:
+        for shard, where, docs in tasks():
+            fut = None
+            if docs is not None:
+                fut = encoder.submit(docs, shard, where)
+                pending += 1
+            in_flight.append((shard, fut))
+            while pending > encoder.window:
                 drain_one()
+        while in_flight:
+            drain_one()
         if ledger.total_tokens == 0:
             # A finished empty cache would be reused as is after the files are fixed; left unfinished,
             # the next run restarts it from the current files.
@@ -406,12 +426,71 @@ def _build(urls, cache_dir, tokenizer, ledger, wanted, *, text_key, enforce_eos,
         fault_point("cache_after_finalize")
         ledger.is_finished = True
         ledger.save(cache_dir)
+        finished = True
     finally:
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
-        if bar is not None:
-            bar.close()
+        if encoder is not None:
+            encoder.close()
+        if report is not None:
+            report.close(finished=finished)
     return TokenCache.open(cache_dir)
+
+
+# -- who tokenizes a batch ---------------------------------------------------------------------------------
+class _Done:
+    """A result computed already (the in-process encoder's "future")."""
+
+    def __init__(self, value):
+        self._value = value
+
+    def result(self):
+        return self._value
+
+
+class _InlineEncoder:
+    """Tokenizes each batch in this process when it is submitted."""
+
+    window = 0
+
+    def __init__(self, tokenizer, eos):
+        self._tokenizer, self._eos = tokenizer, eos
+
+    def submit(self, docs, shard, where):
+        return _Done(encode(self._tokenizer, self._eos, docs, shard, where))
+
+    def close(self) -> None:
+        pass
+
+
+class _PoolEncoder:
+    """A process pool on this machine (``spawn``: safe when the parent has started JAX)."""
+
+    def __init__(self, tokenizer, eos, workers: int):
+        self.window = 2 * workers
+        self._pool = cf.ProcessPoolExecutor(
+            max_workers=workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=init_worker,
+            initargs=(tokenizer, eos, os.getpid()),
+        )
+
+    def submit(self, docs, shard, where):
+        return self._pool.submit(encode_in_worker, docs, shard, where)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _encoder(options: CacheOptions, tokenizer, eos, todo_bytes: int):
+    """The encoder ``options`` ask for: Ray tasks, a process pool, or (small inputs, one worker) this
+    process. Every one gives the same bytes; they differ only in where tokenizing runs."""
+    if options.backend == "ray":
+        from .ray_backend import RayEncoder
+
+        return RayEncoder(tokenizer, eos, address=options.ray_address, num_workers=options.num_workers)
+    workers = options.resolved_workers()
+    if workers > 1 and todo_bytes >= options.min_bytes_for_pool:
+        return _PoolEncoder(tokenizer, eos, workers)
+    return _InlineEncoder(tokenizer, eos)
 
 
 def _resume_mismatch(ledger: CacheLedger, urls: Sequence[str], shards: list[str], what: str) -> str | None:
