@@ -36,10 +36,12 @@ class TrainLmConfig:
     # Resume even if the data schedule changed before the checkpoint's step (the resumed run's past then
     # differs from what the checkpointed model saw). Off by default: such edits are refused.
     allow_data_schedule_change: bool = False
+    # Another run's checkpoint (a step-N directory, or a run directory for its latest) whose weights start
+    # this run, with a fresh optimizer, at step 0 (trainer.initialize_from also takes its optimizer state).
+    initialize_from_checkpoint_path: Optional[str] = None
     # Upstream fields accepted so configs parse; refused if set (they need the HF hub or are not built).
     initialize_from_hf: Union[bool, str] = False
     use_hf_model_config: bool = False
-    initialize_from_checkpoint_path: Optional[str] = None
     hf_save_path: Optional[str] = None
     hf_upload: Optional[str] = None
     hf_save_steps: int = 10000
@@ -53,7 +55,7 @@ class TrainLmConfig:
 def validate(config: TrainLmConfig):
     """Every check that needs no data and no compile; errors name the config key. Returns the tokenizer."""
     for name in ("initialize_from_hf", "use_hf_model_config", "hf_save_path", "hf_upload", "eval_harness",
-                 "initialize_from_checkpoint_path", "log_entropy"):
+                 "log_entropy"):
         value = getattr(config, name)
         if value not in (False, None):
             raise ValueError(f"{name} is not supported by this fork yet; remove it from the config")
@@ -84,6 +86,7 @@ def validate(config: TrainLmConfig):
     if max_len is not None and config.model.seq_len > max_len:
         raise ValueError(f"model.seq_len={config.model.seq_len} exceeds what the model supports ({max_len})")
     check_storage_access(config)
+    branch_origin(config)
     tokenizer = config.data.the_tokenizer()
     model_vocab = getattr(config.model, "vocab_size", None)
     if model_vocab is not None and model_vocab < tokenizer.vocab_size:
@@ -130,6 +133,47 @@ def check_storage_access(config: TrainLmConfig) -> None:
         fs.check_access(url, key, write=written)
 
 
+@dataclasses.dataclass(frozen=True)
+class BranchOrigin:
+    """Where a run branched from: the complete checkpoint ``path`` (resolved), the config ``key`` that named
+    it, and whether the optimizer state comes along (``trainer.initialize_from``) or only the weights."""
+
+    key: str
+    path: str
+    optimizer_state: bool
+
+
+def branch_origin(config: TrainLmConfig) -> Optional[BranchOrigin]:
+    """The checkpoint ``trainer.initialize_from`` or ``initialize_from_checkpoint_path`` names, resolved to a
+    complete ``step-N`` directory; None when neither is set. Refuses both at once, a path with no complete
+    checkpoint, and a path inside this run's own checkpoint directory (the branch needs its own
+    ``trainer.id``, or its checkpoints would mix with the origin's)."""
+    from levanter.trainer import resolve_checkpoint
+
+    tcfg = config.trainer
+    if tcfg.initialize_from and config.initialize_from_checkpoint_path:
+        raise ValueError(
+            "trainer.initialize_from and initialize_from_checkpoint_path are both set: use "
+            "trainer.initialize_from for weights and optimizer state, initialize_from_checkpoint_path for "
+            "weights alone"
+        )
+    if tcfg.initialize_from:
+        key, path, with_opt = "trainer.initialize_from", tcfg.initialize_from, True
+    elif config.initialize_from_checkpoint_path:
+        key, path, with_opt = "initialize_from_checkpoint_path", config.initialize_from_checkpoint_path, False
+    else:
+        return None
+    found = resolve_checkpoint(path, key)
+    if tcfg.id is not None:
+        own = fs.abspath(tcfg.checkpointer.expanded_path(tcfg.id)).rstrip("/") + "/"
+        if (fs.abspath(found).rstrip("/") + "/").startswith(own):
+            raise ValueError(
+                f"{key}={path!r} is a checkpoint of this run (trainer.id={tcfg.id}): a branch is a new run, so "
+                "give it its own trainer.id"
+            )
+    return BranchOrigin(key, found, with_opt)
+
+
 SEED_LIMIT = 2**32  # jax.random.PRNGKey keeps the low 32 bits (without jax_enable_x64)
 
 
@@ -140,4 +184,4 @@ def data_key(config: TrainLmConfig) -> jax.Array:
     return jax.random.split(jax.random.PRNGKey(config.trainer.seed), 4)[0]
 
 
-__all__ = ["SEED_LIMIT", "TrainLmConfig", "check_storage_access", "data_key", "storage_locations", "validate"]
+__all__ = ["SEED_LIMIT", "BranchOrigin", "TrainLmConfig", "branch_origin", "check_storage_access", "data_key", "storage_locations", "validate"]

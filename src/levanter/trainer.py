@@ -105,6 +105,9 @@ class TrainerConfig:
     checkpointer: CheckpointerConfig = dataclasses.field(default_factory=CheckpointerConfig)
     load_checkpoint: Optional[bool] = None
     load_checkpoint_path: Optional[str] = None
+    # Another run's checkpoint (a step-N directory, or a run directory for its latest) that starts this run:
+    # its weights and optimizer state, at step 0 under this run's data and learning-rate schedules.
+    initialize_from: Optional[str] = None
     id: Optional[str] = None
     log_dir: str = "logs/"
     # mesh and sharding
@@ -436,6 +439,35 @@ class Trainer:
         logger.info("resuming from checkpoint %s", path)
         return load_checkpoint(state, path), path
 
+    def initialize_from_checkpoint(
+        self, state: TrainerState, path: str, *, optimizer_state: bool, key: str
+    ) -> TrainerState:
+        """``state`` (a fresh initial state) with the weights -- and, if ``optimizer_state``, the optimizer
+        state -- of the complete checkpoint ``path``, still at step 0: the start of a branch (a new run,
+        e.g. the cooldown of a curriculum study, from another run's checkpoint).
+
+        The optimizer state is taken as saved (Adam's moments and its bias-correction count go on)
+        except the learning-rate schedule's count, which restarts at 0: the branch follows its own
+        ``optimizer`` schedule from its step 0, not the origin's from the origin's step. The training key
+        stays this run's. A checkpoint that does not fit the model (or optimizer) is a ``ValueError``
+        naming ``key``, the array and both shapes."""
+        from .checkpoint import CheckpointMismatchError
+
+        try:
+            model = load_checkpoint(state.model, path, subpath="model")
+            opt_state = state.opt_state
+            if optimizer_state:
+                opt_state = restart_schedules(load_checkpoint(state.opt_state, path, subpath="opt_state"))
+        except CheckpointMismatchError as e:
+            what = "model and optimizer" if optimizer_state else "model"
+            raise ValueError(
+                f"{key}={path!r} does not fit this run's {what} ({e}): set model (and optimizer) as in the run "
+                "that wrote it"
+            ) from None
+        logger.info("initialized from checkpoint %s (%s)", path,
+                    "weights and optimizer state" if optimizer_state else "weights")
+        return TrainerState(state.step, model, opt_state, state.training_key)
+
     # -- compiled functions --------------------------------------------------------------------------
     def _microbatches(self, batch_size: int) -> int:
         if self.config.per_device_parallelism <= 0:
@@ -648,6 +680,36 @@ class Trainer:
         return self._stop_requested
 
 
+def restart_schedules(opt_state):
+    """``opt_state`` with the count of every learning-rate schedule (``optax.ScaleByScheduleState``) set
+    to 0, on the same devices; everything else unchanged."""
+
+    def is_schedule(x) -> bool:
+        return isinstance(x, optax.ScaleByScheduleState)
+
+    def reset(x):
+        return optax.ScaleByScheduleState(count=x.count - x.count) if is_schedule(x) else x
+
+    return jax.tree.map(reset, opt_state, is_leaf=is_schedule)
+
+
+def resolve_checkpoint(path: str, key: str) -> str:
+    """The complete checkpoint ``path`` names: a ``step-N`` directory itself, else the latest complete one
+    under it (a run directory). ``FileNotFoundError`` naming ``key`` when there is none."""
+    from .checkpoint.layout import is_complete
+
+    if fs.basename(fs.abspath(path)).startswith("step-") and is_complete(path):
+        return path
+    found = None if fs.basename(fs.abspath(path)).startswith("step-") else discover_latest_checkpoint(path)
+    if found is None:
+        why = "does not exist" if not fs.exists(path) else "holds no complete checkpoint"
+        raise FileNotFoundError(
+            f"{key}={path!r} {why} (expected a step-N checkpoint directory with its {METADATA_FILENAME}, or a run "
+            "directory holding one)"
+        )
+    return found
+
+
 def named_batch(data, Pos: hax.Axis, batch_axis: str = "batch") -> dict:
     """The loader's ``{column: [batch, position] array}`` as named arrays, the form a loss takes."""
 
@@ -752,5 +814,7 @@ __all__ = [
     "init_trackers",
     "named_batch",
     "peak_flops_per_device",
+    "resolve_checkpoint",
+    "restart_schedules",
 ]
 

@@ -673,7 +673,8 @@ def _summarise(names: Sequence[str], limit: int = 8) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def load_checkpoint(template_tree: Any, checkpoint_path: str, *, shardings: Any = None) -> Any:
+def load_checkpoint(template_tree: Any, checkpoint_path: str, *, shardings: Any = None,
+                    subpath: str | None = None) -> Any:
     """Restore a checkpoint into the structure of ``template_tree``.
 
     Array leaves of the template (``jax.Array``, numpy arrays/scalars, ``jax.ShapeDtypeStruct``) are
@@ -683,10 +684,14 @@ def load_checkpoint(template_tree: Any, checkpoint_path: str, *, shardings: Any 
     like the template with ``Sharding`` leaves -- says otherwise. Numpy template leaves come back as
     numpy. Shapes and dtypes must match the template exactly (:class:`CheckpointMismatchError`);
     missing, truncated or damaged files raise :class:`CorruptCheckpointError`.
+
+    ``subpath`` (upstream's name): restore only the subtree saved under that key (``"model"`` of a
+    saved training state) into ``template_tree``; the checkpoint's other leaves are left alone.
     """
     root = resolve_path(checkpoint_path)
     doc = read_checkpoint_metadata(root)
-    saved = {rec["name"]: rec for rec in doc["leaves"]}
+    prefix = f"{subpath}/" if subpath else ""
+    saved = {rec["name"][len(prefix):]: rec for rec in doc["leaves"] if rec["name"].startswith(prefix)}
     sharding_for = _sharding_lookup(shardings)
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(template_tree)
@@ -700,7 +705,7 @@ def load_checkpoint(template_tree: Any, checkpoint_path: str, *, shardings: Any 
         if name not in saved:
             continue  # reported below, together with any others
         rec = saved[name]
-        keypath = jax.tree_util.keystr(path)
+        keypath = (subpath or "") + jax.tree_util.keystr(path)
         shape, dtype = _shape_dtype(leaf)
         if list(shape) != rec["shape"] or str(dtype) != rec["dtype"]:
             raise CheckpointMismatchError(
@@ -712,13 +717,14 @@ def load_checkpoint(template_tree: Any, checkpoint_path: str, *, shardings: Any 
     missing = sorted(set(names) - set(saved))
     if missing:
         raise CheckpointMismatchError(
-            f"checkpoint {root} has no entry for template leaves {_summarise(missing)} (was it saved from a "
-            "different model or optimizer?)"
+            f"checkpoint {root} has no entry for template leaves {_summarise([prefix + m for m in missing])} "
+            "(was it saved from a different model or optimizer?)"
         )
     unexpected = sorted(set(saved) - set(names))
     if unexpected:
         raise CheckpointMismatchError(
-            f"checkpoint {root} holds leaves {_summarise(unexpected)} that the template does not have"
+            f"checkpoint {root} holds leaves {_summarise([prefix + u for u in unexpected])} that the template "
+            "does not have"
         )
 
     values = _run(_read_all(root, [item for _, item in wanted]))

@@ -52,6 +52,7 @@ class LMDatasetSourceConfig:
     train_urls: List[str] = dataclasses.field(default_factory=list)
     validation_urls: List[str] = dataclasses.field(default_factory=list)
     cache_dir: Optional[str] = None
+    # Labels for evaluation: eval/<tag>/loss and eval/<tag>/bpb average over the sources carrying a tag.
     tags: Optional[List[str]] = None
     format: Optional[TextLmDatasetFormat] = None
     text_key: Optional[str] = None
@@ -191,6 +192,13 @@ class UrlSingleDatasetLMConfig(LMTaskConfig, LMDatasetSourceConfig):
         self._check_task_fields()
         if not self.train_urls and self.id is None:
             raise ValueError("data.train_urls is empty: nothing to train on")
+        self.eval_tags()
+
+    def eval_tags(self) -> Dict[str, Tuple[str, ...]]:
+        """``{"": tags}``: the source's checked ``tags`` (eval metrics per tag, :mod:`levanter.eval`)."""
+        from .tags import check_tags
+
+        return {"": check_tags(self.tags, "data.tags")}
 
     def check_inputs(self) -> None:
         self._check_source_inputs(self, self.cache_dir or "cache/", "data", "data.cache_dir")
@@ -284,6 +292,16 @@ class LMMixtureDatasetConfig(LMTaskConfig):
         for name in ("target_budget", "experiment_budget", "max_train_batches", "num_validation_sequences"):
             if getattr(self, name) is not None:
                 raise ValueError(f"data.{name} is not supported by this fork yet; remove it from the config")
+        self.eval_tags()
+
+    def eval_tags(self) -> Dict[str, Tuple[str, ...]]:
+        """``{source: tags}``: each source's checked ``tags`` (eval metrics per tag, :mod:`levanter.eval`)."""
+        from .tags import check_tags
+
+        return {
+            name: check_tags(src.tags, f"data.configs.{name}.tags", [n for n in self.configs if n != name])
+            for name, src in self.configs.items()
+        }
 
     def validate(self, *, num_train_steps: int) -> None:
         """Cross-field checks against the run length; errors name the key and a fix."""

@@ -15,7 +15,11 @@ that still ends early is an error (exit 1), not a short run that exits 0.
 Per step it logs ``train/loss``, ``train/learning_rate``, ``train/grad_norm``,
 ``throughput/tokens_per_second``, ``throughput/step_seconds``, ``throughput/mfu`` (when the device's peak
 FLOP/s is known), ``data/wait_seconds`` and, for mixtures, ``data/source_counts/<source>``; every
-``steps_per_eval`` steps (and at the end) ``eval/<source>/loss`` and ``eval/loss``.
+``steps_per_eval`` steps, before the first step of each mixture stage and at the end, for the validation
+sources (:mod:`levanter.eval`): ``eval/<source>/loss`` and ``eval/<source>/bpb`` (bits per byte), the
+micro averages ``eval/loss`` and ``eval/bpb``, the macro averages ``eval/macro_loss`` and
+``eval/macro_bpb``, and per tag ``eval/<tag>/loss`` and ``eval/<tag>/bpb`` (plus ``macro_loss`` and
+``macro_bpb`` for a tag on several sources).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import levanter.config
-from levanter.checkpoint import CheckpointSaveError, hold_run_lock
+from levanter.checkpoint import CheckpointSaveError, hold_run_lock, read_checkpoint_metadata
 from levanter.data.dataset import AsyncDataset
 from levanter.data.loader import DataLoader, DataLoadError, use_prefetch_switch_interval
 from levanter.data import seed_from_key
@@ -46,10 +50,12 @@ from levanter.data.fingerprint import batch_fingerprint
 from levanter.data.mixture import MixtureDataset
 from levanter.data.schedule_record import data_schedule_record, first_difference
 from levanter.data.text import causal_lm_columns_jax
+from levanter.eval import EvalSet, Evaluator, token_byte_lengths
 from levanter.errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError
 from levanter.distributed import DistributedStartupError, barrier, check_same_config_everywhere
 from levanter.tracker import NoopTracker, check_trackers_writable
 from levanter.lm_config import SEED_LIMIT, TrainLmConfig, data_key, validate  # noqa: F401 -- upstream's path
+from levanter.lm_config import branch_origin
 from levanter.memory_plan import FLAG_HELP, format_plan, make_plan, split_plan_args
 from levanter.trainer import (
     DataEndedError,
@@ -270,25 +276,20 @@ def lm_loss_fn(z_loss_weight: float = 0.0, eos_id: int | None = None):
     return loss
 
 
-def run_eval(trainer: Trainer, model, eval_sets: Dict[str, AsyncDataset], config: TrainLmConfig, Pos) -> dict:
-    """Token-weighted mean loss per validation source (and over all of them)."""
-    tcfg = config.trainer
-    bs = eval_batch_size(tcfg)
-    out, grand_total, grand_count = {}, 0.0, 0.0
-    for name, ds in eval_sets.items():
-        loader = DataLoader(ds, bs, mesh=trainer.mesh, data_axis="data", prefetch_depth=2)
-        total = count = 0.0
-        with loader.iter_from_step(0, tcfg.max_eval_batches) as it:
-            for batch in it:
-                t, c = trainer.eval_loss(model, named_batch(batch.data, Pos, tcfg.batch_axis))
-                total += float(t)
-                count += float(c)
-        if count:
-            out[f"eval/{name or 'data'}/loss"] = total / count
-            grand_total, grand_count = grand_total + total, grand_count + count
-    if grand_count:
-        out["eval/loss"] = grand_total / grand_count
-    return out
+def make_evaluator(config: TrainLmConfig, trainer: Trainer, eval_sets: Dict[str, AsyncDataset], tokenizer,
+                   vocab_size: int) -> Evaluator:
+    """The evaluator of the validation sources (:mod:`levanter.eval`): per source and tag loss and bits per
+    byte, in batches of :func:`eval_batch_size`, at most ``trainer.max_eval_batches`` per source."""
+    tags = config.data.eval_tags()
+    sets = [EvalSet(name or "data", ds, tags.get(name, ())) for name, ds in eval_sets.items()]
+    return Evaluator(trainer, sets, batch_size=eval_batch_size(config.trainer), Pos=config.model.Pos,
+                     byte_lengths=token_byte_lengths(tokenizer, vocab_size),
+                     max_batches=config.trainer.max_eval_batches, batch_axis=config.trainer.batch_axis)
+
+
+def run_eval(evaluator: Evaluator, model) -> dict:
+    """The ``eval/...`` metrics of ``model`` (:meth:`levanter.eval.EvalResult.metrics`)."""
+    return evaluator.evaluate(model).metrics()
 
 
 def main(config: TrainLmConfig) -> dict:
@@ -351,20 +352,33 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
     lr_schedule = config.optimizer.lr_scheduler(tcfg.num_train_steps)
     eos_id = next(iter(eos_ids)) if tokens_only else None
     trainer = Trainer(tcfg, optimizer, lm_loss_fn(config.z_loss_weight, eos_id))
+    evaluator = make_evaluator(config, trainer, eval_sets, tokenizer, Vocab.size)
     state = trainer.initial_state(lambda k: config.model.build(Vocab, key=k), key=jax.random.fold_in(model_key, 0))
     state, restored_from = trainer.maybe_restore(state, run_id)
     start_step = int(state.step)
+    # A branch (trainer.initialize_from / initialize_from_checkpoint_path) starts from another run's checkpoint
+    # at step 0, once: rerun, it resumes from its own checkpoints, which carry the record of its origin. Its
+    # data schedule is its own, so the origin's is not checked against it.
+    origin = None
     if restored_from is not None:
         check_data_schedule(restored_from, record, start_step, allow=config.allow_data_schedule_change)
+        origin = read_checkpoint_metadata(restored_from).get("metadata", {}).get("initialized_from")
+    else:
+        branch = branch_origin(config)
+        if branch is not None:
+            state = trainer.initialize_from_checkpoint(state, branch.path, optimizer_state=branch.optimizer_state,
+                                                       key=branch.key)
+            origin = {"path": branch.path, "step": int(read_checkpoint_metadata(branch.path)["step"]),
+                      "optimizer_state": branch.optimizer_state}
 
     if jax.process_index() == 0:
         tracker = init_trackers(tcfg.trackers(), run_id, os.path.join(tcfg.log_dir), resume_step=start_step)
     else:
         tracker = NoopTracker()  # one writer: every process computes the same (global) metrics
-    tracker.log_hyperparameters(_config_dict(config))
+    tracker.log_hyperparameters({**_config_dict(config), **({"initialized_from": origin} if origin else {})})
     checkpointer = tcfg.checkpointer.create(
         run_id,
-        metadata={"data_schedule": record},
+        metadata={"data_schedule": record, **({"initialized_from": origin} if origin else {})},
         barrier=barrier if jax.process_count() > 1 else None,
         process_index=jax.process_index(),
     )
@@ -419,7 +433,7 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
             )
 
         def evaluate(self, model, done: int) -> None:
-            tracker.log(run_eval(trainer, model, eval_sets, config, Pos), step=done)
+            tracker.log(run_eval(evaluator, model), step=done)
 
         def on_preempt(self) -> None:
             tracker.finish()
