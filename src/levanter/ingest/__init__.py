@@ -2,12 +2,14 @@
 
 * :mod:`~levanter.ingest.sources`: URL expansion (globs, braces, fsspec) and per-format readers, with
   errors naming the file and line at fault; :func:`file_identity`, what a cache records per input file.
+* :mod:`~levanter.ingest.hf_sources`: Hugging Face datasets (local or on the hub) resolved to data files.
 * :mod:`~levanter.ingest.tokenization`: byte, Hugging Face and passthrough tokenizers behind one interface.
 * :mod:`~levanter.ingest.embedded`: the embedded default corpus (Python's own docs and code).
 * :mod:`~levanter.ingest.tokenize_worker`: the tokenizer side of a build, run in pool workers.
 * :mod:`~levanter.ingest.build`: :func:`build_or_load_cache`, which tokenizes documents into a
   :class:`~levanter.store.cache.TokenCache`, resumes interrupted builds and refuses caches whose settings
-  or input files changed.
+  or input files changed; :mod:`~levanter.ingest.ray_backend` tokenizes its batches on Ray and
+  :mod:`~levanter.ingest.progress` reports its progress.
 
 Ingest sits above :mod:`levanter.store` (it writes caches through it) and below :mod:`levanter.data`
 (which builds caches from configs and reads them). Names are loaded on first use: tokenizer pool
@@ -40,6 +42,7 @@ _EXPORTS = {
         "resolve_embedded_url",
     ),
     "errors": ("SourceError",),
+    "hf_sources": ("hf_data_files",),
     "sources": (
         "check_embedded_url",
         "detect_format",

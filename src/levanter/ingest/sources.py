@@ -1,8 +1,9 @@
 """Raw documents from files: URL expansion (globs, brace expansion, fsspec) and per-format readers.
 
 Supported inputs: ``.txt`` (the whole file is one document), ``.jsonl`` / ``.json`` (one JSON object per
-line, text under ``text_key``), ``.jsonl.gz``, ``.jsonl.zst`` / ``.jsonl.zstd``, and ``.parquet`` (column
-``text_key``). Paths may be local, ``gs://``, ``s3://`` or ``memory://`` URLs (reached through
+line, text under ``text_key``), ``.jsonl.gz``, ``.jsonl.zst`` / ``.jsonl.zstd``, ``.parquet`` (column
+``text_key``) and ``.arrow`` (Arrow IPC streams, the files ``datasets.Dataset.save_to_disk`` writes;
+column ``text_key``). Paths may be local, ``gs://``, ``s3://`` or ``memory://`` URLs (reached through
 :mod:`levanter.utils.fs`, which owns endpoints and retries); ``embedded://<name>/<split>`` names a source of
 the embedded default corpus (:mod:`levanter.ingest.embedded`), materialised next to the cache on first use.
 
@@ -53,6 +54,7 @@ FORMATS = {
     ".jsonl.zstd": "jsonl",
     ".json.zst": "jsonl",
     ".parquet": "parquet",
+    ".arrow": "arrow",
 }
 EMBEDDED_SCHEME = "embedded://"
 
@@ -330,7 +332,7 @@ def iter_documents(path: str, *, text_key: str = "text") -> Iterator[object]:
 
 def iter_located_documents(path: str, *, text_key: str = "text") -> Iterator[tuple[str, object]]:
     """``(where, document)`` pairs of one shard in file order; ``where`` is ``"line N"`` (1-based, for
-    JSON lines and text files) or ``"row N"`` (1-based, for parquet), as error messages name it."""
+    JSON lines and text files) or ``"row N"`` (1-based, for parquet and Arrow), as error messages name it."""
     fmt = detect_format(path)
     if fmt == "txt":
         with _open_text(path) as f:
@@ -399,3 +401,25 @@ def iter_located_documents(path: str, *, text_key: str = "text") -> Iterator[tup
             for value in batch.column(0).to_pylist():
                 row += 1
                 yield f"row {row}", value
+    elif fmt == "arrow":
+        yield from _arrow_documents(path, text_key)
+
+
+def _arrow_documents(path: str, text_key: str) -> Iterator[tuple[str, object]]:
+    import pyarrow as pa
+
+    try:
+        with fs.open_file(path, "rb") as f:
+            reader = pa.ipc.open_stream(f)
+            names = reader.schema.names
+            if text_key not in names:
+                raise SourceError(f"{path}: no column {text_key!r} (text_key); columns: {names}")
+            row = 0
+            for batch in reader:
+                for value in batch.column(names.index(text_key)).to_pylist():
+                    row += 1
+                    yield f"row {row}", value
+    except FileNotFoundError as e:
+        raise SourceError(f"file not found: {path!r}") from e
+    except pa.ArrowInvalid as e:
+        raise SourceError(f"{path}: not a readable Arrow stream ({e})") from None
