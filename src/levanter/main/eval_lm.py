@@ -1,0 +1,142 @@
+"""Evaluate a language model on validation data: ``python -m levanter.main.eval_lm --config_path
+config/gpt2_nano.yaml --checkpoint_path checkpoints/gpt2-nano`` (or ``--hf_checkpoint PATH_OR_ID``).
+
+The config is a training config (:class:`levanter.lm_config.TrainLmConfig`, so the YAML a run was trained
+with evaluates it as it is) plus ``checkpoint_path`` -- a ``step-N`` checkpoint directory, or a run's
+checkpoint directory for its latest complete checkpoint -- or ``hf_checkpoint``, a Hugging Face checkpoint
+(local directory or hub id). Keys about training (optimizer, schedules) are read but play no part.
+
+For every validation source of ``data`` it reports what ``train_lm`` logs at its evals
+(:mod:`levanter.eval`): loss and bits per byte per source and per tag, micro and macro averages, over the
+first ``trainer.max_eval_batches`` batches of each source (all of them when null), in batches of
+``trainer.per_device_eval_parallelism`` x data-parallel devices (else the first training batch size). The
+batches are the same for any number of processes. It prints a table and writes the metrics to the
+configured trackers under the run ``<trainer.id>-eval`` (appended to, one record per evaluation, at the
+checkpoint's step; 0 for a Hugging Face checkpoint). ``main(config)`` returns the metrics.
+
+Bad input (no checkpoint named, both named, a path without a complete checkpoint, a checkpoint that does
+not fit ``model``, data without validation sources) prints one ``error:`` paragraph and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from typing import Optional
+
+import levanter.config
+from levanter.checkpoint import read_checkpoint_metadata
+from levanter.lm_config import TrainLmConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalLmConfig(TrainLmConfig):
+    # The checkpoint to evaluate: a step-N directory, or a run's checkpoint directory for its latest one.
+    checkpoint_path: Optional[str] = None
+    # A Hugging Face checkpoint to evaluate instead (local directory with config.json and safetensors, or hub id).
+    hf_checkpoint: Optional[str] = None
+
+
+def main(config: EvalLmConfig) -> dict:
+    """Evaluate; returns ``{metric: value}`` (the ``eval/...`` metrics)."""
+    import haliax as hax
+    import jax
+    import optax
+
+    from levanter.eval import Evaluator, evaluation_sets, format_table, token_byte_lengths
+    from levanter.tracker import NoopTracker, init_trackers
+    from levanter.trainer import Trainer, resolve_checkpoint
+
+    tcfg = config.trainer
+    tcfg.distributed.initialize()
+    tcfg.apply_jax_config()
+    if (config.checkpoint_path is None) == (config.hf_checkpoint is None):
+        raise ValueError(
+            "eval_lm needs exactly one model to evaluate: --checkpoint_path (a step-N checkpoint directory or a "
+            "run's checkpoint directory) or --hf_checkpoint (a Hugging Face checkpoint)"
+            + (", not both" if config.checkpoint_path is not None else "")
+        )
+    tcfg.validate()
+    config.data.eval_tags()
+    tokenizer = config.data.the_tokenizer()
+    path = None
+    if config.checkpoint_path is not None:
+        path = resolve_checkpoint(config.checkpoint_path, "checkpoint_path")
+    config.data.build_caches("validation")
+    sets = evaluation_sets(config.data, config.model.seq_len)
+    if not sets:
+        raise ValueError("data has no validation_urls: there is nothing to evaluate on")
+
+    def loss_fn(model, batch):  # never called: the evaluator computes its own sums
+        raise NotImplementedError
+
+    trainer = Trainer(tcfg, optax.identity(), loss_fn)
+    if path is not None:
+        vocab_size = tokenizer.vocab_size
+        state = trainer.initial_state(lambda k: config.model.build(hax.Axis("vocab", vocab_size), key=k),
+                                      key=jax.random.PRNGKey(0))
+        model = trainer.initialize_from_checkpoint(state, path, optimizer_state=False, key="checkpoint_path").model
+        step = int(read_checkpoint_metadata(path)["step"])
+        where = path
+    else:
+        from levanter.compat.hf_checkpoints import load_hf_checkpoint
+
+        _, model = load_hf_checkpoint(config.hf_checkpoint)
+        vocab_size = model.Vocab.size
+        if vocab_size < tokenizer.vocab_size:
+            raise ValueError(
+                f"hf_checkpoint={config.hf_checkpoint!r} has a vocabulary of {vocab_size}, smaller than the data "
+                f"tokenizer's ({tokenizer.vocab_size})"
+            )
+        step, where = 0, config.hf_checkpoint
+    bs = tcfg.per_device_eval_parallelism * tcfg.data_axis_size if tcfg.per_device_eval_parallelism > 0 \
+        else tcfg.batch_schedule.batch_size_at_step(0)
+    for s in sets:
+        import asyncio
+
+        n = asyncio.run(s.dataset.async_len())
+        if n < bs:
+            raise ValueError(
+                f"the validation set of {s.name} has {n} sequences of model.seq_len={config.model.seq_len} tokens, "
+                f"fewer than one eval batch of {bs}: evaluate in smaller batches "
+                "(trainer.per_device_eval_parallelism) or add validation data"
+            )
+    evaluator = Evaluator(trainer, sets, batch_size=bs, Pos=config.model.Pos,
+                          byte_lengths=token_byte_lengths(tokenizer, vocab_size),
+                          max_batches=tcfg.max_eval_batches, batch_axis=tcfg.batch_axis)
+    result = evaluator.evaluate(model)
+    metrics = result.metrics()
+    if jax.process_index() == 0:
+        print(f"{where} (step {step})")
+        print(format_table(result), flush=True)
+        tracker = init_trackers(tcfg.trackers(), f"{tcfg.run_id()}-eval", tcfg.log_dir)
+    else:
+        tracker = NoopTracker()
+    try:
+        tracker.log(metrics, step=step)
+    finally:
+        tracker.finish()
+    return metrics
+
+
+@levanter.config.main
+def cli_main(config: EvalLmConfig):
+    return main(config)
+
+
+def cli(argv=None) -> None:
+    """The command-line entry point: bad input prints one ``error:`` paragraph and exits with status 2."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        cli_main(argv=argv)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cli()
