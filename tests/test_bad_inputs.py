@@ -258,6 +258,14 @@ def metrics_disk_full(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(jt, "open", open_, raising=False)
 
 
+def no_wandb_login(mp: pytest.MonkeyPatch) -> None:
+    """No wandb credentials anywhere: no key or mode in the environment, a home without ~/.netrc."""
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_IDENTITY_TOKEN_FILE", "NETRC", "WANDB_CONFIG_DIR",
+                 "WANDB_BASE_URL"):
+        mp.delenv(name, raising=False)
+    mp.setenv("HOME", "/nonexistent-home-for-wandb-test")
+
+
 def no_checkpoint_left(tmp: Path, shared: Path) -> None:
     run_dir = tmp / "ckpt" / "bad"
     assert not (run_dir / "step-2").exists(), os.listdir(run_dir)
@@ -719,6 +727,9 @@ CASES: list[Case] = [
     Case("log-dir-unwritable", "training values", "a `log_dir` under a regular file", 2,
          ["trainer.log_dir", "$TMP/afile/logs/bad", "Not a directory"], args=["--trainer.log_dir", "$TMP/afile/logs"],
          setup=block_checkpoint_dir),
+    Case("wandb-no-login", "training values", "`tracker: {type: wandb}` online, never logged in", 2,
+         ["trainer.tracker", "wandb login", "WANDB_API_KEY", "WANDB_MODE=offline"], patch=no_wandb_login,
+         yaml=edit(BASE, "tracker: {type: json}", "tracker: {type: wandb}")),
     Case("log-dir-full", "training values", "the disk holding `log_dir` fills up during the run", 74,
          ["out of disk space while logging metrics", "$TMP/logs/bad/metrics.jsonl"], patch=metrics_disk_full,
          needs=["cache"]),

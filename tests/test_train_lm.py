@@ -406,23 +406,58 @@ optimizer: {{learning_rate: 0.01, warmup: 0.0, weight_decay: 0.0}}
 """
 
 
-def run_train(tmp_path, run_id, kill_at=None):
+def run_train(tmp_path, run_id, kill_at=None, signal_name=None, extra=()):
     cfg = write_yaml(tmp_path, RESUME_YAML.format(cache=tmp_path / "cache", logs=tmp_path / "logs",
                                                   ckpt=tmp_path / "ckpt"), "resume.yaml")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     env.pop("LEVANTER_FAULT_KILL_AT", None)
+    env.pop("LEVANTER_FAULT_SIGNAL", None)
     if kill_at:
         env["LEVANTER_FAULT_KILL_AT"] = kill_at
+    if signal_name:
+        env["LEVANTER_FAULT_SIGNAL"] = signal_name
     return subprocess.run(
-        [sys.executable, "-m", "levanter.main.train_lm", "--config_path", cfg, "--trainer.id", run_id],
+        [sys.executable, "-m", "levanter.main.train_lm", "--config_path", cfg, "--trainer.id", run_id, *extra],
         env=env, capture_output=True, text=True, cwd=tmp_path,
     )
 
 
 @pytest.mark.slow
-def test_kill_9_then_rerun_resumes_bit_for_bit(tmp_path):
-    ref = run_train(tmp_path, "ref")
+def test_kill_9_or_ctrl_c_then_rerun_resumes_bit_for_bit(tmp_path):
+    """kill -9 and Ctrl-C (SIGINT, sent by the process to itself at a known step through the fault point)
+    both resume bit for bit; the reference run, with stdout to a pipe, prints progress lines, its eval
+    losses and a summary, and nothing of JAX's or the malloc re-execution's start-up chatter."""
+    ref = run_train(tmp_path, "ref", extra=["--trainer.progress_interval", "0", "--trainer.steps_per_eval", "6"])
     assert ref.returncode == 0, ref.stderr[-3000:]
+    out = ref.stdout.splitlines()
+    losses_ref = train_losses(metrics(tmp_path, "ref"))
+    step_lines = [x for x in out if x.startswith("step ")]
+    assert len(step_lines) == 12, out  # progress_interval 0: every step
+    for s, line in enumerate(step_lines):
+        assert line.startswith(f"step {s + 1}/12 loss {losses_ref[s]:.4f} | "), line
+        assert "tok/s" in line and "data wait" in line and "ETA" in line
+    evals = {r["step"]: r["eval/loss"] for r in metrics(tmp_path, "ref") if "eval/loss" in r}
+    for s in (6, 12):
+        assert any(x.startswith(f"eval at step {s}: loss {evals[s]:.4f}") for x in out), out
+    summary = "\n".join(out[out.index(next(x for x in out if x.startswith("finished at step"))):])
+    assert summary.startswith("finished at step 12/12: trained 12 step(s)") and "tokens/s" in summary
+    assert f"final train loss {losses_ref[11]:.4f} (step 11)" in summary and "eval at step 12" in summary
+    assert str(tmp_path / "logs" / "ref" / "metrics.jsonl") in summary and str(tmp_path / "ckpt" / "ref") in summary
+    for noise in ("Unable to initialize backend", "re-executed with", "GLIBC_TUNABLES", "resuming"):
+        assert noise not in ref.stderr + ref.stdout, noise
+    assert (tmp_path / "logs" / "ref" / "debug.log").exists()
+
+    interrupted = run_train(tmp_path, "int", kill_at="train_after_step:5", signal_name="SIGINT")
+    from levanter.trainer import PREEMPTED_EXIT_CODE
+
+    assert interrupted.returncode == PREEMPTED_EXIT_CODE, interrupted.stderr[-3000:]
+    assert "Traceback" not in interrupted.stderr and "KeyboardInterrupt" not in interrupted.stderr
+    assert f"SIGINT: checkpointed step 5 in {tmp_path / 'ckpt' / 'int'}" in interrupted.stderr
+    assert os.path.isdir(tmp_path / "ckpt" / "int" / "step-5")
+    resumed = run_train(tmp_path, "int")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert train_losses(metrics(tmp_path, "int")) == losses_ref
+
     killed = run_train(tmp_path, "crash", kill_at="train_after_step:8")  # after step 7 (8 updates); last ckpt: 6
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert max(train_losses(metrics(tmp_path, "crash"))) == 7

@@ -19,8 +19,10 @@ if it ever recompiles for any other reason.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import math
+import os
 import signal
 import sys
 import time
@@ -37,6 +39,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from .config import parse_timedelta
 from .checkpoint import (
     METADATA_FILENAME,
     CheckpointerConfig,
@@ -54,7 +57,8 @@ from .utils.fault import fault_point
 
 logger = logging.getLogger(__name__)
 
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: checkpointed after SIGTERM; relaunch to resume
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: checkpointed after SIGTERM or SIGINT; relaunch to resume
+INTERRUPTED_AGAIN_EXIT_CODE = 130  # 128 + SIGINT: a second Ctrl-C, nothing more saved
 
 # Peak dense bf16 FLOP/s per device, for MFU. Unknown devices (e.g. CPUs) report no MFU.
 PEAK_FLOPS = {
@@ -110,6 +114,8 @@ class TrainerConfig:
     initialize_from: Optional[str] = None
     id: Optional[str] = None
     log_dir: str = "logs/"
+    # Wall time between progress lines when the output is not a terminal (e.g. 30s, 5m; 0: every step).
+    progress_interval: datetime.timedelta = datetime.timedelta(seconds=30)
     # mesh and sharding
     batch_axis: str = "batch"
     fsdp_axis: Optional[Union[str, List[str]]] = "embed"
@@ -151,6 +157,10 @@ class TrainerConfig:
         sched = self.batch_schedule  # validates the schedule itself
         if self.steps_per_eval < 1:
             raise ValueError(f"trainer.steps_per_eval must be >= 1, got {self.steps_per_eval}")
+        try:
+            parse_timedelta(self.progress_interval)
+        except ValueError as e:
+            raise ValueError(f"trainer.progress_interval: {e}") from None
         if self.max_eval_batches is not None and self.max_eval_batches < 1:
             raise ValueError(
                 f"trainer.max_eval_batches must be >= 1, or null for the whole validation set, got "
@@ -381,6 +391,7 @@ class Trainer:
         self._step_fns: Dict[int, Callable] = {}
         self._eval_fn = None
         self._stop_requested = False
+        self._stop_signal = "SIGTERM"
 
     # -- state ---------------------------------------------------------------------------------------
     def initial_state(self, model_init: Callable[[jax.Array], Any], *, key: jax.Array) -> TrainerState:
@@ -601,8 +612,8 @@ class Trainer:
         into the loss's named arrays. After every step: the compile guard (one executable per batch size),
         the finite check (:func:`check_finite`), ``hooks.on_step``, an evaluation where
         ``hooks.is_eval_step`` says so, and ``checkpointer.on_step(state, step, force=...)`` (forced at the
-        last step). On SIGTERM the state after the current step is checkpointed and the process exits with
-        :data:`PREEMPTED_EXIT_CODE`; batches that end before ``num_train_steps`` checkpoint the last state
+        last step). On SIGTERM or SIGINT (Ctrl-C) the state after the current step is checkpointed and the
+        process exits with :data:`PREEMPTED_EXIT_CODE`; batches that end before ``num_train_steps`` checkpoint the last state
         and raise :class:`DataEndedError` (a short run must not exit 0).
         """
         hooks = hooks if hooks is not None else TrainHooks()
@@ -643,7 +654,11 @@ class Trainer:
                     checkpointer.on_step(state, done, force=True)
                     checkpointer.wait_until_finished()
                     hooks.on_preempt()
-                    logger.warning("checkpointed step %d after SIGTERM; exiting with %d", done, PREEMPTED_EXIT_CODE)
+                    logger.warning(
+                        "%s: checkpointed step %d in %s; exiting with status %d. Rerun the same command to resume.",
+                        self._stop_signal, done, getattr(checkpointer, "base_path", "the checkpoint directory"),
+                        PREEMPTED_EXIT_CODE,
+                    )
                     sys.exit(PREEMPTED_EXIT_CODE)
             checkpointer.wait_until_finished()
             final_step = int(state.step)
@@ -661,19 +676,39 @@ class Trainer:
                 )
             return state
         finally:
-            if previous_handler is not None:
-                signal.signal(signal.SIGTERM, previous_handler)
+            self.restore_signal_handlers(previous_handler)
 
     # -- signals -------------------------------------------------------------------------------------
     def install_sigterm_handler(self):
-        def handler(signum, frame):
-            logger.warning("SIGTERM received: will checkpoint after the current step and exit")
-            self._stop_requested = True
+        """Make SIGTERM and SIGINT (Ctrl-C) request a checkpoint after the current step and an exit with
+        :data:`PREEMPTED_EXIT_CODE`; a second SIGINT exits at once with status 130 (128 + SIGINT), saving
+        nothing more. Returns the previous handlers (for :meth:`restore_signal_handlers`), or None off the
+        main thread, where signals cannot be handled."""
 
+        def handler(signum, frame):
+            name = signal.Signals(signum).name
+            if self._stop_requested and signum == signal.SIGINT:
+                print(f"{name} again: exiting at once, without a checkpoint of the current step",
+                      file=sys.stderr, flush=True)
+                os._exit(INTERRUPTED_AGAIN_EXIT_CODE)
+            self._stop_requested = True
+            self._stop_signal = name
+            hint = " (Ctrl-C again to exit at once)" if signum == signal.SIGINT else ""
+            logger.warning("%s received: will checkpoint after the current step and exit%s", name, hint)
+
+        previous = {}
         try:
-            return signal.signal(signal.SIGTERM, handler)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                previous[sig] = signal.signal(sig, handler)
         except ValueError:  # not the main thread (e.g. some test runners)
+            self.restore_signal_handlers(previous)
             return None
+        return previous
+
+    @staticmethod
+    def restore_signal_handlers(previous) -> None:
+        for sig, h in (previous or {}).items():
+            signal.signal(sig, h if h is not None else signal.SIG_DFL)
 
     @property
     def stop_requested(self) -> bool:

@@ -43,6 +43,7 @@ import numpy as np
 
 import levanter.config
 from levanter.checkpoint import CheckpointSaveError, hold_run_lock, read_checkpoint_metadata
+from levanter.config import parse_timedelta
 from levanter.data.dataset import AsyncDataset
 from levanter.data.loader import DataLoader, DataLoadError, use_prefetch_switch_interval
 from levanter.data import seed_from_key
@@ -57,6 +58,9 @@ from levanter.tracker import NoopTracker, check_trackers_writable
 from levanter.lm_config import SEED_LIMIT, TrainLmConfig, data_key, validate  # noqa: F401 -- upstream's path
 from levanter.lm_config import branch_origin
 from levanter.memory_plan import FLAG_HELP, format_plan, make_plan, split_plan_args
+from levanter.progress import RunProgress, open_debug_log, setup_console_logging
+from levanter.tracker import JsonConfig, TrackerStartError
+from levanter.utils import fs
 from levanter.trainer import (
     DataEndedError,
     StepReport,
@@ -306,6 +310,9 @@ def main(config: TrainLmConfig) -> dict:
     run_dir = tcfg.checkpointer.validate_writable(run_id)
     if jax.process_index() == 0:
         check_trackers_writable(tcfg.trackers(), run_id, tcfg.log_dir)
+        debug_log = open_debug_log(fs.join(tcfg.log_dir, run_id))
+        if debug_log is not None:
+            logger.debug("debug log of run %s: %s", run_id, debug_log)
     check_memory(config, tokenizer.vocab_size)
     # One writer per run: taken before anything of the run is built, restored, deleted or logged, and
     # released however the run ends (a SIGKILLed run's lock is recognised as stale on its host).
@@ -370,9 +377,20 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
                                                        key=branch.key)
             origin = {"path": branch.path, "step": int(read_checkpoint_metadata(branch.path)["step"]),
                       "optimizer_state": branch.optimizer_state}
+    if start_step >= tcfg.num_train_steps:
+        # Nothing to train: say so rather than exit 0 silently (the metrics and checkpoints stay as they are).
+        if jax.process_index() == 0:
+            print(
+                f"run {run_id} already reached step {start_step} >= trainer.num_train_steps="
+                f"{tcfg.num_train_steps} (checkpoint {restored_from}); nothing to train. To train it further, "
+                "raise trainer.num_train_steps; to start another run, give a new trainer.id.",
+                flush=True,
+            )
+        return {"run_id": run_id, "final_step": start_step, "final_loss": None}
 
     if jax.process_index() == 0:
-        tracker = init_trackers(tcfg.trackers(), run_id, os.path.join(tcfg.log_dir), resume_step=start_step)
+        # resume_step=0 on a fresh start too: lines an earlier attempt logged without checkpointing are dropped.
+        tracker = init_trackers(tcfg.trackers(), run_id, tcfg.log_dir, resume_step=start_step)
     else:
         tracker = NoopTracker()  # one writer: every process computes the same (global) metrics
     tracker.log_hyperparameters({**_config_dict(config), **({"initialized_from": origin} if origin else {})})
@@ -389,10 +407,9 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
                         provenance=True)
     flops_per_token = config.model.flops_per_token(Vocab.size)
     peak = peak_flops_per_device(jax.devices()[0])
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=tcfg.num_train_steps, initial=start_step, desc="train", unit="step",
-               disable=None if jax.process_index() == 0 else True)
+    progress = RunProgress(tcfg.num_train_steps, start_step,
+                           interval_s=parse_timedelta(tcfg.progress_interval).total_seconds(),
+                           enabled=jax.process_index() == 0)
     last_loss = None
 
     class Hooks(TrainHooks):
@@ -424,8 +441,7 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
                     log[f"data/source_counts/{name}"] = c
             tracker.log(log, step=step)
             last_loss = r.loss
-            bar.set_postfix(loss=f"{r.loss:.4f}", tok_s=f"{tokens / dt:,.0f}", refresh=False)
-            bar.update(1)
+            progress.step(step, r.loss, tokens, dt, batch.wait_seconds)
 
         def is_eval_step(self, done: int) -> bool:
             return bool(eval_sets) and (
@@ -433,7 +449,9 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
             )
 
         def evaluate(self, model, done: int) -> None:
-            tracker.log(run_eval(evaluator, model), step=done)
+            losses = run_eval(evaluator, model)
+            tracker.log(losses, step=done)
+            progress.eval(done, losses)
 
         def on_preempt(self) -> None:
             tracker.finish()
@@ -442,14 +460,30 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
         return named_batch(data, Pos, tcfg.batch_axis)
 
     try:
-        with loader.iter_from_step(start_step, tcfg.num_train_steps) as it:
+        with progress.logging_around_bar(), loader.iter_from_step(start_step, tcfg.num_train_steps) as it:
             state = trainer.train(state, it, to_named=to_named, checkpointer=checkpointer, hooks=Hooks())
         final_step = int(state.step)
         tracker.log_summary({"final_step": final_step, **({"train/loss": last_loss} if last_loss is not None else {})})
+        progress.summary(final_step=final_step, where=_where(tcfg, run_id, checkpointer))
     finally:
-        bar.close()
+        progress.close()
         tracker.finish()
     return {"run_id": run_id, "final_step": int(state.step), "final_loss": last_loss}
+
+
+def _where(tcfg: TrainerConfig, run_id: str, checkpointer) -> list:
+    """Lines of the run summary saying where its metrics, checkpoints and debug log went."""
+    out = []
+    for c in tcfg.trackers():
+        for _, path in c.local_dirs(run_id, tcfg.log_dir):
+            if isinstance(c, JsonConfig):
+                path = fs.join(path, "metrics.jsonl")
+            out.append(f"{type(c).__name__.removesuffix('Config').lower()} metrics: {path}")
+    out.append(f"checkpoints: {getattr(checkpointer, 'base_path', tcfg.checkpointer.expanded_path(run_id))}")
+    log = fs.join(tcfg.log_dir, run_id, "debug.log")
+    if not fs.is_url(log) and os.path.exists(log):
+        out.append(f"debug log: {log}")
+    return out
 
 
 def _config_dict(config) -> dict:
@@ -494,16 +528,19 @@ def cli(argv=None) -> None:
     except (ValueError, FileNotFoundError) as e:  # bad config or input: fix it and rerun
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C before the step loop (which checkpoints on it) or while it cleans up
+        print("interrupted before training started: nothing was saved", file=sys.stderr)
+        sys.exit(130)
     except (DistributedStartupError, DataLoadError, DataEndedError, FloatingPointError,
-            CheckpointSaveError) as e:
+            CheckpointSaveError, TrackerStartError) as e:
         # the run failed (a coordinator that never answered, unreadable data, a NaN loss, a failed save)
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_console_logging()
     if os.environ.get("LEVANTER_MALLOC_REEXEC") == "1":
-        logger.info("re-executed with GLIBC_TUNABLES=%s (levanter/utils/malloc.py; LEVANTER_MALLOC_HUGETLB=0 "
+        logger.debug("re-executed with GLIBC_TUNABLES=%s (levanter/utils/malloc.py; LEVANTER_MALLOC_HUGETLB=0 "
                     "turns this off)", os.environ.get("GLIBC_TUNABLES"))
     cli()

@@ -111,13 +111,13 @@ def trim_metrics(data: bytes, resume_step: Optional[int], where: str) -> bytes:
     new = b"".join(line + b"\n" for line in kept)
     if new != data:
         dropped = len([x for x in lines if x.strip()]) - len(kept)
-        logger.info(
-            "%s: removing %d line(s) with step >= %s%s before resuming",
-            where,
-            dropped,
-            resume_step,
-            " and a trailing partial line" if tail else "",
-        )
+        partial = " and a trailing partial line" if tail else ""
+        if resume_step:
+            logger.info("%s: removing %d line(s) with step >= %s%s before resuming", where, dropped, resume_step,
+                        partial)
+        else:  # a fresh start over the file of an attempt that left no checkpoint: nothing is resumed
+            logger.info("%s: starting at step 0: removing %d line(s)%s logged by an earlier attempt that saved "
+                        "no checkpoint", where, dropped, partial)
     return new
 
 

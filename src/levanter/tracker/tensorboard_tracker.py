@@ -1,4 +1,6 @@
-"""TensorBoard tracker: ``{type: tensorboard, logdir: tblogs}`` writes event files to ``<logdir>/<run_id>``.
+"""TensorBoard tracker: ``{type: tensorboard}`` writes event files to ``<trainer.log_dir>/<run_id>/tensorboard``
+(next to the JSON tracker's ``metrics.jsonl``), or to ``<logdir>/<run_id>`` when ``logdir`` (or its
+synonym ``log_dir``) is set.
 
 Written with ``tensorboardX`` (small, pure Python, no TensorFlow or torch), imported inside ``init``.
 
@@ -8,8 +10,9 @@ with one warning per metric name. Hyperparameters are written once as a JSON tex
 ``hparams`` (TensorBoard's HParams plugin wants a fixed metric list up front, which a trainer does not
 have); summary values become scalars under ``summary/`` at the last logged step.
 
-``logdir`` is taken as given, relative paths from the current directory as upstream Levanter does;
-the trainer's ``log_dir`` is not used. A ``gs://`` or ``s3://`` ``logdir`` (anything
+A ``logdir`` that is set is taken as given, relative paths from the current directory as upstream
+Levanter does. (Upstream's default is ``./tblogs``, outside the run's other logs; here the default keeps
+every file of a run under ``trainer.log_dir``.) A ``gs://`` or ``s3://`` ``logdir`` (anything
 :func:`levanter.utils.fs.is_url` accepts): event files are written to a local temporary directory and
 uploaded whole (one atomic PUT per file, since object stores cannot append) at each ``flush`` -- before
 each checkpoint save -- and at ``finish``; the temporary directory is removed at ``finish``.
@@ -118,9 +121,12 @@ class TensorboardTracker(Tracker):
 @TrackerConfig.register_subclass("tensorboard")
 @dataclasses.dataclass(frozen=True)
 class TensorboardConfig(TrackerConfig):
-    """Event files in ``<logdir>/<run_id>``."""
+    """Event files in ``<logdir>/<run_id>``, by default ``<trainer.log_dir>/<run_id>/tensorboard``."""
 
-    logdir: str = "tblogs"
+    # Directory holding <run id>/ with the event files; null: <trainer.log_dir>/<run id>/tensorboard.
+    logdir: Optional[str] = None
+    # The same as logdir (the name every tracker accepts); give one of the two.
+    log_dir: Optional[str] = None
     comment: str = ""
     purge_step: Optional[int] = None
     """Drop earlier events at steps >= this; None: the resume step, if any."""
@@ -129,14 +135,28 @@ class TensorboardConfig(TrackerConfig):
     filename_suffix: str = ""
     write_to_disk: bool = True
 
+    def _target(self, run_id: str, log_dir: str) -> tuple[str, str]:
+        """``(config key, directory)`` of the event files."""
+        if self.logdir is not None and self.log_dir is not None and self.logdir != self.log_dir:
+            raise ValueError(
+                f"trainer.tracker: logdir={self.logdir!r} and log_dir={self.log_dir!r} name the same setting; "
+                "give one"
+            )
+        if self.logdir is not None:
+            return "trainer.tracker.logdir", fs.join(self.logdir, run_id)
+        if self.log_dir is not None:
+            return "trainer.tracker.log_dir", fs.join(self.log_dir, run_id)
+        return "trainer.log_dir", fs.join(log_dir, run_id, "tensorboard")
+
     def local_dirs(self, run_id: str, log_dir: str) -> list[tuple[str, str]]:
-        return [("trainer.tracker.logdir", fs.join(self.logdir, run_id))] if self.write_to_disk else []
+        return [self._target(run_id, log_dir)] if self.write_to_disk else []
+
 
     def init(self, run_id: str, log_dir: str, *, resume_step: Optional[int] = None) -> TensorboardTracker:
         from tensorboardX import SummaryWriter
 
         purge_step = self.purge_step if self.purge_step is not None else resume_step
-        target = fs.join(self.logdir, run_id)
+        _, target = self._target(run_id, log_dir)
         upload_to = target if fs.is_url(target) and self.write_to_disk else None
         staging = tempfile.mkdtemp(prefix="levanter-tensorboard-") if upload_to is not None else None
         writer = SummaryWriter(

@@ -210,6 +210,10 @@ class TrackerConfig(draccus.PluginRegistry, abc.ABC, discover_packages_path="lev
         or preemption: backends that can, forget what the earlier attempt logged at steps ``>= k``.
         """
 
+    def check_can_start(self) -> None:
+        """Raise ``ValueError`` (one paragraph naming what to do) if this tracker cannot start, e.g. wandb
+        online without credentials; called with the log directory checks, before any expensive work."""
+
     def local_dirs(self, run_id: str, log_dir: str) -> list[tuple[str, str]]:
         """``(config key, directory)`` for each directory ``init`` will write to (a local path or an
         object-store URL); checked for writability before any expensive work
@@ -253,6 +257,7 @@ def check_trackers_writable(
 
     configs = [config] if isinstance(config, TrackerConfig) else list(config)
     for c in configs:
+        c.check_can_start()
         for key, path in c.local_dirs(run_id, log_dir):
             try:
                 if fs.is_url(path):
@@ -270,6 +275,24 @@ def check_trackers_writable(
                 ) from None
 
 
+class TrackerStartError(RuntimeError):
+    """A tracker backend failed to start (its library raised): reported as one line naming the tracker."""
+
+
+def _start(c: TrackerConfig, run_id: str, log_dir: str, resume_step: Optional[int]) -> Tracker:
+    try:
+        return c.init(run_id, log_dir, resume_step=resume_step)
+    except (ValueError, OSError):  # user errors and full disks keep their own reports
+        raise
+    except Exception as e:  # noqa: BLE001 -- a backend library's failure, reported without its traceback
+        logger.debug("tracker %s failed to start", type(c).__name__, exc_info=True)
+        name = type(c).__name__.removesuffix("Config").lower()
+        raise TrackerStartError(
+            f"trainer.tracker ({name}) could not start: {type(e).__name__}: {e}. Fix it, or use another "
+            "tracker (trainer.tracker: {type: json})."
+        ) from None
+
+
 def init_trackers(
     config: TrackerConfig | Sequence[TrackerConfig],
     run_id: str,
@@ -279,13 +302,14 @@ def init_trackers(
 ) -> Tracker:
     """The tracker for ``config``: a single backend, a ``CompositeTracker`` for several, a
     ``NoopTracker`` for an empty sequence. If one backend fails to start, those already started are
-    finished before the error propagates (no dangling wandb run)."""
+    finished before the error propagates (no dangling wandb run); a backend library's own exception
+    becomes a :class:`TrackerStartError` (one line, no traceback on the console)."""
     if isinstance(config, TrackerConfig):
-        return config.init(run_id, log_dir, resume_step=resume_step)
+        return _start(config, run_id, log_dir, resume_step)
     started: list[Tracker] = []
     try:
         for c in config:
-            started.append(c.init(run_id, log_dir, resume_step=resume_step))
+            started.append(_start(c, run_id, log_dir, resume_step))
     except BaseException:
         for t in started:
             try:

@@ -4,7 +4,9 @@ The fields are upstream Levanter's, so upstream ``tracker: {type: wandb, ...}`` 
 
 * ``mode: offline`` (or ``WANDB_MODE=offline`` with ``mode`` unset) needs no login and no network: the
   run is written under ``<dir>/wandb/offline-run-<time>-<id>/`` and can be uploaded later with
-  ``wandb sync``. ``mode: disabled`` writes nothing at all.
+  ``wandb sync``. ``mode: disabled`` writes nothing at all. An online run with no credentials
+  (``WANDB_API_KEY``, a netrc entry from ``wandb login``) is refused before any work
+  (:meth:`WandbConfig.check_can_start`), rather than failing in ``wandb.init`` after the model is built.
 * Files go under ``dir``; when it is unset, under ``$WANDB_DIR`` if that is set (wandb's own convention)
   and otherwise under the trainer's ``log_dir``, so the run sits at ``<log_dir>/wandb/...`` next to
   the other local logs instead of in the current directory. wandb needs a local directory: with a
@@ -32,6 +34,32 @@ from levanter.utils import fs
 logger = logging.getLogger(__name__)
 
 WANDB_MODES = ("online", "offline", "disabled", "shared")
+
+
+def _has_credentials() -> bool:
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    from urllib.parse import urlsplit
+
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+    candidates = [os.environ["NETRC"]] if os.environ.get("NETRC") else ["~/.netrc", "~/_netrc"]
+    for path in candidates:
+        path = os.path.expanduser(path)
+        if not os.path.isfile(path):
+            continue
+        import netrc
+
+        try:
+            if netrc.netrc(path).authenticators(host):
+                return True
+        except (netrc.NetrcParseError, OSError):
+            return True  # wandb will report the unreadable file itself
+    config_dir = os.environ.get("WANDB_CONFIG_DIR") or os.path.expanduser("~/.config/wandb")
+    try:
+        with open(os.path.join(config_dir, "settings"), encoding="utf-8") as f:
+            return any(line.split("=", 1)[0].strip() == "api_key" for line in f)
+    except OSError:
+        return False
 
 
 class WandbTracker(Tracker):
@@ -81,6 +109,36 @@ class WandbConfig(TrackerConfig):
     """Accepted for compatibility with upstream configs; this fork does not upload XLA dumps."""
     dir: Optional[str] = None
     """Where wandb writes (it adds a ``wandb/`` subdirectory); None: ``$WANDB_DIR``, else ``log_dir``."""
+    # The same as dir (the name every tracker accepts); give one of the two.
+    log_dir: Optional[str] = None
+
+    def _dir(self) -> Optional[str]:
+        if self.dir is not None and self.log_dir is not None and self.dir != self.log_dir:
+            raise ValueError(
+                f"trainer.tracker: dir={self.dir!r} and log_dir={self.log_dir!r} name the same setting; give one"
+            )
+        return self.dir if self.dir is not None else self.log_dir
+
+    def _mode(self) -> Optional[str]:
+        if self.mode is None and os.environ.get("WANDB_MODE") in WANDB_MODES:
+            return os.environ["WANDB_MODE"]
+        return self.mode
+
+    def check_can_start(self) -> None:
+        """An online run needs credentials; without them wandb would fail (or prompt) at ``init``, after
+        the caches are built and the model initialised. Looks where wandb looks, without importing it:
+        ``WANDB_API_KEY`` (or ``WANDB_IDENTITY_TOKEN_FILE``), the netrc file (``$NETRC``, ``~/.netrc``,
+        ``~/_netrc``) for the server's host, and ``api_key`` in wandb's settings file."""
+        self._dir()
+        if self.mode is not None and self.mode not in WANDB_MODES:
+            raise ValueError(f"trainer.tracker.mode: expected one of {WANDB_MODES} or null, got {self.mode!r}")
+        if self._mode() in ("offline", "disabled") or _has_credentials():
+            return
+        raise ValueError(
+            "trainer.tracker: wandb is online but has no credentials (no WANDB_API_KEY, no entry in ~/.netrc). "
+            "Run `wandb login` once, set WANDB_API_KEY, or log offline with WANDB_MODE=offline "
+            "(or trainer.tracker.mode: offline) and upload later with `wandb sync`."
+        )
 
     def init(self, run_id: str, log_dir: str, *, resume_step: Optional[int] = None) -> WandbTracker:
         if self.mode is not None and self.mode not in WANDB_MODES:
@@ -90,13 +148,11 @@ class WandbConfig(TrackerConfig):
         # Read WANDB_MODE here rather than leaving it to wandb: wandb reads the environment once per
         # process (at its first setup), so a later change, or a second run in the same process, would
         # otherwise be ignored. Values this fork does not know (e.g. legacy "dryrun") go to wandb as-is.
-        mode = self.mode
-        if mode is None and os.environ.get("WANDB_MODE") in WANDB_MODES:
-            mode = os.environ["WANDB_MODE"]
+        mode = self._mode()
         if mode == "disabled":
             directory = None  # wandb would create `dir` even though it writes nothing into it
         else:
-            directory = self.dir or os.environ.get("WANDB_DIR") or log_dir
+            directory = self._dir() or os.environ.get("WANDB_DIR") or log_dir
             if fs.is_url(directory):
                 if directory != log_dir:
                     raise ValueError(
@@ -124,6 +180,6 @@ class WandbConfig(TrackerConfig):
             save_code=self.save_code,
             dir=directory,
         )
-        if resume_step is not None:
+        if resume_step:
             logger.info("wandb run %s resuming at step %d", run.id, resume_step)
         return WandbTracker(run)

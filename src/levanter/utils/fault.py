@@ -3,8 +3,9 @@
 Code that must survive a crash calls :func:`fault_point` at the moments worth testing (between writing
 data and committing the ledger, for example). With ``LEVANTER_FAULT_KILL_AT="name:k[,name2:k2]"`` in the
 environment, the ``k``-th time the process reaches point ``name`` it SIGKILLs itself -- the same as a
-``kill -9`` from outside, but at a reproducible moment. Unset (always, in production) it costs one dict
-lookup.
+``kill -9`` from outside, but at a reproducible moment. ``LEVANTER_FAULT_SIGNAL=SIGINT`` (any signal
+name) sends that signal instead, to test a handler (Ctrl-C at a known step). Unset (always, in
+production) it costs one dict lookup.
 """
 
 from __future__ import annotations
@@ -31,4 +32,4 @@ def fault_point(name: str) -> None:
         return
     _hits[name] += 1
     if _targets().get(name) == _hits[name]:
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.Signals[os.environ.get("LEVANTER_FAULT_SIGNAL", "SIGKILL")])

@@ -1,0 +1,248 @@
+"""What a training run shows while it runs: a progress bar or progress lines, eval losses, the summary,
+and where the details go (the debug log).
+
+Two kinds of output, chosen per stream:
+
+* On a terminal (stderr is a TTY), a ``tqdm`` bar on stderr; while it is shown, log records go through
+  ``tqdm.write`` (:func:`tqdm.contrib.logging.logging_redirect_tqdm`), so a line never glues onto the bar,
+  and the bar is closed exactly once.
+* Elsewhere (a file, a pipe, a batch job's log), a bar would print nothing useful until it ends, so a
+  plain line is printed to stdout every ``trainer.progress_interval`` (and for the first and last step):
+  ``step 120/300 loss 2.4312 | 23,456 tok/s | data wait 0.4 ms/step | ETA 1m12s``. When stdout is not a
+  terminal these lines are printed even if a bar is shown on stderr (``train_lm ... > run.log``).
+
+Whatever the output, every evaluation's losses (``eval/...`` metrics, one line) and an end-of-run summary
+(steps, final train loss, last eval losses, wall time, tokens/s, where metrics and checkpoints went) are
+printed to stdout.
+
+The console shows INFO records of ``levanter`` and warnings of everything else; third-party libraries'
+INFO chatter (JAX's "Unable to initialize backend 'tpu'", say) goes only to the debug log,
+``<trainer.log_dir>/<run id>/debug.log``, which holds every record at DEBUG level from the start of the
+process (records before the run's id is known are buffered in memory, then written). The trade-off: a
+process that dies before its run id is known leaves no debug log; the console still shows its errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import logging.handlers
+import math
+import os
+import sys
+import time
+from typing import Any, Dict, Iterator, List, Mapping, Optional, TextIO
+
+CONSOLE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+DEBUG_LOG_NAME = "debug.log"
+_BUFFER_CAPACITY = 10_000
+
+
+class _ConsoleFilter(logging.Filter):
+    """INFO and above from ``levanter`` and ``__main__``; WARNING and above from everything else."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING:
+            return True
+        if record.levelno < logging.INFO:
+            return False
+        name = record.name
+        return name == "__main__" or name == "levanter" or name.startswith("levanter.")
+
+
+_buffer: Optional[logging.handlers.MemoryHandler] = None
+
+
+def setup_console_logging() -> None:
+    """Log to stderr (:class:`_ConsoleFilter`) and buffer every record for the debug log, which
+    :func:`open_debug_log` writes once the run's directory is known. Called once, by a command's
+    ``__main__``; library code never configures logging."""
+    global _buffer
+    root = logging.getLogger()
+    root.setLevel(logging.DEBUG)
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(logging.Formatter(CONSOLE_FORMAT))
+    console.addFilter(_ConsoleFilter())
+    root.addHandler(console)
+    _buffer = logging.handlers.MemoryHandler(_BUFFER_CAPACITY, flushLevel=logging.CRITICAL + 1, target=None,
+                                             flushOnClose=False)
+    _buffer.setLevel(logging.DEBUG)
+    root.addHandler(_buffer)
+
+
+def open_debug_log(directory: str) -> Optional[str]:
+    """Write the buffered records, and every later one, to ``<directory>/debug.log`` (appended to, so that
+    a resumed run keeps its earlier attempts' records); returns its path, or None when console logging
+    was not set up by :func:`setup_console_logging` (``main`` called from Python) or the directory is on
+    an object store (which cannot be appended to)."""
+    global _buffer
+    if _buffer is None or "://" in directory:
+        return None
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, DEBUG_LOG_NAME)
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setLevel(logging.DEBUG)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
+    _buffer.setTarget(handler)
+    _buffer.flush()
+    root = logging.getLogger()
+    root.removeHandler(_buffer)
+    root.addHandler(handler)
+    _buffer = None
+    return path
+
+
+def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def format_eval(step: int, metrics: Mapping[str, Any]) -> Optional[str]:
+    """One line of an evaluation's ``eval/...`` metrics: ``eval at step 100: loss 2.41 | python-docs/loss
+    2.30 | ...`` (the overall ``eval/loss`` first); None if there are none."""
+    items = [(k[len("eval/"):], v) for k, v in metrics.items() if k.startswith("eval/")]
+    if not items:
+        return None
+    items.sort(key=lambda kv: (kv[0] != "loss", kv[0]))
+    parts = [f"{name} {value:.4f}" if isinstance(value, float) else f"{name} {value}" for name, value in items]
+    return f"eval at step {step}: " + " | ".join(parts)
+
+
+class RunProgress:
+    """The console side of one training run: :meth:`step` after every step, :meth:`eval` after every
+    evaluation, :meth:`summary` at the end, :meth:`close` however the run ends (the bar closes once).
+
+    ``interval_s``: seconds between progress lines (0: every step). ``out``/``err``: the streams (stdout
+    and stderr by default); ``enabled=False`` (processes other than the first) prints nothing.
+    """
+
+    def __init__(self, total: int, start_step: int, *, interval_s: float, enabled: bool = True,
+                 out: Optional[TextIO] = None, err: Optional[TextIO] = None):
+        self.total = total
+        self.start_step = start_step
+        self.interval_s = interval_s
+        self.enabled = enabled
+        self.out = out if out is not None else sys.stdout
+        self.err = err if err is not None else sys.stderr
+        self.bar = None
+        self._closed = False
+        if enabled and _isatty(self.err):
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start_step, desc="train", unit="step", file=self.err,
+                            dynamic_ncols=True)
+        self.lines = enabled and (self.bar is None or not _isatty(self.out))
+        self._t_start = time.perf_counter()
+        self._t_last_line = -math.inf
+        # accumulated since the last progress line
+        self._steps = 0
+        self._tokens = 0
+        self._seconds = 0.0
+        self._wait = 0.0
+        # over the whole run
+        self.steps_done = 0
+        self.tokens_done = 0
+        self.train_seconds = 0.0
+        self._steady_tokens = 0
+        self._steady_seconds = 0.0
+        self.last_loss: Optional[float] = None
+        self.last_step: Optional[int] = None
+        self.last_eval: Optional[tuple[int, Dict[str, Any]]] = None
+
+    @contextlib.contextmanager
+    def logging_around_bar(self) -> Iterator[None]:
+        """Within this block, log records print above the bar instead of onto it."""
+        if self.bar is None:
+            yield
+            return
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        with logging_redirect_tqdm():
+            yield
+
+    def _print(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=self.out)
+        else:
+            print(text, file=self.out, flush=True)
+
+    def step(self, step: int, loss: float, tokens: int, seconds: float, wait_seconds: float) -> None:
+        """Record step ``step`` (0-based): its loss, tokens trained on, seconds taken and data wait."""
+        self._steps += 1
+        self._tokens += tokens
+        self._seconds += seconds
+        self._wait += wait_seconds
+        self.steps_done += 1
+        self.tokens_done += tokens
+        self.train_seconds += seconds
+        if self.steps_done > 1:  # the first step of a process includes compiling it
+            self._steady_tokens += tokens
+            self._steady_seconds += seconds
+        self.last_loss, self.last_step = loss, step
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / max(seconds, 1e-9):,.0f}", refresh=False)
+            self.bar.update(1)
+        if not self.lines:
+            return
+        now = time.perf_counter()
+        done = step + 1
+        if now - self._t_last_line < self.interval_s and done != self.total and self.steps_done != 1:
+            return
+        self._t_last_line = now
+        tok_s = self._tokens / max(self._seconds, 1e-9)
+        step_s = self._seconds / max(self._steps, 1)
+        eta = (self.total - done) * step_s
+        self._print(
+            f"step {done}/{self.total} loss {loss:.4f} | {tok_s:,.0f} tok/s | {step_s:.3f} s/step | "
+            f"data wait {1000 * self._wait / max(self._steps, 1):.1f} ms/step | ETA {_duration(eta)}"
+        )
+        self._steps, self._tokens, self._seconds, self._wait = 0, 0, 0.0, 0.0
+
+    def eval(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Print one evaluation's losses."""
+        line = format_eval(step, metrics)
+        if line is None:
+            return
+        self.last_eval = (step, dict(metrics))
+        self._print(line)
+
+    def summary(self, *, final_step: int, where: List[str]) -> None:
+        """Print the end-of-run summary; ``where``: lines saying where metrics and checkpoints went."""
+        wall = time.perf_counter() - self._t_start
+        if self._steady_seconds > 0:
+            speed = f"{self._steady_tokens / self._steady_seconds:,.0f} tokens/s after the first step's compile"
+        else:
+            speed = f"{self.tokens_done / max(self.train_seconds, 1e-9):,.0f} tokens/s"
+        lines = [f"finished at step {final_step}/{self.total}: trained {self.steps_done} step(s) in "
+                 f"{_duration(wall)} (wall), {speed}"]
+        if self.last_loss is not None:
+            lines.append(f"  final train loss {self.last_loss:.4f} (step {self.last_step})")
+        if self.last_eval is not None:
+            lines.append("  last " + format_eval(*self.last_eval))
+        lines.extend(f"  {w}" for w in where)
+        self.close()
+        for line in lines:
+            self._print(line)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
