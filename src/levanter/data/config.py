@@ -46,8 +46,10 @@ class TextLmDatasetFormat:
 @dataclasses.dataclass(frozen=True)
 class LMDatasetSourceConfig:
     """One source: files (``train_urls``/``validation_urls``: paths, fsspec URLs, globs, braces or
-    ``embedded://<name>/<split>``) or, upstream's other kind, a Hugging Face dataset ``id`` (which needs
-    network access and is refused here with a clear message)."""
+    ``embedded://<name>/<split>``) or, upstream's other kind, a Hugging Face dataset ``id`` (a local
+    ``save_to_disk`` directory, a local directory of parquet / JSON-lines files, or a hub id when the hub is
+    reachable), resolved to the files of its ``train_split`` / ``validation_split`` by
+    :func:`~levanter.ingest.hf_data_files`."""
 
     train_urls: List[str] = dataclasses.field(default_factory=list)
     validation_urls: List[str] = dataclasses.field(default_factory=list)
@@ -58,6 +60,10 @@ class LMDatasetSourceConfig:
     text_key: Optional[str] = None
     id: Optional[str] = None
     name: Optional[str] = None
+    # The split of the Hugging Face dataset (id) to train on.
+    train_split: str = "train"
+    # The split of the Hugging Face dataset (id) to evaluate on; a dataset without it has no validation set.
+    validation_split: str = "validation"
     stream: bool = True
 
     def resolved_text_key(self, default: Optional[str]) -> str:
@@ -70,12 +76,17 @@ class LMDatasetSourceConfig:
             return self.format.text_key
         return default if default is not None else "text"
 
-    def urls(self, split: str) -> List[str]:
+    def urls(self, split: str, what: str = "data") -> List[str]:
+        """The input files of ``split`` ("train" or "validation"); ``what`` names the source in errors."""
         if self.id is not None:
-            raise SourceError(
-                f"Hugging Face dataset id={self.id!r} needs the hub; this build reads files only. Download the "
-                "data and point train_urls / validation_urls at the files."
-            )
+            from ..ingest import hf_data_files
+
+            if self.train_urls or self.validation_urls:
+                raise SourceError(
+                    f"{what}: set either id (a Hugging Face dataset) or train_urls/validation_urls, not both"
+                )
+            hf_split = self.train_split if split == "train" else self.validation_split
+            return hf_data_files(self.id, self.name, hf_split, what=what, required=split == "train")
         return list(self.train_urls if split == "train" else self.validation_urls)
 
 
@@ -104,6 +115,10 @@ class LMTaskConfig:
             raise ValueError(f"data.tokenizer: {e}") from None
 
     def _check_task_fields(self) -> None:
+        try:
+            self.cache_options.check()
+        except ValueError as e:
+            raise ValueError(f"data.{e}") from None
         if self.permutation_type not in (None, "feistel", "linear"):
             raise ValueError(f"data.permutation_type: expected 'feistel' or 'linear', got {self.permutation_type!r}")
         if self.permutation_type == "linear":
@@ -119,7 +134,7 @@ class LMTaskConfig:
     ):
         from ..ingest import build_or_load_cache
 
-        urls = source.urls(split)
+        urls = source.urls(split, what.rsplit(".", 1)[0])
         if not urls:
             return None
         return build_or_load_cache(
@@ -143,13 +158,8 @@ class LMTaskConfig:
         from ..ingest import check_writable, verify_inputs
         from ..store import CacheLedger
 
-        if source.id is not None:
-            raise SourceError(
-                f"{what}.id={source.id!r}: Hugging Face datasets need the hub; this build reads files only. "
-                f"Download the data and point {what}.train_urls / validation_urls at the files."
-            )
         for split in ("train", "validation"):
-            urls = source.urls(split)
+            urls = source.urls(split, what)
             if not urls:
                 continue
             for u in urls:

@@ -2,14 +2,17 @@
 
 ``X`` may be a whole ``train_lm`` config (its ``data:`` section is used; the rest is not read) or a
 data-only config. Both splits of every source are built (or resumed, or found finished), each with a
-progress bar of documents, tokens and tokens/s. Overrides such as ``--data.cache_dir /tmp/c`` (or, for a
-data-only config, ``--cache_dir /tmp/c``) work as in training.
+progress bar on a terminal (documents, tokens, tokens/s, shards, ETA; log lines every 10 s elsewhere) and
+a summary line. ``--backend ray`` (with ``--ray_address HOST:PORT`` to join a cluster) tokenizes on Ray:
+shorthands for ``cache_options.backend`` and ``cache_options.ray_address``. Overrides such as
+``--data.cache_dir /tmp/c`` (or, for a data-only config, ``--cache_dir /tmp/c``) work as in training.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import time
 from collections.abc import Sequence
 
 import draccus
@@ -57,9 +60,25 @@ def _merge(base: dict, extra: dict) -> dict:
     return base
 
 
+# Command-line shorthands for keys of the data section: ``--backend ray`` is ``--data.cache_options.backend
+# ray`` for a train_lm config and ``--cache_options.backend ray`` for a data-only one.
+_SHORTHANDS = {"backend": "cache_options.backend", "ray_address": "cache_options.ray_address"}
+
+
+def _expand_shorthands(args: Sequence[str], prefix: str) -> list[str]:
+    out = []
+    for a in args:
+        key, eq, value = a[2:].partition("=") if a.startswith("--") else ("", "", "")
+        if key in _SHORTHANDS:
+            a = f"--{prefix + '.' if prefix else ''}{_SHORTHANDS[key]}{eq}{value}"
+        out.append(a)
+    return out
+
+
 def load_data_config(config_path: str, args: Sequence[str] = ()) -> DataConfig:
     raw = load_yaml(config_path)
     whole = "data" in raw
+    args = _expand_shorthands(args, "data" if whole else "")
     section = raw.get("data") or {} if whole else raw
     section = _merge(dict(section), _override_tree(args, "data" if whole else ""))
     try:
@@ -73,6 +92,7 @@ def load_data_config(config_path: str, args: Sequence[str] = ()) -> DataConfig:
 def main(config: DataConfig) -> dict:
     """Build every cache ``config`` names; returns ``{(source, split): TokenCache}``."""
     config.check_inputs()  # every source's files and cache directory, before any tokenizing
+    t0 = time.perf_counter()
     out = {}
     for split in ("train", "validation"):
         caches = config.build_caches(split)
@@ -85,6 +105,9 @@ def main(config: DataConfig) -> dict:
             f"{name or 'data'}/{split}: {cache.ledger.total_rows:,} documents, "
             f"{cache.ledger.total_tokens:,} tokens at {cache.cache_dir}"
         )
+    seconds = time.perf_counter() - t0
+    tokens = sum(c.ledger.total_tokens for c in out.values())
+    print(f"{len(out)} caches, {tokens:,} tokens, ready in {seconds:.1f} s (each build logs its throughput)")
     return out
 
 
