@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from levanter.main import cache_dataset, data_schedule, train_lm
+from levanter.main import eval_lm
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "reference" / "errors.md"
@@ -795,6 +796,32 @@ CASES: list[Case] = [
          ["--vocab_size", "--dry_run"], args=["--vocab_size", "50000"]),
 ]
 
+# -- branching from a checkpoint, evaluation ------------------------------------------------------------
+BRANCH_EVAL_CASES = [
+    Case("initialize-from-missing", "branching and evaluation", "`initialize_from_checkpoint_path` that does not exist",
+         2, ["initialize_from_checkpoint_path='$TMP/nowhere'", "does not exist"],
+         args=["--initialize_from_checkpoint_path", "$TMP/nowhere"]),
+    Case("initialize-from-no-checkpoint", "branching and evaluation",
+         "`trainer.initialize_from` names a directory holding no complete checkpoint", 2,
+         ["trainer.initialize_from='$TMP'", "holds no complete checkpoint"], args=["--trainer.initialize_from", "$TMP"]),
+    Case("initialize-from-both", "branching and evaluation",
+         "both `trainer.initialize_from` and `initialize_from_checkpoint_path`", 2,
+         ["trainer.initialize_from and initialize_from_checkpoint_path are both set"],
+         args=["--trainer.initialize_from", "$TMP", "--initialize_from_checkpoint_path", "$TMP"]),
+    Case("initialize-from-shape-mismatch", "branching and evaluation",
+         "a branch whose `model.hidden_dim` differs from the checkpoint's", 2,
+         ["initialize_from_checkpoint_path='$SHARED/ckpt/bad/step-2'", "does not fit", "(257, 32)", "(257, 64)"],
+         yaml=edit(BASE, "hidden_dim: 32", "hidden_dim: 64"),
+         args=["--initialize_from_checkpoint_path", "$SHARED/ckpt/bad"], needs=["checkpoint"]),
+    Case("tag-is-a-source-name", "branching and evaluation", "a source's `tags` naming another source", 2,
+         ["data.configs.prose.tags", "'code'", "name of a source"],
+         yaml=edit(MIX, 'prose: {train_urls: ["embedded://python-docs/validation"]}',
+                   'prose: {train_urls: ["embedded://python-docs/validation"], tags: [code]}')),
+    Case("eval-lm-no-checkpoint", "branching and evaluation", "`eval_lm` with neither `--checkpoint_path` nor "
+         "`--hf_checkpoint`", 2, ["--checkpoint_path", "--hf_checkpoint"], entry="eval_lm"),
+]
+CASES += BRANCH_EVAL_CASES
+
 MIN_CASES = 30
 
 
@@ -804,6 +831,7 @@ def _subst(s: str, tmp: Path, shared: Path, port: int) -> str:
 
 
 ENTRIES = {"train_lm": train_lm.cli, "cache_dataset": cache_dataset.cli, "data_schedule": data_schedule.cli}
+ENTRIES["eval_lm"] = eval_lm.cli
 
 
 def run_case(case: Case, tmp: Path, shared: Path, capsys, monkeypatch) -> tuple[int, str]:
