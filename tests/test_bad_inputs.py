@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from levanter.main import cache_dataset, data_schedule, train_lm
+from levanter.main import cache_dataset, data_schedule, export_lm_to_hf, train_lm
 from levanter.main import eval_lm
 
 REPO = Path(__file__).resolve().parent.parent
@@ -474,8 +474,9 @@ CASES: list[Case] = [
          ["data.mixture_block_size", "positive", "got 0"], yaml=edit(MIX, "mixture_block_size: null", "mixture_block_size: 0")),
     Case("target-budget", "data/mixture", "upstream's `data.target_budget` (not implemented here)", 2,
          ["data.target_budget", "not supported"], yaml=MIX, args=["--data.target_budget", "1000000"]),
-    Case("initialize-from-hf", "data/mixture", "upstream's `initialize_from_hf` (needs the HF hub)", 2,
-         ["initialize_from_hf", "not supported"], args=["--initialize_from_hf", "gpt2"]),
+    Case("initialize-from-hf", "data/mixture", "`initialize_from_hf` names a hub id (`gpt2`), without network", 2,
+         ["'gpt2'", "could not be downloaded", "local directory"], args=["--initialize_from_hf", "gpt2"],
+         patch=lambda mp: _offline_hub(mp)),
     Case("hf-dataset-id", "data/mixture", "a Hugging Face hub dataset `id` where the hub cannot be reached", 2,
          ["data.id='openwebtext'", "hub is unavailable", "HF_HUB_OFFLINE"],
          yaml="data:\n  id: openwebtext\n  tokenizer: byte\n  cache_dir: $TMP/cache\n" + REST,
@@ -822,6 +823,50 @@ BRANCH_EVAL_CASES = [
 ]
 CASES += BRANCH_EVAL_CASES
 
+# -- Hugging Face import and export ---------------------------------------------------------------------
+HF_GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 1, "n_head": 4, "n_positions": 64, "vocab_size": 300}
+HF_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300,
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}}
+
+
+def hf_dir(doc: dict, weights: str = "model.safetensors") -> Callable[[Path, Path], None]:
+    """A Hugging Face directory $TMP/hf: config.json ``doc`` and an (empty) weights file named ``weights``."""
+    return write_files({"hf/config.json": json.dumps(doc), f"hf/{weights}": b""})
+
+
+def _offline_hub(monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as without network, however this machine is connected
+    monkeypatch.setenv("HF_HUB_CACHE", os.path.join(os.sep, "nonexistent", "levanter-test-hub-cache"))
+
+
+HF_CASES = [
+    Case("hf-init-true-without-reference", "hugging face", "`initialize_from_hf: true` with no checkpoint named", 2,
+         ["initialize_from_hf: true", "model.reference_checkpoint"], yaml=BASE + "initialize_from_hf: true\n"),
+    Case("hf-init-missing-path", "hugging face", "`initialize_from_hf` names a directory that does not exist", 2,
+         ["'$TMP/nope'", "does not exist"], yaml=BASE + "initialize_from_hf: $TMP/nope\n"),
+    Case("hf-init-other-architecture", "hugging face", "a checkpoint of an architecture not implemented (mistral)", 2,
+         ["$TMP/hf/config.json", "model_type 'mistral'"], setup=hf_dir({**HF_LLAMA, "model_type": "mistral"}),
+         yaml=BASE + "initialize_from_hf: $TMP/hf\n"),
+    Case("hf-init-rope-scaling", "hugging face", "a Llama checkpoint with a rope scaling not implemented (yarn)", 2,
+         ["'rope_parameters'", "'yarn'"], setup=hf_dir(HF_LLAMA),
+         yaml=edit(BASE, "type: gpt2, hidden_dim: 32", "type: llama, num_kv_heads: 4, hidden_dim: 32") + "initialize_from_hf: $TMP/hf\n"),
+    Case("hf-init-bin-only", "hugging face", "a checkpoint with PyTorch `.bin` weights only", 2,
+         ["$TMP/hf", "*.bin", "save_pretrained"], setup=hf_dir(HF_GPT2, "pytorch_model.bin"),
+         yaml=BASE + "initialize_from_hf: $TMP/hf\n"),
+    Case("hf-init-shape-disagrees", "hugging face", "`model.hidden_dim: 32` but the checkpoint's n_embd is 64", 2,
+         ["model.hidden_dim=32", "64", "use_hf_model_config"], setup=hf_dir(HF_GPT2),
+         yaml=BASE + "initialize_from_hf: $TMP/hf\n"),
+    Case("hf-upload", "hugging face", "`hf_upload: org/name`", 2, ["hf_upload='org/name'", "hf_save_path"],
+         yaml=BASE + "hf_upload: org/name\n"),
+    Case("hf-save-dtype", "hugging face", "`hf_save_dtype: int8`", 2, ["hf_save_dtype 'int8'", "bfloat16"],
+         yaml=BASE + "hf_save_path: $TMP/hf-out\nhf_save_dtype: int8\n"),
+    Case("export-no-checkpoint", "hugging face", "`export_lm_to_hf` from a directory with no checkpoint", 2,
+         ["checkpoint_path='$TMP'", "no complete checkpoint"], entry="export_lm_to_hf", yaml=None, config_path=None,
+         args=["--checkpoint_path", "$TMP", "--output_dir", "$TMP/out"]),
+]
+CASES += HF_CASES
+
 MIN_CASES = 30
 
 
@@ -830,7 +875,8 @@ def _subst(s: str, tmp: Path, shared: Path, port: int) -> str:
     return s.replace("$TMP", str(tmp)).replace("$SHARED", str(shared)).replace("$PORT", str(port))
 
 
-ENTRIES = {"train_lm": train_lm.cli, "cache_dataset": cache_dataset.cli, "data_schedule": data_schedule.cli}
+ENTRIES = {"train_lm": train_lm.cli, "cache_dataset": cache_dataset.cli, "data_schedule": data_schedule.cli,
+           "export_lm_to_hf": export_lm_to_hf.cli}
 ENTRIES["eval_lm"] = eval_lm.cli
 
 

@@ -3,7 +3,9 @@
 :class:`TrainLmConfig` is the whole YAML of ``python -m levanter.main.train_lm`` (and what
 ``levanter.main.data_schedule`` plans); :func:`validate` is every check that needs no data and no compile;
 :func:`data_key` is the key the training data is derived from; :func:`check_storage_access` (part of
-:func:`validate`) checks every object-store URL in the config. Entry points import these from here, never
+:func:`validate`) checks every object-store URL in the config; :func:`with_hf_model` and
+:func:`model_vocab_size` give a run that starts from a Hugging Face checkpoint (``initialize_from_hf``) that
+checkpoint's model shape and vocabulary. Entry points import these from here, never
 from one another (``levanter.main.train_lm`` re-exports them under upstream's path).
 """
 
@@ -39,13 +41,22 @@ class TrainLmConfig:
     # Another run's checkpoint (a step-N directory, or a run directory for its latest) whose weights start
     # this run, with a fresh optimizer, at step 0 (trainer.initialize_from also takes its optimizer state).
     initialize_from_checkpoint_path: Optional[str] = None
-    # Upstream fields accepted so configs parse; refused if set (they need the HF hub or are not built).
+    # A Hugging Face checkpoint (local directory, bucket URL or hub id) whose weights start this run at step
+    # 0 with a fresh optimizer; the model's shape comes from its config.json (true: model.reference_checkpoint).
     initialize_from_hf: Union[bool, str] = False
+    # With initialize_from_hf: take the model's type and shape from config.json even where the YAML's model
+    # block says otherwise (false: a disagreeing shape key is an error).
     use_hf_model_config: bool = False
+    # Export the model in the Hugging Face layout to <hf_save_path>/<run id>/step-N every hf_save_steps
+    # steps and at the end (without the run id when trainer.checkpointer.append_run_id_to_base_path is false).
     hf_save_path: Optional[str] = None
+    # Upstream's hub upload of the exports; refused (no hub access is assumed: upload the directories yourself).
     hf_upload: Optional[str] = None
+    # Steps between Hugging Face exports (hf_save_path).
     hf_save_steps: int = 10000
+    # dtype of the exported weights: float32, bfloat16 or float16 (default: the parameters' own).
     hf_save_dtype: Optional[str] = None
+    # Accepted so upstream configs parse; refused if set (not built).
     epoch: int = 0
     eval_harness: Optional[Dict] = None
     eval_harness_steps: int = 10000
@@ -54,8 +65,8 @@ class TrainLmConfig:
 
 def validate(config: TrainLmConfig):
     """Every check that needs no data and no compile; errors name the config key. Returns the tokenizer."""
-    for name in ("initialize_from_hf", "use_hf_model_config", "hf_save_path", "hf_upload", "eval_harness",
-                 "log_entropy"):
+    check_hf_keys(config)
+    for name in ("eval_harness", "log_entropy"):
         value = getattr(config, name)
         if value not in (False, None):
             raise ValueError(f"{name} is not supported by this fork yet; remove it from the config")
@@ -116,6 +127,10 @@ def storage_locations(config: TrainLmConfig) -> list[tuple[str, str, bool]]:
     if tcfg.load_checkpoint_path:
         found.append(("trainer.load_checkpoint_path", tcfg.load_checkpoint_path, False))
     found.append(("trainer.log_dir", tcfg.log_dir, True))
+    if config.hf_save_path:
+        found.append(("hf_save_path", config.hf_save_path, True))
+    if isinstance(config.initialize_from_hf, str):
+        found.append(("initialize_from_hf", config.initialize_from_hf, False))
     seen, out = set(), []
     for key, url, written in found:
         if url and fs.is_object_store(url) and (key, url) not in seen:
@@ -174,6 +189,101 @@ def branch_origin(config: TrainLmConfig) -> Optional[BranchOrigin]:
     return BranchOrigin(key, found, with_opt)
 
 
+def hf_init_path(config: TrainLmConfig) -> Optional[str]:
+    """The checkpoint ``initialize_from_hf`` names (``true``: the model block's ``reference_checkpoint``), or None."""
+    value = config.initialize_from_hf
+    if value is False or value is None:
+        return None
+    if value is True:
+        ref = getattr(config.model, "reference_checkpoint", None)
+        if not ref:
+            raise ValueError(
+                "initialize_from_hf: true takes the checkpoint from model.reference_checkpoint, which is not set: "
+                "give initialize_from_hf the checkpoint itself (a directory holding config.json and *.safetensors, "
+                "or a hub id)"
+            )
+        return ref
+    return value
+
+
+def check_hf_keys(config: TrainLmConfig) -> None:
+    """The Hugging Face keys of a run: refuses hf_upload, a non-positive hf_save_steps, an unknown hf_save_dtype,
+    and initialize_from_hf combined with another initialisation."""
+    from levanter.compat import HF_SAVE_DTYPES
+
+    if config.hf_upload:
+        raise ValueError(
+            f"hf_upload={config.hf_upload!r} is not supported (no hub access is assumed): export with hf_save_path "
+            "and upload the step-N directory with huggingface-cli upload"
+        )
+    if isinstance(config.hf_save_steps, bool) or not isinstance(config.hf_save_steps, int) or config.hf_save_steps <= 0:
+        raise ValueError(f"hf_save_steps must be a positive number of steps, got {config.hf_save_steps!r}")
+    if config.hf_save_dtype is not None and config.hf_save_dtype not in HF_SAVE_DTYPES:
+        raise ValueError(f"hf_save_dtype {config.hf_save_dtype!r} is not one of {sorted(HF_SAVE_DTYPES)}")
+    if config.use_hf_model_config and not config.initialize_from_hf:
+        raise ValueError("use_hf_model_config: true needs initialize_from_hf (the checkpoint whose config.json to use)")
+    if hf_init_path(config) is not None:
+        others = [k for k, v in (("trainer.initialize_from", getattr(config.trainer, "initialize_from", None)),
+                                 ("initialize_from_checkpoint_path", config.initialize_from_checkpoint_path)) if v]
+        if others:
+            raise ValueError(f"initialize_from_hf and {others[0]} are both set: a run starts from one of them")
+
+
+def with_hf_model(config: TrainLmConfig) -> TrainLmConfig:
+    """``config`` with the model block of its ``initialize_from_hf`` checkpoint
+    (:func:`levanter.compat.merge_hf_model_config`: shape from config.json, run settings from the YAML);
+    ``config`` itself without one."""
+    path = hf_init_path(config)
+    if path is None:
+        return config
+    from levanter.compat import merge_hf_model_config
+
+    check_hf_keys(config)
+    model, _ = merge_hf_model_config(config.model, path, use_hf_model_config=config.use_hf_model_config)
+    return dataclasses.replace(config, model=model)
+
+
+def model_vocab_size(config: TrainLmConfig, tokenizer) -> int:
+    """Rows of the model's embedding: the ``initialize_from_hf`` checkpoint's vocab_size (which must hold every
+    token id of the tokenizer), else the tokenizer's vocabulary."""
+    path = hf_init_path(config)
+    if path is None:
+        return tokenizer.vocab_size
+    from levanter.compat import merge_hf_model_config
+
+    _, vocab = merge_hf_model_config(config.model, path, use_hf_model_config=True)
+    if tokenizer.vocab_size > vocab:
+        raise ValueError(
+            f"data.tokenizer has {tokenizer.vocab_size} tokens but initialize_from_hf={path!r} has an embedding of "
+            f"{vocab} rows (vocab_size in its config.json): use the checkpoint's tokenizer"
+        )
+    return vocab
+
+
+def hf_exporter(config: TrainLmConfig, run_id: str):
+    """The :class:`levanter.compat.HfExporter` of ``hf_save_path`` (upstream's layout: ``<hf_save_path>/<run
+    id>/step-N``, without the run id when ``trainer.checkpointer.append_run_id_to_base_path`` is false), or None."""
+    if not config.hf_save_path:
+        return None
+    from levanter.compat import HfExporter
+
+    base = config.hf_save_path
+    if config.trainer.checkpointer.append_run_id_to_base_path:
+        base = fs.join(base, run_id)
+    return HfExporter(base, every=config.hf_save_steps, last_step=config.trainer.num_train_steps, config=config.model,
+                      tokenizer=config.data.tokenizer, dtype=config.hf_save_dtype)
+
+
+def model_record(config: TrainLmConfig, vocab_size: int) -> dict:
+    """What a checkpoint records about its model, so that ``export_lm_to_hf`` needs nothing but the checkpoint:
+    the model block (with its ``type``), the vocabulary size and ``data.tokenizer``."""
+    import draccus
+
+    name = config.model.get_choice_name(type(config.model))
+    return {"model": {"type": name, **draccus.encode(config.model)}, "vocab_size": int(vocab_size),
+            "tokenizer": config.data.tokenizer}
+
+
 SEED_LIMIT = 2**32  # jax.random.PRNGKey keeps the low 32 bits (without jax_enable_x64)
 
 
@@ -184,4 +294,4 @@ def data_key(config: TrainLmConfig) -> jax.Array:
     return jax.random.split(jax.random.PRNGKey(config.trainer.seed), 4)[0]
 
 
-__all__ = ["SEED_LIMIT", "BranchOrigin", "TrainLmConfig", "branch_origin", "check_storage_access", "data_key", "storage_locations", "validate"]
+__all__ = ["SEED_LIMIT", "BranchOrigin", "check_hf_keys", "hf_exporter", "hf_init_path", "model_record", "model_vocab_size", "with_hf_model", "TrainLmConfig", "branch_origin", "check_storage_access", "data_key", "storage_locations", "validate"]

@@ -61,6 +61,7 @@ __all__ = [
     "HfExporter",
     "load_hf_checkpoint",
     "load_hf_config",
+    "load_hf_weights",
     "merge_hf_model_config",
     "resolve_hf_checkpoint",
     "save_hf_checkpoint",
@@ -96,7 +97,7 @@ HF_SAVE_DTYPES = {"float32": "F32", "fp32": "F32", "bfloat16": "BF16", "bf16": "
 def _could_be_hub_id(spec: str) -> bool:
     if spec.startswith(("/", ".", "~")) or "\\" in spec or "://" in spec:
         return False
-    return spec.count("/") == 1 and all(spec.split("/"))
+    return spec.count("/") <= 1 and all(spec.split("/"))  # "gpt2" or "org/name"
 
 
 def _hub_unreachable() -> Optional[str]:
@@ -399,6 +400,7 @@ def merge_hf_model_config(run_model: LmConfig, path_or_id: str, *, use_hf_model_
     """
     root, doc = _read_hf_config_dict(path_or_id)
     hf, vocab = hf_config_to_lm(doc, fs.join(root, CONFIG_FILE))
+    _check_weight_files(root)
     hf_type, run_type = _type_name(hf), _type_name(run_model)
     if hf_type != run_type:
         if not use_hf_model_config:
@@ -485,6 +487,12 @@ def _safetensors_bytes(tensors: dict[str, np.ndarray], names: dict[str, str]) ->
     parts = [np.array([len(raw)], dtype="<u8").tobytes(), raw]
     parts += [np.ascontiguousarray(a).tobytes() for a in tensors.values()]
     return b"".join(parts)
+
+
+def _check_weight_files(root: str) -> None:
+    """Refuse, before any work, a checkpoint without safetensors weights (none, or ``.bin`` files only)."""
+    if not (fs.exists(fs.join(root, SAFE_INDEX)) or fs.exists(fs.join(root, SAFE_WEIGHTS))):
+        _load_state_dict(root)  # raises the error that says what is there instead
 
 
 def _load_state_dict(root: str) -> dict[str, np.ndarray]:
@@ -708,6 +716,13 @@ def weights_like(template, state_dict: dict[str, np.ndarray], *, where: str = "c
 def _tied_copy(config: LmConfig, name: str) -> bool:
     """A head stored beside tied embeddings (some exporters write both)."""
     return name == "lm_head.weight" and (isinstance(config, Gpt2Config) or getattr(config, "tie_word_embeddings", False))
+
+
+def load_hf_weights(template, path_or_id: str):
+    """``template`` (our model, e.g. a freshly initialised one) with its parameters replaced by those of the
+    Hugging Face checkpoint ``path_or_id``, in the template's dtypes and shardings."""
+    root = resolve_hf_checkpoint(path_or_id)
+    return weights_like(template, _load_state_dict(root), where=f"Hugging Face checkpoint {root}")
 
 
 def load_hf_checkpoint(path_or_id: str, config: LmConfig | None = None, *, vocab_size: int | None = None):

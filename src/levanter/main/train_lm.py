@@ -36,6 +36,7 @@ import os
 import sys
 from typing import Dict, Optional, Tuple
 
+import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
@@ -57,6 +58,7 @@ from levanter.distributed import DistributedStartupError, barrier, check_same_co
 from levanter.tracker import NoopTracker, check_trackers_writable
 from levanter.lm_config import SEED_LIMIT, TrainLmConfig, data_key, validate  # noqa: F401 -- upstream's path
 from levanter.lm_config import branch_origin
+from levanter.lm_config import hf_exporter, hf_init_path, model_record, model_vocab_size, with_hf_model
 from levanter.memory_plan import FLAG_HELP, format_plan, make_plan, split_plan_args
 from levanter.progress import RunProgress, open_debug_log, setup_console_logging
 from levanter.tracker import JsonConfig, TrackerStartError
@@ -301,6 +303,7 @@ def main(config: TrainLmConfig) -> dict:
     config.trainer.distributed.initialize()  # before anything asks JAX about devices
     config.trainer.apply_jax_config()
     use_prefetch_switch_interval()  # the data loader's read-ahead thread hands reads back sooner
+    config = with_hf_model(config)  # initialize_from_hf: the model's shape from the checkpoint's config.json
     tokenizer = validate(config)
     check_same_config_everywhere(_config_dict(config))
     tcfg = config.trainer
@@ -313,7 +316,7 @@ def main(config: TrainLmConfig) -> dict:
         debug_log = open_debug_log(fs.join(tcfg.log_dir, run_id))
         if debug_log is not None:
             logger.debug("debug log of run %s: %s", run_id, debug_log)
-    check_memory(config, tokenizer.vocab_size)
+    check_memory(config, model_vocab_size(config, tokenizer))
     # One writer per run: taken before anything of the run is built, restored, deleted or logged, and
     # released however the run ends (a SIGKILLed run's lock is recognised as stale on its host).
     lock = hold_run_lock(run_dir, run_id, process_index=jax.process_index())
@@ -328,7 +331,7 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
     tcfg = config.trainer
     schedule = tcfg.batch_schedule
     Pos = config.model.Pos
-    Vocab = hax.Axis("vocab", tokenizer.vocab_size)
+    Vocab = hax.Axis("vocab", model_vocab_size(config, tokenizer))
 
     key = jax.random.PRNGKey(tcfg.seed)
     model_key = jax.random.split(key, 4)[2]  # (data, loader, model, training), upstream's order
@@ -377,6 +380,11 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
                                                        key=branch.key)
             origin = {"path": branch.path, "step": int(read_checkpoint_metadata(branch.path)["step"]),
                       "optimizer_state": branch.optimizer_state}
+        elif hf_init_path(config) is not None:  # weights from a Hugging Face checkpoint; the optimizer's are fresh
+            from levanter.compat import load_hf_weights
+
+            state = eqx.tree_at(lambda s: s.model, state, load_hf_weights(state.model, hf_init_path(config)))
+            origin = {"hf_checkpoint": hf_init_path(config)}
     if start_step >= tcfg.num_train_steps:
         # Nothing to train: say so rather than exit 0 silently (the metrics and checkpoints stay as they are).
         if jax.process_index() == 0:
@@ -396,13 +404,17 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
     tracker.log_hyperparameters({**_config_dict(config), **({"initialized_from": origin} if origin else {})})
     checkpointer = tcfg.checkpointer.create(
         run_id,
-        metadata={"data_schedule": record, **({"initialized_from": origin} if origin else {})},
+        metadata={"data_schedule": record, **model_record(config, Vocab.size),
+                  **({"initialized_from": origin} if origin else {})},
         barrier=barrier if jax.process_count() > 1 else None,
         process_index=jax.process_index(),
     )
     # A run resumed from a checkpoint finds the metrics of every step before it, also where the tracker
     # buffers (the JSON tracker on an object store uploads its file at a flush, not per line).
     checkpointer.before_save = tracker.flush
+    exporter = hf_exporter(config, run_id)  # hf_save_path: step-N exports beside the checkpoints
+    if exporter is not None:
+        checkpointer = exporter.wrap(checkpointer)
     loader = DataLoader(train_set, schedule, mesh=trainer.mesh, data_axis="data", prefetch_depth=config.prefetch_depth,
                         provenance=True)
     flops_per_token = config.model.flops_per_token(Vocab.size)

@@ -1,0 +1,228 @@
+"""Hugging Face import and export (levanter.compat.hf_checkpoints, train_lm's initialize_from_hf and
+hf_save_path, export_lm_to_hf), against real ``transformers`` models on CPU, offline.
+
+Tiny random GPT-2 and Llama models (grouped-query attention, tied and untied heads, a non-default rope
+theta) are made by ``transformers`` once per module; our import must give transformers' logits on the
+same tokens (float32, max abs difference < 1e-4), an export must load in transformers and give ours, and
+export -> import is bit-identical. One short training run serves several assertions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import haliax as hax
+
+from levanter.compat import load_hf_checkpoint, load_hf_config, save_hf_checkpoint
+from levanter.models import Gpt2Config, LlamaConfig
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 260  # >= the byte tokenizer's 257, so that train_lm can start from the Llama
+TOKENS = np.random.RandomState(0).randint(0, VOCAB, (2, 12))
+
+
+def hf_configs():
+    quiet = dict(bos_token_id=0, eos_token_id=0)
+    return {
+        "gpt2": transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=VOCAB,
+                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **quiet),
+        "llama-gqa-untied": transformers.LlamaConfig(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=VOCAB, rope_theta=5000.0, max_position_embeddings=64, rms_norm_eps=1e-5, **quiet),
+        "llama-tied": transformers.LlamaConfig(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+            vocab_size=VOCAB, tie_word_embeddings=True, max_position_embeddings=64, **quiet),
+    }
+
+
+def torch_logits(model) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(TOKENS)).logits.numpy()
+
+
+def our_logits(model) -> np.ndarray:
+    B, Pos = hax.Axis("batch", TOKENS.shape[0]), hax.Axis("position", TOKENS.shape[1])
+    out = model(hax.named(jax.numpy.asarray(TOKENS), (B, Pos)))
+    return np.asarray(out.rearrange((B, Pos, out.resolve_axis("vocab"))).array)
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    """name -> (directory of a saved random transformers model, its logits on TOKENS)."""
+    root = tmp_path_factory.mktemp("hf")
+    torch.manual_seed(0)
+    out = {}
+    for name, cfg in hf_configs().items():
+        model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        model.save_pretrained(root / name)
+        out[name] = (str(root / name), torch_logits(model))
+    return out
+
+
+@pytest.fixture(scope="module")
+def imported(hf_dirs):
+    return {name: load_hf_checkpoint(d) for name, (d, _) in hf_dirs.items()}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa-untied", "llama-tied"])
+def test_import_gives_transformers_logits(name, hf_dirs, imported):
+    config, model = imported[name]
+    assert isinstance(config, Gpt2Config if name == "gpt2" else LlamaConfig)
+    if name == "llama-gqa-untied":
+        assert (config.num_kv_heads, config.rope_theta, config.tie_word_embeddings) == (2, 5000.0, False)
+        assert model.lm_head is not None
+    if name == "llama-tied":
+        assert config.tie_word_embeddings and model.lm_head is None
+    assert jax.tree.leaves(model)[0].dtype == np.float32
+    diff = np.abs(our_logits(model) - hf_dirs[name][1]).max()
+    assert diff < 1e-4, diff
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa-untied"])
+def test_export_loads_in_transformers_and_imports_bit_identically(name, hf_dirs, imported, tmp_path):
+    config, model = imported[name]
+    out = tmp_path / "out"
+    # Sharded: a limit below the model's size gives several files and the index transformers reads.
+    save_hf_checkpoint(model, config, str(out), max_shard_size=40_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and all((out / f).is_file() for f in shards)
+    assert not (out / "model.safetensors").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert np.abs(torch_logits(reloaded) - hf_dirs[name][1]).max() < 1e-4
+    config2, model2 = load_hf_checkpoint(str(out))
+    assert config2 == config
+    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(model2)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    # Written again over an export: replaced whole (single file now), never merged with the old shards.
+    save_hf_checkpoint(model, config, str(out))
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_bfloat16_export_loads_in_transformers(hf_dirs, imported, tmp_path):
+    config, model = imported["llama-tied"]
+    save_hf_checkpoint(model, config, str(tmp_path / "bf16"), dtype="bfloat16")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16"))
+    assert reloaded.dtype == torch.bfloat16
+    _, ours = load_hf_checkpoint(str(tmp_path / "bf16"))
+    assert np.abs(our_logits(ours) - hf_dirs["llama-tied"][1]).max() < 0.1  # bfloat16 rounding only
+
+
+def test_offline_hub_id_fails_fast_with_one_paragraph(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    from levanter.compat.hf_checkpoints import _hub_unreachable
+
+    if _hub_unreachable() is None:
+        pytest.skip("the hub resolves here: this test is about machines without network")
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError) as e:
+        load_hf_config("some-org/some-model")
+    assert time.perf_counter() - t0 < 5.0
+    message = str(e.value)
+    assert "'some-org/some-model'" in message and "unreachable" in message and "\n" not in message
+
+
+def test_config_refusals_name_the_field(tmp_path):
+    def write(doc):
+        d = tmp_path / str(len(list(tmp_path.iterdir())))
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(doc))
+        return str(d)
+
+    llama = hf_configs()["llama-gqa-untied"].to_dict()
+    with pytest.raises(ValueError, match="rope_parameters.*'yarn'"):
+        load_hf_config(write({**llama, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}))
+    with pytest.raises(ValueError, match="attention_bias"):
+        load_hf_config(write({**llama, "attention_bias": True}))
+    with pytest.raises(ValueError, match="model_type 'mistral'"):
+        load_hf_config(write({**llama, "model_type": "mistral"}))
+    linear = load_hf_config(write({**llama, "rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}))
+    assert linear.rope_theta_and_factor == (1e4, 2.0)
+
+
+@pytest.fixture(scope="module")
+def trained(hf_dirs, tmp_path_factory):
+    """One train_lm run from the untied GQA Llama (byte tokenizer, embedded corpus), exporting at steps 2 and 3."""
+    from levanter.checkpoint import CheckpointerConfig, CheckpointInterval
+    from levanter.data.config import UrlSingleDatasetLMConfig
+    from levanter.main import train_lm
+    from levanter.optim import AdamConfig
+    from levanter.tracker import JsonConfig
+    from levanter.trainer import TrainerConfig
+
+    tmp = tmp_path_factory.mktemp("hf-train")
+    config = train_lm.TrainLmConfig(
+        data=UrlSingleDatasetLMConfig(train_urls=["embedded://python-docs/validation"], tokenizer="byte",
+                                      cache_dir=str(tmp / "cache")),
+        # Shape keys left at their defaults: they come from the checkpoint; the run settings are the YAML's.
+        model=LlamaConfig(seq_len=32, gradient_checkpointing=False, scan_layers=False),
+        trainer=TrainerConfig(num_train_steps=3, train_batch_size=8, require_accelerator=False, id="hf", mp="f32",
+                              log_dir=str(tmp / "logs"), tracker=JsonConfig(), steps_per_eval=100,
+                              checkpointer=CheckpointerConfig(base_path=str(tmp / "ckpt"),
+                                                              keep=[CheckpointInterval(every=100)])),
+        optimizer=AdamConfig(learning_rate=1e-4, warmup=0.0, weight_decay=0.0, lr_schedule="constant"),
+        initialize_from_hf=hf_dirs["llama-gqa-untied"][0],
+        hf_save_path=str(tmp / "hf-out"),
+        hf_save_steps=2,
+        prefetch_depth=2,
+    )
+    summary = train_lm.main(config)
+    return tmp, summary
+
+
+@pytest.mark.slow
+def test_training_starts_from_the_hf_weights_and_exports_what_it_trained(trained, hf_dirs, imported, tmp_path):
+    from levanter.checkpoint import read_checkpoint_metadata
+    from levanter.main import export_lm_to_hf
+
+    tmp, summary = trained
+    assert summary["final_step"] == 3
+    exports = tmp / "hf-out" / "hf"
+    assert sorted(p.name for p in exports.iterdir()) == ["step-2", "step-3"]
+    _, start = imported["llama-gqa-untied"]
+    config3, step3 = load_hf_checkpoint(str(exports / "step-3"))
+    assert (config3.num_kv_heads, config3.rope_theta, config3.hidden_dim) == (2, 5000.0, 32)
+    # Three Adam steps of 1e-4 move each weight by at most ~3e-4 from where it started: the run began from
+    # the checkpoint's weights (another initialisation would differ by ~0.05), and trained them.
+    moved = [np.abs(np.asarray(a) - np.asarray(b)).max() for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(step3))]
+    assert max(moved) < 2e-3 and max(moved) > 0
+    # The export loads in transformers and computes what our model computes.
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(exports / "step-3")).eval()
+    assert np.abs(torch_logits(reloaded) - our_logits(step3)).max() < 1e-4
+    # The checkpoint records its model; export_lm_to_hf needs nothing else and writes the same weights.
+    ckpt = tmp / "ckpt" / "hf" / "step-3"
+    record = read_checkpoint_metadata(str(ckpt))["metadata"]
+    assert record["model"]["type"] == "llama" and record["vocab_size"] == VOCAB
+    assert record["initialized_from"] == {"hf_checkpoint": hf_dirs["llama-gqa-untied"][0]}
+    export_lm_to_hf.cli(["--checkpoint_path", str(tmp / "ckpt" / "hf"), "--output_dir", str(tmp_path / "x")])
+    _, again = load_hf_checkpoint(str(tmp_path / "x"))
+    for a, b in zip(jax.tree.leaves(step3), jax.tree.leaves(again)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    assert (tmp_path / "x" / "model.safetensors").read_bytes() == (exports / "step-3" / "model.safetensors").read_bytes()
+
+
+def test_run_model_keys_that_disagree_with_the_checkpoint_are_refused(hf_dirs):
+    from levanter.compat import merge_hf_model_config
+
+    path = hf_dirs["gpt2"][0]
+    merged, vocab = merge_hf_model_config(Gpt2Config(seq_len=16, attn_backend="vanilla"), path)
+    assert (merged.hidden_dim, merged.num_layers, merged.seq_len, merged.attn_backend, vocab) == (32, 2, 16, "vanilla", VOCAB)
+    with pytest.raises(ValueError, match="model.hidden_dim=48 disagrees"):
+        merge_hf_model_config(Gpt2Config(seq_len=16, hidden_dim=48, num_heads=4), path)
+    with pytest.raises(ValueError, match="model.type is llama"):
+        merge_hf_model_config(LlamaConfig(seq_len=16), path)
+    assert merge_hf_model_config(Gpt2Config(seq_len=16, hidden_dim=48, num_heads=4), path,
+                                 use_hf_model_config=True)[0].hidden_dim == 32
+    with pytest.raises(ValueError, match="exceeds the 64 learned positions"):
+        merge_hf_model_config(Gpt2Config(seq_len=128), path)
+    assert os.path.isdir(path)
