@@ -269,14 +269,33 @@ def load_yaml(path: str) -> dict:
 
 
 # -- parsing -------------------------------------------------------------------------------------------------
-def parse_config(config_class: type[T], config_path: str | None = None, args: Sequence[str] = ()) -> T:
-    """Parse ``config_path`` (if given) plus dotted overrides ``args`` into ``config_class``."""
+def parse_config(
+    config_class: type[T],
+    config_path: str | None = None,
+    args: Sequence[str] = (),
+    *,
+    section: str | None = None,
+    extra: dict | None = None,
+) -> T:
+    """Parse ``config_path`` (if given) plus dotted overrides ``args`` into ``config_class``.
+
+    ``section``: the file holds only that section of the config (a data-only file read as ``data``);
+    ``extra``: keys set besides the file's (``{"trainer": {"num_train_steps": 100}}``), under the
+    command-line overrides."""
     args = list(args)
+    if "--help" in args or "-h" in args:
+        _print_help_for(config_class)
+        raise SystemExit(0)
     raw: dict = {}
     checked = None
     try:
         if config_path is not None:
             raw = load_yaml(config_path)
+        if section is not None:
+            raw = {section: raw}
+        for key, value in (extra or {}).items():
+            raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
+        if raw or config_path is not None:
             # draccus is given the mapping checked above (includes spliced in, duplicates refused), as a
             # local file, rather than reading the original itself.
             with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False, encoding="utf-8") as tmp:
@@ -655,12 +674,41 @@ def main(fn: Callable[[T], object]) -> Callable[..., object]:
     def wrapper(config: T | None = None, argv: Sequence[str] | None = None):
         if config is not None:
             return fn(config)
+        args = sys.argv[1:] if argv is None else list(argv)
+        if "--help" in args or "-h" in args:
+            print_help(sys.modules[fn.__module__])
+            raise SystemExit(0)
         try:
-            path, rest = split_config_path(sys.argv[1:] if argv is None else argv)
+            path, rest = split_config_path(args)
             cfg = parse_config(config_class, path, rest)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
         return fn(cfg)
 
+    wrapper.config_class = config_class  # type: ignore[attr-defined]  # for --help and the config reference
     return wrapper
+
+
+def _print_help_for(config_class) -> None:
+    """``--help`` for a command that parses ``config_class``: the running module's, where it documents that
+    class, else a listing of the class's keys."""
+    from .config_doc import EntryPoint, entry_point, format_help
+
+    module = sys.modules.get("__main__")
+    try:
+        entry = entry_point(module)
+    except (ValueError, TypeError):
+        entry = None
+    if entry is None or entry.config_class is not config_class:
+        name = getattr(getattr(module, "__spec__", None), "name", None) or "levanter"
+        entry = EntryPoint(name, (config_class.__doc__ or "").strip().split("\n")[0], config_class)
+    print(format_help(entry), end="")
+
+
+def print_help(module) -> None:
+    """Print ``--help`` for the command module ``module``: every key once, with its type, default and the
+    comment above its dataclass field (:mod:`levanter.config_doc`)."""
+    from .config_doc import entry_point, format_help
+
+    print(format_help(entry_point(module)), end="")

@@ -55,12 +55,19 @@ def detected_cluster() -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
+    """Multi-process start-up: explicit settings, or what a cluster launcher (SLURM, MPI, TPU) provides."""
+
+    # host:port of process 0's coordinator; null: from the cluster launcher, if any.
     coordinator_address: Optional[str] = None
+    # Processes in the run; null: from the cluster launcher.
     num_processes: Optional[int] = None
+    # This process's index in [0, num_processes); null: from the cluster launcher.
     process_id: Optional[int] = None
+    # Local devices this process uses (one id or a list); null: all of them.
     local_device_ids: Optional[Union[int, List[int]]] = None
     # None: initialise when explicit settings are given or a cluster launch is detected.
     initialize_jax_distributed: Optional[bool] = None
+    # Seconds to wait for every process to join before giving up with an error.
     initialization_timeout: int = 300
 
     @property

@@ -17,6 +17,7 @@ from typing import Dict, Optional, Union
 
 import jax
 
+from levanter.config_doc import check_refused, refused
 from levanter.data.config import DataConfig, UrlSingleDatasetLMConfig
 from levanter.models import LlamaConfig, LmConfig
 from levanter.optim import AdamConfig, OptimizerConfig
@@ -26,12 +27,19 @@ from levanter.utils import fs
 
 @dataclasses.dataclass(frozen=True)
 class TrainLmConfig:
+    # The training (and validation) data: one source, or a mixture of named sources.
     data: DataConfig = dataclasses.field(default_factory=UrlSingleDatasetLMConfig)
+    # Steps, batch sizes, evaluation, checkpoints, trackers, devices.
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    # The architecture (type: gpt2 or llama) and its sizes.
     model: LmConfig = dataclasses.field(default_factory=LlamaConfig)
+    # The optimizer and its learning-rate schedule.
     optimizer: OptimizerConfig = dataclasses.field(default_factory=AdamConfig)
+    # Weight of the z-loss (the squared log-sum-exp of each position's logits) added to the loss; 0: none.
     z_loss_weight: float = 0.0
+    # Seed of the data order (shuffles, mixture draws); null: derived from trainer.seed.
     data_seed: Optional[int] = None
+    # Batches the loader reads ahead of the step being trained; 0: read each batch when it is needed.
     prefetch_depth: int = 8
     # Also hash each step's token content into data/fingerprint (single-process runs only).
     fingerprint_tokens: bool = False
@@ -56,15 +64,19 @@ class TrainLmConfig:
     hf_save_steps: int = 10000
     # dtype of the exported weights: float32, bfloat16 or float16 (default: the parameters' own).
     hf_save_dtype: Optional[str] = None
-    # Accepted so upstream configs parse; refused if set (not built).
+    # Upstream's epoch count; refused if set: the data repeats by data.stop_strategy instead.
     epoch: int = 0
+    # Upstream's lm-eval-harness tasks; refused if set (the harness is not built here).
     eval_harness: Optional[Dict] = None
-    eval_harness_steps: int = 10000
+    # Steps between lm-eval-harness runs (upstream); refused if set, as eval_harness is.
+    eval_harness_steps: int = refused("the lm-eval-harness is not built here; remove the key", default=10000)
+    # Upstream logs the entropy of the predictions; refused if set.
     log_entropy: bool = False
 
 
 def validate(config: TrainLmConfig):
     """Every check that needs no data and no compile; errors name the config key. Returns the tokenizer."""
+    check_refused(config)  # keys accepted from upstream configs, set to what is not built here
     check_hf_keys(config)
     for name in ("eval_harness", "log_entropy"):
         value = getattr(config, name)

@@ -124,7 +124,9 @@ class StepSchedule(Generic[T]):
 class ScheduleStep:
     """From training step ``start`` on (inclusive), the schedule's value is ``value``."""
 
+    # The first step (inclusive) this value applies to.
     start: int
+    # The value from that step on (a batch size, in sequences).
     value: int
 
 

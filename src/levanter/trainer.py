@@ -40,6 +40,7 @@ import optax
 from jax.sharding import Mesh
 
 from .config import parse_timedelta
+from .config_doc import refused
 from .checkpoint import (
     METADATA_FILENAME,
     CheckpointerConfig,
@@ -88,54 +89,97 @@ def peak_flops_per_device(device) -> Optional[float]:
 
 @dataclasses.dataclass(frozen=True)
 class RayConfig:
-    """Accepted for upstream config compatibility; this fork needs no Ray."""
+    """Upstream's Ray settings: training here needs no Ray cluster."""
 
+    # Address of a Ray cluster to connect to; null: none (training starts no Ray).
     address: Optional[str] = None
-    start_workers: bool = True
-    auto_start_cluster: bool = False
+    # Upstream starts Ray workers on each host; training here never does.
+    start_workers: bool = refused("training here starts no Ray workers; remove the key", default=True)
+    # Upstream starts a local Ray cluster when none is found; training here never does.
+    auto_start_cluster: bool = refused("training here starts no Ray cluster; remove the key", default=False)
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig:
+    """The training loop: steps and batches, evaluation, checkpoints, trackers, devices and sharding."""
+
+    # Seed of the model's initialisation (and of the data order when data_seed is null), in [0, 2**32).
     seed: int = 0
+    # Mixed-precision policy (jmp): f32, bfloat16, or e.g. p=f32,c=bfloat16 (parameters, compute, output).
     mp: str = "f32"
+    # Optimizer steps of the run (the learning-rate schedule spans them).
     num_train_steps: int = 400_000
+    # Sequences per step: a number, or a schedule [{start: step, value: size}, ...] from step 0.
     train_batch_size: Union[int, List[ScheduleStep]] = 512
+    # Sequences per device per microbatch (gradient accumulation); -1: the whole batch at once.
     per_device_parallelism: int = -1
+    # Sequences per device per evaluation batch; -1: the first training batch size in total.
     per_device_eval_parallelism: int = -1
+    # Evaluate every this many steps (and at the end, and at each mixture stage's start).
     steps_per_eval: int = 1000
+    # Batches per evaluation of each validation source; null: the whole validation set.
     max_eval_batches: Optional[int] = None
+    # Where metrics go: one tracker section (type: json, tensorboard, wandb, noop) or a list of them.
     tracker: Union[TrackerConfig, Tuple[TrackerConfig, ...]] = dataclasses.field(default_factory=JsonConfig)
+    # When checkpoints are saved and which are kept.
     checkpointer: CheckpointerConfig = dataclasses.field(default_factory=CheckpointerConfig)
+    # null: resume from the run's latest checkpoint if there is one; true: require one; false: start fresh.
     load_checkpoint: Optional[bool] = None
+    # Resume from this checkpoint (a step-N directory, or a directory of them) instead of the run's own.
     load_checkpoint_path: Optional[str] = None
     # Another run's checkpoint (a step-N directory, or a run directory for its latest) that starts this run:
     # its weights and optimizer state, at step 0 under this run's data and learning-rate schedules.
     initialize_from: Optional[str] = None
+    # The run's id (names its checkpoint and log directories; the same id resumes); null: a generated one.
     id: Optional[str] = None
+    # Directory of the trackers' local files (each run in a subdirectory named by its id).
     log_dir: str = "logs/"
     # Wall time between progress lines when the output is not a terminal (e.g. 30s, 5m; 0: every step).
     progress_interval: datetime.timedelta = datetime.timedelta(seconds=30)
-    # mesh and sharding
+    # Name of the batch axis, sharded over the mesh's data axis.
     batch_axis: str = "batch"
+    # Parameter axes sharded over the data axis (fully sharded data parallelism); null: replicated.
     fsdp_axis: Optional[Union[str, List[str]]] = "embed"
+    # Axes sharded over the mesh's model axis (tensor parallelism), e.g. [mlp, heads].
     tensor_parallel_axes: Optional[List[str]] = None
+    # Devices on the model (tensor-parallel) axis; the others form the data axis. Must divide the devices.
     model_axis_size: int = 1
+    # Extra axis -> mesh axis mappings for the computation (added to the ones above).
     axis_resources: Dict[str, Union[str, List[str]]] = dataclasses.field(default_factory=dict)
+    # Extra axis -> mesh axis mappings for the parameters (added to the ones above).
     parameter_axis_resources: Dict[str, Union[str, List[str]]] = dataclasses.field(default_factory=dict)
+    # Refuse to train on CPUs only (set false to train on CPU deliberately).
     require_accelerator: bool = True
+    # Stop the run at a NaN loss, gradient norm or update (never applied); false: skip such steps.
     crash_on_nan: bool = True
+    # Stop the run at an infinite loss or gradient norm (never applied); false: skip such steps.
     crash_on_inf: bool = True
-    allow_nondivisible_batch_size: bool = False
+    # Upstream pads a batch that the data-parallel size does not divide; such a batch is refused here.
+    allow_nondivisible_batch_size: bool = refused(
+        "batches are never padded here; use a train_batch_size divisible by the data-parallel size",
+        default=False,
+    )
+    # Multi-process start-up (jax.distributed): coordinator, process count and id.
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
-    # accepted for upstream compatibility
+    # Upstream's Ray settings (training here starts no Ray).
     ray: RayConfig = dataclasses.field(default_factory=RayConfig)
-    shutdown_at_exit: bool = False
-    log_jaxprs: bool = False
-    log_xla_hlo: bool = False
+    # Upstream shuts the machine down when the run ends; never done here.
+    shutdown_at_exit: bool = refused("the machine is never shut down by a run; remove the key", default=False)
+    # Upstream logs the train step's jaxpr to the tracker; not done here.
+    log_jaxprs: bool = refused(
+        "jaxprs are not logged; remove the key (XLA_FLAGS=--xla_dump_to=DIR dumps programs)", default=False
+    )
+    # Upstream logs the train step's compiled HLO to the tracker; not done here.
+    log_xla_hlo: bool = refused(
+        "HLO is not logged; remove the key (XLA_FLAGS=--xla_dump_to=DIR dumps it)", default=False
+    )
+    # JAX options set before the run ({option: value}, as jax.config.update takes them).
     jax_config: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Directory of JAX's persistent compilation cache (a rerun skips compiles); null: none.
     jax_compilation_cache_dir: Optional[str] = None
+    # Upstream's replica axis within a slice (hybrid sharding); only 1 is supported.
     replica_ici_axis_size: int = 1
+    # Upstream's replica axis across slices (hybrid sharding); only 1 is supported.
     replica_dcn_axis_size: int = 1
 
     # -- derived -------------------------------------------------------------------------------------
@@ -181,8 +225,7 @@ class TrainerConfig:
         dp = self.data_axis_size
         for seg in sched.segments:
             if seg.value % dp:
-                # allow_nondivisible_batch_size (upstream pads such batches) only permits; nothing is padded
-                # here, so a batch that does not divide is refused either way.
+                # Upstream pads such batches (allow_nondivisible_batch_size, refused here); nothing is padded.
                 raise ValueError(
                     f"trainer.train_batch_size: batch size {seg.value} (from step {seg.start}) is not divisible by "
                     f"the data-parallel size {dp} ({jax.device_count()} devices / model_axis_size "

@@ -53,7 +53,9 @@ class CheckpointInterval:
     its own ``until``.
     """
 
+    # Keep the checkpoint of every step that is a multiple of this.
     every: int
+    # ... for steps below this one; null: for every later step (only the last interval may say so).
     until: Optional[int] = None
 
     def __post_init__(self):
@@ -102,6 +104,7 @@ class CheckpointerConfig:
     """Wall time between temporary checkpoints (YAML: ``15m``, ``30s``, ``1h``, or seconds)."""
     keep: list[CheckpointInterval] = field(default_factory=lambda: [CheckpointInterval(every=10000)])
     """Which steps get permanent checkpoints."""
+    # Checkpoints go to <base_path>/<run id>/step-N; false: to <base_path>/step-N.
     append_run_id_to_base_path: bool = True
     delete_old_temp_checkpoints: bool = True
     """On startup, schedule temporary checkpoints left by earlier attempts of this run for deletion

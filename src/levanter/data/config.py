@@ -24,6 +24,7 @@ import logging
 import re
 from typing import Dict, List, Optional, Tuple, Union
 
+from ..config_doc import check_refused, refused
 from ..schedule import BatchSchedule, as_int
 from ..utils import fs
 from ._prp import derive_seed, seed_from_key
@@ -39,7 +40,9 @@ logger = logging.getLogger(__name__)
 class TextLmDatasetFormat:
     """``format: {type: text, text_key: ...}`` as upstream writes it; only plain text is supported."""
 
+    # The document format: only text (one string per document) is read here.
     type: str = "text"
+    # The field of each input record (JSON line, Parquet column) that holds the document's text.
     text_key: str = "text"
 
 
@@ -51,20 +54,31 @@ class LMDatasetSourceConfig:
     reachable), resolved to the files of its ``train_split`` / ``validation_split`` by
     :func:`~levanter.ingest.hf_data_files`."""
 
+    # Training input files: paths, fsspec URLs (gs://, s3://), globs, {a,b} braces or embedded://NAME/SPLIT.
     train_urls: List[str] = dataclasses.field(default_factory=list)
+    # Validation input files, in the same forms; empty: no evaluation on this source.
     validation_urls: List[str] = dataclasses.field(default_factory=list)
+    # This source's token cache directory; null: <data.cache_dir>/<source name> (a mixture's source).
     cache_dir: Optional[str] = None
     # Labels for evaluation: eval/<tag>/loss and eval/<tag>/bpb average over the sources carrying a tag.
     tags: Optional[List[str]] = None
+    # Upstream's document format section (type: text, text_key); text_key given directly wins.
     format: Optional[TextLmDatasetFormat] = None
+    # The field holding each document's text; null: format.text_key, else data.text_key, else "text".
     text_key: Optional[str] = None
+    # A Hugging Face dataset instead of urls: a hub id, a save_to_disk directory or a data-file directory.
     id: Optional[str] = None
+    # The Hugging Face dataset's configuration name, used with id (null: its default configuration).
     name: Optional[str] = None
     # The split of the Hugging Face dataset (id) to train on.
     train_split: str = "train"
     # The split of the Hugging Face dataset (id) to evaluate on; a dataset without it has no validation set.
     validation_split: str = "validation"
-    stream: bool = True
+    # Stream the Hugging Face dataset rather than download it (upstream, with id); refused if set.
+    stream: bool = refused(
+        "files are read one at a time here (a hub dataset's files are downloaded first); remove the key",
+        default=True,
+    )
 
     def resolved_text_key(self, default: Optional[str]) -> str:
         """The source's ``text_key``, else its ``format.text_key``, else the task-level one, else "text"."""
@@ -94,15 +108,26 @@ class LMDatasetSourceConfig:
 class LMTaskConfig:
     """Settings shared by single-source and mixture data configs (upstream names)."""
 
+    # Tokenizer: a Hugging Face name or local directory, "byte" (256 byte values) or "passthrough".
     tokenizer: str = "gpt2"
+    # Vocabulary size, needed by the passthrough tokenizer (token ids read as they are).
     vocab_size: Optional[int] = None
+    # Where token caches are built and found (a mixture's sources in subdirectories by name).
     cache_dir: Optional[str] = "cache/"
+    # How caches are built: the backend (process pool or Ray), tokenizer workers, documents per batch.
     cache_options: CacheOptions = dataclasses.field(default_factory=CacheOptions)
+    # Append the tokenizer's end-of-sequence token to every document that lacks it.
     enforce_eos: bool = True
+    # The field holding each document's text, for sources that name none; null: "text".
     text_key: Optional[str] = None
+    # Shuffle the training data: true (a full permutation), an int (shuffle within eras of that many
+    # sequences), or false (read in order). A change alters every step's data: a resumed run refuses it.
     shuffle: Union[bool, int] = False
+    # Upstream's permutation kind: feistel (used here) or linear (accepted; a Feistel permutation is used).
     permutation_type: Optional[str] = None
+    # Upstream's token id excluded from the loss; refused if set.
     ignore_token_id: Optional[int] = None
+    # Upstream's chat template for chat-formatted data; refused if set (plain text only).
     chat_template: Optional[str] = None
 
     # -- shared machinery --------------------------------------------------------------------------
@@ -115,6 +140,7 @@ class LMTaskConfig:
             raise ValueError(f"data.tokenizer: {e}") from None
 
     def _check_task_fields(self) -> None:
+        check_refused(self, "data")  # keys accepted from upstream configs, set to what is not built here
         try:
             self.cache_options.check()
         except ValueError as e:
@@ -253,13 +279,21 @@ TrainWeights = Union[Dict[str, float], List[Tuple[int, Dict[str, float]]]]
 class LMMixtureDatasetConfig(LMTaskConfig):
     """A mixture of named sources; ``train_weights`` stages are in **training steps**."""
 
+    # The sources, by name (a name is also the subdirectory of data.cache_dir holding its cache).
     configs: Dict[str, LMDatasetSourceConfig] = dataclasses.field(default_factory=dict)
+    # Each source's weight: {name: weight}, or stages [[start_step, {name: weight}], ...] in training steps.
     train_weights: TrainWeights = dataclasses.field(default_factory=dict)
+    # When a source runs out: restart (wrap it), first_exhausted (stop the data), all_exhausted.
     stop_strategy: str = "restart"
+    # Sequences per block whose composition is fixed by the weights; null: one block per batch (exact).
     mixture_block_size: Optional[int] = 2048
+    # Upstream's token budget for sub-sampling sources; refused if set.
     target_budget: Optional[int] = None
+    # Upstream's experiment token budget (with target_budget); refused if set.
     experiment_budget: Optional[int] = None
+    # Upstream's per-source cap on training batches; refused if set.
     max_train_batches: Optional[Dict[str, int]] = None
+    # Upstream's per-source cap on validation sequences; refused if set.
     num_validation_sequences: Optional[Dict[str, int]] = None
 
     def stages(self) -> list:

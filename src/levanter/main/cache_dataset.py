@@ -18,11 +18,22 @@ from collections.abc import Sequence
 import draccus
 
 from ..config import ConfigError, describe_error, load_yaml, split_config_path
+from ..config_doc import EntryPoint, format_help
 from ..data.config import DataConfig, LMMixtureDatasetConfig
 from ..errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError
 from ..utils import fs
 
 logger = logging.getLogger(__name__)
+
+
+# ``--help`` and docs/reference/config.md: the data section's keys, at the top level of a data-only config.
+CONFIG_DOC = EntryPoint(
+    "levanter.main.cache_dataset",
+    "Build token caches ahead of training.",
+    DataConfig,
+    note="The config is a data-only config (the keys below at the top level) or a whole train_lm config "
+    "(the same keys under data:, overridden as --data.KEY; the other sections are not read).",
+)
 
 
 def _override_tree(args: Sequence[str], prefix: str) -> dict:
@@ -112,8 +123,12 @@ def main(config: DataConfig) -> dict:
 
 
 def cli(argv: Sequence[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--help" in argv or "-h" in argv:
+        print(format_help(CONFIG_DOC), end="")
+        raise SystemExit(0)
     try:
-        path, rest = split_config_path(sys.argv[1:] if argv is None else argv)
+        path, rest = split_config_path(argv)
         if path is None:
             raise ConfigError("--config_path is required: give a train_lm or data-only config (YAML)")
         config = load_data_config(path, rest)

@@ -7,6 +7,9 @@ Other ``--a.b value`` arguments override the config as in ``train_lm``.
 
 ``X`` is a whole ``train_lm`` config: the plan needs ``trainer.train_batch_size``,
 ``trainer.num_train_steps``, ``trainer.seed`` / ``data_seed`` and ``model.seq_len`` as well as ``data``.
+A data-only config (the ``data:`` section alone, as ``cache_dataset`` takes) is planned with
+``--batch_size N --num_train_steps N`` (both required then) and ``--seq_len N`` (default: train_lm's
+default model's); its overrides are written without the ``data.`` prefix (``--cache_dir /tmp/c``).
 The training set is built exactly as ``train_lm`` builds it (same ``train_set`` call, same key from
 the same :func:`levanter.lm_config.data_key`), so the plan is what training will read. Building it needs
 the sources' lengths, so missing token caches are built first (as training would); no accelerator
@@ -236,27 +239,109 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"command line: {message}")
 
 
+def config_doc():
+    """``--help`` and docs/reference/config.md: the options above, then train_lm's keys."""
+    from levanter.config_doc import EntryPoint, FieldDoc
+    from levanter.lm_config import TrainLmConfig
+
+    def opt(key, type_, default, text):
+        return FieldDoc(key, type_, default, text)
+
+    return EntryPoint(
+        "levanter.main.data_schedule",
+        __doc__.split("\n")[0],
+        TrainLmConfig,
+        options=[
+            opt("config_path", "str", "(required)", "a train_lm config, or a data-only config (YAML)"),
+            opt("steps", "int or null", "null", "steps to plan; null: trainer.num_train_steps"),
+            opt("dump", "START:END FILE.jsonl", "null",
+                "write one JSON line per position of steps [START, END): global index, source, source "
+                "index, store row"),
+            opt("plot", "FILE.png", "null", "plot the per-step composition by source (needs matplotlib)"),
+            opt("batch_size", "int or null", "null",
+                "sequences per step (sets trainer.train_batch_size); required with a data-only config"),
+            opt("num_train_steps", "int or null", "null",
+                "steps of the run (sets trainer.num_train_steps); required with a data-only config"),
+            opt("seq_len", "int or null", "null",
+                "tokens per sequence (sets model.seq_len); default: the config's, or train_lm's default "
+                "model's for a data-only config"),
+        ],
+        note="The config's keys are train_lm's (below). A data-only config holds the data section's keys "
+        "at the top level, and its overrides drop the data. prefix (--cache_dir /tmp/c).",
+    )
+
+
+def _is_data_only(raw: dict) -> bool:
+    """A config whose top level holds none of ``TrainLmConfig``'s keys: the ``data`` section alone."""
+    import dataclasses
+
+    from levanter.lm_config import TrainLmConfig
+
+    return bool(raw) and not set(raw) & {f.name for f in dataclasses.fields(TrainLmConfig)}
+
+
+def load_config(config_path: str, overrides: Sequence[str], *, batch_size=None, num_train_steps=None,
+                seq_len=None):
+    """The ``TrainLmConfig`` to plan: ``config_path`` is a whole train_lm config, or a data-only config
+    (then ``batch_size`` and ``num_train_steps`` are required); the three options override the config."""
+    from levanter.config import load_yaml
+    from levanter.lm_config import TrainLmConfig
+
+    extra: dict = {}
+    if batch_size is not None or num_train_steps is not None:
+        extra["trainer"] = {}
+    if batch_size is not None:
+        extra["trainer"]["train_batch_size"] = batch_size
+    if num_train_steps is not None:
+        extra["trainer"]["num_train_steps"] = num_train_steps
+    if seq_len is not None:
+        extra["model"] = {"seq_len": seq_len}
+    if not _is_data_only(load_yaml(config_path)):
+        overrides = [*overrides] + [f"--{k}.{n}={v}" for k, d in extra.items() for n, v in d.items()]
+        return parse_config(TrainLmConfig, config_path, overrides)
+    # train_lm's default model; the plan reads only its seq_len.
+    extra["model"] = {"type": "llama", **extra.get("model", {})}
+    given = (("--batch_size", batch_size), ("--num_train_steps", num_train_steps))
+    missing = [option for option, value in given if value is None]
+    if missing:
+        raise ConfigError(
+            f"{config_path} is a data-only config (no trainer or model section): give "
+            f"{' and '.join(missing)} to plan it (and --seq_len, default 2048), or pass a whole train_lm config"
+        )
+    data_overrides = [f"--data.{a[2:]}" if a.startswith("--") else a for a in overrides]
+    return parse_config(TrainLmConfig, config_path, data_overrides, section="data", extra=extra)
+
+
 def cli(argv: Optional[Sequence[str]] = None) -> dict:
     # allow_abbrev=False: config overrides such as --data.cache_dir must never be taken for our options.
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--help" in argv or "-h" in argv:
+        from levanter.config_doc import format_help
+
+        print(format_help(config_doc()), end="")
+        raise SystemExit(0)
     parser = _Parser(
-        prog="python -m levanter.main.data_schedule", description=__doc__.split("\n")[0], allow_abbrev=False
+        prog="python -m levanter.main.data_schedule", description=__doc__.split("\n")[0], allow_abbrev=False,
+        add_help=False,
     )
     # --config_path is taken out before argparse sees the rest, exactly as train_lm and cache_dataset take it.
     parser.add_argument("--config_path", help="a train_lm config (YAML); required")
     parser.add_argument("--steps", type=int, default=None, help="steps to plan (default: num_train_steps)")
     parser.add_argument("--dump", nargs=2, metavar=("START:END", "FILE.jsonl"), default=None)
     parser.add_argument("--plot", metavar="FILE.png", default=None)
+    parser.add_argument("--batch_size", type=int, default=None)
+    parser.add_argument("--num_train_steps", type=int, default=None)
+    parser.add_argument("--seq_len", type=int, default=None)
     try:
-        config_path, rest = split_config_path(sys.argv[1:] if argv is None else argv)
+        config_path, rest = split_config_path(argv)
         args, overrides = parser.parse_known_args(rest)
         if config_path is None:
             raise ConfigError("--config_path is required: give the train_lm config (YAML) to plan")
         dump = None
         if args.dump is not None:
             dump = (*_dump_range(args.dump[0]), args.dump[1])
-        from levanter.lm_config import TrainLmConfig
-
-        config = parse_config(TrainLmConfig, config_path, overrides)
+        config = load_config(config_path, overrides, batch_size=args.batch_size,
+                             num_train_steps=args.num_train_steps, seq_len=args.seq_len)
         return main(config, steps=args.steps, dump=dump, plot=args.plot)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

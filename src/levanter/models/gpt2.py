@@ -46,19 +46,35 @@ from .token_dot import linear
 @LmConfig.register_subclass("gpt2")
 @dataclasses.dataclass(frozen=True)
 class Gpt2Config(LmConfig):
+    """A GPT-2 decoder: learned positions, layer norms, a plain MLP."""
+
+    # Tokens per training sequence (the context length; at most n_positions).
     seq_len: int = 1024
+    # Width of the residual stream (the token embedding's size).
     hidden_dim: int = 768
+    # Transformer blocks.
     num_layers: int = 12
+    # Attention heads; hidden_dim must be a multiple of it.
     num_heads: int = 12
+    # The MLP's hidden layer is mlp_scale x hidden_dim wide.
     mlp_scale: int = 4
+    # Standard deviation of the normal initialisation of the weights.
     initializer_range: float = 0.02
+    # Dropout rate on the embeddings (0: none).
     embed_pdrop: float = 0.0
+    # Dropout rate on each block's residual branches (0: none).
     resid_pdrop: float = 0.0
+    # Dropout rate on the attention weights (0: none).
     attn_pdrop: float = 0.0
+    # Epsilon of the layer norms.
     layer_norm_epsilon: float = 1e-5
+    # Activation of the MLP (gelu_new, gelu, relu, silu, ...).
     activation_function: str = "gelu_new"
+    # Scale each layer's attention scores by 1 / (layer index + 1), as GPT-2's option does.
     scale_attn_by_inverse_layer_idx: bool = False
+    # Compute the attention scores and softmax in float32 under a lower-precision policy.
     upcast_attn: bool = True
+    # Give the linear layers biases.
     use_bias: bool = True
     # true/false or a named remat policy (levanter.models.layers.REMAT_POLICIES).
     gradient_checkpointing: Union[bool, str] = True
@@ -69,6 +85,7 @@ class Gpt2Config(LmConfig):
     # Which attention kernel runs (levanter.models.attention.ATTN_BACKENDS); None means "default", or what
     # upstream's use_flash_attention says when only that is given (true: jax_flash, false: vanilla).
     attn_backend: Optional[str] = None
+    # Upstream's switch for the attention kernel: true runs jax_flash, false vanilla (attn_backend wins).
     use_flash_attention: Optional[bool] = None
     # Query/key block of jax_flash and splash; None means 512 (or the whole sequence when shorter).
     flash_attention_block_size: Optional[int] = None

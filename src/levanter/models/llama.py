@@ -44,6 +44,7 @@ from .layers import (
     normal_linear,
     remat_policy,
 )
+from ..config_doc import refused
 from .lm_model import LAYERS, LmConfig, LmHeadModel, check_input_length
 from .token_dot import linear
 
@@ -54,8 +55,10 @@ HEAD_SIZE = "head_size"
 class RopeConfig(draccus.ChoiceRegistry):
     """Rotary-embedding settings (upstream's ``rope:`` block). Only ``default`` (alias ``linear``) exists."""
 
+    # Base of the rotary frequencies.
     theta: float = 10000.0
-    factor: float = 1.0  # positions are divided by this (linear scaling); 1.0 = plain RoPE
+    # Positions are divided by this (linear scaling); 1.0 = plain RoPE.
+    factor: float = 1.0
 
     @classmethod
     def default_choice_name(cls) -> Optional[str]:
@@ -74,18 +77,33 @@ RopeConfig.register_subclass("linear", DefaultRopeConfig)
 @LmConfig.register_subclass("llama")
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig(LmConfig):
+    """A Llama decoder: RMS norms, rotary positions, a gated MLP, grouped-query attention."""
+
+    # Tokens per training sequence (the context length).
     seq_len: int = 2048
+    # Width of the residual stream (the token embedding's size).
     hidden_dim: int = 4096
+    # Width of the gated MLP's hidden layer.
     intermediate_dim: int = 11008
+    # Transformer blocks.
     num_layers: int = 32
+    # Attention (query) heads; hidden_dim / num_heads is the head size, which must be even.
     num_heads: int = 32
+    # Key/value heads (grouped-query attention): num_heads must be a multiple of it.
     num_kv_heads: int = 32
+    # Activation of the MLP's gate (silu, gelu, gelu_new, relu, ...).
     activation_function: str = "silu"
+    # Standard deviation of the normal initialisation of the weights.
     initializer_range: float = 0.02
+    # Epsilon of the RMS norms.
     layer_norm_epsilon: float = 1e-5
+    # The output head reuses the token-embedding matrix instead of a matrix of its own.
     tie_word_embeddings: bool = False
+    # Compute the attention scores and softmax in float32 under a lower-precision policy.
     upcast_attn: bool = False
+    # Give the linear layers biases.
     use_bias: bool = False
+    # Give the RMS norms a learned scale.
     use_layer_norm_weight: bool = True
     # true/false or a named remat policy (levanter.models.layers.REMAT_POLICIES).
     gradient_checkpointing: Union[bool, str] = True
@@ -96,14 +114,20 @@ class LlamaConfig(LmConfig):
     # Which attention kernel runs (levanter.models.attention.ATTN_BACKENDS); None means "default", or what
     # upstream's use_flash_attention says when only that is given (true: jax_flash, false: vanilla).
     attn_backend: Optional[str] = None
+    # Upstream's switch for the attention kernel: true runs jax_flash, false vanilla (attn_backend wins).
     use_flash_attention: Optional[bool] = None
     # Query/key block of jax_flash and splash; None means 512 (or the whole sequence when shorter).
     flash_attention_block_size: Optional[int] = None
+    # Base of the rotary frequencies (rope.theta, when the rope section is given, takes precedence).
     rope_theta: float = 10000.0
-    rope: Optional[RopeConfig] = None  # upstream's nested form; overrides rope_theta when given
-    # Accepted for upstream config compatibility (HF checkpoint conversion); unused here.
-    reference_checkpoint: Optional[str] = None
-    tokenizer: Optional[str] = None
+    # Upstream's nested rotary settings; overrides rope_theta when given.
+    rope: Optional[RopeConfig] = None
+    # Upstream's Hugging Face checkpoint that the model converts from and to; refused if set.
+    reference_checkpoint: Optional[str] = refused(
+        "Hugging Face checkpoints are not read through the model config here; remove the key", default=None
+    )
+    # Upstream's tokenizer for Hugging Face exports; refused if set (data.tokenizer is the one used).
+    tokenizer: Optional[str] = refused("the tokenizer is data.tokenizer; remove model.tokenizer")
 
     def __post_init__(self):
         super().__post_init__()

@@ -60,8 +60,11 @@ class LmConfig(abc.ABC, draccus.ChoiceRegistry):
     block logits (docs/performance.md).
     """
 
+    # Tokens per training sequence (the context length).
     seq_len: int
+    # Width of the residual stream.
     hidden_dim: int
+    # Compute the loss over blocks of this many vocabulary entries (less memory); null: all logits at once.
     cross_entropy_block_size: Optional[int] = None
 
     def __post_init__(self):

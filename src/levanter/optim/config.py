@@ -113,11 +113,17 @@ def _check_range(config, name: str, lo: float | None, hi: float | None) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig(draccus.ChoiceRegistry, abc.ABC):
+    # Peak learning rate (reached at the end of the warmup).
     learning_rate: float = 6e-4
+    # Decoupled weight decay, applied to matrices only (not to biases, norms' scales or other vectors).
     weight_decay: float = 0.1
+    # The learning rate decays to learning_rate x this (in [0, 1]).
     min_lr_ratio: float = 0.1
+    # Warmup from 0 to learning_rate: a fraction of num_train_steps if below 1, else a number of steps.
     warmup: float = 0.01
+    # Steps of the decay (fraction if below 1); null: all steps after warmup (wsd: the last 20 %).
     decay: Optional[float] = None
+    # Shape after warmup: constant, linear, cosine, or wsd / warmup-stable-decay (constant, then linear).
     lr_schedule: str = "cosine"
 
     def __post_init__(self):
@@ -152,9 +158,13 @@ class OptimizerConfig(draccus.ChoiceRegistry, abc.ABC):
 class AdamConfig(OptimizerConfig):
     """AdamW with global-norm gradient clipping."""
 
+    # Decay of Adam's first-moment (mean) estimate, in [0, 1).
     beta1: float = 0.9
+    # Decay of Adam's second-moment (squared gradient) estimate, in [0, 1).
     beta2: float = 0.95
+    # Added to the square root of the second moment before dividing (must be positive).
     epsilon: float = 1e-8
+    # Clip the gradient to this global L2 norm before the update; null: no clipping.
     max_grad_norm: Optional[float] = 1.0
 
     def __post_init__(self):

@@ -36,6 +36,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from levanter.config_doc import refused
 from levanter.tracker.tracker import Tracker, TrackerConfig, to_python
 from levanter.utils import fs
 
@@ -127,12 +128,18 @@ class TensorboardConfig(TrackerConfig):
     logdir: Optional[str] = None
     # The same as logdir (the name every tracker accepts); give one of the two.
     log_dir: Optional[str] = None
-    comment: str = ""
+    # SummaryWriter's suffix of a default directory name; refused if set (the directory is always given).
+    comment: str = refused("the event files' directory is logdir/<run id>, which comment does not change; "
+                           "remove the key", default="")
     purge_step: Optional[int] = None
     """Drop earlier events at steps >= this; None: the resume step, if any."""
+    # Events held in memory before they are written.
     max_queue: int = 10
+    # Seconds between writes of the held events to disk.
     flush_secs: int = 120
+    # Suffix of the event files' names.
     filename_suffix: str = ""
+    # Write the event files (false: log nothing to disk).
     write_to_disk: bool = True
 
     def _target(self, run_id: str, log_dir: str) -> tuple[str, str]:
@@ -150,7 +157,6 @@ class TensorboardConfig(TrackerConfig):
 
     def local_dirs(self, run_id: str, log_dir: str) -> list[tuple[str, str]]:
         return [self._target(run_id, log_dir)] if self.write_to_disk else []
-
 
     def init(self, run_id: str, log_dir: str, *, resume_step: Optional[int] = None) -> TensorboardTracker:
         from tensorboardX import SummaryWriter

@@ -28,6 +28,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
+from levanter.config_doc import refused
 from levanter.tracker.tracker import Tracker, TrackerConfig, normalize_metrics
 from levanter.utils import fs
 
@@ -94,19 +95,26 @@ class WandbTracker(Tracker):
 class WandbConfig(TrackerConfig):
     """Arguments of ``wandb.init``; see the module docstring for how ``dir``, ``id`` and ``mode`` resolve."""
 
+    # The wandb user or team the run belongs to; null: your default entity.
     entity: Optional[str] = None
+    # The wandb project.
     project: Optional[str] = "levanter"
+    # The run's display name; null: wandb's generated name.
     name: Optional[str] = None
+    # Labels attached to the wandb run.
     tags: list[str] = dataclasses.field(default_factory=list)
     id: Optional[str] = None
     """wandb run id; None: the trainer's run id."""
+    # wandb group that gathers related runs; null: none.
     group: Optional[str] = None
     mode: Optional[str] = None
     """online, offline, disabled (or shared); None: wandb's default, which honours ``WANDB_MODE``."""
+    # wandb's resume policy for a run id it has seen (allow, must, never, or true/false).
     resume: Optional[Union[bool, str]] = "allow"
+    # Let wandb save the code of the running program with the run.
     save_code: bool = True
-    save_xla_dumps: bool = False
-    """Accepted for compatibility with upstream configs; this fork does not upload XLA dumps."""
+    # Upstream uploads XLA dumps to wandb; refused if set.
+    save_xla_dumps: bool = refused("XLA dumps are not uploaded; remove the key", default=False)
     dir: Optional[str] = None
     """Where wandb writes (it adds a ``wandb/`` subdirectory); None: ``$WANDB_DIR``, else ``log_dir``."""
     # The same as dir (the name every tracker accepts); give one of the two.
@@ -143,8 +151,6 @@ class WandbConfig(TrackerConfig):
     def init(self, run_id: str, log_dir: str, *, resume_step: Optional[int] = None) -> WandbTracker:
         if self.mode is not None and self.mode not in WANDB_MODES:
             raise ValueError(f"tracker.mode: expected one of {WANDB_MODES} or null, got {self.mode!r}")
-        if self.save_xla_dumps:
-            logger.warning("wandb save_xla_dumps is not supported by this fork; ignoring it")
         # Read WANDB_MODE here rather than leaving it to wandb: wandb reads the environment once per
         # process (at its first setup), so a later change, or a second run in the same process, would
         # otherwise be ignored. Values this fork does not know (e.g. legacy "dryrun") go to wandb as-is.
