@@ -2,8 +2,10 @@
 configs fail before any work naming the key, every shipped YAML parses, kill -9 resumes bit for bit."""
 
 import dataclasses
+import datetime
 import glob
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -66,15 +68,26 @@ def train_losses(rows):
 
 
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
-def test_loss_falls_on_8_devices(tmp_path, model):
+def test_loss_falls_on_8_devices(tmp_path, model, capsys, caplog):
+    """... and, with stdout not a terminal, prints a progress line per step (progress_interval 0), every
+    eval's losses and a summary (tests/test_run_output.py checks the lines against the metrics)."""
     assert jax.device_count() == 8
     m = None
     if model == "llama":
         m = LlamaConfig(hidden_dim=32, intermediate_dim=64, num_heads=4, num_kv_heads=2, num_layers=2, seq_len=32,
                         gradient_checkpointing=False)
-    cfg = tiny_config(tmp_path, steps=16, model=m)
+    cfg = tiny_config(tmp_path, steps=16, model=m, progress_interval=datetime.timedelta(0))
+    caplog.set_level(logging.INFO)
     out = train_lm.main(cfg)
     assert out["final_step"] == 16
+    from test_run_output import check_console_output
+
+    check_console_output(tmp_path, capsys.readouterr().out, steps=16, evals=(6, 12, 16))
+    assert "resuming" not in caplog.text  # a fresh start resumes nothing
+    if model == "gpt2":  # rerun with fewer steps than the run trained: says so, touches nothing
+        from test_run_output import check_finished_rerun
+
+        check_finished_rerun(tmp_path, capsys, steps=16)
     rows = metrics(tmp_path)
     losses = train_losses(rows)
     assert sorted(losses) == list(range(16))

@@ -43,7 +43,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import levanter.config
-from levanter.checkpoint import CheckpointSaveError, hold_run_lock, read_checkpoint_metadata
+from levanter.checkpoint import (
+    CheckpointSaveError,
+    discover_latest_checkpoint,
+    hold_run_lock,
+    read_checkpoint_metadata,
+)
 from levanter.config import parse_timedelta
 from levanter.data.dataset import AsyncDataset
 from levanter.data.loader import DataLoader, DataLoadError, use_prefetch_switch_interval
@@ -321,9 +326,38 @@ def main(config: TrainLmConfig) -> dict:
     # released however the run ends (a SIGKILLed run's lock is recognised as stale on its host).
     lock = hold_run_lock(run_dir, run_id, process_index=jax.process_index())
     try:
+        finished = finished_checkpoint(tcfg, run_id)
+        if finished is not None:  # before the caches, the model and the trackers: nothing is touched
+            say_finished(tcfg, run_id, *finished)
+            return {"run_id": run_id, "final_step": finished[0], "final_loss": None}
         return _main_locked(config, tokenizer, run_id)
     finally:
         lock.release()
+
+
+def finished_checkpoint(tcfg: TrainerConfig, run_id: str) -> Optional[Tuple[int, str]]:
+    """``(step, path)`` of the run's latest checkpoint when it is at or past ``trainer.num_train_steps``
+    (a finished run rerun, or rerun with fewer steps); None otherwise, or when the run starts elsewhere
+    (``load_checkpoint: false``, ``load_checkpoint_path``)."""
+    if tcfg.load_checkpoint is False or tcfg.load_checkpoint_path is not None:
+        return None
+    path = discover_latest_checkpoint(tcfg.checkpointer.expanded_path(run_id))
+    if path is None:
+        return None
+    step = int(read_checkpoint_metadata(path)["step"])
+    return (step, path) if step >= tcfg.num_train_steps else None
+
+
+def say_finished(tcfg: TrainerConfig, run_id: str, step: int, path: Optional[str]) -> None:
+    """Print (on the first process) that there is nothing to train, and what to do instead; the run's
+    metrics and checkpoints stay as they are, and the command exits 0."""
+    if jax.process_index() == 0:
+        print(
+            f"run {run_id} already reached step {step} >= trainer.num_train_steps={tcfg.num_train_steps} "
+            f"(checkpoint {path}); nothing to train. To train it further, raise trainer.num_train_steps; to "
+            "start another run, give a new trainer.id.",
+            flush=True,
+        )
 
 
 def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
@@ -385,15 +419,8 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
 
             state = eqx.tree_at(lambda s: s.model, state, load_hf_weights(state.model, hf_init_path(config)))
             origin = {"hf_checkpoint": hf_init_path(config)}
-    if start_step >= tcfg.num_train_steps:
-        # Nothing to train: say so rather than exit 0 silently (the metrics and checkpoints stay as they are).
-        if jax.process_index() == 0:
-            print(
-                f"run {run_id} already reached step {start_step} >= trainer.num_train_steps="
-                f"{tcfg.num_train_steps} (checkpoint {restored_from}); nothing to train. To train it further, "
-                "raise trainer.num_train_steps; to start another run, give a new trainer.id.",
-                flush=True,
-            )
+    if start_step >= tcfg.num_train_steps:  # e.g. trainer.load_checkpoint_path past the end
+        say_finished(tcfg, run_id, start_step, restored_from)
         return {"run_id": run_id, "final_step": start_step, "final_loss": None}
 
     if jax.process_index() == 0:

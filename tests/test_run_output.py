@@ -1,0 +1,115 @@
+"""What a user sees while a run runs: progress lines at an interval on a stdout that is not a terminal,
+the bar on a terminal with log lines above it, and the console log filter that keeps third-party INFO
+chatter out. The checks of a real run's output (:func:`check_console_output`,
+:func:`check_finished_rerun`) are called from tests/test_train_lm.py, which runs ``train_lm`` anyway."""
+
+import io
+import logging
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from test_train_lm import metrics, tiny_config  # noqa: E402
+
+from levanter import progress  # noqa: E402
+from levanter.main import train_lm  # noqa: E402
+
+
+def check_console_output(tmp_path, out: str, *, steps: int, evals) -> None:
+    """``out`` (a run's stdout, not a terminal, progress_interval 0) holds one progress line per step with
+    the loss the tracker logged, every eval's per-source losses and the summary (steps, final train loss,
+    last eval, speed, where the metrics and checkpoints went). Called by tests that run ``train_lm``."""
+    out = out.splitlines()
+    rows = metrics(tmp_path)
+    losses = {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+    logged = {r["step"]: r for r in rows if "eval/loss" in r}
+    step_lines = [x for x in out if x.startswith("step ")]
+    assert [x.split(" |")[0] for x in step_lines] == [
+        f"step {s + 1}/{steps} loss {losses[s]:.4f}" for s in range(steps)
+    ]
+    assert all("tok/s" in x and "data wait" in x and "ETA" in x for x in step_lines)
+    assert sorted(logged) == list(evals)
+    for s in evals:
+        line = next(x for x in out if x.startswith(f"eval at step {s}: "))
+        assert f"loss {logged[s]['eval/loss']:.4f}" in line
+        assert f"data/loss {logged[s]['eval/data/loss']:.4f}" in line
+    i = next(i for i, x in enumerate(out) if x.startswith("finished at step"))
+    summary = "\n".join(out[i:])
+    assert out[i].startswith(f"finished at step {steps}/{steps}: trained {steps} step(s) in ") and "tokens/s" in out[i]
+    assert f"final train loss {losses[steps - 1]:.4f} (step {steps - 1})" in summary
+    assert f"last eval at step {evals[-1]}: " in summary
+    assert f"json metrics: {tmp_path / 'logs' / 'tiny' / 'metrics.jsonl'}" in summary
+    assert f"checkpoints: {tmp_path / 'ckpt' / 'tiny'}" in summary
+
+
+def check_finished_rerun(tmp_path, capsys, *, steps: int) -> None:
+    """Rerunning the finished ``tiny`` run of ``steps`` steps with fewer steps (the same as rerunning it
+    as is) says it already reached that step and what to do, and leaves the metrics as they were."""
+    n_lines = len(metrics(tmp_path))
+    result = train_lm.main(tiny_config(tmp_path, steps=3))
+    out = capsys.readouterr().out
+    assert result["final_step"] == steps
+    assert (f"run tiny already reached step {steps} >= trainer.num_train_steps=3 "
+            f"(checkpoint {tmp_path / 'ckpt' / 'tiny' / f'step-{steps}'}); nothing to train") in out
+    assert "raise trainer.num_train_steps" in out and "new trainer.id" in out
+    assert len(metrics(tmp_path)) == n_lines
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_on_a_terminal_log_lines_print_above_the_bar_and_the_bar_ends_once(monkeypatch):
+    err, out = _Tty(), _Tty()
+    monkeypatch.setattr(sys, "stderr", err)  # the console handler writes to the process's stderr
+    p = progress.RunProgress(4, 0, interval_s=0, out=out, err=err)
+    assert p.bar is not None and not p.lines  # a terminal on both streams: the bar, no progress lines
+    log = logging.getLogger("levanter.test_run_output")
+    handler = logging.StreamHandler(sys.stderr)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    old_level = root.level
+    root.setLevel(logging.INFO)
+    try:
+        with p.logging_around_bar():
+            p.step(0, 5.0, 100, 0.1, 0.0)
+            log.warning("a line of its own")
+            p.step(1, 4.0, 100, 0.1, 0.0)
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)
+    p.summary(final_step=2, where=["checkpoints: x"])
+    p.close()
+    text = err.getvalue()
+    # the log line starts on a line of its own (the bar was cleared first), and the bar is closed once
+    lines = text.replace("\r", "\n").split("\n")
+    assert "a line of its own" in lines
+    assert text.count("\n", text.rfind("train:")) <= 1
+    assert "finished at step 2/4" in out.getvalue()
+
+
+def test_non_terminal_stdout_gets_lines_at_the_interval():
+    out, err = io.StringIO(), io.StringIO()
+    p = progress.RunProgress(100, 10, interval_s=3600, out=out, err=err)
+    assert p.bar is None and p.lines
+    for s in range(10, 100):
+        p.step(s, 1.0, 10, 0.01, 0.001)
+    lines = out.getvalue().splitlines()
+    # the first step and the last one; nothing in between at a one-hour interval
+    assert [x.split(" loss")[0] for x in lines] == ["step 11/100", "step 100/100"]
+    assert "data wait 1.0 ms/step" in lines[1]
+
+
+def test_console_filter_keeps_library_info_out():
+    f = progress._ConsoleFilter()
+
+    def rec(name, level):
+        return logging.LogRecord(name, level, __file__, 1, "m", None, None)
+
+    assert f.filter(rec("levanter.trainer", logging.INFO))
+    assert f.filter(rec("__main__", logging.INFO))
+    assert not f.filter(rec("jax._src.xla_bridge", logging.INFO))  # "Unable to initialize backend 'tpu'"
+    assert f.filter(rec("jax._src.xla_bridge", logging.WARNING))
+    assert not f.filter(rec("levanter.trainer", logging.DEBUG))
