@@ -518,8 +518,8 @@ class Trainer:
                 f"{key}={path!r} does not fit this run's {what} ({e}): set model (and optimizer) as in the run "
                 "that wrote it"
             ) from None
-        logger.info("initialized from checkpoint %s (%s)", path,
-                    "weights and optimizer state" if optimizer_state else "weights")
+        logger.info("loaded the %s of checkpoint %s", "weights and optimizer state" if optimizer_state else "weights",
+                    path)
         return TrainerState(state.step, model, opt_state, state.training_key)
 
     # -- compiled functions --------------------------------------------------------------------------
