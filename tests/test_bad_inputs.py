@@ -486,6 +486,9 @@ CASES: list[Case] = [
     # ------------------------------------------------------------------------------------ files/caches
     Case("missing-train-file", "files and caches", "a `train_urls` file that does not exist", 2,
          ["data.train_urls", "file not found", "$TMP/missing.jsonl"], yaml=files_data('["$TMP/missing.jsonl"]')),
+    Case("missing-relative-train-file", "input files", "a relative `train_urls` path that does not exist", 2,
+         ["data.train_urls", "file not found: 'train.jsonl'", "resolved to $TMP/train.jsonl",
+          "working directory $TMP"], yaml=files_data('["train.jsonl"]')),
     Case("glob-matches-nothing", "files and caches", "a glob that matches no file", 2,
          ["data.train_urls", "$TMP/shards/*.jsonl.gz", "matches no files"],
          yaml=files_data('["$TMP/shards/*.jsonl.gz"]'), setup=write_files({"shards/a.jsonl": GOOD_JSONL})),
@@ -558,6 +561,13 @@ CASES: list[Case] = [
          args=["--trainer.batch_size", "16"]),
     Case("data-schedule-bad-dump", "files and caches", "`data_schedule --dump 5:3 out.jsonl`", 2,
          ["--dump", "5:3"], entry="data_schedule", args=["--dump", "5:3", "$TMP/out.jsonl"]),
+    Case("data-schedule-data-only-no-batch", "files and caches",
+         "`data_schedule` over a data-only config without `--batch_size` / `--num_train_steps`", 2,
+         ["$TMP/config.yaml", "data-only config", "--batch_size and --num_train_steps", "train_lm config"],
+         entry="data_schedule", yaml='train_urls: ["embedded://python-docs/validation"]\ntokenizer: byte\n'),
+    Case("upstream-key-refused", "files and caches", "an upstream key that is not built here (`trainer.log_jaxprs`)",
+         2, ["trainer.log_jaxprs=True", "not supported", "jaxprs are not logged", "remove the key"],
+         args=["--trainer.log_jaxprs", "true"]),
     # ------------------------------------------------------------------------------------- checkpoints
     Case("checkpoint-chunk-deleted", "checkpoints", "resuming from a checkpoint with a chunk file deleted", 2,
          ["$TMP/ckpt/bad/step-2", WTE_KEYPATH, "cannot be read"], setup=delete_chunk, needs=["checkpoint"]),

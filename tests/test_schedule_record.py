@@ -48,6 +48,9 @@ def test_identical_records_agree():
         (lambda r: r["sources"]["prose"].update(rows=11), 0, "'prose' changed"),
         (lambda r: r.update(seq_len=256), 0, "seq_len"),
         (lambda r: r.update(data_seed=8), 0, "data_seed"),
+        # named by its config key, with the value that resumes as trained
+        (lambda r: r.update(shuffle=False), 0, "data.shuffle changed from true to false (the run was trained "
+                                               "with data.shuffle: true)"),
         (lambda r: r.update(source_order=["code", "prose", "extra"]), 0, "order of sources"),
     ],
 )

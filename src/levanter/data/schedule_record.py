@@ -13,6 +13,7 @@ batch size, or a drawn source's content first differs.
 
 from __future__ import annotations
 
+import json
 from fractions import Fraction
 from typing import Optional
 
@@ -20,6 +21,24 @@ from ..schedule import BatchSchedule, StepSchedule
 
 RECORD_FORMAT = 1
 GLOBAL_KEYS = ("format", "seq_len", "data_seed", "shuffle", "block_size", "stop_strategy", "enforce_eos")
+# The config key that sets each global entry, so that a refused resume says what to put back.
+CONFIG_KEYS = {
+    "seq_len": "model.seq_len",
+    "shuffle": "data.shuffle",
+    "block_size": "data.mixture_block_size",
+    "stop_strategy": "data.stop_strategy",
+    "enforce_eos": "data.enforce_eos",
+}
+
+
+def _changed(key: str, old, new) -> str:
+    """What changed in a global entry, in config terms, with the value that resumes as trained."""
+    if key == "data_seed":  # the record holds the derived seed: its numbers would mean nothing to a user
+        return "the data order's seed changed (data_seed, or trainer.seed when data_seed is null)"
+    if key not in CONFIG_KEYS:
+        return f"{key} changed from {old!r} to {new!r}"
+    name, was = CONFIG_KEYS[key], json.dumps(old)
+    return f"{name} changed from {was} to {json.dumps(new)} (the run was trained with {name}: {was})"
 
 
 def _normalized(weights: dict) -> dict:
@@ -77,7 +96,7 @@ def first_difference(old: dict, new: dict) -> Optional[tuple[int, str]]:
     found: list[tuple[int, str]] = []
     for key in GLOBAL_KEYS:
         if old.get(key) != new.get(key):
-            found.append((0, f"{key} changed from {old.get(key)!r} to {new.get(key)!r}"))
+            found.append((0, _changed(key, old.get(key), new.get(key))))
     old_order = [n for n in old.get("source_order", []) if n in new.get("source_order", [])]
     new_order = [n for n in new.get("source_order", []) if n in old.get("source_order", [])]
     if old_order != new_order:

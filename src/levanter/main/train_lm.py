@@ -257,7 +257,8 @@ def check_data_schedule(checkpoint_path: str, record: dict, start_step: int, *, 
         raise ValueError(
             f"the data schedule changed at step {step} ({what}), before the checkpoint at step {start_step} "
             f"({checkpoint_path}): the resumed run would disagree with the data the checkpointed model was trained "
-            "on. Undo the edit, or set allow_data_schedule_change: true if you mean it."
+            "on. Undo the edit, start a new run (another trainer.id), or set allow_data_schedule_change: true "
+            "if you mean it."
         )
     logger.warning("data schedule edited from step %d: %s (checkpoint at step %d)", step, what, start_step)
 
