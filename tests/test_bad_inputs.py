@@ -486,7 +486,7 @@ CASES: list[Case] = [
     # ------------------------------------------------------------------------------------ files/caches
     Case("missing-train-file", "files and caches", "a `train_urls` file that does not exist", 2,
          ["data.train_urls", "file not found", "$TMP/missing.jsonl"], yaml=files_data('["$TMP/missing.jsonl"]')),
-    Case("missing-relative-train-file", "input files", "a relative `train_urls` path that does not exist", 2,
+    Case("missing-relative-train-file", "files and caches", "a relative `train_urls` path that does not exist", 2,
          ["data.train_urls", "file not found: 'train.jsonl'", "resolved to $TMP/train.jsonl",
           "working directory $TMP"], yaml=files_data('["train.jsonl"]')),
     Case("glob-matches-nothing", "files and caches", "a glob that matches no file", 2,

@@ -159,7 +159,7 @@ def expand_urls(
             if any(ch in pattern for ch in "*?["):
                 matches = _storage(pattern, what, lambda: fs.glob_detail(pattern))
                 if not matches and not missing_ok:
-                    raise SourceError(f"{what}: the pattern {pattern!r} matches no files")
+                    raise SourceError(f"{what}: the pattern {pattern!r}{_resolved(pattern)} matches no files")
                 found = []
                 for name, is_dir in matches.items():
                     if is_dir:
@@ -169,7 +169,7 @@ def expand_urls(
                 if not _storage(pattern, what, lambda: fs.exists(pattern)):
                     if missing_ok:
                         continue
-                    raise SourceError(f"{what}: file not found: {pattern!r}")
+                    raise SourceError(f"{what}: file not found: {pattern!r}{_resolved(pattern)}")
                 if _storage(pattern, what, lambda: fs.isdir(pattern)):
                     raise _directory_error(what, pattern)
                 found = [pattern]
@@ -183,6 +183,14 @@ def expand_urls(
     if not shards and not allow_empty:
         raise SourceError(f"{what}: no input files given")
     return shards
+
+
+def _resolved(path: str) -> str:
+    """For a relative local path, where it was looked for: `` (resolved to /abs/path from the working
+    directory /cwd)``, since a relative path in a config is read from wherever the command runs."""
+    if fs.is_url(path) or os.path.isabs(os.path.expanduser(path)):
+        return ""
+    return f" (resolved to {os.path.abspath(path)} from the working directory {os.getcwd()})"
 
 
 # -- input identity ----------------------------------------------------------------------------------
