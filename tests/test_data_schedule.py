@@ -376,6 +376,24 @@ def test_cli_plans_with_overrides(shared, tmp_path, capsys):
     assert "stage 2: from step 19, not reached" in capsys.readouterr().out
 
 
+def test_a_data_only_config_plans_like_the_train_lm_config_holding_it(shared, tmp_path, capsys):
+    whole = MIXTURE_YAML.format(cache=shared["cache"], shuffle="true", block="null")
+    data = whole.split("\ndata:\n", 1)[1].split("\nmodel:", 1)[0]
+    path = tmp_path / "data.yaml"
+    path.write_text("\n".join(line[2:] for line in data.splitlines()) + "\n")  # the section, dedented
+    path.with_name("whole.yaml").write_text(whole)
+    args = ["--num_train_steps", "25", "--seq_len", "64"]
+    # The data-only file's overrides are its own keys (no data. prefix).
+    alone = data_schedule.cli(["--config_path", str(path), "--batch_size", "8", *args, "--stop_strategy", "restart"])
+    held = data_schedule.cli(["--config_path", str(path.with_name("whole.yaml")), "--batch_size", "8", *args])
+    assert alone == held and alone["num_steps"] == 25 and len(alone["stages"]) == 3
+    # The shipped data-only config parses for planning once given a batch size and a length.
+    cfg = data_schedule.load_config(os.path.join(REPO, "config", "data", "embedded_curriculum.yaml"), [],
+                                    batch_size=8, num_train_steps=100)
+    assert cfg.trainer.num_train_steps == 100 and [s for s, _ in cfg.data.stages()] == [0, 80]
+    assert cfg.trainer.batch_schedule.batch_size_at_step(0) == 8
+
+
 def test_entry_points_never_import_each_other():
     """Every module of levanter.main is an entry point; what two of them share (the run config) lives in
     a library module both import. Checked on each module's syntax tree, so an import inside a function
