@@ -389,6 +389,13 @@ def test_upstream_nano_configs_run(tmp_path, name):
         # Upstream ships its second stage at step 100 = num_train_steps (it would never run, which is now an
         # error); shortened to 3 steps here, the switch moves to step 2 along with it.
         extra = ["--data.train_weights", "[[0, {wikitext: 0.8, w2: 0.2}], [2, {w2: 0.5, wikitext: 0.5}]]"]
+        # As upstream's configs do, the data section lives in a file of its own, `!include`d relative to
+        # the config (the override above still reaches into it).
+        data, rest = UPSTREAM_CONFIGS[name].split("\nmodel:", 1)
+        section = "\n".join(line[2:] for line in data.split("data:\n", 1)[1].splitlines())
+        (tmp_path / "data").mkdir()
+        write_yaml(tmp_path / "data", section + "\n", "mixture.yaml")
+        path = write_yaml(tmp_path, "data: !include data/mixture.yaml\nmodel:" + rest, name)
     r = subprocess.run(
         [sys.executable, "-m", "levanter.main.train_lm", "--config_path", path, "--trainer.num_train_steps", "3",
          "--trainer.require_accelerator", "false", "--trainer.id", "up", "--trainer.tracker", "{type: json}",
