@@ -30,7 +30,7 @@ from levanter.ingest import ByteTokenizer, train_bpe  # noqa: E402
 from levanter.main import eval_lm, train_lm  # noqa: E402
 
 
-def two_source_config(tmp: Path, run_id: str = "origin", steps: int = 4, **trainer_kw):
+def two_source_config(tmp: Path, run_id: str = "origin", steps: int = 2, **trainer_kw):
     cfg = tiny_config(tmp, steps=steps, id=run_id, steps_per_eval=100, max_eval_batches=2, **trainer_kw)
     data = LMMixtureDatasetConfig(
         tokenizer="byte", cache_dir=str(tmp / "cache"), mixture_block_size=None,
@@ -68,7 +68,7 @@ def test_eval_lm_losses_and_bits_per_byte_equal_an_independent_computation(origi
     out = capsys.readouterr().out
     assert "micro average" in out and "macro average" in out and "prose" in out
 
-    path = str(run_dir / "step-4")
+    path = str(run_dir / "step-2")
     model = model_from(cfg, path)
     bs, n_batches = 8, 2  # the first training batch size; trainer.max_eval_batches
     sums = {}
@@ -98,9 +98,9 @@ def test_eval_lm_losses_and_bits_per_byte_equal_an_independent_computation(origi
     assert got["eval/code_like/loss"] == got["eval/code/loss"]
     # The same metrics are what train_lm logged at its last step's eval.
     logged = [r for r in metrics(tmp, "origin") if "eval/loss" in r][-1]
-    assert logged["step"] == 4 and logged["eval/prose/bpb"] == pytest.approx(got["eval/prose/bpb"], rel=1e-6)
+    assert logged["step"] == 2 and logged["eval/prose/bpb"] == pytest.approx(got["eval/prose/bpb"], rel=1e-6)
     written = [json.loads(x) for x in open(tmp / "logs" / "origin-eval" / "metrics.jsonl")]
-    assert written[-1]["step"] == 4 and written[-1]["eval/loss"] == pytest.approx(got["eval/loss"])
+    assert written[-1]["step"] == 2 and written[-1]["eval/loss"] == pytest.approx(got["eval/loss"])
 
 
 def test_metric_averages_and_tags_by_hand():
@@ -136,7 +136,7 @@ def test_bytes_per_token_of_byte_and_bpe_tokenizers(tmp_path):
 
 def test_a_branch_starts_at_step_0_with_the_origins_weights_and_optimizer_state(origin):
     tmp, cfg = origin
-    origin_step = str(tmp / "ckpt" / "origin" / "step-4")
+    origin_step = str(tmp / "ckpt" / "origin" / "step-2")
     # trainer.initialize_from: weights and optimizer state, the learning-rate schedule restarted.
     bcfg = two_source_config(tmp, run_id="branch", steps=2, initialize_from=str(tmp / "ckpt" / "origin"))
     bcfg = dataclasses.replace(bcfg, data=dataclasses.replace(bcfg.data, train_weights={"prose": 0.1, "code": 0.9}))
@@ -151,13 +151,13 @@ def test_a_branch_starts_at_step_0_with_the_origins_weights_and_optimizer_state(
     adam = [s for s in state.opt_state if hasattr(s, "mu")][0]
     np.testing.assert_array_equal(np.asarray(jax.tree.leaves(adam.mu)[0]),
                                   np.asarray(jax.tree.leaves([s for s in saved.opt_state if hasattr(s, "mu")][0].mu)[0]))
-    assert int(adam.count) == 4 and int(state.opt_state[-1].count) == 0
+    assert int(adam.count) == 2 and int(state.opt_state[-1].count) == 0
 
 
 @pytest.mark.slow
 def test_a_branch_run_records_its_origin_and_resumes_from_its_own_checkpoints(origin):
     tmp, cfg = origin
-    origin_step = str(tmp / "ckpt" / "origin" / "step-4")
+    origin_step = str(tmp / "ckpt" / "origin" / "step-2")
     bcfg = two_source_config(tmp, run_id="wbranch", steps=2, initialize_from=None)
     bcfg = dataclasses.replace(bcfg, data=dataclasses.replace(bcfg.data, train_weights={"prose": 0.1, "code": 0.9}))
     # End to end, weights only: the run trains steps 0..1, records where it started, and a rerun with more
@@ -170,9 +170,9 @@ def test_a_branch_run_records_its_origin_and_resumes_from_its_own_checkpoints(or
     rows = metrics(tmp, "wbranch")
     assert min(r["step"] for r in rows if "train/loss" in r) == 0
     meta = read_checkpoint_metadata(str(tmp / "ckpt" / "wbranch" / "step-2"))["metadata"]
-    assert meta["initialized_from"] == {"path": origin_step, "step": 4, "optimizer_state": False}
+    assert meta["initialized_from"] == {"path": origin_step, "step": 2, "optimizer_state": False}
     config_json = json.loads(open(tmp / "logs" / "wbranch" / "config.json").read())
-    assert config_json["initialized_from"]["step"] == 4
+    assert config_json["initialized_from"]["step"] == 2
     longer = dataclasses.replace(wcfg, trainer=dataclasses.replace(wcfg.trainer, num_train_steps=3))
     assert train_lm.main(longer)["final_step"] == 3
     rows = metrics(tmp, "wbranch")
