@@ -852,7 +852,7 @@ def _offline_hub(monkeypatch) -> None:
 
 HF_CASES = [
     Case("hf-init-true-without-reference", "hugging face", "`initialize_from_hf: true` with no checkpoint named", 2,
-         ["initialize_from_hf: true", "model.reference_checkpoint"], yaml=BASE + "initialize_from_hf: true\n"),
+         ["initialize_from_hf: true", "give initialize_from_hf the checkpoint itself"], yaml=BASE + "initialize_from_hf: true\n"),
     Case("hf-init-missing-path", "hugging face", "`initialize_from_hf` names a directory that does not exist", 2,
          ["'$TMP/nope'", "does not exist"], yaml=BASE + "initialize_from_hf: $TMP/nope\n"),
     Case("hf-init-other-architecture", "hugging face", "a checkpoint of an architecture not implemented (mistral)", 2,

@@ -50,7 +50,7 @@ class TrainLmConfig:
     # this run, with a fresh optimizer, at step 0 (trainer.initialize_from also takes its optimizer state).
     initialize_from_checkpoint_path: Optional[str] = None
     # A Hugging Face checkpoint (local directory, bucket URL or hub id) whose weights start this run at step
-    # 0 with a fresh optimizer; the model's shape comes from its config.json (true: model.reference_checkpoint).
+    # 0 with a fresh optimizer; the model's shape comes from its config.json.
     initialize_from_hf: Union[bool, str] = False
     # With initialize_from_hf: take the model's type and shape from config.json even where the YAML's model
     # block says otherwise (false: a disagreeing shape key is an error).
@@ -202,19 +202,17 @@ def branch_origin(config: TrainLmConfig) -> Optional[BranchOrigin]:
 
 
 def hf_init_path(config: TrainLmConfig) -> Optional[str]:
-    """The checkpoint ``initialize_from_hf`` names (``true``: the model block's ``reference_checkpoint``), or None."""
+    """The checkpoint ``initialize_from_hf`` names, or None (``true``, upstream's "the model config's reference
+    checkpoint", is refused: model configs here name none)."""
     value = config.initialize_from_hf
     if value is False or value is None:
         return None
     if value is True:
-        ref = getattr(config.model, "reference_checkpoint", None)
-        if not ref:
-            raise ValueError(
-                "initialize_from_hf: true takes the checkpoint from model.reference_checkpoint, which is not set: "
-                "give initialize_from_hf the checkpoint itself (a directory holding config.json and *.safetensors, "
-                "or a hub id)"
-            )
-        return ref
+        raise ValueError(
+            "initialize_from_hf: true means upstream's reference checkpoint of the model config, which this build "
+            "does not have: give initialize_from_hf the checkpoint itself (a directory holding config.json and "
+            "*.safetensors, or a hub id)"
+        )
     return value
 
 

@@ -781,6 +781,27 @@ def _tokenizer_files(tokenizer: Optional[str]) -> dict[str, bytes]:
     return out
 
 
+def _special_token_ids(tok_files: dict[str, bytes], vocab_size: int) -> dict:
+    """``bos_token_id`` / ``eos_token_id`` for config.json: the tokenizer's (named in tokenizer_config.json and
+    found among tokenizer.json's added tokens), else null -- never transformers' class defaults (GPT-2's 50256),
+    which may lie outside a smaller vocabulary."""
+    out: dict[str, Optional[int]] = {"bos_token_id": None, "eos_token_id": None}
+    if "tokenizer.json" not in tok_files:
+        return out
+    try:
+        added = {t["content"]: t["id"] for t in json.loads(tok_files["tokenizer.json"]).get("added_tokens", [])}
+        cfg = json.loads(tok_files.get("tokenizer_config.json", b"{}") or b"{}")
+    except (ValueError, KeyError, TypeError):
+        return out
+    for key in ("bos", "eos"):
+        value = cfg.get(f"{key}_token")
+        content = value.get("content") if isinstance(value, dict) else value
+        tid = added.get(content) if isinstance(content, str) else None
+        if isinstance(tid, int) and 0 <= tid < vocab_size:
+            out[f"{key}_token_id"] = tid
+    return out
+
+
 def _shards(tensors: dict[str, np.ndarray], max_shard_size: int) -> list[list[str]]:
     shards: list[list[str]] = [[]]
     size = 0
@@ -837,6 +858,7 @@ def save_hf_checkpoint(model, config: LmConfig, output_dir: str, *, tokenizer: s
         total = sum(v.nbytes for v in state.values())
         files[SAFE_INDEX] = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode()
     files.update(tok_files)
+    doc.update(_special_token_ids(tok_files, model.Vocab.size))
     files[CONFIG_FILE] = json.dumps(doc, indent=2, sort_keys=True).encode()  # last: the commit record
     _commit(output_dir, files)
     return output_dir
