@@ -64,7 +64,10 @@ def test_every_key_has_a_description_and_a_default(entries):
     assert not missing, "write a one-line comment above each field:\n" + "\n".join(sorted(set(missing)))
 
 
-@pytest.mark.parametrize("module", ["train_lm", "cache_dataset", "data_schedule"])
+COMMANDS = sorted(p.stem for p in (SRC / "main").glob("*.py") if p.stem != "__init__")
+
+
+@pytest.mark.parametrize("module", COMMANDS)
 def test_help_lists_each_key_once_with_its_default(module):
     mod = importlib.import_module(f"levanter.main.{module}")
     out = io.StringIO()

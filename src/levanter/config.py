@@ -691,17 +691,21 @@ def main(fn: Callable[[T], object]) -> Callable[..., object]:
 
 
 def _print_help_for(config_class) -> None:
-    """``--help`` for a command that parses ``config_class``: the running module's, where it documents that
-    class, else a listing of the class's keys."""
+    """``--help`` for a command that parses ``config_class``: the running module's (or else a loaded command
+    module's) where it documents that class, else a listing of the class's keys."""
     from .config_doc import EntryPoint, entry_point, format_help
 
-    module = sys.modules.get("__main__")
-    try:
-        entry = entry_point(module)
-    except (ValueError, TypeError):
-        entry = None
-    if entry is None or entry.config_class is not config_class:
-        name = getattr(getattr(module, "__spec__", None), "name", None) or "levanter"
+    main_module = sys.modules.get("__main__")
+    commands = [m for n, m in sorted(sys.modules.items()) if n.startswith("levanter.main.") and m is not None]
+    for module in [main_module, *commands]:
+        try:
+            entry = entry_point(module)
+        except (ValueError, TypeError):
+            continue
+        if entry.config_class is config_class:
+            break
+    else:
+        name = getattr(getattr(main_module, "__spec__", None), "name", None) or "levanter"
         entry = EntryPoint(name, (config_class.__doc__ or "").strip().split("\n")[0], config_class)
     print(format_help(entry), end="")
 

@@ -91,8 +91,10 @@ def peak_flops_per_device(device) -> Optional[float]:
 class RayConfig:
     """Upstream's Ray settings: training here needs no Ray cluster."""
 
-    # Address of a Ray cluster to connect to; null: none (training starts no Ray).
-    address: Optional[str] = None
+    # Upstream's Ray cluster to connect to; refused if set (data.cache_options.ray_address builds on Ray).
+    address: Optional[str] = refused(
+        "training uses no Ray cluster; remove the key (data.cache_options.ray_address builds caches on Ray)"
+    )
     # Upstream starts Ray workers on each host; training here never does.
     start_workers: bool = refused("training here starts no Ray workers; remove the key", default=True)
     # Upstream starts a local Ray cluster when none is found; training here never does.
