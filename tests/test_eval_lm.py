@@ -102,6 +102,15 @@ def test_eval_lm_losses_and_bits_per_byte_equal_an_independent_computation(origi
     written = [json.loads(x) for x in open(tmp / "logs" / "origin-eval" / "metrics.jsonl")]
     assert written[-1]["step"] == 2 and written[-1]["eval/loss"] == pytest.approx(got["eval/loss"])
 
+    # The same weights exported in the Hugging Face layout and evaluated from there give the same metrics.
+    from levanter.compat.hf_checkpoints import save_hf_checkpoint
+
+    save_hf_checkpoint(model, cfg.model, str(tmp / "hf"))
+    hf = eval_lm.main(dataclasses.replace(ecfg, checkpoint_path=None, hf_checkpoint=str(tmp / "hf")))
+    assert hf.keys() == got.keys()
+    for k, v in got.items():
+        assert hf[k] == pytest.approx(v, rel=1e-5), k
+
 
 def test_metric_averages_and_tags_by_hand():
     r = EvalResult(
