@@ -66,7 +66,7 @@ from levanter.lm_config import branch_origin
 from levanter.lm_config import hf_exporter, hf_init_path, model_record, model_vocab_size, with_hf_model
 from levanter.memory_plan import FLAG_HELP, format_plan, make_plan, split_plan_args
 from levanter.progress import RunProgress, open_debug_log, setup_console_logging
-from levanter.tracker import JsonConfig, TrackerStartError
+from levanter.tracker import JsonConfig, TrackerStartError, WandbConfig
 from levanter.utils import fs
 from levanter.trainer import (
     DataEndedError,
@@ -519,6 +519,10 @@ def _where(tcfg: TrainerConfig, run_id: str, checkpointer) -> list:
             if isinstance(c, JsonConfig):
                 path = fs.join(path, "metrics.jsonl")
             out.append(f"{type(c).__name__.removesuffix('Config').lower()} metrics: {path}")
+        if isinstance(c, WandbConfig):
+            local = c.dir or c.log_dir or os.environ.get("WANDB_DIR") or tcfg.log_dir
+            out.append(f"wandb metrics: run {c.id or run_id} of project {c.project} (local files under "
+                       f"{fs.join(local, 'wandb')})")
     out.append(f"checkpoints: {getattr(checkpointer, 'base_path', tcfg.checkpointer.expanded_path(run_id))}")
     log = fs.join(tcfg.log_dir, run_id, "debug.log")
     if not fs.is_url(log) and os.path.exists(log):
