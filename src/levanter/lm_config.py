@@ -65,25 +65,19 @@ class TrainLmConfig:
     # dtype of the exported weights: float32, bfloat16 or float16 (default: the parameters' own).
     hf_save_dtype: Optional[str] = None
     # Upstream's epoch count; refused if set: the data repeats by data.stop_strategy instead.
-    epoch: int = 0
+    epoch: int = refused("use data.stop_strategy or a longer run instead", default=0)
     # Upstream's lm-eval-harness tasks; refused if set (the harness is not built here).
-    eval_harness: Optional[Dict] = None
+    eval_harness: Optional[Dict] = refused("the lm-eval-harness is not built here; remove the key")
     # Steps between lm-eval-harness runs (upstream); refused if set, as eval_harness is.
     eval_harness_steps: int = refused("the lm-eval-harness is not built here; remove the key", default=10000)
     # Upstream logs the entropy of the predictions; refused if set.
-    log_entropy: bool = False
+    log_entropy: bool = refused("prediction entropy is not logged; remove the key", default=False)
 
 
 def validate(config: TrainLmConfig):
     """Every check that needs no data and no compile; errors name the config key. Returns the tokenizer."""
     check_refused(config)  # keys accepted from upstream configs, set to what is not built here
     check_hf_keys(config)
-    for name in ("eval_harness", "log_entropy"):
-        value = getattr(config, name)
-        if value not in (False, None):
-            raise ValueError(f"{name} is not supported by this fork yet; remove it from the config")
-    if config.epoch:
-        raise ValueError("epoch is not supported: use data.stop_strategy or a longer run instead")
     if config.prefetch_depth < 0:
         raise ValueError(f"prefetch_depth must be >= 0, got {config.prefetch_depth}")
     if not math.isfinite(config.z_loss_weight) or config.z_loss_weight < 0:

@@ -126,9 +126,9 @@ class LMTaskConfig:
     # Upstream's permutation kind: feistel (used here) or linear (accepted; a Feistel permutation is used).
     permutation_type: Optional[str] = None
     # Upstream's token id excluded from the loss; refused if set.
-    ignore_token_id: Optional[int] = None
+    ignore_token_id: Optional[int] = refused("the loss covers every position here; remove the key")
     # Upstream's chat template for chat-formatted data; refused if set (plain text only).
-    chat_template: Optional[str] = None
+    chat_template: Optional[str] = refused("chat-formatted data is not read here (plain text only)")
 
     # -- shared machinery --------------------------------------------------------------------------
     def the_tokenizer(self):
@@ -151,9 +151,6 @@ class LMTaskConfig:
             logger.warning("data.permutation_type=linear: this fork always uses a Feistel permutation")
         if isinstance(self.shuffle, int) and not isinstance(self.shuffle, bool) and self.shuffle < 1:
             raise ValueError(f"data.shuffle: an int shuffle is a block size and must be >= 1, got {self.shuffle}")
-        for name in ("ignore_token_id", "chat_template"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"data.{name} is not supported by this fork yet; remove it from the config")
 
     def _cache(
         self, source: LMDatasetSourceConfig, cache_dir: str, split: str, tokenizer, what: str, cache_key: str
@@ -288,13 +285,15 @@ class LMMixtureDatasetConfig(LMTaskConfig):
     # Sequences per block whose composition is fixed by the weights; null: one block per batch (exact).
     mixture_block_size: Optional[int] = 2048
     # Upstream's token budget for sub-sampling sources; refused if set.
-    target_budget: Optional[int] = None
+    target_budget: Optional[int] = refused("bound the run with trainer.num_train_steps instead")
     # Upstream's experiment token budget (with target_budget); refused if set.
-    experiment_budget: Optional[int] = None
+    experiment_budget: Optional[int] = refused("bound the run with trainer.num_train_steps instead")
     # Upstream's per-source cap on training batches; refused if set.
-    max_train_batches: Optional[Dict[str, int]] = None
+    max_train_batches: Optional[Dict[str, int]] = refused("shape the mixture with data.train_weights instead")
     # Upstream's per-source cap on validation sequences; refused if set.
-    num_validation_sequences: Optional[Dict[str, int]] = None
+    num_validation_sequences: Optional[Dict[str, int]] = refused(
+        "cap evaluation with trainer.max_eval_batches instead"
+    )
 
     def stages(self) -> list:
         """``train_weights`` as ``[(start_step, {name: weight})]``, validated against ``configs``."""
@@ -333,9 +332,6 @@ class LMMixtureDatasetConfig(LMTaskConfig):
                     f"data.mixture_block_size: must be a positive number of sequences, or null for one block "
                     f"per batch; got {k}"
                 )
-        for name in ("target_budget", "experiment_budget", "max_train_batches", "num_validation_sequences"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"data.{name} is not supported by this fork yet; remove it from the config")
         self.eval_tags()
 
     def eval_tags(self) -> Dict[str, Tuple[str, ...]]:
