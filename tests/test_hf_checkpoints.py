@@ -117,6 +117,23 @@ def test_bfloat16_export_loads_in_transformers(hf_dirs, imported, tmp_path):
     assert np.abs(our_logits(ours) - hf_dirs["llama-tied"][1]).max() < 0.1  # bfloat16 rounding only
 
 
+def test_export_to_an_object_store_commits_with_config_json_last(imported):
+    """No rename on a bucket: the old config.json goes first and comes back last, stale shards are removed,
+    and the directory imports bit-identically (``memory://`` takes the object-store path of fs)."""
+    from levanter.utils import fs
+
+    config, model = imported["llama-tied"]
+    url = "memory://hf-export-test/run/step-1"
+    save_hf_checkpoint(model, config, url, max_shard_size=40_000)
+    assert "model.safetensors.index.json" in fs.listdir(url)
+    save_hf_checkpoint(model, config, url)
+    assert fs.listdir(url) == ["config.json", "model.safetensors"]
+    _, again = load_hf_checkpoint(url)
+    for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(again)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    fs.remove_tree("memory://hf-export-test")
+
+
 def test_offline_hub_id_fails_fast_with_one_paragraph(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)

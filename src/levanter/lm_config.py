@@ -224,6 +224,14 @@ def check_hf_keys(config: TrainLmConfig) -> None:
         raise ValueError(f"hf_save_steps must be a positive number of steps, got {config.hf_save_steps!r}")
     if config.hf_save_dtype is not None and config.hf_save_dtype not in HF_SAVE_DTYPES:
         raise ValueError(f"hf_save_dtype {config.hf_save_dtype!r} is not one of {sorted(HF_SAVE_DTYPES)}")
+    if config.hf_save_path and not fs.is_url(config.hf_save_path):  # buckets: check_storage_access
+        try:
+            fs.probe_writable(config.hf_save_path)
+        except OSError as e:
+            raise ValueError(
+                f"hf_save_path={config.hf_save_path!r}: cannot write there ({e.strerror or e}); choose a writable "
+                "directory"
+            ) from None
     if config.use_hf_model_config and not config.initialize_from_hf:
         raise ValueError("use_hf_model_config: true needs initialize_from_hf (the checkpoint whose config.json to use)")
     if hf_init_path(config) is not None:

@@ -146,7 +146,8 @@ def resolve_hf_checkpoint(path_or_id: str, *, what: str = "checkpoint") -> str:
 def _download(repo_id: str, what: str) -> str:
     from huggingface_hub import snapshot_download
 
-    patterns = [CONFIG_FILE, "*.safetensors", SAFE_INDEX, *TOKENIZER_FILES]
+    # A tokenizer needs its own files only, never a model's weights.
+    patterns = list(TOKENIZER_FILES) if what == "tokenizer" else [CONFIG_FILE, "*.safetensors", SAFE_INDEX, *TOKENIZER_FILES]
     why = None if _offline() else _hub_unreachable()
     try:
         # Unreachable: the hub cache may still hold it (no network call with local_files_only).

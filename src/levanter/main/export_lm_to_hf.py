@@ -109,6 +109,13 @@ def main(config: ExportLmConfig) -> str:
 
     Vocab = hax.Axis("vocab", int(vocab))
     template = jax.eval_shape(lambda k: model_config.build(Vocab, key=k), jax.random.PRNGKey(0))
+    # The parameters are stored in the run's parameter dtype (trainer.mp), float32 unless the run said otherwise.
+    dtypes = {rec["dtype"] for rec in doc.get("leaves", []) if rec.get("name", "").startswith("model/")}
+    if len(dtypes) == 1:
+        (dtype,) = dtypes
+        template = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, dtype) if isinstance(x, jax.ShapeDtypeStruct) else x, template
+        )
     try:
         model = load_checkpoint(template, path, subpath="model")
     except CheckpointMismatchError as e:
