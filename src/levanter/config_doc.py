@@ -2,10 +2,10 @@
 ``docs/reference/config.md``, and the fields accepted from upstream configs but refused when set.
 
 A field's description is the comment directly above it in its dataclass (contiguous ``#`` lines; else an
-inline ``# ...`` comment, else a string literal right below it, as draccus also reads them): one place, read by both ``--help`` and the reference
-generator (``scripts/gen_config_reference.py``), so the two never disagree. The rule is draccus's
-"comment above" rule; ``--help`` is printed here rather than by draccus because draccus's help repeats
-the keys shared by the members of a union and prints no default for most fields.
+inline ``# ...`` comment, else a string literal right below it, as draccus also reads them): one place,
+read by both ``--help`` and the reference generator (``scripts/gen_config_reference.py``), so the two
+never disagree. ``--help`` is printed here rather than by draccus because draccus's help repeats the
+keys that the members of a union share, and shows no default for a field without a description.
 
 :func:`refused` marks a field that upstream configs may carry but that this code does not implement: it
 parses (so such configs load) and :func:`check_refused` rejects it, naming the key, when it is set to
@@ -415,7 +415,7 @@ def _module_name(module) -> str:
 
 
 def _main_config_class(module):
-    """The config class of the module's ``main(config)`` (its first parameter's annotation), if a dataclass."""
+    """The config class of the module's ``main(config)`` (its first parameter's annotation), if any."""
     fn = getattr(module, "main", None)
     if not callable(fn):
         return None
@@ -448,33 +448,40 @@ def entry_point(module) -> EntryPoint:
     raise ValueError(f"{module.__name__}: no CONFIG_DOC and no levanter.config.main function")
 
 
-def _describe(row: FieldDoc) -> str:
-    text = row.description or "(no description)"
-    if row.refused:
-        text = f"[refused if set: {row.refused}] {text}"
-    return text
+def _plain(text: str) -> str:
+    """reST markup as a terminal shows it: ````x```` as x, ``:func:`~a.b``` as b."""
+    text = re.sub(r":\w+:`~?([\w.]+)`", lambda m: m.group(1).rsplit(".", 1)[-1], text)
+    return text.replace("``", "")
 
 
 def format_help(entry: EntryPoint, width: int = 100) -> str:
-    """``--help`` text: usage, then each section's keys with type, default and description, once each."""
+    """``--help`` text: usage, then each section's keys with type, default and description, once each; the
+    section's refused keys (see :func:`refused`) are named together on its last line."""
     lines = [f"usage: python -m {entry.module} {entry.usage}", "", entry.summary, ""]
     if entry.note:
         lines += textwrap.wrap(entry.note, width=width) + [""]
     lines += textwrap.wrap(
         "Keys are set in the YAML file or on the command line with their dotted names (--a.b value). Keys "
-        "marked [refused if set] are accepted from upstream configs but stop the run if given a value. "
-        "The same, as tables: docs/reference/config.md.",
+        "listed as refused are accepted from upstream configs but stop the run if given a value. "
+        "The same, as tables, with what each refused key would do: docs/reference/config.md.",
         width=width,
     )
+    pad = " " * 6
     for s in entry_sections(entry):
         if not s.fields:
             continue
-        lines += ["", f"{s.title}:" + (f" {s.doc}" if s.doc else "")]
+        lines += [""] + textwrap.wrap(_plain(f"{s.title}:" + (f" {s.doc}" if s.doc else "")), width=width,
+                                      subsequent_indent="  ")
         for r in s.fields:
-            head = f"  --{r.key} ({r.type}; default {r.default})"
-            lines.append(head)
-            pad = " " * 6
-            lines += textwrap.wrap(_describe(r), width=width, initial_indent=pad, subsequent_indent=pad)
+            if r.refused:
+                continue
+            lines.append(f"  --{r.key} ({r.type}; default {r.default})")
+            text = _plain(r.description)
+            lines += textwrap.wrap(text, width=width, initial_indent=pad, subsequent_indent=pad)
+        refused_keys = [f"--{r.key}" for r in s.fields if r.refused]
+        if refused_keys:
+            text = "refused if set (upstream keys not built here): " + ", ".join(refused_keys)
+            lines += textwrap.wrap(text, width=width, initial_indent="  ", subsequent_indent=pad)
     return "\n".join(lines) + "\n"
 
 
