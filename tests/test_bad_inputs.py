@@ -845,6 +845,15 @@ def hf_dir(doc: dict, weights: str = "model.safetensors") -> Callable[[Path, Pat
     return write_files({"hf/config.json": json.dumps(doc), f"hf/{weights}": b""})
 
 
+def _drop_model_record(step_dir: Path) -> None:
+    """Make a checkpoint look written before checkpoints recorded their model block."""
+    meta = step_dir / "metadata.json"
+    doc = json.loads(meta.read_text())
+    for key in ("model", "vocab_size", "tokenizer"):
+        doc["metadata"].pop(key, None)
+    meta.write_text(json.dumps(doc))
+
+
 def _offline_hub(monkeypatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as without network, however this machine is connected
     monkeypatch.setenv("HF_HUB_CACHE", os.path.join(os.sep, "nonexistent", "levanter-test-hub-cache"))
@@ -874,6 +883,10 @@ HF_CASES = [
          yaml=BASE + "hf_save_path: $TMP/file/out\n"),
     Case("hf-save-dtype", "hugging face", "`hf_save_dtype: int8`", 2, ["hf_save_dtype 'int8'", "bfloat16"],
          yaml=BASE + "hf_save_path: $TMP/hf-out\nhf_save_dtype: int8\n"),
+    Case("export-old-checkpoint", "hugging face", "`export_lm_to_hf` from a checkpoint that records no model block", 2,
+         ["$TMP/ckpt/bad/step-2", "does not record its model", "--model.type"], entry="export_lm_to_hf",
+         yaml=None, config_path=None, setup=lambda tmp, shared: _drop_model_record(copy_checkpoint(tmp, shared)),
+         args=["--checkpoint_path", "$TMP/ckpt/bad/step-2", "--output_dir", "$TMP/out"], needs=["checkpoint"]),
     Case("export-no-checkpoint", "hugging face", "`export_lm_to_hf` from a directory with no checkpoint", 2,
          ["checkpoint_path='$TMP'", "no complete checkpoint"], entry="export_lm_to_hf", yaml=None, config_path=None,
          args=["--checkpoint_path", "$TMP", "--output_dir", "$TMP/out"]),

@@ -3,9 +3,10 @@
 
 The checkpoint's ``metadata.json`` records the model block, the vocabulary size and ``data.tokenizer`` of the
 run that wrote it (:func:`levanter.lm_config.model_record`), so the checkpoint alone is enough. Checkpoints
-written before that record existed need the model block (``--model.type gpt2 --model.hidden_dim ...``, or a
-YAML with a ``model:`` section through ``--config_path``) and the tokenizer; the vocabulary size then comes
-from the checkpoint's embedding. Explicit keys win over the record.
+written before that record existed need their run's model block and tokenizer on the command line
+(``--model.type gpt2 --model.hidden_dim ... --tokenizer ...``) or in a YAML file given by ``--config_path``
+(``model:`` and ``tokenizer:`` at its top level); the vocabulary size then comes from the checkpoint's
+embedding. Explicit keys win over the record.
 
 Only the model's weights are read (``load_checkpoint(..., subpath="model")``): the optimizer state stays on
 disk. The output is written all or nothing by :func:`levanter.compat.save_hf_checkpoint` (locally or to a
@@ -99,7 +100,8 @@ def main(config: ExportLmConfig) -> str:
         if "model" not in record:
             raise ValueError(
                 f"checkpoint {path} does not record its model (written by an older train_lm): give the run's model "
-                "block, e.g. --config_path run.yaml with its model: section, or --model.type and its keys"
+                "block: --model.type and its keys (--model.hidden_dim ...), or --config_path FILE.yaml holding a model: "
+                "section (and tokenizer:)"
             )
         model_config = draccus.decode(LmConfig, record["model"])
     tokenizer = config.tokenizer if config.tokenizer is not None else record.get("tokenizer")
