@@ -40,7 +40,7 @@ import optax
 from jax.sharding import Mesh
 
 from .config import parse_timedelta
-from .config_doc import refused
+from .config_doc import check_refused, refused
 from .checkpoint import (
     METADATA_FILENAME,
     CheckpointerConfig,
@@ -179,10 +179,10 @@ class TrainerConfig:
     jax_config: Dict[str, Any] = dataclasses.field(default_factory=dict)
     # Directory of JAX's persistent compilation cache (a rerun skips compiles); null: none.
     jax_compilation_cache_dir: Optional[str] = None
-    # Upstream's replica axis within a slice (hybrid sharding); only 1 is supported.
-    replica_ici_axis_size: int = 1
-    # Upstream's replica axis across slices (hybrid sharding); only 1 is supported.
-    replica_dcn_axis_size: int = 1
+    # Upstream's replica axis within a slice (hybrid sharding); refused unless 1.
+    replica_ici_axis_size: int = refused("replica axes are not built here; leave it at 1", default=1)
+    # Upstream's replica axis across slices (hybrid sharding); refused unless 1.
+    replica_dcn_axis_size: int = refused("replica axes are not built here; leave it at 1", default=1)
 
     # -- derived -------------------------------------------------------------------------------------
     @property
@@ -197,6 +197,7 @@ class TrainerConfig:
 
     def validate(self) -> None:
         """Cheap checks that need no devices beyond counting them; errors name the config key."""
+        check_refused(self, "trainer")  # upstream keys not built here (config_doc.refused)
         check_run_id(self.id)
         if self.num_train_steps < 1:
             raise ValueError(f"trainer.num_train_steps must be >= 1, got {self.num_train_steps}")
@@ -222,8 +223,6 @@ class TrainerConfig:
             raise ValueError(
                 f"trainer.model_axis_size={self.model_axis_size} does not divide the {jax.device_count()} devices"
             )
-        if self.replica_ici_axis_size != 1 or self.replica_dcn_axis_size != 1:
-            raise ValueError("trainer.replica_*_axis_size is not supported yet; leave it at 1")
         dp = self.data_axis_size
         for seg in sched.segments:
             if seg.value % dp:
