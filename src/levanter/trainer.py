@@ -156,11 +156,9 @@ class TrainerConfig:
     crash_on_nan: bool = True
     # Stop the run at an infinite loss or gradient norm (never applied); false: skip such steps.
     crash_on_inf: bool = True
-    # Upstream pads a batch that the data-parallel size does not divide; such a batch is refused here.
-    allow_nondivisible_batch_size: bool = refused(
-        "batches are never padded here; use a train_batch_size divisible by the data-parallel size",
-        default=False,
-    )
+    # Upstream pads a batch the data-parallel size does not divide; nothing is padded here, so such a batch
+    # is refused whatever this says (a divisible one trains either way).
+    allow_nondivisible_batch_size: bool = False
     # Multi-process start-up (jax.distributed): coordinator, process count and id.
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     # Upstream's Ray settings (training here starts no Ray).
@@ -226,11 +224,11 @@ class TrainerConfig:
         dp = self.data_axis_size
         for seg in sched.segments:
             if seg.value % dp:
-                # Upstream pads such batches (allow_nondivisible_batch_size, refused here); nothing is padded.
+                padded = " (allow_nondivisible_batch_size is set, but no batch is padded here)"
                 raise ValueError(
                     f"trainer.train_batch_size: batch size {seg.value} (from step {seg.start}) is not divisible by "
                     f"the data-parallel size {dp} ({jax.device_count()} devices / model_axis_size "
-                    f"{self.model_axis_size})"
+                    f"{self.model_axis_size}){padded if self.allow_nondivisible_batch_size else ''}"
                 )
             if self.per_device_parallelism > 0:
                 micro = self.per_device_parallelism * dp
