@@ -490,7 +490,9 @@ def _md_cell(text: str) -> str:
 
 
 def format_markdown(entries: Sequence[EntryPoint]) -> str:
-    """The reference page: per entry point, per section, a table of key, type, default, description."""
+    """The reference page: per entry point, per section, a table of key, type, default, description. A
+    section an earlier command already lists (``data_schedule`` and ``eval_lm`` take ``train_lm``'s
+    ``data``, ``trainer``, ...) is named with a link to that table rather than repeated."""
     out = [
         "# Configuration reference",
         "",
@@ -505,14 +507,25 @@ def format_markdown(entries: Sequence[EntryPoint]) -> str:
         "if set to anything but their default.",
         "",
     ]
+    listed: dict = {}  # a section's content -> the heading that lists it
     for e in entries:
         out += [f"## `python -m {e.module}`", "", e.summary, ""]
         out += [f"Usage: `python -m {e.module} {e.usage}`", ""]
         if e.note:
             out += [e.note, ""]
+        own, shared = [], []
         for s in entry_sections(e):
             if not s.fields:
                 continue
+            mark = (s.title, tuple(dataclasses.astuple(r)[:5] for r in s.fields))
+            if mark in listed:
+                shared.append(f"[{s.title}](#{_anchor(listed[mark])})")
+            else:
+                listed[mark] = f"{e.module.rsplit('.', 1)[-1]}: {s.title}"
+                own.append(s)
+        if shared:
+            out += ["Also these sections, listed above: " + ", ".join(shared) + ".", ""]
+        for s in own:
             out += [f"### {e.module.rsplit('.', 1)[-1]}: {s.title}", ""]
             if s.doc:
                 out += [s.doc, ""]
@@ -524,6 +537,11 @@ def format_markdown(entries: Sequence[EntryPoint]) -> str:
                 out.append(f"| `{r.key}` | {_md_cell(r.type)} | `{_md_cell(r.default)}` | {desc} |")
             out.append("")
     return "\n".join(out).rstrip() + "\n"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
 
 
 def all_fields(entry: EntryPoint) -> list:
