@@ -110,7 +110,7 @@ def format_eval(step: int, metrics: Mapping[str, Any]) -> Optional[str]:
     if not items:
         return None
     items.sort(key=lambda kv: (kv[0] != "loss", kv[0]))
-    parts = [f"{name} {value:.4f}" if isinstance(value, float) else f"{name} {value}" for name, value in items]
+    parts = [f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in items]
     return f"eval at step {step}: " + " | ".join(parts)
 
 
@@ -188,7 +188,8 @@ class RunProgress:
             self._steady_seconds += seconds
         self.last_loss, self.last_step = loss, step
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens / max(seconds, 1e-9):,.0f}", refresh=False)
+            tok_s = f"{tokens / max(seconds, 1e-9):,.0f}"
+            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=tok_s, refresh=False)
             self.bar.update(1)
         if not self.lines:
             return
@@ -218,7 +219,8 @@ class RunProgress:
         """Print the end-of-run summary; ``where``: lines saying where metrics and checkpoints went."""
         wall = time.perf_counter() - self._t_start
         if self._steady_seconds > 0:
-            speed = f"{self._steady_tokens / self._steady_seconds:,.0f} tokens/s after the first step's compile"
+            tok_s = self._steady_tokens / self._steady_seconds
+            speed = f"{tok_s:,.0f} tokens/s after the first step's compile"
         else:
             speed = f"{self.tokens_done / max(self.train_seconds, 1e-9):,.0f} tokens/s"
         lines = [f"finished at step {final_step}/{self.total}: trained {self.steps_done} step(s) in "

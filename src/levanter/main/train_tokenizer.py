@@ -1,12 +1,12 @@
 """Train a byte-level BPE tokenizer on local text; its output directory is what data.tokenizer takes.
 
 ``python -m levanter.main.train_tokenizer --train_urls '["embedded://python-docs/train"]' --output_dir
-tokenizers/bpe`` (docs/guides/tokenizers.md). The inputs are read like a cache build's (``train_urls``: JSON lines, parquet, plain text, globs, braces,
-compressed files, ``embedded://<corpus>/<split>`` URLs); the tokenizer is
-:func:`levanter.ingest.tokenization.train_bpe` (the ``tokenizers`` library: GPT-2 style pre-tokenisation,
-the 256 byte symbols so that any text encodes, ``<|endoftext|>`` as EOS). The output directory holds
-``tokenizer.json`` and ``tokenizer_config.json``. The same inputs
-and settings give a byte-identical ``tokenizer.json``.
+tokenizers/bpe`` (docs/guides/tokenizers.md). The inputs are read like a cache build's (``train_urls``:
+JSON lines, parquet, plain text, globs, braces, compressed files, ``embedded://<corpus>/<split>`` URLs);
+the tokenizer is :func:`levanter.ingest.tokenization.train_bpe` (the ``tokenizers`` library: GPT-2 style
+pre-tokenisation, the 256 byte symbols so that any text encodes, ``<|endoftext|>`` as EOS). The output
+directory holds ``tokenizer.json`` and ``tokenizer_config.json``. The same inputs and settings give a
+byte-identical ``tokenizer.json``.
 
 Trade-off: the documents are streamed to the trainer, but ``tokenizers`` keeps the word counts of the
 whole input in memory; ``max_documents`` bounds a first try on a large corpus.
@@ -57,8 +57,8 @@ def _documents(config: TrainTokenizerConfig) -> Iterator[str]:
             for where, doc in sources.iter_located_documents(path, text_key=config.text_key):
                 if not isinstance(doc, str):
                     raise ValueError(
-                        f"train_urls: {path}, {where}: the value under text_key={config.text_key!r} is not text "
-                        f"({type(doc).__name__}); a tokenizer learns from text"
+                        f"train_urls: {path}, {where}: the value under text_key={config.text_key!r} is not "
+                        f"text ({type(doc).__name__}); a tokenizer learns from text"
                     )
                 yield doc
 
@@ -68,7 +68,9 @@ def check(config: TrainTokenizerConfig) -> None:
     if not config.train_urls:
         raise ValueError("train_urls: give at least one input file or embedded://<corpus>/<split> URL")
     if isinstance(config.train_urls, str):
-        raise ValueError(f"train_urls must be a list, got the string {config.train_urls!r}: write [{config.train_urls!r}]")
+        raise ValueError(
+            f"train_urls must be a list, got the string {config.train_urls!r}: write [{config.train_urls!r}]"
+        )
     if config.max_documents is not None and config.max_documents < 1:
         raise ValueError(f"max_documents must be >= 1 or null, got {config.max_documents}")
     from levanter.ingest import sources
@@ -96,7 +98,8 @@ def main(config: TrainTokenizerConfig) -> str:
     tok = train_bpe(texts(), config.vocab_size, config.output_dir)
     print(
         f"trained a byte-level BPE of {tok.vocab_size:,} entries on {counted[0]:,} documents in "
-        f"{time.perf_counter() - start:.1f}s: {config.output_dir} (use it as data.tokenizer: {config.output_dir})"
+        f"{time.perf_counter() - start:.1f}s: {config.output_dir} "
+        f"(use it as data.tokenizer: {config.output_dir})"
     )
     return config.output_dir
 
