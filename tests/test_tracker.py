@@ -24,6 +24,7 @@ from levanter.tracker import (
     TensorboardConfig,
     Tracker,
     TrackerConfig,
+    TrackerStartError,
     WandbConfig,
     init_trackers,
     to_python,
@@ -237,7 +238,7 @@ def test_init_trackers(tmp_path):
     both.finish()
 
     first = _DictConfig()
-    with pytest.raises(RuntimeError, match="backend down"):
+    with pytest.raises(TrackerStartError, match=r"trainer.tracker \(_dict\) could not start: RuntimeError: backend down"):
         init_trackers((first, _DictConfig(fail=True)), "r", str(tmp_path))
     assert first.made[0].finished  # the tracker that did start was closed
 
@@ -290,6 +291,36 @@ def test_wandb_disabled_writes_nothing(tmp_path, wandb_env):
         tracker.log_summary({"best": 1.0})
     assert sorted(os.listdir(tmp_path)) == ["home"]
     assert list(wandb_env.rglob("*")) == []
+
+
+def test_wandb_online_needs_credentials_before_any_work(tmp_path, wandb_env, monkeypatch):
+    with pytest.raises(ValueError, match="wandb login.*WANDB_API_KEY.*WANDB_MODE=offline"):
+        WandbConfig().check_can_start()
+    WandbConfig(mode="offline").check_can_start()
+    WandbConfig(mode="disabled").check_can_start()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    WandbConfig().check_can_start()
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    WandbConfig().check_can_start()
+    monkeypatch.delenv("WANDB_API_KEY")
+    (wandb_env / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "y" * 40 + "\n")
+    WandbConfig().check_can_start()  # what `wandb login` writes
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.com")
+    with pytest.raises(ValueError, match="no credentials"):  # a key for another server does not count
+        WandbConfig().check_can_start()
+
+
+def test_every_tracker_accepts_log_dir(tmp_path):
+    assert JsonConfig(log_dir="j").local_dirs("r", "logs") == [("trainer.tracker.log_dir", "j/r")]
+    assert TensorboardConfig().local_dirs("r", "logs") == [("trainer.log_dir", "logs/r/tensorboard")]
+    assert TensorboardConfig(log_dir="t").local_dirs("r", "logs") == [("trainer.tracker.log_dir", "t/r")]
+    assert TensorboardConfig(logdir="t").local_dirs("r", "logs") == [("trainer.tracker.logdir", "t/r")]
+    with pytest.raises(ValueError, match="give one"):
+        TensorboardConfig(logdir="a", log_dir="b").local_dirs("r", "logs")
+    with WandbConfig(mode="offline", log_dir=str(tmp_path / "w")).init("run-d", str(tmp_path / "logs")) as t:
+        t.log({"loss": 1.0}, step=0)
+    assert len(_offline_run_dirs(tmp_path / "w", "run-d")) == 1
 
 
 def test_wandb_rejects_unknown_mode(tmp_path):

@@ -191,7 +191,9 @@ class CompositeTracker(Tracker):
             try:
                 t.finish()
             except Exception as e:  # noqa: BLE001 -- re-raised below
-                logger.exception("tracker %s failed to finish", t.name)
+                # one line on the console; the traceback goes to the debug log
+                logger.error("tracker %s failed to finish: %s: %s", t.name, type(e).__name__, e)
+                logger.debug("tracker %s failed to finish", t.name, exc_info=True)
                 errors.append(e)
         if errors:
             raise errors[0]
@@ -315,7 +317,8 @@ def init_trackers(
             try:
                 t.finish()
             except Exception:  # noqa: BLE001 -- the original error is the one to report
-                logger.exception("tracker %s failed to finish after a failed start", t.name)
+                logger.warning("tracker %s failed to finish after a failed start", t.name)
+                logger.debug("tracker %s failed to finish after a failed start", t.name, exc_info=True)
         raise
     if not started:
         return NoopTracker()
