@@ -113,3 +113,29 @@ def test_console_filter_keeps_library_info_out():
     assert not f.filter(rec("jax._src.xla_bridge", logging.INFO))  # "Unable to initialize backend 'tpu'"
     assert f.filter(rec("jax._src.xla_bridge", logging.WARNING))
     assert not f.filter(rec("levanter.trainer", logging.DEBUG))
+
+
+DEBUG_LOG_SCRIPT = """
+import logging, sys
+from levanter import progress
+progress.setup_console_logging()
+logging.getLogger("jax._src.xla_bridge").info("Unable to initialize backend 'tpu': not found")
+logging.getLogger("levanter.trainer").info("a levanter line")
+logging.getLogger("levanter.trainer").debug("a levanter detail")
+print(progress.open_debug_log(sys.argv[1]))
+logging.getLogger("jax").debug("after the log opened")
+"""
+
+
+def test_library_chatter_goes_to_the_debug_log_only(tmp_path):
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", DEBUG_LOG_SCRIPT, str(tmp_path / "run")], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(tmp_path / "run" / "debug.log")
+    assert "a levanter line" in r.stderr
+    assert "Unable to initialize backend" not in r.stderr and "detail" not in r.stderr
+    log = (tmp_path / "run" / "debug.log").read_text()
+    for line in ("Unable to initialize backend 'tpu'", "a levanter line", "a levanter detail", "after the log opened"):
+        assert line in log

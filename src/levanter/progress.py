@@ -18,15 +18,16 @@ printed to stdout.
 The console shows INFO records of ``levanter`` and warnings of everything else; third-party libraries'
 INFO chatter (JAX's "Unable to initialize backend 'tpu'", say) goes only to the debug log,
 ``<trainer.log_dir>/<run id>/debug.log``, which holds every record at DEBUG level from the start of the
-process (records before the run's id is known are buffered in memory, then written). The trade-off: a
-process that dies before its run id is known leaves no debug log; the console still shows its errors.
+process (the last 10,000 records before the run's id is known are kept in memory, then written). The
+trade-off: a process that dies before its run id is known leaves no debug log; the console still shows
+its errors.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
-import logging.handlers
 import math
 import os
 import sys
@@ -50,7 +51,19 @@ class _ConsoleFilter(logging.Filter):
         return name == "__main__" or name == "levanter" or name.startswith("levanter.")
 
 
-_buffer: Optional[logging.handlers.MemoryHandler] = None
+class _Buffer(logging.Handler):
+    """The records logged before the debug log's directory is known: the last ``capacity`` of them (a
+    process that never opens a debug log keeps a bounded amount)."""
+
+    def __init__(self, capacity: int):
+        super().__init__(logging.DEBUG)
+        self.records: collections.deque = collections.deque(maxlen=capacity)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+_buffer: Optional[_Buffer] = None
 
 
 def setup_console_logging() -> None:
@@ -64,9 +77,7 @@ def setup_console_logging() -> None:
     console.setFormatter(logging.Formatter(CONSOLE_FORMAT))
     console.addFilter(_ConsoleFilter())
     root.addHandler(console)
-    _buffer = logging.handlers.MemoryHandler(_BUFFER_CAPACITY, flushLevel=logging.CRITICAL + 1, target=None,
-                                             flushOnClose=False)
-    _buffer.setLevel(logging.DEBUG)
+    _buffer = _Buffer(_BUFFER_CAPACITY)
     root.addHandler(_buffer)
 
 
@@ -76,19 +87,21 @@ def open_debug_log(directory: str) -> Optional[str]:
     was not set up by :func:`setup_console_logging` (``main`` called from Python) or the directory is on
     an object store (which cannot be appended to)."""
     global _buffer
-    if _buffer is None or "://" in directory:
+    if _buffer is None:
+        return None
+    buffer, _buffer = _buffer, None
+    root = logging.getLogger()
+    root.removeHandler(buffer)
+    if "://" in directory:
         return None
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, DEBUG_LOG_NAME)
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setLevel(logging.DEBUG)
     handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
-    _buffer.setTarget(handler)
-    _buffer.flush()
-    root = logging.getLogger()
-    root.removeHandler(_buffer)
+    for record in buffer.records:
+        handler.handle(record)
     root.addHandler(handler)
-    _buffer = None
     return path
 
 
