@@ -3,8 +3,14 @@
 ``main(config)`` is a plain function (tests call it directly). It validates the whole config before any
 expensive work, builds (or finds) the token caches, initialises or restores the state, and hands the
 loader's batches (tagged with their step) to :meth:`levanter.trainer.Trainer.train`, which checks the
-tags and checkpoints; the hooks given to it log the metrics and evaluate. Re-running the same command with the same ``trainer.id`` resumes from the
-latest complete checkpoint and reproduces the same data and losses.
+tags and checkpoints; the hooks given to it log the metrics and evaluate. Re-running the same command
+with the same ``trainer.id`` resumes from the latest complete checkpoint and reproduces the same data and
+losses; re-running a run that already reached ``trainer.num_train_steps`` says so and exits 0.
+
+What it prints (:mod:`levanter.progress`, docs/guides/trackers.md): a bar on a terminal, else a line
+every ``trainer.progress_interval``; every evaluation's losses and an end-of-run summary on stdout; the
+details in ``<trainer.log_dir>/<run id>/debug.log``. Ctrl-C (SIGINT) or SIGTERM checkpoints the current
+step and exits with status 75; a second Ctrl-C exits at once with 130.
 
 A run either does what its config asks or fails: besides the values themselves, it refuses up front a
 model whose training state cannot fit in memory (estimated from shapes), log directories it cannot
