@@ -323,6 +323,23 @@ def test_every_tracker_accepts_log_dir(tmp_path):
     assert len(_offline_run_dirs(tmp_path / "w", "run-d")) == 1
 
 
+def test_a_wandb_failure_is_one_tracker_error_line():
+    from levanter.tracker import TrackerError, WandbTracker
+
+    class BrokenRun:  # stands in for a wandb run whose server went away
+        def log(self, *a, **k):
+            raise ConnectionError("server unreachable")
+
+        def finish(self):
+            raise ConnectionError("server unreachable")
+
+    t = WandbTracker(BrokenRun())
+    with pytest.raises(TrackerError, match=r"trainer.tracker \(wandb\) failed logging metrics: ConnectionError"):
+        t.log({"loss": 1.0}, step=0)
+    with pytest.raises(TrackerError, match="failed finishing the run"):
+        t.finish()
+
+
 def test_wandb_rejects_unknown_mode(tmp_path):
     with pytest.raises(ValueError, match="mode"):
         WandbConfig(mode="offlin").init("r", str(tmp_path))

@@ -72,7 +72,7 @@ from levanter.lm_config import branch_origin
 from levanter.lm_config import hf_exporter, hf_init_path, model_record, model_vocab_size, with_hf_model
 from levanter.memory_plan import FLAG_HELP, format_plan, make_plan, split_plan_args
 from levanter.progress import RunProgress, open_debug_log, setup_console_logging
-from levanter.tracker import JsonConfig, TrackerStartError, WandbConfig
+from levanter.tracker import JsonConfig, TrackerError, WandbConfig
 from levanter.utils import fs
 from levanter.trainer import (
     DataEndedError,
@@ -582,7 +582,7 @@ def cli(argv=None) -> None:
         print("interrupted before training started: nothing was saved", file=sys.stderr)
         sys.exit(130)
     except (DistributedStartupError, DataLoadError, DataEndedError, FloatingPointError,
-            CheckpointSaveError, TrackerStartError) as e:
+            CheckpointSaveError, TrackerError) as e:
         # the run failed (a coordinator that never answered, unreadable data, a NaN loss, a failed save)
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)

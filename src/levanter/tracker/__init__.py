@@ -16,6 +16,7 @@ from levanter.tracker.tracker import NoopConfig as NoopConfig
 from levanter.tracker.tracker import NoopTracker as NoopTracker
 from levanter.tracker.tracker import Tracker as Tracker
 from levanter.tracker.tracker import TrackerConfig as TrackerConfig
+from levanter.tracker.tracker import TrackerError as TrackerError
 from levanter.tracker.tracker import TrackerStartError as TrackerStartError
 from levanter.tracker.tracker import check_trackers_writable as check_trackers_writable
 from levanter.tracker.tracker import init_trackers as init_trackers
@@ -35,6 +36,7 @@ __all__ = [
     "TensorboardTracker",
     "Tracker",
     "TrackerConfig",
+    "TrackerError",
     "TrackerStartError",
     "WandbConfig",
     "WandbTracker",

@@ -277,8 +277,13 @@ def check_trackers_writable(
                 ) from None
 
 
-class TrackerStartError(RuntimeError):
-    """A tracker backend failed to start (its library raised): reported as one line naming the tracker."""
+class TrackerError(RuntimeError):
+    """A tracker backend's library failed: reported as one line naming the tracker (the traceback goes to
+    the debug log), never as a traceback on the console."""
+
+
+class TrackerStartError(TrackerError):
+    """A tracker backend failed to start."""
 
 
 def _start(c: TrackerConfig, run_id: str, log_dir: str, resume_step: Optional[int]) -> Tracker:

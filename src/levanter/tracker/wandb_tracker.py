@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import Any, Optional, Union
 
 from levanter.config_doc import refused
-from levanter.tracker.tracker import Tracker, TrackerConfig, normalize_metrics
+from levanter.tracker.tracker import Tracker, TrackerConfig, TrackerError, normalize_metrics
 from levanter.utils import fs
 
 logger = logging.getLogger(__name__)
@@ -73,8 +73,17 @@ class WandbTracker(Tracker):
         self.run = run
         self._finished = False
 
+    @staticmethod
+    def _call(what: str, fn, *args, **kwargs):
+        """``fn(...)``, with a failure of wandb's turned into one :class:`TrackerError` line."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 -- wandb's own exceptions, reported without their traceback
+            logger.debug("wandb failed %s", what, exc_info=True)
+            raise TrackerError(f"trainer.tracker (wandb) failed {what}: {type(e).__name__}: {e}") from None
+
     def log(self, metrics: Mapping[str, Any], *, step: int) -> None:
-        self.run.log(normalize_metrics(metrics), step=int(step))
+        self._call("logging metrics", self.run.log, normalize_metrics(metrics), step=int(step))
 
     def log_hyperparameters(self, params: Mapping[str, Any]) -> None:
         # A resumed run re-logs its config; allow_val_change lets a changed value replace the old one.
@@ -87,7 +96,7 @@ class WandbTracker(Tracker):
         if self._finished:
             return
         self._finished = True
-        self.run.finish()
+        self._call("finishing the run", self.run.finish)
 
 
 @TrackerConfig.register_subclass("wandb")
