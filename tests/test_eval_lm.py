@@ -14,6 +14,7 @@ import math
 import sys
 from pathlib import Path
 
+import equinox as eqx
 import haliax as hax
 import jax
 import numpy as np
@@ -55,8 +56,9 @@ def origin(tmp_path_factory):
 
 
 def model_from(cfg, path):
-    model = cfg.model.build(hax.Axis("vocab", 257), key=jax.random.PRNGKey(0))
-    return load_checkpoint(model, path, subpath="model")
+    # Shapes only (building the model outside jit would run its initialisation op by op, for seconds).
+    template = jax.eval_shape(lambda: cfg.model.build(hax.Axis("vocab", 257), key=jax.random.PRNGKey(0)))
+    return load_checkpoint(template, path, subpath="model")
 
 
 def test_eval_lm_losses_and_bits_per_byte_equal_an_independent_computation(origin, capsys):
@@ -70,6 +72,7 @@ def test_eval_lm_losses_and_bits_per_byte_equal_an_independent_computation(origi
 
     path = str(run_dir / "step-2")
     model = model_from(cfg, path)
+    forward = eqx.filter_jit(lambda m, t, s: m(t, s).array)
     bs, n_batches = 8, 2  # the first training batch size; trainer.max_eval_batches
     sums = {}
     for name, ds in cfg.data.validation_sets(cfg.model.seq_len).items():
@@ -79,7 +82,7 @@ def test_eval_lm_losses_and_bits_per_byte_equal_an_independent_computation(origi
         seg = np.asarray(batch["segment_ids"])
         Pos = cfg.model.Pos
         B = hax.Axis("batch", tokens.shape[0])
-        logits = np.asarray(model(hax.named(tokens, (B, Pos)), hax.named(seg, (B, Pos))).array, np.float64)
+        logits = np.asarray(forward(model, hax.named(tokens, (B, Pos)), hax.named(seg, (B, Pos))), np.float64)
         logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
             - logits.max(-1, keepdims=True)
         targets = tokens[:, 1:]
