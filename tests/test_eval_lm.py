@@ -115,6 +115,26 @@ def test_eval_lm_losses_and_bits_per_byte_equal_an_independent_computation(origi
         assert hf[k] == pytest.approx(v, rel=1e-5), k
 
 
+def test_eval_metrics_do_not_depend_on_how_batches_are_split_over_devices(origin):
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    tmp, cfg = origin
+    model = model_from(cfg, str(tmp / "ckpt" / "origin" / "step-2"))
+    sets = cfg.data.validation_sets(cfg.model.seq_len)
+    results = []
+    for model_axis_size in (1, 8):  # each batch over 8 data-parallel devices, or over 1
+        tcfg = dataclasses.replace(cfg.trainer, model_axis_size=model_axis_size)
+        trainer = train_lm.Trainer(tcfg, optax.identity(), train_lm.lm_loss_fn())
+        replicated = NamedSharding(trainer.mesh, PartitionSpec())
+        placed = jax.tree.map(lambda x: jax.device_put(x, replicated) if eqx.is_array(x) else x, model)
+        ev = train_lm.make_evaluator(dataclasses.replace(cfg, trainer=tcfg), trainer, sets, ByteTokenizer(), 257)
+        results.append(ev.evaluate(placed).metrics())
+    assert results[0].keys() == results[1].keys()
+    for k, v in results[0].items():
+        assert results[1][k] == pytest.approx(v, rel=1e-6), k
+
+
 def test_metric_averages_and_tags_by_hand():
     r = EvalResult(
         {"a": SourceTotals(loss=10.0, tokens=5, bytes=4, sequences=1),
