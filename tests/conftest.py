@@ -6,6 +6,30 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+def pytest_configure(config):
+    """One persistent XLA compilation cache for the whole session, shared by the xdist workers and every
+    ``train_lm`` subprocess the tests start (through the environment): the suite compiles the same tiny
+    models' programs many times, and all but the first of each become cache hits. Set here, in the
+    controlling process, before the workers start; ``LEVANTER_TEST_XLA_CACHE=0`` turns it off."""
+    import tempfile
+
+    if hasattr(config, "workerinput") or os.environ.get("LEVANTER_TEST_XLA_CACHE") == "0":
+        return
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        config._levanter_xla_cache = tempfile.mkdtemp(prefix="levanter-test-xla-cache-")
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = config._levanter_xla_cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    directory = getattr(config, "_levanter_xla_cache", None)
+    if directory:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """Report the size of the bad-input catalogue (tests/test_bad_inputs.py) when it was collected."""
     import sys
