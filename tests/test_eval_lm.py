@@ -186,7 +186,6 @@ def test_a_branch_starts_at_step_0_with_the_origins_weights_and_optimizer_state(
     assert int(adam.count) == 2 and int(state.opt_state[-1].count) == 0
 
 
-@pytest.mark.slow
 def test_a_branch_run_records_its_origin_and_resumes_from_its_own_checkpoints(origin):
     tmp, cfg = origin
     origin_step = str(tmp / "ckpt" / "origin" / "step-2")
