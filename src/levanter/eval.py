@@ -208,7 +208,8 @@ def format_table(result: EvalResult) -> str:
     if m:
         seqs = sum(t.sequences for t in result.totals.values())
         toks = sum(t.tokens for t in result.totals.values())
-        rows.append(("micro average", f"{seqs:,}", f"{toks:,}", f"{m['eval/loss']:.4f}", bpb(m.get("eval/bpb"))))
+        micro = (f"{m['eval/loss']:.4f}", bpb(m.get("eval/bpb")))
+        rows.append(("micro average", f"{seqs:,}", f"{toks:,}", *micro))
         rows.append(("macro average", "", "", f"{m['eval/macro_loss']:.4f}", bpb(m.get("eval/macro_bpb"))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
@@ -273,7 +274,8 @@ class Evaluator:
         totals: Dict[str, SourceTotals] = {}
         trainer = self.trainer
         for es in self.eval_sets:
-            loader = DataLoader(es.dataset, self.batch_size, mesh=trainer.mesh, data_axis="data", prefetch_depth=2)
+            loader = DataLoader(es.dataset, self.batch_size, mesh=trainer.mesh, data_axis="data",
+                                prefetch_depth=2)
             loss = 0.0
             tokens = nbytes = seqs = 0
             with loader.iter_from_step(0, self.max_batches) as it:

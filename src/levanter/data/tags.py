@@ -24,13 +24,13 @@ def check_tags(tags: Optional[Sequence[str]], key: str, source_names: Sequence[s
     for tag in tags:
         if not isinstance(tag, str) or not tag or any(not part for part in tag.split("/")):
             raise ValueError(
-                f"{key}: tag {tag!r} is not a name: tags are non-empty strings, '/' separating non-empty parts "
-                "(web/en)"
+                f"{key}: tag {tag!r} is not a name: tags are non-empty strings, '/' separating non-empty "
+                "parts (web/en)"
             )
         if tag in source_names:
             raise ValueError(
-                f"{key}: tag {tag!r} is also the name of a source, so eval/{tag}/loss would mean both; rename "
-                "the tag or the source"
+                f"{key}: tag {tag!r} is also the name of a source, so eval/{tag}/loss would mean both; "
+                "rename the tag or the source"
             )
         if tag not in out:
             out.append(tag)

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 class EvalLmConfig(TrainLmConfig):
     # The checkpoint to evaluate: a step-N directory, or a run's checkpoint directory for its latest one.
     checkpoint_path: Optional[str] = None
-    # A Hugging Face checkpoint to evaluate instead (local directory with config.json and safetensors, or hub id).
+    # A Hugging Face checkpoint to evaluate instead (a directory of config.json and safetensors, or a hub id).
     hf_checkpoint: Optional[str] = None
 
 
@@ -55,8 +55,8 @@ def main(config: EvalLmConfig) -> dict:
     tcfg.apply_jax_config()
     if (config.checkpoint_path is None) == (config.hf_checkpoint is None):
         raise ValueError(
-            "eval_lm needs exactly one model to evaluate: --checkpoint_path (a step-N checkpoint directory or a "
-            "run's checkpoint directory) or --hf_checkpoint (a Hugging Face checkpoint)"
+            "eval_lm needs exactly one model to evaluate: --checkpoint_path (a step-N checkpoint directory "
+            "or a run's checkpoint directory) or --hf_checkpoint (a Hugging Face checkpoint)"
             + (", not both" if config.checkpoint_path is not None else "")
         )
     tcfg.validate()
@@ -78,7 +78,8 @@ def main(config: EvalLmConfig) -> dict:
         vocab_size = tokenizer.vocab_size
         state = trainer.initial_state(lambda k: config.model.build(hax.Axis("vocab", vocab_size), key=k),
                                       key=jax.random.PRNGKey(0))
-        model = trainer.initialize_from_checkpoint(state, path, optimizer_state=False, key="checkpoint_path").model
+        state = trainer.initialize_from_checkpoint(state, path, optimizer_state=False, key="checkpoint_path")
+        model = state.model
         step = int(read_checkpoint_metadata(path)["step"])
         where = path
     else:
@@ -88,8 +89,8 @@ def main(config: EvalLmConfig) -> dict:
         vocab_size = model.Vocab.size
         if vocab_size < tokenizer.vocab_size:
             raise ValueError(
-                f"hf_checkpoint={config.hf_checkpoint!r} has a vocabulary of {vocab_size}, smaller than the data "
-                f"tokenizer's ({tokenizer.vocab_size})"
+                f"hf_checkpoint={config.hf_checkpoint!r} has a vocabulary of {vocab_size}, smaller than the "
+                f"data tokenizer's ({tokenizer.vocab_size})"
             )
         step, where = 0, config.hf_checkpoint
     bs = tcfg.per_device_eval_parallelism * tcfg.data_axis_size if tcfg.per_device_eval_parallelism > 0 \
@@ -100,8 +101,8 @@ def main(config: EvalLmConfig) -> dict:
         n = asyncio.run(s.dataset.async_len())
         if n < bs:
             raise ValueError(
-                f"the validation set of {s.name} has {n} sequences of model.seq_len={config.model.seq_len} tokens, "
-                f"fewer than one eval batch of {bs}: evaluate in smaller batches "
+                f"the validation set of {s.name} has {n} sequences of model.seq_len={config.model.seq_len} "
+                f"tokens, fewer than one eval batch of {bs}: evaluate in smaller batches "
                 "(trainer.per_device_eval_parallelism) or add validation data"
             )
     evaluator = Evaluator(trainer, sets, batch_size=bs, Pos=config.model.Pos,
