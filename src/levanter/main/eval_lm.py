@@ -27,7 +27,7 @@ from typing import Optional
 
 import levanter.config
 from levanter.checkpoint import read_checkpoint_metadata
-from levanter.lm_config import TrainLmConfig
+from levanter.lm_config import TrainLmConfig, model_vocab_size, with_hf_model
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,8 @@ def main(config: EvalLmConfig) -> dict:
     tcfg.validate()
     config.data.eval_tags()
     tokenizer = config.data.the_tokenizer()
+    # A run that started from a Hugging Face checkpoint (initialize_from_hf) has that checkpoint's shape.
+    config = with_hf_model(config)
     path = None
     if config.checkpoint_path is not None:
         path = resolve_checkpoint(config.checkpoint_path, "checkpoint_path")
@@ -75,7 +77,7 @@ def main(config: EvalLmConfig) -> dict:
 
     trainer = Trainer(tcfg, optax.identity(), loss_fn)
     if path is not None:
-        vocab_size = tokenizer.vocab_size
+        vocab_size = model_vocab_size(config, tokenizer)
         state = trainer.initial_state(lambda k: config.model.build(hax.Axis("vocab", vocab_size), key=k),
                                       key=jax.random.PRNGKey(0))
         state = trainer.initialize_from_checkpoint(state, path, optimizer_state=False, key="checkpoint_path")
