@@ -38,6 +38,9 @@ tokens x 128,256 vocabulary x 512 hidden (``--quick``: 1,024 x 32,768): compiled
 small Llama's train step at sequence 2,048 compiled ahead of time, ``jax_flash`` + blockwise loss against
 ``vanilla`` + full loss (per-device memory).
 
+Cache build -- ``cache_build.py``: build throughput (text tokens/s) of the process-pool and Ray backends at 2
+workers against the raw tokenizer on all cores and upstream's own builder, on the embedded corpus.
+
 Upstream needs the venv of ``setup_upstream_venv.sh`` (default ``~/.cache/levanter-bench/upstream-venv``,
 or ``--upstream-venv``); without it the upstream figures are null. See ``docs/performance.md``.
 """
@@ -62,6 +65,7 @@ import yaml
 
 import _synthetic as syn
 import attention as attention_bench
+import cache_build as cb
 import loader_cache as lc
 import loss as loss_bench
 import loader_object_store as los
@@ -343,6 +347,9 @@ def bench_training(work: str, cfg: dict, venv: str | None, prep: dict | None, ou
 
 
 def report(out: dict) -> dict:
+    if out.get("cache_build"):
+        print("\nCache build: text tokens/s, median [min, max]")
+        cb.print_report(out["cache_build"])
     lo, up = out.get("loader", {}), (out.get("upstream_loader") or {})
     rows = []
     for key, r in lo.items():
@@ -458,10 +465,11 @@ def main(argv=None) -> None:
     p.add_argument("--upstream-venv", default=DEFAULT_UPSTREAM, help="upstream levanter venv (setup_upstream_venv.sh)")
     p.add_argument("--no-upstream", action="store_true", help="skip the upstream columns")
     p.add_argument("--only", default=None,
-                   help="comma-separated sections: loader,upstream,stalls,memory,training,checksum,object_store,attention,loss")
+                   help="comma-separated sections: loader,upstream,stalls,memory,training,checksum,object_store,attention,loss,"
+                        "cache_build")
     args = p.parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    sections = set((args.only or "loader,upstream,stalls,memory,training,checksum,object_store,attention,loss").split(","))
+    sections = set((args.only or "loader,upstream,stalls,memory,training,checksum,object_store,attention,loss,cache_build").split(","))
     t_start = time.perf_counter()
     import jax
 
@@ -501,6 +509,7 @@ def main(argv=None) -> None:
             ("attention", lambda: out.update(attention=attention_bench.run(
                 attention_bench.QUICK if args.quick else attention_bench.FULL))),
             ("loss", lambda: out.update(loss=loss_bench.run(loss_bench.QUICK if args.quick else loss_bench.FULL))),
+            ("cache_build", lambda: out.update(cache_build=cb.run(cb.QUICK if args.quick else cb.FULL, venv))),
         ):
             if name in sections and name != "upstream":
                 t0 = time.perf_counter()
