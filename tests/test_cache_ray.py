@@ -113,3 +113,19 @@ def test_ray_driver_sigkilled_mid_build_then_rerun_is_byte_identical(ray_address
                                 options=CacheOptions(num_workers=2, batch_size=16, backend="ray"))
     assert cache.ledger.is_finished
     assert tree_bytes(out) == tree_bytes(ref)
+
+
+def test_a_process_pool_build_imports_neither_ray_nor_datasets(tmp_path):
+    shards = write_shards(str(tmp_path), n_shards=1, docs_per_shard=20)
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from levanter.data.config import UrlSingleDatasetLMConfig
+        UrlSingleDatasetLMConfig(train_urls={shards!r}, tokenizer="byte", cache_dir={str(tmp_path / "c")!r}
+                                 ).build_caches("train")
+        print(sorted(m for m in ("ray", "datasets", "huggingface_hub") if m in sys.modules))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
