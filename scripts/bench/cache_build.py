@@ -141,7 +141,8 @@ def upstream_main(tok_dir: str, out_root: str, repeats: int, shards: list[str]) 
 
     ray.init(num_cpus=WORKERS, include_dashboard=False, log_to_driver=False)
     # The tokenizer.json that train_bpe wrote (its config names no tokenizer class for AutoTokenizer).
-    tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(tok_dir, "tokenizer.json"), eos_token="<|endoftext|>")
+    tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(tok_dir, "tokenizer.json"),
+                                  eos_token="<|endoftext|>")
     source = JsonlDataSource(shards)
     seconds, tokens = [], None
     for r in range(repeats + 1):  # the first build is a warm-up (Ray workers, jit of nothing)
