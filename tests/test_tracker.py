@@ -4,6 +4,7 @@
 import dataclasses
 import glob
 import json
+import logging
 import os
 import struct
 from typing import Optional, Tuple, Union
@@ -167,6 +168,17 @@ def test_json_resume_truncates_and_drops_partial_line(tmp_path):
     tracker.finish()
     assert _lines(path)[-2:] == ['{"step": 2, "eval/loss": 9.0}', '{"step": 3, "loss": 3.5}']
     assert sorted(os.listdir(tmp_path / "run")) == ["metrics.jsonl"]  # no temporary files left behind
+
+
+def test_json_fresh_start_over_an_earlier_attempt_does_not_say_resuming(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    _write_attempt(tmp_path, range(3))  # an attempt that saved no checkpoint
+    JsonConfig().init("run", str(tmp_path), resume_step=0).finish()
+    assert _lines(tmp_path / "run" / "metrics.jsonl") == []
+    assert "starting at step 0: removing 4 line(s)" in caplog.text and "resuming" not in caplog.text
+    _write_attempt(tmp_path, range(3))
+    JsonConfig().init("run", str(tmp_path), resume_step=2).finish()
+    assert "removing 2 line(s) with step >= 2 before resuming" in caplog.text
 
 
 def test_json_without_resume_appends_but_drops_partial_line(tmp_path):
