@@ -429,10 +429,8 @@ optimizer: {{learning_rate: 0.01, warmup: 0.0, weight_decay: 0.0}}
 def run_train(tmp_path, run_id, kill_at=None, signal_name=None, extra=()):
     cfg = write_yaml(tmp_path, RESUME_YAML.format(cache=tmp_path / "cache", logs=tmp_path / "logs",
                                                   ckpt=tmp_path / "ckpt"), "resume.yaml")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
-           # one persistent compilation cache for the test's runs: all but the first load their programs
-           "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla-cache"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+    # (the session's persistent compilation cache, tests/conftest.py, comes with os.environ)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
     env.pop("LEVANTER_FAULT_KILL_AT", None)
     env.pop("LEVANTER_FAULT_SIGNAL", None)
     if kill_at:
