@@ -59,7 +59,10 @@ class TrainLmConfig:
     # steps and at the end (without the run id when trainer.checkpointer.append_run_id_to_base_path is false).
     hf_save_path: Optional[str] = None
     # Upstream's hub upload of the exports; refused (no hub access is assumed: upload the directories yourself).
-    hf_upload: Optional[str] = None
+    hf_upload: Optional[str] = refused(
+        "no hub access is assumed: export with hf_save_path and upload the step-N directory with huggingface-cli "
+        "upload"
+    )
     # Steps between Hugging Face exports (hf_save_path).
     hf_save_steps: int = 10000
     # dtype of the exported weights: float32, bfloat16 or float16 (default: the parameters' own).
@@ -211,15 +214,10 @@ def hf_init_path(config: TrainLmConfig) -> Optional[str]:
 
 
 def check_hf_keys(config: TrainLmConfig) -> None:
-    """The Hugging Face keys of a run: refuses hf_upload, a non-positive hf_save_steps, an unknown hf_save_dtype,
-    and initialize_from_hf combined with another initialisation."""
+    """The Hugging Face keys of a run: refuses a non-positive hf_save_steps, an unknown hf_save_dtype, and
+    initialize_from_hf combined with another initialisation (hf_upload is refused with the other upstream keys)."""
     from levanter.compat import HF_SAVE_DTYPES
 
-    if config.hf_upload:
-        raise ValueError(
-            f"hf_upload={config.hf_upload!r} is not supported (no hub access is assumed): export with hf_save_path "
-            "and upload the step-N directory with huggingface-cli upload"
-        )
     if isinstance(config.hf_save_steps, bool) or not isinstance(config.hf_save_steps, int) or config.hf_save_steps <= 0:
         raise ValueError(f"hf_save_steps must be a positive number of steps, got {config.hf_save_steps!r}")
     if config.hf_save_dtype is not None and config.hf_save_dtype not in HF_SAVE_DTYPES:
