@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Dict, Optional, Union
 
 import jax
@@ -284,6 +285,42 @@ def hf_exporter(config: TrainLmConfig, run_id: str):
                       tokenizer=config.data.tokenizer, dtype=config.hf_save_dtype)
 
 
+def check_branch_model(config: TrainLmConfig, vocab_size: int) -> None:
+    """Before any work: a branch (``trainer.initialize_from`` / ``initialize_from_checkpoint_path``) whose
+    model's parameter shapes differ from those of the model its origin checkpoint records
+    (:func:`model_record`) is refused, naming the first parameter and both shapes. Shapes come from
+    ``jax.eval_shape``: nothing is allocated or read but ``metadata.json``. An origin that records no model,
+    or that cannot be resolved here, is left to the load, which checks every array."""
+    import draccus
+    from draccus.utils import DecodingError
+
+    from levanter.checkpoint import read_checkpoint_metadata
+    from levanter.models import parameter_shapes
+
+    try:
+        branch = branch_origin(config)
+        record = (read_checkpoint_metadata(branch.path).get("metadata") or {}) if branch is not None else {}
+        origin = draccus.decode(LmConfig, record["model"]) if "model" in record else None
+    except (ValueError, OSError, DecodingError):
+        return
+    if origin is None or not record.get("vocab_size"):
+        return
+    theirs = jax.tree_util.tree_flatten_with_path(parameter_shapes(origin, int(record["vocab_size"])))[0]
+    mine = jax.tree_util.tree_flatten_with_path(parameter_shapes(config.model, vocab_size))[0]
+    for (path, a), (_, b) in zip(theirs, mine):
+        if tuple(a.shape) != tuple(b.shape):
+            name = "model" + re.sub(r"\[<flat index \d+>\]", "", jax.tree_util.keystr(path))
+            raise ValueError(
+                f"{branch.key}={branch.path!r} does not fit this run's model ({name} is {tuple(a.shape)} in the "
+                f"checkpoint but {tuple(b.shape)} here): set model as in the run that wrote it"
+            )
+    if len(theirs) != len(mine):
+        raise ValueError(
+            f"{branch.key}={branch.path!r} does not fit this run's model (the checkpoint's model has "
+            f"{len(theirs)} parameter arrays, this run's {len(mine)}): set model as in the run that wrote it"
+        )
+
+
 def model_record(config: TrainLmConfig, vocab_size: int) -> dict:
     """What a checkpoint records about its model, so that ``export_lm_to_hf`` needs nothing but the checkpoint:
     the model block (with its ``type``), the vocabulary size and ``data.tokenizer``."""
@@ -304,4 +341,4 @@ def data_key(config: TrainLmConfig) -> jax.Array:
     return jax.random.split(jax.random.PRNGKey(config.trainer.seed), 4)[0]
 
 
-__all__ = ["SEED_LIMIT", "BranchOrigin", "check_hf_keys", "hf_exporter", "hf_init_path", "model_record", "model_vocab_size", "with_hf_model", "TrainLmConfig", "branch_origin", "check_storage_access", "data_key", "storage_locations", "validate"]
+__all__ = ["SEED_LIMIT", "BranchOrigin", "check_hf_keys", "hf_exporter", "hf_init_path", "model_record", "model_vocab_size", "with_hf_model", "TrainLmConfig", "branch_origin", "check_branch_model", "check_storage_access", "data_key", "storage_locations", "validate"]

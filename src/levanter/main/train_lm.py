@@ -68,7 +68,7 @@ from levanter.errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError
 from levanter.distributed import DistributedStartupError, barrier, check_same_config_everywhere
 from levanter.tracker import NoopTracker, check_trackers_writable
 from levanter.lm_config import SEED_LIMIT, TrainLmConfig, data_key, validate  # noqa: F401 -- upstream's path
-from levanter.lm_config import branch_origin
+from levanter.lm_config import branch_origin, check_branch_model
 from levanter.lm_config import hf_exporter, hf_init_path, model_record, model_vocab_size, with_hf_model
 from levanter.memory_plan import FLAG_HELP, format_plan, make_plan, split_plan_args
 from levanter.progress import RunProgress, open_debug_log, setup_console_logging
@@ -329,6 +329,7 @@ def main(config: TrainLmConfig) -> dict:
         if debug_log is not None:
             logger.debug("debug log of run %s: %s", run_id, debug_log)
     check_memory(config, model_vocab_size(config, tokenizer))
+    check_branch_model(config, model_vocab_size(config, tokenizer))  # a branch's shapes, before any work
     # One writer per run: taken before anything of the run is built, restored, deleted or logged, and
     # released however the run ends (a SIGKILLed run's lock is recognised as stale on its host).
     lock = hold_run_lock(run_dir, run_id, process_index=jax.process_index())
