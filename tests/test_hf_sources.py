@@ -55,6 +55,14 @@ def test_a_saved_dataset_and_parquet_files_give_the_tokens_of_the_same_texts_in_
     assert tokens_of(from_saved, "validation") == tokens_of(from_files, "validation")
     # The parquet directory has no validation split: no validation set, not an error.
     assert from_parquet.build_caches("validation") is None
+    # splits (upstream's key) lists the splits to read: without the validation split there is no validation
+    # set; without the training split the config is refused, naming both keys.
+    only_train = UrlSingleDatasetLMConfig(id=saved, splits=["train"], tokenizer="byte",
+                                          cache_dir=str(tmp_path / "c-only-train"))
+    assert only_train.build_caches("validation") is None
+    with pytest.raises(ValueError, match=r"data.splits=\['validation'\] leaves out .*data.train_split='train'"):
+        UrlSingleDatasetLMConfig(id=saved, splits=["validation"], tokenizer="byte",
+                                 cache_dir=str(tmp_path / "c-none")).build_caches("train")
     # One shard per data file, so a build spreads over them.
     assert len(from_saved.build_caches("train").ledger.finished_shards) == 3
     assert len(from_parquet.build_caches("train").ledger.finished_shards) == 2

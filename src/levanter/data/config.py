@@ -74,6 +74,9 @@ class LMDatasetSourceConfig:
     train_split: str = "train"
     # The split of the Hugging Face dataset (id) to evaluate on; a dataset without it has no validation set.
     validation_split: str = "validation"
+    # Upstream's list of the Hugging Face dataset's splits to read (null: train_split and validation_split);
+    # a split not listed is not read, so leaving out the validation split means no validation set.
+    splits: Optional[List[str]] = None
     # Stream the Hugging Face dataset rather than download it (upstream, with id); refused if set.
     stream: bool = refused(
         "files are read one at a time here (a hub dataset's files are downloaded first); remove the key",
@@ -100,6 +103,13 @@ class LMDatasetSourceConfig:
                     f"{what}: set either id (a Hugging Face dataset) or train_urls/validation_urls, not both"
                 )
             hf_split = self.train_split if split == "train" else self.validation_split
+            if self.splits is not None and hf_split not in self.splits:
+                if split == "train":
+                    raise SourceError(
+                        f"{what}.splits={list(self.splits)!r} leaves out the training split "
+                        f"{what}.train_split={hf_split!r}: list it, or set train_split to one of the splits"
+                    )
+                return []
             return hf_data_files(self.id, self.name, hf_split, what=what, required=split == "train")
         return list(self.train_urls if split == "train" else self.validation_urls)
 
