@@ -1,26 +1,5 @@
 """Compatibility with other ecosystems' checkpoint formats: Hugging Face ``transformers`` directories
-(:mod:`levanter.compat.hf_checkpoints`)."""
+(:mod:`levanter.compat.hf_checkpoints`). The public names are listed once, in that module's ``__all__``."""
 
-from levanter.compat.hf_checkpoints import (
-    HF_SAVE_DTYPES,
-    HfExporter,
-    load_hf_checkpoint,
-    load_hf_config,
-    load_hf_weights,
-    merge_hf_model_config,
-    resolve_hf_checkpoint,
-    save_hf_checkpoint,
-    weights_like,
-)
-
-__all__ = [
-    "HF_SAVE_DTYPES",
-    "HfExporter",
-    "load_hf_checkpoint",
-    "load_hf_config",
-    "load_hf_weights",
-    "merge_hf_model_config",
-    "resolve_hf_checkpoint",
-    "save_hf_checkpoint",
-    "weights_like",
-]
+from levanter.compat.hf_checkpoints import *  # noqa: F401,F403
+from levanter.compat.hf_checkpoints import __all__  # noqa: F401
