@@ -169,8 +169,9 @@ def test_train_lm_releases_the_lock_when_it_ends_and_when_it_fails(tmp_path):
     lock = tmp_path / "ckpt" / "tiny" / LOCK_FILENAME
     assert train_lm.main(tiny_config(tmp_path))["final_step"] == 2
     assert not lock.exists()
-    # A failure after the lock was taken (here: resuming with another model shape) releases it too.
-    cfg = tiny_config(tmp_path)
+    # A failure after the lock was taken (here: resuming with another model shape, for one more step: a run
+    # already at num_train_steps stops before restoring anything) releases it too.
+    cfg = tiny_config(tmp_path, num_train_steps=3)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hidden_dim=64))
     with pytest.raises(ValueError, match="step-2"):
         train_lm.main(cfg)
