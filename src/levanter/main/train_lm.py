@@ -564,8 +564,10 @@ def cli(argv=None) -> None:
     Neither prints a traceback. ``docs/reference/errors.md`` lists the cases. ``--dry_run`` prints the
     memory plan instead of training (:data:`levanter.memory_plan.FLAG_HELP`)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--help" in argv or "-h" in argv:
+    if "--help" in argv or "-h" in argv:  # the config's keys, then the memory-plan flags
+        levanter.config.print_help(sys.modules[__name__])
         print(FLAG_HELP)
+        sys.exit(0)
     try:
         plan, argv = split_plan_args(argv)
         if plan is not None:
