@@ -52,8 +52,9 @@ __all__ = [
     "EvalSet",
     "Evaluator",
     "SourceTotals",
+    "check_eval_set_sizes",
     "check_tags",
-    "evaluation_sets",
+    "make_evaluator",
     "format_table",
     "token_byte_lengths",
 ]
@@ -298,10 +299,38 @@ def _named(data, Pos: hax.Axis, batch_axis: str) -> dict:
     return {k: name(v) for k, v in data.items()}
 
 
-def evaluation_sets(data_config, seq_len: int) -> List[EvalSet]:
-    """The validation sources of a data config as :class:`EvalSet` s, with their checked tags (a single
-    source is named ``data``)."""
-    sets = data_config.validation_sets(seq_len)
+def _validation_key(name: str) -> str:
+    return f"data.configs.{name}.validation_urls" if name else "data.validation_urls"
+
+
+def check_eval_set_sizes(validation_sets: Dict[str, AsyncDataset], trainer_config, seq_len: int) -> None:
+    """Refuse a validation set (``data_config.validation_sets``: ``{source name or "": dataset}``) too small
+    for one eval batch: evaluating it would silently do nothing (a trailing partial batch is not
+    evaluated)."""
+    import asyncio
+
+    bs = trainer_config.eval_batch_size
+    for name, ds in validation_sets.items():
+        n = asyncio.run(ds.async_len())
+        if n >= bs:
+            continue
+        raise ValueError(
+            f"{_validation_key(name)}: the validation set has {n} sequences of model.seq_len={seq_len} tokens, "
+            f"fewer than one eval batch of {bs}, so it would never be evaluated. Add validation data, evaluate "
+            f"in smaller batches (trainer.per_device_eval_parallelism x {trainer_config.data_axis_size} "
+            "data-parallel devices), or remove the validation_urls."
+        )
+
+
+def make_evaluator(trainer, data_config, validation_sets: Dict[str, AsyncDataset], tokenizer, vocab_size: int,
+                   Pos: hax.Axis) -> Evaluator:
+    """The evaluator of a data config's validation sources (``data_config.validation_sets``; a single source
+    is named ``data``) with their checked tags, in batches of ``trainer.config.eval_batch_size``, at most
+    ``trainer.config.max_eval_batches`` per source."""
     tags = data_config.eval_tags()
-    return [EvalSet(name or "data", ds, tags.get(name, ())) for name, ds in sets.items()]
+    sets = [EvalSet(name or "data", ds, tags.get(name, ())) for name, ds in validation_sets.items()]
+    tcfg = trainer.config
+    return Evaluator(trainer, sets, batch_size=tcfg.eval_batch_size, Pos=Pos,
+                     byte_lengths=token_byte_lengths(tokenizer, vocab_size), max_batches=tcfg.max_eval_batches,
+                     batch_axis=tcfg.batch_axis)
 

@@ -261,6 +261,14 @@ class TrainerConfig:
     def data_axis_size(self) -> int:
         return jax.device_count() // self.model_axis_size
 
+    @property
+    def eval_batch_size(self) -> int:
+        """Sequences per evaluation batch: ``per_device_eval_parallelism`` x the data-parallel size, else the
+        first training batch size."""
+        if self.per_device_eval_parallelism > 0:
+            return self.per_device_eval_parallelism * self.data_axis_size
+        return self.batch_schedule.batch_size_at_step(0)
+
     def make_mesh(self) -> Mesh:
         devices = np.asarray(jax.devices()).reshape(self.data_axis_size, self.model_axis_size)
         return Mesh(devices, ("data", "model"))

@@ -46,7 +46,7 @@ def main(config: EvalLmConfig) -> dict:
     import jax
     import optax
 
-    from levanter.eval import Evaluator, evaluation_sets, format_table, token_byte_lengths
+    from levanter.eval import check_eval_set_sizes, format_table, make_evaluator
     from levanter.tracker import NoopTracker, init_trackers
     from levanter.trainer import Trainer, resolve_checkpoint
 
@@ -68,9 +68,10 @@ def main(config: EvalLmConfig) -> dict:
     if config.checkpoint_path is not None:
         path = resolve_checkpoint(config.checkpoint_path, "checkpoint_path")
     config.data.build_caches("validation")
-    sets = evaluation_sets(config.data, config.model.seq_len)
+    sets = config.data.validation_sets(config.model.seq_len)
     if not sets:
         raise ValueError("data has no validation_urls: there is nothing to evaluate on")
+    check_eval_set_sizes(sets, tcfg, config.model.seq_len)
 
     def loss_fn(model, batch):  # never called: the evaluator computes its own sums
         raise NotImplementedError
@@ -95,21 +96,7 @@ def main(config: EvalLmConfig) -> dict:
                 f"data tokenizer's ({tokenizer.vocab_size})"
             )
         step, where = 0, config.hf_checkpoint
-    bs = tcfg.per_device_eval_parallelism * tcfg.data_axis_size if tcfg.per_device_eval_parallelism > 0 \
-        else tcfg.batch_schedule.batch_size_at_step(0)
-    for s in sets:
-        import asyncio
-
-        n = asyncio.run(s.dataset.async_len())
-        if n < bs:
-            raise ValueError(
-                f"the validation set of {s.name} has {n} sequences of model.seq_len={config.model.seq_len} "
-                f"tokens, fewer than one eval batch of {bs}: evaluate in smaller batches "
-                "(trainer.per_device_eval_parallelism) or add validation data"
-            )
-    evaluator = Evaluator(trainer, sets, batch_size=bs, Pos=config.model.Pos,
-                          byte_lengths=token_byte_lengths(tokenizer, vocab_size),
-                          max_batches=tcfg.max_eval_batches, batch_axis=tcfg.batch_axis)
+    evaluator = make_evaluator(trainer, config.data, sets, tokenizer, vocab_size, config.model.Pos)
     result = evaluator.evaluate(model)
     metrics = result.metrics()
     if jax.process_index() == 0:

@@ -63,7 +63,8 @@ from levanter.data.fingerprint import batch_fingerprint
 from levanter.data.mixture import MixtureDataset
 from levanter.data.schedule_record import data_schedule_record, first_difference
 from levanter.data.text import causal_lm_columns_jax
-from levanter.eval import EvalSet, Evaluator, token_byte_lengths
+from levanter.eval import Evaluator, check_eval_set_sizes
+from levanter.eval import make_evaluator as evaluator_for
 from levanter.errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError
 from levanter.distributed import DistributedStartupError, barrier, check_same_config_everywhere
 from levanter.tracker import NoopTracker, check_trackers_writable
@@ -86,18 +87,6 @@ from levanter.trainer import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-def _validation_key(name: str) -> str:
-    return f"data.configs.{name}.validation_urls" if name else "data.validation_urls"
-
-
-def eval_batch_size(tcfg: TrainerConfig) -> int:
-    """Sequences per evaluation batch: ``per_device_eval_parallelism`` x data-parallel size, else the first
-    training batch size."""
-    if tcfg.per_device_eval_parallelism > 0:
-        return tcfg.per_device_eval_parallelism * tcfg.data_axis_size
-    return tcfg.batch_schedule.batch_size_at_step(0)
 
 
 def check_data_covers_run(config: TrainLmConfig, train_set: AsyncDataset, schedule) -> None:
@@ -123,23 +112,6 @@ def check_data_covers_run(config: TrainLmConfig, train_set: AsyncDataset, schedu
         f"{what}, enough for {end} steps, but trainer.num_train_steps is {steps} ({need:,} sequences). Add "
         f"training data, lower trainer.num_train_steps to {end}, {repeat}."
     )
-
-
-def check_eval_sets(config: TrainLmConfig, eval_sets: Dict[str, AsyncDataset]) -> None:
-    """Refuse a validation set too small for one eval batch: evaluating it would silently do nothing (a
-    trailing partial batch is not evaluated)."""
-    bs = eval_batch_size(config.trainer)
-    for name, ds in eval_sets.items():
-        n = asyncio.run(ds.async_len())
-        if n >= bs:
-            continue
-        raise ValueError(
-            f"{_validation_key(name)}: the validation set has {n} sequences of model.seq_len="
-            f"{config.model.seq_len} tokens, fewer than one eval batch of {bs}, so it would never be "
-            f"evaluated. Add validation data, evaluate in smaller batches "
-            f"(trainer.per_device_eval_parallelism x {config.trainer.data_axis_size} data-parallel devices), "
-            "or remove the validation_urls."
-        )
 
 
 def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tuple[int, str]] = None) -> None:
@@ -296,13 +268,8 @@ def lm_loss_fn(z_loss_weight: float = 0.0, eos_id: int | None = None):
 
 def make_evaluator(config: TrainLmConfig, trainer: Trainer, eval_sets: Dict[str, AsyncDataset], tokenizer,
                    vocab_size: int) -> Evaluator:
-    """The evaluator of the validation sources (:mod:`levanter.eval`): per source and tag loss and bits per
-    byte, in batches of :func:`eval_batch_size`, at most ``trainer.max_eval_batches`` per source."""
-    tags = config.data.eval_tags()
-    sets = [EvalSet(name or "data", ds, tags.get(name, ())) for name, ds in eval_sets.items()]
-    return Evaluator(trainer, sets, batch_size=eval_batch_size(config.trainer), Pos=config.model.Pos,
-                     byte_lengths=token_byte_lengths(tokenizer, vocab_size),
-                     max_batches=config.trainer.max_eval_batches, batch_axis=config.trainer.batch_axis)
+    """The evaluator of the run's validation sources (:func:`levanter.eval.make_evaluator`)."""
+    return evaluator_for(trainer, config.data, eval_sets, tokenizer, vocab_size, config.model.Pos)
 
 
 def run_eval(evaluator: Evaluator, model) -> dict:
@@ -393,7 +360,7 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
     train_set = config.data.train_set(config.model.seq_len, schedule, key=dkey, tokens_only=tokens_only)
     eval_sets = config.data.validation_sets(config.model.seq_len)
     check_data_covers_run(config, train_set, schedule)
-    check_eval_sets(config, eval_sets)
+    check_eval_set_sizes(eval_sets, tcfg, config.model.seq_len)
     mixture = train_set if isinstance(train_set, MixtureDataset) else None
     # Evaluate the model as it stands before the first update of each new stage, so that two runs'
     # eval curves part exactly at a switch (periodic evals joined by lines make them seem to part early).
