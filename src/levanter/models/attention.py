@@ -415,29 +415,40 @@ def _splash_block(seq_len: int, block_size: int) -> int:
 def splash_attention(q, k, v, segment_ids=None, *, block_size: int, interpret: bool = False) -> jax.Array:
     """Causal attention through JAX's Pallas splash kernel, on the array layout of
     :func:`levanter.models.flash_attention.blockwise_attention` (``q`` already scaled). ``interpret``
-    runs the kernel in Pallas's interpreter (any platform; slow, for tests)."""
+    runs the kernel in Pallas's interpreter (any platform; slow, for tests).
+
+    The backward pass is splash's fused kernel (dq, dk and dv from one pass over the score blocks, where
+    the separate kernels compute the scores twice). Grouped-query heads go to splash's multi-query kernel,
+    one call per key/value head over its group of query heads, so keys and values are never repeated per
+    query head. The kernel's residuals are marked ``context`` for the named remat policies
+    (``levanter.models.layers.SAVED_NAMES``)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
     b, kv_heads, group, seq_len, head_size = q.shape
-    heads = kv_heads * group
     block = _splash_block(seq_len, block_size)
     sizes = sk.BlockSizes(
         block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block, block_kv_dkv=block,
-        block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block,
+        block_kv_dkv_compute=block, use_fused_bwd_kernel=True,
     )
-    mask = sm.MultiHeadMask([sm.CausalMask((seq_len, seq_len)) for _ in range(heads)])
-    kernel = sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
     dtype = q.dtype
-    q_h = q.reshape(b, heads, seq_len, head_size)
-    # Grouped-query heads: each kv head serves `group` consecutive query heads.
-    k_h = jnp.repeat(k, group, axis=1).astype(dtype)
-    v_h = jnp.repeat(v, group, axis=1).astype(dtype)
+    k, v = k.astype(dtype), v.astype(dtype)
+    if group > 1:  # [group, position, head_size] queries over one [position, head_size] key/value head
+        mask = sm.MultiHeadMask([sm.CausalMask((seq_len, seq_len)) for _ in range(group)])
+        kernel = sk.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                    residual_checkpoint_name="context", interpret=interpret)
+        per_seq = jax.vmap(kernel, in_axes=(0, 0, 0, None))  # over the kv heads of one sequence
+        q_in, k_in, v_in = q, k, v
+    else:  # one head per key/value head: plain multi-head attention over [heads, position, head_size]
+        mask = sm.MultiHeadMask([sm.CausalMask((seq_len, seq_len)) for _ in range(kv_heads)])
+        per_seq = sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                     residual_checkpoint_name="context", interpret=interpret)
+        q_in, k_in, v_in = q.reshape(b, kv_heads, seq_len, head_size), k, v
     if segment_ids is None:
-        out = jax.vmap(lambda q1, k1, v1: kernel(q1, k1, v1))(q_h, k_h, v_h)
+        out = jax.vmap(lambda q1, k1, v1: per_seq(q1, k1, v1, None))(q_in, k_in, v_in)
     else:
-        out = jax.vmap(lambda q1, k1, v1, s1: kernel(q1, k1, v1, segment_ids=sk.SegmentIds(q=s1, kv=s1)))(
-            q_h, k_h, v_h, segment_ids
+        out = jax.vmap(lambda q1, k1, v1, s1: per_seq(q1, k1, v1, sk.SegmentIds(q=s1, kv=s1)))(
+            q_in, k_in, v_in, segment_ids
         )
     return out.reshape(b, kv_heads, group, seq_len, -1)
 

@@ -36,6 +36,7 @@ from .layers import (
     check_activation,
     check_positive,
     check_remat,
+    named,
     normal_embedding,
     normal_linear,
     remat_policy,
@@ -186,7 +187,7 @@ class Gpt2Attention(eqx.Module):
 
     def __call__(self, x: NamedArray, mask: AttentionMask, layer_idx: NamedArray, *, key=None) -> NamedArray:
         c = self.config
-        qkv = linear(self.c_attn, x)
+        qkv = named(linear(self.c_attn, x), "qkv_proj")
         q, k, v = (qkv["qkv", i] for i in range(3))
         scale = 1.0 / math.sqrt(c.HeadSize.size)
         if c.scale_attn_by_inverse_layer_idx:
@@ -195,7 +196,7 @@ class Gpt2Attention(eqx.Module):
         attn = dot_product_attention(
             q, k, v, mask, scale=scale, upcast=c.upcast_attn, dropout=c.attn_pdrop, key=key
         )
-        return linear(self.c_proj, attn)
+        return named(linear(self.c_proj, named(attn, "context")), "out_proj")
 
 
 class Gpt2Mlp(eqx.Module):
@@ -213,7 +214,8 @@ class Gpt2Mlp(eqx.Module):
         return Gpt2Mlp(c_fc, c_proj, config.activation_function)
 
     def __call__(self, x: NamedArray) -> NamedArray:
-        return linear(self.c_proj, ACTIVATIONS[self.activation_function](linear(self.c_fc, x)))
+        hidden = ACTIVATIONS[self.activation_function](named(linear(self.c_fc, x), "mlpwi"))
+        return named(linear(self.c_proj, hidden), "mlpwo")
 
 
 def _layer_norm(config: Gpt2Config) -> hnn.LayerNorm:

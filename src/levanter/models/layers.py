@@ -10,6 +10,7 @@ from typing import Callable, Union
 
 import equinox as eqx
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
 import haliax as hax
 import haliax.nn as hnn
@@ -40,15 +41,30 @@ def check_activation(name: str) -> None:
         raise ValueError(f"model.activation_function {name!r} is not one of {sorted(ACTIVATIONS)}")
 
 
+# Activations a block marks by name (jax.ad_checkpoint.checkpoint_name) for the named-save policies below;
+# the names are MaxText's. "context" is the attention output; the splash kernel gives its residuals (output and
+# log-sum-exp) the same name, so a policy that saves "context" also spares the backward pass its forward kernel.
+SAVED_NAMES: dict[str, tuple[str, ...]] = {
+    "save_qkv_proj": ("query_proj", "key_proj", "value_proj", "qkv_proj"),
+    "save_out_proj": ("out_proj",),
+    "save_dot_except_mlp": ("query_proj", "key_proj", "value_proj", "qkv_proj", "out_proj"),
+    "save_dot_except_mlpwi": ("query_proj", "key_proj", "value_proj", "qkv_proj", "out_proj", "mlpwo"),
+    "save_dot_with_context_except_mlp": ("query_proj", "key_proj", "value_proj", "qkv_proj", "context", "out_proj"),
+}
+
 # `gradient_checkpointing` values besides true/false: what each block saves for the backward pass.
 # true and "nothing_saveable" (JAX's name) save only each layer's input and recompute the rest;
 # "dots_saveable" saves every matmul output (JAX's policy of that name; with the vanilla kernel that
 # includes the [position, key_position] scores); "save_dots" saves the outputs of the weight matmuls only
 # (dots without batch dimensions), recomputing the elementwise work and attention; "offload" (upstream's
 # name, haliax's policy) keeps each layer's input in host memory instead of device memory; "recompute" /
-# "full", "save_all" and "nested" are haliax's other named policies, accepted as upstream does.
+# "full", "save_all" and "nested" are haliax's other named policies, accepted as upstream does; the names of
+# SAVED_NAMES save each layer's input plus the activations listed there, recomputing the rest (MaxText's policies
+# of those names: on a TPU, saving the attention projections and output costs a few GiB and spares the backward
+# pass their matmuls and the attention kernel's forward; docs/performance.md has the figures).
 REMAT_POLICIES = (
     "nothing_saveable", "dots_saveable", "save_dots", "offload", "recompute", "full", "save_all", "nested",
+    *SAVED_NAMES,
 )
 RematSpec = Union[bool, str]
 
@@ -83,7 +99,14 @@ def remat_policy(value: RematSpec):
         return _JaxRematPolicy(jax_policy=jax.checkpoint_policies.dots_saveable)
     if value == "save_dots":
         return _JaxRematPolicy(jax_policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    if value in SAVED_NAMES:
+        return hnn.ScanCheckpointPolicy(save_carries=True, save_block_internals=list(SAVED_NAMES[value]))
     return value  # haliax's own names
+
+
+def named(x: NamedArray, name: str) -> NamedArray:
+    """``x`` marked as the activation ``name`` (see :data:`SAVED_NAMES`); a no-op outside a remat policy."""
+    return jax.tree.map(lambda a: checkpoint_name(a, name), x)
 
 
 def normal_linear(In, Out, *, std: float, use_bias: bool, key) -> hnn.Linear:

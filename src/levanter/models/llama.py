@@ -40,6 +40,7 @@ from .layers import (
     check_activation,
     check_positive,
     check_remat,
+    named,
     normal_embedding,
     normal_linear,
     remat_policy,
@@ -247,11 +248,11 @@ class LlamaAttention(eqx.Module):
         return LlamaAttention(q_proj, k_proj, v_proj, o_proj, config)
 
     def __call__(self, x: NamedArray, mask: AttentionMask, cos: NamedArray, sin: NamedArray) -> NamedArray:
-        q = apply_rotary(linear(self.q_proj, x), cos, sin)
-        k = apply_rotary(linear(self.k_proj, x), cos, sin)
-        v = linear(self.v_proj, x)
-        attn = dot_product_attention(q, k, v, mask, upcast=self.config.upcast_attn)
-        return linear(self.o_proj, attn)
+        q = apply_rotary(named(linear(self.q_proj, x), "query_proj"), cos, sin)
+        k = apply_rotary(named(linear(self.k_proj, x), "key_proj"), cos, sin)
+        v = named(linear(self.v_proj, x), "value_proj")
+        attn = named(dot_product_attention(q, k, v, mask, upcast=self.config.upcast_attn), "context")
+        return named(linear(self.o_proj, attn), "out_proj")
 
 
 class LlamaMlp(eqx.Module):
@@ -272,8 +273,8 @@ class LlamaMlp(eqx.Module):
         )
 
     def __call__(self, x: NamedArray) -> NamedArray:
-        gate = ACTIVATIONS[self.activation_function](linear(self.gate_proj, x))
-        return linear(self.down_proj, gate * linear(self.up_proj, x))
+        gate = ACTIVATIONS[self.activation_function](named(linear(self.gate_proj, x), "mlpwi_0"))
+        return named(linear(self.down_proj, gate * named(linear(self.up_proj, x), "mlpwi_1")), "mlpwo")
 
 
 def _rms_norm(config: LlamaConfig) -> hnn.RmsNorm:
