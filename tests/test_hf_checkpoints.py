@@ -127,7 +127,7 @@ def test_export_to_an_object_store_commits_with_config_json_last(imported):
     save_hf_checkpoint(model, config, url, max_shard_size=40_000)
     assert "model.safetensors.index.json" in fs.listdir(url)
     save_hf_checkpoint(model, config, url)
-    assert fs.listdir(url) == ["config.json", "model.safetensors"]
+    assert fs.listdir(url) == [".levanter-export.json", "config.json", "model.safetensors"]
     _, again = load_hf_checkpoint(url)
     for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(again)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
