@@ -105,7 +105,7 @@ def test_export_loads_in_transformers_and_imports_bit_identically(name, hf_dirs,
         assert np.array_equal(np.asarray(a), np.asarray(b))
     # Written again over an export: replaced whole (single file now), never merged with the old shards.
     save_hf_checkpoint(model, config, str(out))
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [".levanter-export.json", "config.json", "model.safetensors"]
 
 
 def test_bfloat16_export_loads_in_transformers(hf_dirs, imported, tmp_path):

@@ -319,7 +319,7 @@ def check_hf_save_path(config: TrainLmConfig, run_id: str) -> None:
             protected.append((key, path, True))
     protected += [(key, url, False) for key, url, written in _locations(config) if written and "cache" in key]
     last = tcfg.num_train_steps
-    check_export_steps(_hf_export_base(config, run_id), "hf_save_path",
+    check_export_steps(_hf_export_base(config, run_id), f"hf_save_path={config.hf_save_path!r}",
                        lambda n: 0 < n <= last and (n % config.hf_save_steps == 0 or n == last), protected)
 
 

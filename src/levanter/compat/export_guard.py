@@ -54,7 +54,7 @@ def _within(inner: str, outer: str) -> bool:
     return inner == outer or inner.startswith(outer.rstrip(sep) + sep)
 
 
-def _check_not_protected(output_dir: str, key: str, protected: Sequence[tuple[str, str, bool]]) -> None:
+def _check_not_protected(output_dir: str, label: str, protected: Sequence[tuple[str, str, bool]]) -> None:
     out = _norm(output_dir)
     places = list(protected)
     if not fs.is_url(output_dir):
@@ -66,13 +66,13 @@ def _check_not_protected(output_dir: str, key: str, protected: Sequence[tuple[st
         if _within(p, out):
             relation = "is" if p == out else "contains"
             raise ExportTargetError(
-                f"{key}={output_dir!r} {relation} {what} ({p}): an export replaces its directory whole, so it "
+                f"{label} {relation} {what} ({p}): an export replaces its directory whole, so it "
                 f"would delete {'it' if p == out else 'everything there'}. Choose a new or empty directory of its "
                 "own (e.g. hf/<run id>), outside the run's checkpoint, log and cache directories."
             )
         if no_inside and _within(out, p):
             raise ExportTargetError(
-                f"{key}={output_dir!r} lies inside {what} ({p}): an export there would mix with the checkpoints. "
+                f"{label} lies inside {what} ({p}): an export there would mix with the checkpoints. "
                 "Choose a new or empty directory of its own (e.g. hf/<run id>), outside the run's checkpoint, log "
                 "and cache directories."
             )
@@ -111,17 +111,19 @@ def _sample(names: Iterable[str], limit: int = 5) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def check_replaceable(path: str, key: str) -> None:
-    """Refuse ``path`` unless it is absent, empty, or exactly an earlier export (marker and its files only)."""
+def check_replaceable(path: str, label: Optional[str] = None) -> None:
+    """Refuse ``path`` unless it is absent, empty, or exactly an earlier export (marker and its files only).
+    ``label`` names it in the message (default: ``output_dir='<path>'``)."""
+    label = label or f"output_dir={path!r}"
     names = _entries(path)
     if names is None:
         return
     if not fs.is_url(path) and not os.path.isdir(fs.abspath(path)):
-        raise ExportTargetError(f"{key}={path!r} is a file, not a directory: choose a new or empty directory")
+        raise ExportTargetError(f"{label} is a file, not a directory: choose a new or empty directory")
     listed = _listed_files(path) if MARKER in names else None
     if listed is None:
         raise ExportTargetError(
-            f"{key}={path!r} is not empty and is not an earlier export (it holds {_sample(names)}, and no "
+            f"{label} is not empty and is not an earlier export (it holds {_sample(names)}, and no "
             f"{MARKER}, which every export writes beside its files): an export replaces its directory whole, "
             "so it would delete them. Choose a new or empty directory; if it is an export you no longer need "
             "(one written before exports carried the marker), delete it yourself first."
@@ -132,31 +134,34 @@ def check_replaceable(path: str, key: str) -> None:
         extra |= {n for n in names if os.path.isdir(os.path.join(local, n))}
     if extra:
         raise ExportTargetError(
-            f"{key}={path!r} holds an earlier export and also {_sample(extra)}, which the export did not "
+            f"{label} holds an earlier export and also {_sample(extra)}, which the export did not "
             f"write (its {MARKER} lists the files it wrote): replacing the export would delete them. Move them "
             "out, or choose a new or empty directory."
         )
 
 
 def check_export_dir(output_dir: str, key: str, protected: Sequence[tuple[str, str, bool]] = ()) -> None:
-    """Refuse (:class:`ExportTargetError`, one paragraph naming ``key``) an export to ``output_dir`` that would
-    replace anything but an earlier export. ``protected``: ``(what, path, no_inside)`` for the locations the
+    """Refuse (:class:`ExportTargetError`, one paragraph naming the config ``key``) an export to ``output_dir``
+    that would replace anything but an earlier export. ``protected``: ``(what, path, no_inside)`` for the locations the
     output may neither be nor contain (and, with ``no_inside``, not lie inside); the working directory always
     is one for a local output."""
-    _check_not_protected(output_dir, key, protected)
-    check_replaceable(output_dir, key)
+    label = f"{key}={output_dir!r}"
+    _check_not_protected(output_dir, label, protected)
+    check_replaceable(output_dir, label)
 
 
 _STEP = re.compile(r"step-(\d+)")
 
 
 def check_export_steps(base: str, key: str, will_export, protected: Sequence[tuple[str, str, bool]] = ()) -> None:
-    """For exports to ``<base>/step-N`` during training: ``base`` may neither be nor contain a protected
-    location, and every ``step-N`` already under it that ``will_export(N)`` would replace must be exactly an
-    earlier export. Other entries of ``base`` are left alone, so they are not checked."""
-    _check_not_protected(base, key, protected)
+    """For exports to ``<base>/step-N`` during training (``key``: the config key and value ``base`` comes
+    from): ``base`` may neither be nor contain a protected location, and every ``step-N`` already under it
+    that ``will_export(N)`` would replace must be exactly an earlier export. Other entries of ``base`` are
+    left alone, so they are not checked."""
+    _check_not_protected(base, f"{key}: the export directory {base!r}", protected)
     names = _entries(base) or []
     for name in names:
         m = _STEP.fullmatch(name)
         if m and will_export(int(m.group(1))):
-            check_replaceable(fs.join(base, name), key)
+            path = fs.join(base, name)
+            check_replaceable(path, f"{key}: the export directory {path!r}")

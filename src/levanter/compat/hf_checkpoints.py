@@ -818,14 +818,14 @@ def _shards(tensors: dict[str, np.ndarray], max_shard_size: int) -> list[list[st
 
 def save_hf_checkpoint(model, config: LmConfig, output_dir: str, *, tokenizer: str | None = None,
                        dtype: str | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-                       source: Optional[dict] = None, key: str = "output_dir") -> str:
+                       source: Optional[dict] = None, label: Optional[str] = None) -> str:
     """Write ``model`` as a Hugging Face checkpoint directory ``output_dir`` (local path or URL); returns it.
 
     ``tokenizer``: the run's ``data.tokenizer`` (its files are copied for a Hugging Face tokenizer).
     ``dtype``: one of :data:`HF_SAVE_DTYPES` (default: the parameters' own). Above ``max_shard_size`` bytes
     the weights are split into ``model-0000k-of-0000n.safetensors`` files with an index. Only process 0
     writes; every process must call it (arrays sharded over several hosts are gathered). ``output_dir`` must be
-    new, empty or exactly an earlier export (:mod:`levanter.compat.export_guard`; ``key`` names it in the
+    new, empty or exactly an earlier export (:mod:`levanter.compat.export_guard`; ``label`` names it in the
     error); the export's marker records ``source``, what was exported.
     """
     import jax
@@ -839,7 +839,7 @@ def save_hf_checkpoint(model, config: LmConfig, output_dir: str, *, tokenizer: s
     if _type_name(model.config) != _type_name(config):
         raise ValueError(f"the model is a {_type_name(model.config)}, but the config is a {_type_name(config)}")
     if jax.process_index() == 0:
-        check_replaceable(output_dir, key)
+        check_replaceable(output_dir, label)
     doc = lm_to_hf_config(config, model.Vocab.size)
     tok_files = _tokenizer_files(tokenizer)
     state = to_state_dict(model)
@@ -946,7 +946,7 @@ class HfExporter:
         path = fs.join(self.base_path, f"step-{step}")
         save_hf_checkpoint(model, self.config, path, tokenizer=self.tokenizer, dtype=self.dtype,
                            max_shard_size=self.max_shard_size, source={"exported_by": "train_lm", "step": step},
-                           key="hf_save_path")
+                           label=f"hf_save_path: the export directory {path!r}")
         self.exported.append(path)
         logger.info("exported step %d to %s (Hugging Face format)", step, path)
 

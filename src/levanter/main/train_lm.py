@@ -297,7 +297,8 @@ def main(config: TrainLmConfig) -> dict:
     run_dir = tcfg.checkpointer.validate_writable(run_id)
     if jax.process_index() == 0:
         check_trackers_writable(tcfg.trackers(), run_id, tcfg.log_dir)
-        # Another run's metrics under this id, and exports over anything but earlier exports: refused here.
+        # Another run's metrics under this id, and exports over anything but earlier exports: refused before
+        # anything is written.
         check_log_lineage(_json_log_dirs(tcfg, run_id), tcfg.checkpointer.expanded_path(run_id), run_id)
         check_hf_save_path(config, run_id)
         debug_log = open_debug_log(fs.join(tcfg.log_dir, run_id))
