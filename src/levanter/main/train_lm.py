@@ -5,7 +5,11 @@ expensive work, builds (or finds) the token caches, initialises or restores the 
 loader's batches (tagged with their step) to :meth:`levanter.trainer.Trainer.train`, which checks the
 tags and checkpoints; the hooks given to it log the metrics and evaluate. Re-running the same command
 with the same ``trainer.id`` resumes from the latest complete checkpoint and reproduces the same data and
-losses; re-running a run that already reached ``trainer.num_train_steps`` says so and exits 0.
+losses; re-running a run that already reached ``trainer.num_train_steps`` says so and exits 0. A run
+without ``trainer.id`` prints the id it generated, with the command that resumes it. A run whose checkpoint
+directory is not the one that wrote the metrics in its log directory (another run that used the id) is
+refused before any work (:mod:`levanter.tracker.lineage`), and so are ``hf_save_path`` exports that would
+replace anything but earlier exports (:mod:`levanter.compat.export_guard`).
 
 What it prints (:mod:`levanter.progress`, docs/guides/trackers.md): a bar on a terminal, else a line
 every ``trainer.progress_interval``; every evaluation's losses and an end-of-run summary on stdout; the
