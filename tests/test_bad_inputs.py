@@ -179,6 +179,38 @@ def resumable_checkpoint(tmp: Path, shared: Path) -> None:
     copy_checkpoint(tmp, shared)
 
 
+_before: dict = {}
+
+
+def keeping(*setups: Callable[[Path, Path], None]) -> Callable[[Path, Path], None]:
+    """The ``setups``, then a note of every file under $TMP (with its bytes) for :func:`untouched`."""
+
+    def setup(tmp: Path, shared: Path) -> None:
+        from helpers import tree_bytes
+
+        for s in setups:
+            s(tmp, shared)
+        _before[str(tmp)] = tree_bytes(tmp)
+
+    return setup
+
+
+def untouched(tmp: Path, shared: Path) -> None:
+    """Every file that was under $TMP before the command is still there, byte for byte."""
+    from helpers import tree_bytes
+
+    before, now = _before.pop(str(tmp)), tree_bytes(tmp)
+    assert before, "nothing was set up"
+    lost = sorted(p for p in before if p not in now)
+    changed = sorted(p for p in before if p in now and now[p] != before[p])
+    assert not lost and not changed, f"deleted: {lost}, changed: {changed}"
+
+
+def copy_run_logs(tmp: Path, shared: Path) -> None:
+    """The shared run's log directory (its metrics, and the record of its checkpoints in $SHARED/ckpt)."""
+    shutil.copytree(shared / "logs" / "bad", tmp / "logs" / "bad")
+
+
 def _leaf_dir(ckpt: Path, leaf: str) -> Path:
     (match,) = [p for p in ckpt.rglob("zarr.json") if p.parent.relative_to(ckpt).as_posix() == leaf]
     return match.parent
@@ -586,6 +618,10 @@ CASES: list[Case] = [
          args=["--data_seed", "7"], setup=resumable_checkpoint, needs=["checkpoint"]),
     Case("load-checkpoint-none", "checkpoints", "`load_checkpoint: true` with no checkpoint to load", 2,
          ["trainer.load_checkpoint", "$TMP/ckpt/bad"], args=["--trainer.load_checkpoint", "true"], needs=["cache"]),
+    Case("log-dir-of-other-checkpoints", "checkpoints", "`trainer.id` of an earlier run, with another "
+         "`checkpointer.base_path`, over that run's log directory", 2,
+         ["trainer.id=bad", "$TMP/logs/bad/metrics.jsonl", "$SHARED/ckpt/bad", "$TMP/ckpt/bad", "new trainer.id"],
+         setup=keeping(copy_run_logs), after=untouched, needs=["checkpoint"]),
     # ------------------------------------------------------------------------------------- multi-host
     Case("process-id-out-of-range", "multi-host", "`process_id: 2` with `num_processes: 2`", 2,
          ["trainer.distributed.process_id=2", "num_processes=2"],
@@ -859,6 +895,13 @@ def _offline_hub(monkeypatch) -> None:
     monkeypatch.setenv("HF_HUB_CACHE", os.path.join(os.sep, "nonexistent", "levanter-test-hub-cache"))
 
 
+EXPORT_ARGS = ["--checkpoint_path", "$TMP/ckpt/bad"]
+# An earlier export (its marker lists the files it wrote), and a file the user added to it since.
+EARLIER_EXPORT = {"out/config.json": "{}", "out/model.safetensors": b"\0" * 16, "out/README.md": "my notes\n",
+                  "out/.levanter-export.json": json.dumps({"format": "levanter-hf-export", "source": {},
+                                                           "files": [".levanter-export.json", "config.json",
+                                                                     "model.safetensors"]})}
+
 HF_CASES = [
     Case("hf-init-true-without-reference", "hugging face", "`initialize_from_hf: true` with no checkpoint named", 2,
          ["initialize_from_hf: true", "give initialize_from_hf the checkpoint itself"], yaml=BASE + "initialize_from_hf: true\n"),
@@ -890,6 +933,32 @@ HF_CASES = [
     Case("export-no-checkpoint", "hugging face", "`export_lm_to_hf` from a directory with no checkpoint", 2,
          ["checkpoint_path='$TMP'", "no complete checkpoint"], entry="export_lm_to_hf", yaml=None, config_path=None,
          args=["--checkpoint_path", "$TMP", "--output_dir", "$TMP/out"]),
+    Case("export-over-user-files", "hugging face", "`export_lm_to_hf --output_dir` a directory of the user's own files",
+         2, ["output_dir='$TMP/mine'", "notes.txt", ".levanter-export.json", "new or empty directory"],
+         entry="export_lm_to_hf", yaml=None, config_path=None, needs=["checkpoint"],
+         setup=keeping(copy_checkpoint, write_files({"mine/notes.txt": "mine\n", "mine/data/a.bin": b"\1\2"})),
+         args=EXPORT_ARGS + ["--output_dir", "$TMP/mine"], after=untouched),
+    Case("export-over-checkpoints", "hugging face", "`export_lm_to_hf --output_dir` the run's own checkpoint directory",
+         2, ["output_dir='$TMP/ckpt/bad'", "contains the checkpoint being exported", "$TMP/ckpt/bad/step-2"],
+         entry="export_lm_to_hf", yaml=None, config_path=None, needs=["checkpoint"], setup=keeping(copy_checkpoint),
+         args=EXPORT_ARGS + ["--output_dir", "$TMP/ckpt/bad"], after=untouched),
+    Case("export-to-working-dir", "hugging face", "`export_lm_to_hf --output_dir .`", 2,
+         ["output_dir='.' is the working directory ($TMP)"], entry="export_lm_to_hf", yaml=None, config_path=None,
+         needs=["checkpoint"], setup=keeping(copy_checkpoint, write_files({"notes.txt": "mine\n"})),
+         args=EXPORT_ARGS + ["--output_dir", "."], after=untouched),
+    Case("export-over-export-and-more", "hugging face", "`export_lm_to_hf` over an earlier export the user added a "
+         "file to", 2, ["output_dir='$TMP/out'", "earlier export", "README.md"], entry="export_lm_to_hf", yaml=None,
+         config_path=None, needs=["checkpoint"], setup=keeping(copy_checkpoint, write_files(EARLIER_EXPORT)),
+         args=EXPORT_ARGS + ["--output_dir", "$TMP/out"], after=untouched),
+    Case("hf-save-path-over-checkpoints", "hugging face", "`hf_save_path` equal to the checkpoint base path, so the "
+         "exports would replace the run's checkpoints", 2,
+         ["hf_save_path='$TMP/ckpt'", "'$TMP/ckpt/bad' is the run's checkpoint directory"], needs=["checkpoint"],
+         yaml=BASE + "hf_save_path: $TMP/ckpt\n", setup=keeping(copy_checkpoint), after=untouched),
+    Case("hf-save-path-over-user-files", "hugging face", "`hf_save_path` whose `<run id>/step-N` (a step the run "
+         "exports) holds the user's files", 2,
+         ["hf_save_path='$TMP/exports'", "'$TMP/exports/bad/step-4' is not empty", "notes.txt"],
+         yaml=BASE + "hf_save_path: $TMP/exports\n", after=untouched,
+         setup=keeping(write_files({"exports/bad/step-4/notes.txt": "mine\n", "exports/bad/mine.txt": "mine\n"}))),
 ]
 CASES += HF_CASES
 

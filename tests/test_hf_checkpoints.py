@@ -105,7 +105,7 @@ def test_export_loads_in_transformers_and_imports_bit_identically(name, hf_dirs,
         assert np.array_equal(np.asarray(a), np.asarray(b))
     # Written again over an export: replaced whole (single file now), never merged with the old shards.
     save_hf_checkpoint(model, config, str(out))
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [".levanter-export.json", "config.json", "model.safetensors"]
 
 
 def test_bfloat16_export_loads_in_transformers(hf_dirs, imported, tmp_path):
@@ -127,7 +127,7 @@ def test_export_to_an_object_store_commits_with_config_json_last(imported):
     save_hf_checkpoint(model, config, url, max_shard_size=40_000)
     assert "model.safetensors.index.json" in fs.listdir(url)
     save_hf_checkpoint(model, config, url)
-    assert fs.listdir(url) == ["config.json", "model.safetensors"]
+    assert fs.listdir(url) == [".levanter-export.json", "config.json", "model.safetensors"]
     _, again = load_hf_checkpoint(url)
     for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(again)):
         assert np.array_equal(np.asarray(a), np.asarray(b))

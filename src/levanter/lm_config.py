@@ -121,6 +121,11 @@ def validate(config: TrainLmConfig):
 def storage_locations(config: TrainLmConfig) -> list[tuple[str, str, bool]]:
     """``(config key, URL, written)`` for every object-store location (``gs://``, ``s3://``, ``memory://``)
     the run reads or writes: caches, input files, checkpoints, the checkpoint to load, the log directory."""
+    return [(key, url, written) for key, url, written in _locations(config) if fs.is_object_store(url)]
+
+
+def _locations(config: TrainLmConfig) -> list[tuple[str, str, bool]]:
+    """``(config key, path or URL, written)`` for every location the run reads or writes, local or not."""
     data = config.data
     found: list[tuple[str, str, bool]] = [("data.cache_dir", data.cache_dir or "cache/", True)]
     sources = getattr(data, "configs", None)
@@ -143,7 +148,7 @@ def storage_locations(config: TrainLmConfig) -> list[tuple[str, str, bool]]:
         found.append(("initialize_from_hf", config.initialize_from_hf, False))
     seen, out = set(), []
     for key, url, written in found:
-        if url and fs.is_object_store(url) and (key, url) not in seen:
+        if url and (key, url) not in seen:
             seen.add((key, url))
             out.append((key, url, written))
     return out
@@ -278,11 +283,44 @@ def hf_exporter(config: TrainLmConfig, run_id: str):
         return None
     from levanter.compat import HfExporter
 
-    base = config.hf_save_path
+    return HfExporter(_hf_export_base(config, run_id), every=config.hf_save_steps,
+                      last_step=config.trainer.num_train_steps, config=config.model, tokenizer=config.data.tokenizer,
+                      dtype=config.hf_save_dtype)
+
+
+def _hf_export_base(config: TrainLmConfig, run_id: str) -> str:
     if config.trainer.checkpointer.append_run_id_to_base_path:
-        base = fs.join(base, run_id)
-    return HfExporter(base, every=config.hf_save_steps, last_step=config.trainer.num_train_steps, config=config.model,
-                      tokenizer=config.data.tokenizer, dtype=config.hf_save_dtype)
+        return fs.join(config.hf_save_path, run_id)
+    return config.hf_save_path
+
+
+def check_hf_save_path(config: TrainLmConfig, run_id: str) -> None:
+    """Before any work: the exports of ``hf_save_path`` (``<hf_save_path>/<run id>/step-N``) may replace only
+    earlier exports (:mod:`levanter.compat.export_guard`): their directory may neither be nor contain the
+    working directory, the run's checkpoint, log or cache directories (nor lie inside the checkpoints), and
+    every ``step-N`` already there that this run would export must be exactly an earlier export."""
+    if not config.hf_save_path:
+        return
+    from levanter.compat.export_guard import check_export_steps
+
+    tcfg, ckpt = config.trainer, config.trainer.checkpointer
+    protected = [
+        ("the run's checkpoint directory", ckpt.expanded_path(run_id), True),
+        ("trainer.checkpointer.base_path", ckpt.base_path, False),
+        ("trainer.log_dir", tcfg.log_dir, False),
+        ("the run's log directory", fs.join(tcfg.log_dir, run_id), False),
+    ]
+    for c in tcfg.trackers():
+        protected += [(key, path, False) for key, path in c.local_dirs(run_id, tcfg.log_dir)]
+    for key, path in (("trainer.load_checkpoint_path", tcfg.load_checkpoint_path),
+                      ("trainer.initialize_from", tcfg.initialize_from),
+                      ("initialize_from_checkpoint_path", config.initialize_from_checkpoint_path)):
+        if path:
+            protected.append((key, path, True))
+    protected += [(key, url, False) for key, url, written in _locations(config) if written and "cache" in key]
+    last = tcfg.num_train_steps
+    check_export_steps(_hf_export_base(config, run_id), f"hf_save_path={config.hf_save_path!r}",
+                       lambda n: 0 < n <= last and (n % config.hf_save_steps == 0 or n == last), protected)
 
 
 def check_branch_model(config: TrainLmConfig, vocab_size: int) -> None:

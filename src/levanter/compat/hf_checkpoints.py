@@ -26,9 +26,10 @@ JAX ships), and lets the bytes go through :mod:`levanter.utils.fs` to object sto
 memory-mapped, so a large checkpoint is not read twice into memory.
 
 Writes are all or nothing. Locally the directory is assembled under a ``.tmp-`` name beside the target and
-renamed into place (an existing export of the same name is replaced). On an object store, which has no
-rename, a stale ``config.json`` is deleted first and written last: ``transformers`` cannot load a
-directory without it, so an interrupted export never looks complete.
+renamed into place. On an object store, which has no rename, a stale ``config.json`` is deleted first and
+written last: ``transformers`` cannot load a directory without it, so an interrupted export never looks
+complete. Only an earlier export is ever replaced: each export writes a marker listing its files, and a
+directory holding anything else is refused before any work (:mod:`levanter.compat.export_guard`).
 
 Weight layouts. Our parameters are named arrays (``haliax``); each Hugging Face tensor is described by
 groups of our axis names (``c_attn.weight`` of GPT-2 is ``[embed, (qkv, heads, head_size)]``, a torch
@@ -816,15 +817,20 @@ def _shards(tensors: dict[str, np.ndarray], max_shard_size: int) -> list[list[st
 
 
 def save_hf_checkpoint(model, config: LmConfig, output_dir: str, *, tokenizer: str | None = None,
-                       dtype: str | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> str:
+                       dtype: str | None = None, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+                       source: Optional[dict] = None, label: Optional[str] = None) -> str:
     """Write ``model`` as a Hugging Face checkpoint directory ``output_dir`` (local path or URL); returns it.
 
     ``tokenizer``: the run's ``data.tokenizer`` (its files are copied for a Hugging Face tokenizer).
     ``dtype``: one of :data:`HF_SAVE_DTYPES` (default: the parameters' own). Above ``max_shard_size`` bytes
     the weights are split into ``model-0000k-of-0000n.safetensors`` files with an index. Only process 0
-    writes; every process must call it (arrays sharded over several hosts are gathered).
+    writes; every process must call it (arrays sharded over several hosts are gathered). ``output_dir`` must be
+    new, empty or exactly an earlier export (:mod:`levanter.compat.export_guard`; ``label`` names it in the
+    error); the export's marker records ``source``, what was exported.
     """
     import jax
+
+    from levanter.compat.export_guard import MARKER, check_replaceable, marker_bytes
 
     if dtype is not None and dtype not in HF_SAVE_DTYPES:
         raise ValueError(f"hf_save_dtype {dtype!r} is not one of {sorted(HF_SAVE_DTYPES)}")
@@ -832,6 +838,8 @@ def save_hf_checkpoint(model, config: LmConfig, output_dir: str, *, tokenizer: s
         raise ValueError(f"max_shard_size must be positive, got {max_shard_size}")
     if _type_name(model.config) != _type_name(config):
         raise ValueError(f"the model is a {_type_name(model.config)}, but the config is a {_type_name(config)}")
+    if jax.process_index() == 0:
+        check_replaceable(output_dir, label)
     doc = lm_to_hf_config(config, model.Vocab.size)
     tok_files = _tokenizer_files(tokenizer)
     state = to_state_dict(model)
@@ -861,6 +869,8 @@ def save_hf_checkpoint(model, config: LmConfig, output_dir: str, *, tokenizer: s
     files.update(tok_files)
     doc.update(_special_token_ids(tok_files, model.Vocab.size))
     files[CONFIG_FILE] = json.dumps(doc, indent=2, sort_keys=True).encode()  # last: the commit record
+    # The marker first: on an object store every file present from then on is one it lists.
+    files = {MARKER: marker_bytes(files, source), **files}
     _commit(output_dir, files)
     return output_dir
 
@@ -906,8 +916,7 @@ def _commit(output_dir: str, files: dict[str, bytes]) -> None:
     except FileNotFoundError:
         stale = set()
     for name in sorted(stale):
-        if name.endswith(".safetensors") or name in (SAFE_INDEX, *TOKENIZER_FILES):
-            fs.remove(fs.join(url, name))
+        fs.remove(fs.join(url, name))  # the guard let only an earlier export's files be here
     for name, data in files.items():
         if name != CONFIG_FILE:
             fs.atomic_write_bytes(fs.join(url, name), data)
@@ -936,7 +945,8 @@ class HfExporter:
             return
         path = fs.join(self.base_path, f"step-{step}")
         save_hf_checkpoint(model, self.config, path, tokenizer=self.tokenizer, dtype=self.dtype,
-                           max_shard_size=self.max_shard_size)
+                           max_shard_size=self.max_shard_size, source={"exported_by": "train_lm", "step": step},
+                           label=f"hf_save_path: the export directory {path!r}")
         self.exported.append(path)
         logger.info("exported step %d to %s (Hugging Face format)", step, path)
 

@@ -11,6 +11,9 @@ embedding. Explicit keys win over the record.
 Only the model's weights are read (``load_checkpoint(..., subpath="model")``): the optimizer state stays on
 disk. The output is written all or nothing by :func:`levanter.compat.save_hf_checkpoint` (locally or to a
 bucket). ``checkpoint_path`` may be a run directory: its latest complete checkpoint is exported.
+``output_dir`` is checked before the checkpoint is read (:mod:`levanter.compat.export_guard`): it must be new,
+empty or exactly an earlier export (which is replaced), and neither be nor contain the checkpoint or the
+working directory; a directory of the user's files is never replaced.
 
 Bad input (a path without a complete checkpoint, a model block that does not match the arrays, an unknown
 dtype) prints one ``error:`` paragraph and exits with status 2.
@@ -24,6 +27,7 @@ import sys
 from typing import Optional, Sequence
 
 from levanter.checkpoint import CheckpointMismatchError, CorruptCheckpointError, read_checkpoint_metadata
+from levanter.compat.export_guard import check_export_dir
 from levanter.config import ConfigError, parse_config, split_config_path
 from levanter.models import LmConfig
 from levanter.utils import fs
@@ -35,7 +39,8 @@ logger = logging.getLogger(__name__)
 class ExportLmConfig:
     # The train_lm checkpoint to export: a step-N directory, or a run directory (its latest complete one).
     checkpoint_path: Optional[str] = None
-    # Where the Hugging Face directory goes (local path or bucket URL); replaced if it exists.
+    # Where the Hugging Face directory goes (local path or bucket URL): new, empty, or an earlier export
+    # (which is replaced); a directory holding anything else is refused.
     output_dir: Optional[str] = None
     # The model block; default: the one the checkpoint records (needed for checkpoints that record none).
     model: Optional[LmConfig] = None
@@ -93,6 +98,9 @@ def main(config: ExportLmConfig) -> str:
     if config.save_dtype is not None and config.save_dtype not in HF_SAVE_DTYPES:
         raise ValueError(f"save_dtype {config.save_dtype!r} is not one of {sorted(HF_SAVE_DTYPES)}")
     path = _find_checkpoint(config.checkpoint_path)
+    # Before anything is loaded: the output may replace only an earlier export, and never the checkpoint.
+    check_export_dir(config.output_dir, "output_dir", [("the checkpoint being exported", path, True),
+                                                       ("checkpoint_path", config.checkpoint_path, True)])
     doc = read_checkpoint_metadata(path)
     record = doc.get("metadata", {}) or {}
     model_config = config.model
@@ -124,7 +132,9 @@ def main(config: ExportLmConfig) -> str:
         raise ValueError(f"the model block does not match checkpoint {path}: {e}") from None
     out = save_hf_checkpoint(model, model_config, config.output_dir,
                              tokenizer=tokenizer if config.save_tokenizer else None, dtype=config.save_dtype,
-                             max_shard_size=config.max_shard_size)
+                             max_shard_size=config.max_shard_size,
+                             source={"exported_by": "export_lm_to_hf", "checkpoint": fs.abspath(path),
+                                     "step": doc.get("step")})
     print(f"exported {path} (step {doc.get('step')}) to {out}")
     return out
 

@@ -5,7 +5,11 @@ expensive work, builds (or finds) the token caches, initialises or restores the 
 loader's batches (tagged with their step) to :meth:`levanter.trainer.Trainer.train`, which checks the
 tags and checkpoints; the hooks given to it log the metrics and evaluate. Re-running the same command
 with the same ``trainer.id`` resumes from the latest complete checkpoint and reproduces the same data and
-losses; re-running a run that already reached ``trainer.num_train_steps`` says so and exits 0.
+losses; re-running a run that already reached ``trainer.num_train_steps`` says so and exits 0. A run
+without ``trainer.id`` prints the id it generated, with the command that resumes it. A run whose checkpoint
+directory is not the one that wrote the metrics in its log directory (another run that used the id) is
+refused before any work (:mod:`levanter.tracker.lineage`), and so are ``hf_save_path`` exports that would
+replace anything but earlier exports (:mod:`levanter.compat.export_guard`).
 
 What it prints (:mod:`levanter.progress`, docs/guides/trackers.md): a bar on a terminal, else a line
 every ``trainer.progress_interval``; every evaluation's losses and an end-of-run summary on stdout; the
@@ -70,7 +74,9 @@ from levanter.distributed import DistributedStartupError, barrier, check_same_co
 from levanter.tracker import NoopTracker, check_trackers_writable
 from levanter.lm_config import SEED_LIMIT, TrainLmConfig, data_key, validate  # noqa: F401 -- upstream's path
 from levanter.lm_config import branch_origin, check_branch_model
-from levanter.lm_config import hf_exporter, hf_init_path, model_record, model_vocab_size, with_hf_model
+from levanter.lm_config import check_hf_save_path, hf_exporter, hf_init_path, model_record, model_vocab_size
+from levanter.lm_config import with_hf_model
+from levanter.tracker.lineage import check_log_lineage, record_log_lineage
 from levanter.memory_plan import FLAG_HELP, format_plan, make_plan, split_plan_args
 from levanter.progress import RunProgress, open_debug_log, setup_console_logging
 from levanter.tracker import JsonConfig, TrackerError, WandbConfig
@@ -289,9 +295,16 @@ def main(config: TrainLmConfig) -> dict:
     run_id = tcfg.run_id()
     if jax.process_count() > 1 and tcfg.id is None:
         raise ValueError("trainer.id must be set in multi-process runs, so that every process names the same run")
+    if tcfg.id is None and jax.process_index() == 0:  # else nobody could name the run to resume it
+        print(f"run id: {run_id} (generated: trainer.id is not set); rerun with --trainer.id {run_id} to resume it",
+              flush=True)
     run_dir = tcfg.checkpointer.validate_writable(run_id)
     if jax.process_index() == 0:
         check_trackers_writable(tcfg.trackers(), run_id, tcfg.log_dir)
+        # Another run's metrics under this id, and exports over anything but earlier exports: refused before
+        # anything is written.
+        check_log_lineage(_json_log_dirs(tcfg, run_id), tcfg.checkpointer.expanded_path(run_id), run_id)
+        check_hf_save_path(config, run_id)
         debug_log = open_debug_log(fs.join(tcfg.log_dir, run_id))
         if debug_log is not None:
             logger.debug("debug log of run %s: %s", run_id, debug_log)
@@ -399,6 +412,7 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
         return {"run_id": run_id, "final_step": start_step, "final_loss": None}
 
     if jax.process_index() == 0:
+        record_log_lineage(_json_log_dirs(tcfg, run_id), tcfg.checkpointer.expanded_path(run_id))
         # resume_step=0 on a fresh start too: lines an earlier attempt logged without checkpointing are dropped.
         tracker = init_trackers(tcfg.trackers(), run_id, tcfg.log_dir, resume_step=start_step)
     else:
@@ -502,6 +516,11 @@ def _where(tcfg: TrainerConfig, run_id: str, checkpointer) -> list:
     if not fs.is_url(log) and os.path.exists(log):
         out.append(f"debug log: {log}")
     return out
+
+
+def _json_log_dirs(tcfg: TrainerConfig, run_id: str) -> list:
+    """``(config key, directory)`` of each JSON tracker's metrics: the log directories a resume rewrites."""
+    return [d for c in tcfg.trackers() if isinstance(c, JsonConfig) for d in c.local_dirs(run_id, tcfg.log_dir)]
 
 
 def _config_dict(config) -> dict:

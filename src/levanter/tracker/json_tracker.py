@@ -20,7 +20,8 @@ Format and guarantees:
   the failed attempt and will be logged again, so they are removed, together with any trailing partial
   line, by rewriting the file atomically (temporary file, fsync, ``os.replace``). Without
   ``resume_step`` the file is appended to; only a trailing partial line is removed, since otherwise the
-  next line would be glued onto it.
+  next line would be glued onto it. ``train_lm`` first makes sure the file was written by the same run
+  (:mod:`levanter.tracker.lineage`): another run that reuses the id is refused rather than truncating it.
 * ``log_hyperparameters`` writes ``config.json`` and ``log_summary`` writes ``summary.json`` next to the
   metrics, each atomically and each merging with what earlier calls wrote.
 
