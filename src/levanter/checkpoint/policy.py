@@ -231,7 +231,14 @@ class Checkpointer:
     def path_for_step(self, step: int) -> str:
         return fs.join(self.base_path, f"step-{int(step)}")
 
+    @property
+    def writing(self) -> bool:
+        """Whether a background save is in flight."""
+        return self._writer.busy
+
     def latest_checkpoint(self) -> str | None:
+        """The latest complete checkpoint, counting the save in flight (waited for)."""
+        self._writer.wait()
         return discover_latest_checkpoint(self.base_path)
 
     @staticmethod
