@@ -59,7 +59,7 @@ class BackgroundWriter:
         try:
             job()
         except BaseException as e:  # noqa: BLE001 -- handed to the training thread by raise_if_failed
-            logger.error("background %s failed: %s", self._description, e)
+            logger.info("background %s failed: %s", self._description, e)  # raised (and reported) by the caller
             self._error = e
 
     def wait(self) -> None:
