@@ -260,8 +260,8 @@ def test_kill_9_or_sigterm_during_a_background_write_then_rerun_resumes_bit_for_
 @pytest.mark.slow
 def test_a_background_write_filling_the_disk_stops_the_run_with_one_error(tmp_path):
     """The checkpoints go to a tmpfs with room for one (skipped where mounting one is not allowed): the
-    save of step 6 fails in the background; the run stops at the next step boundary with one ``error:``
-    paragraph naming the path, exit status 74, and only step-3 on the disk."""
+    save of step 6 fails in the background; the run stops at the next step boundary after the failure with
+    one ``error:`` paragraph naming the path, exit status 74, and only step-3 on the disk."""
     mnt = tmp_path / "small"
     _mount_tmpfs(mnt, "1600k")  # one checkpoint of this model is ~1.1 MB
     try:
@@ -271,7 +271,9 @@ def test_a_background_write_filling_the_disk_stops_the_run_with_one_error(tmp_pa
         assert len(errors) == 1, r.stderr[-3000:]
         assert f"saving the checkpoint of step 6 at {mnt / 'full' / 'step-6'}" in errors[0], errors
         assert "No space left on device" in errors[0] and "Traceback" not in r.stderr
-        assert max(losses(tmp_path, "full")) + 1 <= 7  # stopped at the step boundary after the failed save
+        # Steps trained on while the write was in flight; the first step boundary after the failure stopped
+        # the run, at the latest the save of step 9, which waits for the write of step 6.
+        assert 6 <= max(losses(tmp_path, "full")) + 1 <= 9
         assert sorted(e for e in os.listdir(mnt / "full") if e != "run.lock") == ["step-3"]
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
