@@ -110,11 +110,11 @@ def run(cfg: dict, directory: str | None = None, verify: bool = False) -> dict:
     results = {"sync": {"block": []}, "async": {"block": [], "total": [], "step_during": [], "steps_during": []}}
     step_times = []
     try:
-        for _ in range(3):  # compile the step, and a free-running step time to compare against
+        for _ in range(8):  # compile the step, and a free-running step time to compare against
             t0 = time.perf_counter()
             state = jax.block_until_ready(step_fn(state))
             step_times.append(time.perf_counter() - t0)
-        free_step = statistics.median(step_times[1:])
+        free_step = statistics.median(step_times[3:])
         checkpointers = {mode: Checkpointer(fs.join(base, mode), save_interval=None, keep=[CheckpointInterval(1)],
                                             asynchronous=mode == "async") for mode in ("sync", "async")}
         step = 0
