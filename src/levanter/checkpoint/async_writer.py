@@ -4,8 +4,8 @@
 :class:`~levanter.checkpoint.Checkpointer` follows with it:
 
 1. On the calling (training) thread: wait for the write in flight to finish (so at most one host copy
-   of the state exists), run the save's checks and collectives (:func:`~levanter.checkpoint.serialization.prepare_save`),
-   then copy the arrays to host memory. Only then does the call return, so the next step may donate the
+   of the state exists), run the save's checks and collectives
+   (:func:`~levanter.checkpoint.serialization.prepare_save`), then copy the arrays to host memory. Only then does the call return, so the next step may donate the
    state's device buffers.
 2. On the worker thread: write the arrays and commit exactly as a synchronous save does (the renamed
    ``.tmp-`` directory on local disk, ``metadata.json`` last on object stores), then delete the
@@ -59,7 +59,8 @@ class BackgroundWriter:
         try:
             job()
         except BaseException as e:  # noqa: BLE001 -- handed to the training thread by raise_if_failed
-            logger.info("background %s failed: %s", self._description, e)  # raised (and reported) by the caller
+            # Not an error line: the caller raises it, and the entry point prints the one error paragraph.
+            logger.info("background %s failed: %s", self._description, e)
             self._error = e
 
     def wait(self) -> None:

@@ -81,7 +81,8 @@ def host_copies(values: list[Any]) -> list[Any]:
     return out
 
 
-async def write_host_shards(value: HostShards, spec: dict, context: ts.Context, creates_metadata: bool) -> None:
+async def write_host_shards(value: HostShards, spec: dict, context: ts.Context, *,
+                            creates_metadata: bool) -> None:
     """Write ``value``'s shards into the zarr3 array ``spec``; ``creates_metadata``: this process writes
     ``zarr.json`` (the others open the array assuming it, as ``async_serialize(primary_host=0)`` does)."""
     if creates_metadata:

@@ -88,7 +88,8 @@ from levanter.errors import is_out_of_space, out_of_space_error
 from levanter.utils import fs
 from levanter.utils.fault import fault_point
 
-__all__ = ["Barrier", "PreparedSave", "io_error_text", "load_checkpoint", "prepare_save", "save_checkpoint", "write_leaf"]
+__all__ = ["Barrier", "PreparedSave", "io_error_text", "load_checkpoint", "prepare_save", "save_checkpoint",
+           "write_leaf"]
 
 logger = logging.getLogger(__name__)
 
@@ -315,7 +316,8 @@ async def write_leaf(root: str, item: _ToWrite, process_index: int) -> None:
     value = item.value
     multi = jax.process_count() > 1
     if isinstance(value, HostShards):  # a device array copied to the host before a background save
-        spec = _write_spec(directory, value.shape, value.dtype, _chunk_shape(value.shard_shape, value.dtype.itemsize))
+        chunk = _chunk_shape(value.shard_shape, value.dtype.itemsize)
+        spec = _write_spec(directory, value.shape, value.dtype, chunk)
         await write_host_shards(value, spec, context, creates_metadata=jax.process_index() == 0)
         return
     if isinstance(value, jax.Array) and not (multi and value.is_fully_addressable):
@@ -553,8 +555,8 @@ def prepare_save(
             f"{'holds' if len(bad) == 1 else 'hold'} NaN or infinite values. Nothing was written; the latest "
             "complete checkpoint is unchanged. Resume from it with a fixed config (learning rate, epsilon)."
         )
-    return PreparedSave(final, step, items, is_temporary, user_metadata, barrier or _no_barrier, _shared_token(),
-                        process_index)
+    return PreparedSave(final, step, items, is_temporary, user_metadata, barrier or _no_barrier,
+                        _shared_token(), process_index)
 
 
 @dataclass
@@ -584,8 +586,8 @@ class PreparedSave:
         final, step, started = self.path, self.step, time.perf_counter()
         commit = _commit_by_rename if commits_by_rename(final) else _commit_by_record
         try:
-            commit(final, self.items, lambda: _metadata_doc(step, self.is_temporary, self.user_metadata, self.items),
-                   self.barrier, self.token, self.process_index)
+            doc = lambda: _metadata_doc(step, self.is_temporary, self.user_metadata, self.items)  # noqa: E731
+            commit(final, self.items, doc, self.barrier, self.token, self.process_index)
         except Exception as e:
             if is_out_of_space(e):
                 raise out_of_space_error(f"saving the checkpoint of step {step}", final) from e
