@@ -173,6 +173,7 @@ def _ckpt_job(base: str, steps: int, keep_every: int) -> None:
         state = update(state, deltas, norm_base)
         ckpt.on_step(state, step, force=step == steps)
     ckpt.on_step(state, steps, force=True)  # resumed at the end: finishes the clean-up of temporaries
+    ckpt.wait_until_finished()  # the last write runs in the background
 
 
 def _cache_job(out: str, shards: list, batch_size: int) -> None:

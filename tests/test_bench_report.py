@@ -15,6 +15,8 @@ KEYS = {
 KEYS |= {"loss_blockwise_temp_ratio", "loss_blockwise_time_ratio", "llama_vanilla_over_flash_memory"}
 # The attention section (scripts/bench/attention.py).
 KEYS |= {"attention_flash_temp_ratio", "attention_flash_time_ratio"}
+# The checkpoint section (scripts/bench/checkpoint_block.py).
+KEYS |= {"checkpoint_block_ratio"}
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +85,19 @@ def test_attention_row_is_reported(run_all, capsys):
     assert head["attention_flash_temp_ratio"] == 0.125 and head["attention_flash_time_ratio"] == 0.5
     printed = capsys.readouterr().out
     assert "1024.0" in printed and "128.0" in printed and "0.125x" in printed
+
+
+def test_checkpoint_section_measures_both_modes_and_is_reported(run_all, capsys):
+    """A real, tiny run of scripts/bench/checkpoint_block.py: both modes timed, the background save reloads
+    bit for bit, and the row and the headline ratio come out of it."""
+    import checkpoint_block
+
+    res = checkpoint_block.run({"params": 2e5, "repeats": 1}, verify=True)
+    assert res["verified_bit_for_bit"] is True
+    assert res["state_bytes"] >= 3 * 4 * 2e5 and res["storage"] == "local disk"
+    assert 0 < res["async_block_s"] <= res["async_total_s"] and res["sync_block_s"] > 0
+    assert res["block_ratio"] == res["async_block_s"] / res["sync_block_s"]
+    head = run_all.report({"checkpoint": res})
+    assert head["checkpoint_block_ratio"] == res["block_ratio"]
+    printed = capsys.readouterr().out
+    assert "Checkpoint save" in printed and "background / synchronous blocking" in printed

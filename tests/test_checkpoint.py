@@ -303,7 +303,10 @@ class FakeClock:
         return self.t
 
 
-def ckpt_dirs(path):
+def ckpt_dirs(path, ck=None):
+    """``{step: is_temporary}`` of the checkpoints under ``path``, once ``ck``'s save in flight is done."""
+    if ck is not None:
+        ck.wait_until_finished()
     out = {}
     for e in sorted(os.listdir(path)):
         assert not e.startswith(".tmp-"), e
@@ -331,20 +334,20 @@ def test_keep_policy_and_save_interval(tmp_path):
     # 4 -> t=12 at 4, due at step 8 (t=24 >= 22); then 10 (permanent) resets; due again at 14 (t=42 >= 40)
     assert saved == [2, 4, 8, 10, 14, 15]
     # temporary 8 was deleted once 10 was complete; 14 once 15 was; permanent ones stay
-    assert ckpt_dirs(run_dir) == {2: False, 4: False, 10: False, 15: False}
+    assert ckpt_dirs(run_dir, ck) == {2: False, 4: False, 10: False, 15: False}
 
     clock.t += 11
     assert ck.on_step(tree, 16)
-    assert ckpt_dirs(run_dir)[16] is True
+    assert ckpt_dirs(run_dir, ck)[16] is True
     assert not ck.on_step(tree, 16)  # already saved
     assert ck.on_step(tree, 17, force=True)
-    assert ckpt_dirs(run_dir) == {2: False, 4: False, 10: False, 15: False, 17: False}
+    assert ckpt_dirs(run_dir, ck) == {2: False, 4: False, 10: False, 15: False, 17: False}
     # force on a step already saved as temporary makes it permanent instead of saving it twice
     clock.t += 11
     assert ck.on_step(tree, 18)
-    assert ckpt_dirs(run_dir)[18] is True
+    assert ckpt_dirs(run_dir, ck)[18] is True
     assert not ck.on_step(tree, 18, force=True)
-    assert ckpt_dirs(run_dir)[18] is False
+    assert ckpt_dirs(run_dir, ck)[18] is False
     assert ck.latest_checkpoint() == str(run_dir / "step-18")
     ck.wait_until_finished()
 
@@ -358,6 +361,7 @@ def test_temporaries_from_a_previous_attempt(tmp_path):
     first = cfg.create("r", clock=clock)
     clock.t += 11
     assert first.on_step(tree, 7)
+    first.wait_until_finished()
     os.makedirs(tmp_path / "r" / ".tmp-step-8-dead")  # a save killed mid-way
 
     clock2 = FakeClock()
@@ -366,13 +370,13 @@ def test_temporaries_from_a_previous_attempt(tmp_path):
     assert second.latest_checkpoint() == str(tmp_path / "r" / "step-7")
     clock2.t += 11
     assert second.on_step(tree, 8)
-    assert ckpt_dirs(tmp_path / "r") == {8: True}
+    assert ckpt_dirs(tmp_path / "r", second) == {8: True}
 
     keep_cfg = dataclasses.replace(cfg, delete_old_temp_checkpoints=False)
     third = keep_cfg.create("r", clock=clock2)
     clock2.t += 11
     assert third.on_step(tree, 9)
-    assert ckpt_dirs(tmp_path / "r") == {8: True, 9: True}
+    assert ckpt_dirs(tmp_path / "r", third) == {8: True, 9: True}
 
 
 def test_checkpointer_config_from_yaml(tmp_path):

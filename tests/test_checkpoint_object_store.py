@@ -110,8 +110,10 @@ def test_save_load_discover_delete_round_trip(store):
     ck = cfg.create("r", clock=lambda: clock[0])
     clock[0] = 5.0
     assert ck.on_step(t1, 4)  # temporary (save_interval passed)
+    ck.wait_until_finished()  # the write runs in the background
     assert read_checkpoint_metadata(fs.join(base, "r", "step-4"))["is_temporary"]
     assert ck.on_step(t3, 10)  # permanent: supersedes step-4
+    ck.wait_until_finished()
     assert fs.listdir(fs.join(base, "r")) == ["step-10"]
 
     import optax

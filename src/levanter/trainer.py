@@ -662,7 +662,9 @@ class Trainer:
         into the loss's named arrays. After every step: the compile guard (one executable per batch size),
         the finite check (:func:`check_finite`), ``hooks.on_step``, an evaluation where
         ``hooks.is_eval_step`` says so, and ``checkpointer.on_step(state, step, force=...)`` (forced at the
-        last step). On SIGTERM or SIGINT (Ctrl-C) the state after the current step is checkpointed and the
+        last step; a save returns once the state is copied to host memory and writes in the background, and
+        a write that failed is raised by the next ``on_step``). On SIGTERM or SIGINT (Ctrl-C) the write in
+        flight is waited for, the state after the current step is checkpointed and the
         process exits with :data:`PREEMPTED_EXIT_CODE`; batches that end before ``num_train_steps`` checkpoint the last state
         and raise :class:`DataEndedError` (a short run must not exit 0).
         """

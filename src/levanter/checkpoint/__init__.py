@@ -8,6 +8,8 @@
   stores), discovery of the latest complete one and of damaged ones.
 - :mod:`~levanter.checkpoint.policy`: when to save and what to keep (:class:`CheckpointerConfig`,
   :class:`Checkpointer`).
+- :mod:`~levanter.checkpoint.async_writer`, :mod:`~levanter.checkpoint.host_copy`: saves in the
+  background -- the caller waits only for the copy of the state to host memory.
 - :mod:`~levanter.checkpoint.run_lock`: one writer per run directory (a create-if-absent lock record).
 
 Durations in the config (``save_interval: 15m``) are parsed by :func:`levanter.config.parse_timedelta`.

@@ -5,9 +5,9 @@ Permanent checkpoints are taken at the steps the ``keep`` intervals name, plus a
 ``save_interval`` of wall time has passed since the last save. A temporary checkpoint is deleted once a
 newer checkpoint is complete; permanent ones are never deleted. The base path may be a local directory
 or an object-store URL (``gs://``, ``s3://``); :mod:`levanter.checkpoint.layout` says how saves commit
-and deletions proceed on each. Saves are synchronous;
-:meth:`Checkpointer.wait_until_finished` exists so that an asynchronous version can be swapped in
-without changing callers.
+and deletions proceed on each. Saves run in the background by default: ``on_step`` returns once the
+state is copied to host memory, the write and commit follow on a worker thread
+(:mod:`levanter.checkpoint.async_writer`), and :meth:`Checkpointer.wait_until_finished` waits for them.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
+from levanter.checkpoint.async_writer import BackgroundWriter
 from levanter.checkpoint.errors import CheckpointSaveError
 from levanter.checkpoint.layout import (
     METADATA_FILENAME,
@@ -35,7 +36,7 @@ from levanter.checkpoint.layout import (
     resolve_path,
     step_dirs,
 )
-from levanter.checkpoint.serialization import Barrier, io_error_text, save_checkpoint
+from levanter.checkpoint.serialization import Barrier, io_error_text, prepare_save
 from levanter.config import parse_timedelta
 from levanter.errors import is_out_of_space, out_of_space_error
 from levanter.utils import fs
@@ -170,6 +171,12 @@ class Checkpointer:
     multi-process job the time-based decision is taken by process 0 and broadcast, since host clocks
     disagree and every process must join the same saves. ``process_index`` is this process's index
     (default ``jax.process_index()``); process 0 removes leftovers and superseded temporary checkpoints.
+
+    ``asynchronous`` (the default): a save returns once the state is on the host and writes in the
+    background (:mod:`levanter.checkpoint.async_writer`); a failed write is raised by the next
+    ``on_step``/``save``/``wait_until_finished``. ``False``: a save returns once it is committed. In a
+    multi-process job saves are synchronous whatever it says: their barriers are device collectives, which
+    must stay on the training thread.
     """
 
     def __init__(
@@ -184,6 +191,7 @@ class Checkpointer:
         metadata: dict | None = None,
         process_index: int | None = None,
         before_save: Callable[[], None] | None = None,
+        asynchronous: bool = True,
     ):
         self.base_path = resolve_path(base_path)
         # Called before every save (train_lm flushes its trackers, so that a run resumed from a checkpoint
@@ -203,6 +211,11 @@ class Checkpointer:
         self._last_saved_step: int | None = None
         # Temporary checkpoints to delete once a newer checkpoint is complete.
         self._retire: list[str] = []
+        self.asynchronous = asynchronous and jax.process_count() == 1
+        self._writer = BackgroundWriter()
+        # What the last save cost the caller and the whole save (the benchmark reads them).
+        self.last_blocked_s = 0.0
+        self.last_save_s = 0.0
         if self.process_index == 0:
             delete_stale_temporaries(self.base_path)
             if commits_by_rename(self.base_path):
@@ -218,7 +231,14 @@ class Checkpointer:
     def path_for_step(self, step: int) -> str:
         return fs.join(self.base_path, f"step-{int(step)}")
 
+    @property
+    def writing(self) -> bool:
+        """Whether a background save is in flight."""
+        return self._writer.busy
+
     def latest_checkpoint(self) -> str | None:
+        """The latest complete checkpoint, counting the save in flight (waited for)."""
+        self._writer.wait()
         return discover_latest_checkpoint(self.base_path)
 
     @staticmethod
@@ -240,8 +260,10 @@ class Checkpointer:
         """Save ``tree`` (the state after ``step`` updates) if the policy says so; True if saved.
 
         Permanent at the ``keep`` steps and when ``force`` is set; temporary when ``save_interval`` has
-        passed since the last save. A step already saved is not saved again.
+        passed since the last save. A step already saved is not saved again. First raises the error of a
+        background save that failed since the last call.
         """
+        self._writer.raise_if_failed()
         step = int(step)
         permanent = force or _is_permanent_step(self.keep, step)
         if step == self._last_saved_step:
@@ -258,10 +280,17 @@ class Checkpointer:
         return True
 
     def save(self, tree: Any, step: int, *, is_temporary: bool = False) -> str:
-        """Save now, then delete the temporary checkpoints this one supersedes."""
+        """Save now, then delete the temporary checkpoints this one supersedes; returns the path.
+
+        Asynchronous: returns once the arrays are copied to host memory (after the save in flight, if
+        any, has finished); the write, the commit and the deletions follow in the background.
+        """
+        started = time.perf_counter()
+        self._writer.wait()  # one save in flight at a time: one host copy of the state, saves in order
         if self.before_save is not None:
             self.before_save()
         path = self.path_for_step(step)
+        prepared = None
         if is_complete(path):
             # Typically the checkpoint this attempt resumed from. Rewriting it would change nothing.
             logger.info("checkpoint %s already exists; not saving step %d again", path, step)
@@ -271,26 +300,32 @@ class Checkpointer:
                 self._make_permanent(path)
             is_temporary = self._is_temporary(path)
         else:
-            save_checkpoint(
-                tree,
-                step,
-                path,
-                is_temporary=is_temporary,
-                barrier=self._barrier,
-                metadata=self.metadata,
-                process_index=self.process_index,
-            )
+            prepared = prepare_save(tree, step, path, is_temporary=is_temporary, barrier=self._barrier,
+                                    metadata=self.metadata, process_index=self.process_index)
         self._last_save_time = self._clock()
         self._last_saved_step = step
-        if self.process_index == 0:
-            for old in self._retire:
-                if old != path and fs.isdir(old):
+        superseded = [old for old in self._retire if old != path] if self.process_index == 0 else []
+        self._retire = [path] if is_temporary else []
+
+        def write() -> None:
+            if prepared is not None:
+                prepared.commit()
+            for old in superseded:  # only once the new checkpoint is complete
+                if fs.isdir(old):
                     logger.info("deleting superseded temporary checkpoint %s", old)
                     remove_dir(old)
-        self._retire = [path] if is_temporary else []
+            self.last_save_s = time.perf_counter() - started
+
+        if self.asynchronous and prepared is not None:
+            prepared.copy_to_host()
+            self._writer.submit(write, f"save of the checkpoint of step {step} to {path}")
+        else:
+            write()
+        self.last_blocked_s = time.perf_counter() - started
         return path
 
     def _make_permanent(self, path: str) -> None:
+        self._writer.wait()  # the save of ``path`` may still be in flight
         if path in self._retire:
             self._retire.remove(path)
         if self.process_index != 0 or not self._is_temporary(path):
@@ -308,5 +343,5 @@ class Checkpointer:
             raise CheckpointSaveError(f"could not mark the checkpoint {path} permanent: {why}") from e
 
     def wait_until_finished(self) -> None:
-        """Block until pending saves are on disk. Saves are synchronous, so there is nothing to wait for."""
-        return None
+        """Block until the save in flight is committed; raise its error if it failed."""
+        self._writer.wait()

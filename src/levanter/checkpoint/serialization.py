@@ -41,8 +41,10 @@ the same step left, and a barrier keeps the others from writing before that is d
 in its process index (``process_index``, by default ``jax.process_index()``). On load each process
 reads only the slices its own devices need.
 
-Saving is synchronous: the caller waits for the data to reach disk. That keeps the multi-process
-story simple (barriers run on the main thread) at the price of a training pause per checkpoint.
+:func:`save_checkpoint` is synchronous: the caller waits for the data to reach storage. It is
+:func:`prepare_save` (checks and collectives, on the calling thread) followed by
+:meth:`PreparedSave.commit`; :class:`~levanter.checkpoint.Checkpointer` runs the commit in the background
+after :meth:`PreparedSave.copy_to_host` (:mod:`levanter.checkpoint.async_writer`).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ import tensorstore as ts
 from jax.experimental.array_serialization import serialization as jax_serialization
 
 from levanter.checkpoint.errors import CheckpointMismatchError, CheckpointSaveError, CorruptCheckpointError
+from levanter.checkpoint.host_copy import HostShards, host_copies, write_host_shards
 from levanter.checkpoint.layout import (
     CHECKPOINT_FORMAT_VERSION,
     METADATA_FILENAME,
@@ -85,7 +88,8 @@ from levanter.errors import is_out_of_space, out_of_space_error
 from levanter.utils import fs
 from levanter.utils.fault import fault_point
 
-__all__ = ["Barrier", "io_error_text", "load_checkpoint", "save_checkpoint", "write_leaf"]
+__all__ = ["Barrier", "PreparedSave", "io_error_text", "load_checkpoint", "prepare_save", "save_checkpoint",
+           "write_leaf"]
 
 logger = logging.getLogger(__name__)
 
@@ -311,6 +315,11 @@ async def write_leaf(root: str, item: _ToWrite, process_index: int) -> None:
     context = _ts_context(root)
     value = item.value
     multi = jax.process_count() > 1
+    if isinstance(value, HostShards):  # a device array copied to the host before a background save
+        chunk = _chunk_shape(value.shard_shape, value.dtype.itemsize)
+        spec = _write_spec(directory, value.shape, value.dtype, chunk)
+        await write_host_shards(value, spec, context, creates_metadata=jax.process_index() == 0)
+        return
     if isinstance(value, jax.Array) and not (multi and value.is_fully_addressable):
         shard_shape = value.sharding.shard_shape(value.shape)
         chunk = _chunk_shape(shard_shape, value.dtype.itemsize)
@@ -505,7 +514,23 @@ def save_checkpoint(
     ``process_index`` is this process's index (default ``jax.process_index()``): process 0 writes the
     host values and the metadata and commits the save.
     """
-    barrier = barrier or _no_barrier
+    return prepare_save(tree, step, checkpoint_path, metadata=metadata, is_temporary=is_temporary,
+                        barrier=barrier, process_index=process_index).commit()
+
+
+def prepare_save(
+    tree: Any,
+    step: int,
+    checkpoint_path: str,
+    *,
+    metadata: dict | None = None,
+    is_temporary: bool = False,
+    barrier: Barrier | None = None,
+    process_index: int | None = None,
+) -> "PreparedSave":
+    """The checks of :func:`save_checkpoint` (same arguments and errors), writing nothing: returns the
+    save, whose :meth:`PreparedSave.commit` writes it. Every collective a save needs besides ``barrier``
+    (the finite check, the shared token) runs here, on the calling thread."""
     process_index = jax.process_index() if process_index is None else process_index
     final = resolve_path(checkpoint_path)
     if isinstance(step, bool):
@@ -530,33 +555,54 @@ def save_checkpoint(
             f"{'holds' if len(bad) == 1 else 'hold'} NaN or infinite values. Nothing was written; the latest "
             "complete checkpoint is unchanged. Resume from it with a fixed config (learning rate, epsilon)."
         )
-    name = fs.basename(final)
-    token = _shared_token()
-    started = time.perf_counter()
-    commit = _commit_by_rename if commits_by_rename(final) else _commit_by_record
-    try:
-        commit(final, items, lambda: _metadata_doc(step, is_temporary, user_metadata, items), barrier, token,
-               process_index)
-    except Exception as e:
-        if is_out_of_space(e):
-            raise out_of_space_error(f"saving the checkpoint of step {step}", final) from e
-        what = io_error_text(e)
-        if what is not None:
-            raise CheckpointSaveError(
-                f"could not save the checkpoint of step {step} to {final}: {what}. Nothing was committed "
-                f"(the partial write was removed); free space or fix {fs.parent(final)}, then rerun to "
-                "resume from the latest complete checkpoint."
-            ) from e
-        raise
-    barrier(f"levanter_checkpoint_committed_{name}_{token}")
-    logger.info(
-        "saved checkpoint for step %d to %s (%d arrays, %.2fs)",
-        step,
-        final,
-        len(items),
-        time.perf_counter() - started,
-    )
-    return final
+    return PreparedSave(final, step, items, is_temporary, user_metadata, barrier or _no_barrier,
+                        _shared_token(), process_index)
+
+
+@dataclass
+class PreparedSave:
+    """A checked save, not yet written (:func:`prepare_save`)."""
+
+    path: str
+    step: int
+    items: list[_ToWrite]
+    is_temporary: bool
+    user_metadata: dict
+    barrier: Barrier
+    token: str
+    process_index: int
+
+    def copy_to_host(self) -> int:
+        """Replace the arrays to write by host copies (:mod:`levanter.checkpoint.host_copy`), so that the
+        caller may donate or change the tree's buffers before :meth:`commit`; returns the bytes copied."""
+        values = host_copies([it.value for it in self.items])
+        for it, value in zip(self.items, values):
+            it.value = value
+        return sum(v.nbytes for v in values)
+
+    def commit(self) -> str:
+        """Write the arrays, then commit (see :mod:`levanter.checkpoint.layout`); returns the path. Storage
+        errors are :class:`CheckpointSaveError` (a full disk :class:`~levanter.errors.OutOfSpaceError`)."""
+        final, step, started = self.path, self.step, time.perf_counter()
+        commit = _commit_by_rename if commits_by_rename(final) else _commit_by_record
+        try:
+            doc = lambda: _metadata_doc(step, self.is_temporary, self.user_metadata, self.items)  # noqa: E731
+            commit(final, self.items, doc, self.barrier, self.token, self.process_index)
+        except Exception as e:
+            if is_out_of_space(e):
+                raise out_of_space_error(f"saving the checkpoint of step {step}", final) from e
+            what = io_error_text(e)
+            if what is not None:
+                raise CheckpointSaveError(
+                    f"could not save the checkpoint of step {step} to {final}: {what}. Nothing was committed "
+                    f"(the partial write was removed); free space or fix {fs.parent(final)}, then rerun to "
+                    "resume from the latest complete checkpoint."
+                ) from e
+            raise
+        self.barrier(f"levanter_checkpoint_committed_{fs.basename(final)}_{self.token}")
+        logger.info("saved checkpoint for step %d to %s (%d arrays, %.2fs)", step, final, len(self.items),
+                    time.perf_counter() - started)
+        return final
 
 
 # ---------------------------------------------------------------------------------------------------
