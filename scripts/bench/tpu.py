@@ -91,11 +91,12 @@ def matmul_rate(n: int, repeats: int = 10) -> float:
     return 2.0 * n**3 / best
 
 
-def busiest_ops(trace_dir: str, top: int = 30) -> list:
-    """``[(name, total_ms, count)]`` of the device's operations in a Perfetto trace, busiest first."""
+def busiest_ops(trace_dir: str, top: int = 30) -> tuple:
+    """``([(name, total_ms, count)], module_ms)``: the device's operations in a Perfetto trace, busiest first,
+    and the summed time of the compiled programs it ran (the device's busy time; the rest is idle)."""
     paths = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
     if not paths:
-        return []
+        return [], 0.0
     with gzip.open(paths[0], "rt") as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
@@ -107,16 +108,20 @@ def busiest_ops(trace_dir: str, top: int = 30) -> list:
             tids[(e["pid"], e["tid"])] = e["args"]["name"]
     total = collections.defaultdict(float)
     count = collections.Counter()
+    module_ms = 0.0
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:
             continue
         proc = pids.get(e.get("pid"), "")
         thread = tids.get((e.get("pid"), e.get("tid")), "")
-        if "TPU:0" not in proc or "XLA Ops" not in thread:
+        if "TPU:0" not in proc:
             continue
-        total[e["name"]] += e["dur"] / 1000.0
-        count[e["name"]] += 1
-    return sorted(((k, v, count[k]) for k, v in total.items()), key=lambda r: -r[1])[:top]
+        if "XLA Modules" in thread:
+            module_ms += e["dur"] / 1000.0
+        if "XLA Ops" in thread:
+            total[e["name"]] += e["dur"] / 1000.0
+            count[e["name"]] += 1
+    return sorted(((k, v, count[k]) for k, v in total.items()), key=lambda r: -r[1])[:top], module_ms
 
 
 def child(args: argparse.Namespace, overrides: list) -> None:
@@ -180,14 +185,17 @@ def child(args: argparse.Namespace, overrides: list) -> None:
                 "mfu": flops_rate / peak if peak else None, "matmul_flops": rate,
                 "of_matmul": flops_rate / rate,
                 "peak_hbm_bytes": stats.get("peak_bytes_in_use"), "hbm_limit_bytes": stats.get("bytes_limit"),
+                "memory_stats": stats,
                 "data_wait": sum(r.get("data/wait_seconds", 0.0) for r in steady) / sum(step_s),
                 "loss_first": rows[0].get("train/loss"), "loss_last": steady[-1].get("train/loss"),
                 "compile_step_seconds": rows[0]["throughput/step_seconds"],
             }
             if args.profile:
+                ops, module_ms = busiest_ops(trace_dir)
                 result["busiest_ops"] = [
-                    {"op": k, "ms_per_step": round(v / 2, 3), "count_per_step": c // 2} for k, v, c in busiest_ops(trace_dir)
+                    {"op": k, "ms_per_step": round(v / 2, 3), "count_per_step": c // 2} for k, v, c in ops
                 ]
+                result["device_busy_ms_per_step"] = module_ms / 2
             print("RESULT " + json.dumps(result), flush=True)
             os._exit(0)
 
@@ -228,6 +236,8 @@ def print_rows(results: list) -> None:
     if rates:
         print(f"bf16 8192^3 matmul: {min(rates) / 1e12:.1f}-{max(rates) / 1e12:.1f} TFLOP/s (per process)")
     for r in results:
+        if "device_busy_ms_per_step" in r:
+            print(f"  {r['row']}: device busy {r['device_busy_ms_per_step']:.1f} ms of a {1e3 * r['step_seconds']:.1f} ms step")
         for op in r.get("busiest_ops", [])[:25]:
             print(f"  {r['row']}: {op['ms_per_step']:9.3f} ms x{op['count_per_step']:<4} {op['op'][:90]}")
 
