@@ -107,6 +107,13 @@ def open_debug_log(directory: str) -> Optional[str]:
     return path
 
 
+def open_command_debug_log(command: str, log_dir: str = "logs") -> Optional[str]:
+    """The debug log of a command that has no run of its own (``cache_dataset``, ``export_lm_to_hf``):
+    ``<log_dir>/<command>/debug.log``, appended to by every invocation (each record carries its process id).
+    None when console logging was not set up (the command called from Python)."""
+    return open_debug_log(os.path.join(log_dir, command))
+
+
 def _duration(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "?"
