@@ -73,6 +73,8 @@ def test_eval_lm_losses_and_bits_per_byte_equal_an_independent_computation(origi
     got = eval_lm.main(ecfg)
     out = capsys.readouterr().out
     assert "micro average" in out and "macro average" in out and "prose" in out
+    # it says where the metrics went
+    assert f"metrics of run origin-eval at step 2:\n  json metrics: {tmp / 'logs' / 'origin-eval' / 'metrics.jsonl'}" in out
 
     path = str(run_dir / "step-2")
     model = model_from(cfg, path)
@@ -219,3 +221,25 @@ def test_a_branch_run_records_its_origin_and_resumes_from_its_own_checkpoints(or
     assert [r["step"] for r in rows if "train/loss" in r] == [0, 1, 2]
     meta = read_checkpoint_metadata(str(tmp / "ckpt" / "wbranch" / "step-3"))["metadata"]
     assert meta["initialized_from"]["path"] == origin_step
+
+
+@pytest.mark.parametrize("name", ["gpt2_nano.yaml", "llama_nano.yaml", "gpt2_nano_curriculum.yaml"])
+def test_the_shipped_nano_configs_evaluate_every_validation_source(name, tmp_path):
+    """An eval reads the first ``trainer.max_eval_batches`` batches of each validation source, in file order,
+    so a source of several validation files would leave the later ones unread (the README job once read
+    only the prose file of its two). The nano configs give each validation file a source of its own, and
+    every source gets its batches: both the prose and the code split are evaluated and reported."""
+    from levanter.config import parse_config
+    from levanter.eval import make_evaluator
+    from levanter.trainer import Trainer
+
+    repo = Path(__file__).resolve().parent.parent
+    cfg = parse_config(train_lm.TrainLmConfig, str(repo / "config" / name))
+    sources = getattr(cfg.data, "configs", None) or {"": cfg.data}
+    assert all(len(s.validation_urls) == 1 for s in sources.values()), sources
+    data = dataclasses.replace(cfg.data, cache_dir=str(tmp_path / "cache"))
+    sets = data.validation_sets(cfg.model.seq_len)
+    evaluator = make_evaluator(Trainer(cfg.trainer, None, None), data, sets, data.the_tokenizer(), 257, cfg.model.Pos)
+    assert [es.name for es in evaluator.eval_sets] == ["prose", "code"]
+    for es in evaluator.eval_sets:  # each source holds its max_eval_batches batches
+        assert asyncio.run(es.dataset.async_len()) >= cfg.trainer.max_eval_batches * cfg.trainer.eval_batch_size

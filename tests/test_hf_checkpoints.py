@@ -10,7 +10,10 @@ export -> import is bit-identical. One short training run serves several asserti
 from __future__ import annotations
 
 import json
+import logging
 import os
+import subprocess
+import sys
 import time
 
 import jax
@@ -21,6 +24,8 @@ import haliax as hax
 
 from levanter.compat import load_hf_checkpoint, load_hf_config, save_hf_checkpoint
 from levanter.models import Gpt2Config, LlamaConfig
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -193,8 +198,15 @@ def trained(hf_dirs, tmp_path_factory):
         hf_save_steps=2,
         prefetch_depth=2,
     )
-    summary = train_lm.main(config)
-    return tmp, summary
+    records = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("levanter").addHandler(handler)
+    try:
+        summary = train_lm.main(config)
+    finally:
+        logging.getLogger("levanter").removeHandler(handler)
+    return tmp, {**summary, "log": records}
 
 
 @pytest.mark.slow
@@ -204,6 +216,9 @@ def test_training_starts_from_the_hf_weights_and_exports_what_it_trained(trained
 
     tmp, summary = trained
     assert summary["final_step"] == 3
+    # it says what it loaded, as initialize_from_checkpoint_path does
+    hf_dir = hf_dirs["llama-gqa-untied"][0]
+    assert f"loaded the weights of Hugging Face checkpoint {hf_dir} (the optimizer starts fresh)" in summary["log"]
     exports = tmp / "hf-out" / "hf"
     assert sorted(p.name for p in exports.iterdir()) == ["step-2", "step-3"]
     _, start = imported["llama-gqa-untied"]
@@ -223,6 +238,16 @@ def test_training_starts_from_the_hf_weights_and_exports_what_it_trained(trained
     assert record["initialized_from"] == {"hf_checkpoint": hf_dirs["llama-gqa-untied"][0]}
     export_lm_to_hf.cli(["--checkpoint_path", str(tmp / "ckpt" / "hf"), "--output_dir", str(tmp_path / "x")])
     _, again = load_hf_checkpoint(str(tmp_path / "x"))
+    # From the command line: levanter's lines on the console, every record in logs/export_lm_to_hf/debug.log.
+    from test_command_logs import check_console_and_debug_log
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([sys.executable, "-m", "levanter.main.export_lm_to_hf", "--checkpoint_path",
+                        str(tmp / "ckpt" / "hf"), "--output_dir", "y"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "y" / "model.safetensors").read_bytes() == (tmp_path / "x" / "model.safetensors").read_bytes()
+    check_console_and_debug_log(r.stderr, r.stdout, tmp_path / "logs" / "export_lm_to_hf" / "debug.log")
     for a, b in zip(jax.tree.leaves(step3), jax.tree.leaves(again)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
     assert (tmp_path / "x" / "model.safetensors").read_bytes() == (exports / "step-3" / "model.safetensors").read_bytes()

@@ -102,6 +102,27 @@ def test_non_terminal_stdout_gets_lines_at_the_interval():
     assert "data wait 1.0 ms/step" in lines[1]
 
 
+def test_the_eta_leaves_out_the_first_steps_compile():
+    """The first step of a process includes its compile (here 60 s against 0.5 s for the others): its line
+    gives no ETA at that pace, and later lines estimate from the steps after it."""
+    out, err = io.StringIO(), io.StringIO()
+    p = progress.RunProgress(240, 0, interval_s=0, out=out, err=err)
+    p.step(0, 5.0, 100, 60.0, 0.0)
+    p.step(1, 4.9, 100, 0.5, 0.0)
+    p.step(2, 4.8, 100, 0.5, 0.0)
+    first, second, third = out.getvalue().splitlines()
+    assert first.endswith("| ETA after step 2"), first
+    assert second.endswith("| ETA 1m59s"), second  # 238 steps left at 0.5 s
+    assert third.endswith("| ETA 1m58s"), third
+    # a resumed process: its first step's line names the step after it
+    out = io.StringIO()
+    p = progress.RunProgress(240, 100, interval_s=0, out=out, err=err)
+    p.step(100, 3.0, 100, 60.0, 0.0)
+    p.step(239, 3.0, 100, 0.5, 0.0)
+    lines = out.getvalue().splitlines()
+    assert lines[0].endswith("| ETA after step 102") and lines[1].endswith("| ETA 0s"), lines
+
+
 def test_console_filter_keeps_library_info_out():
     f = progress._ConsoleFilter()
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""The benchmark suite: every performance figure of issue 7, side by side in one run, as tables + JSON.
+"""The benchmark suite: every figure of docs/performance.md, ours and upstream's side by side in one run,
+as tables + JSON.
 
     .venv/bin/python scripts/bench/run_all.py --quick --json bench.json     # < 2 minutes on 2 cores
     .venv/bin/python scripts/bench/run_all.py --json bench.json             # more repeats and steps
@@ -15,8 +16,8 @@ Sections (each figure is the median over repeats, shown with min and max; ratios
 2. **Time to first batch** at steps 0, 1e3, 1e6, 1e9 (fresh dataset + loader, warm process), and the
    first loader of a fresh process ("cold"), for both sides.
 3. **Stalls** -- 1,000 steps at a fixed step time (the host sleeps as it would while an accelerator
-   computes): data-wait p50 / p99 / max, and the waits > 0.5 s as in Marin issue 7474 (count, first and
-   last spike step, total wait).
+   computes): data-wait p50 / p99 / max, and the waits > 0.5 s, the stalls reported of upstream's loader (count,
+   first and last spike step, total wait).
 4. **Memory** -- resident memory growth of a fresh process iterating the loader, for a cache and one
    10x larger, from step 0 and from step 1e6, against prefetch depth x batch bytes.
 5. **Training** -- ``config/gpt2_nano.yaml`` for N steps through ``python -m levanter.main.train_lm`` (fresh

@@ -24,8 +24,8 @@ Reported per repeat (and over all repeats), from the subprocess and ``<log_dir>/
 * **loss** at the first and the last step.
 
 **Upstream comparison** (``--upstream-venv PATH``, a venv made by ``scripts/bench/setup_upstream_venv.sh``):
-the same model and data through upstream Levanter 1.2.dev1644 (jax 0.7.2), offline. Only gpt2 configs with
-a single data source are mirrored: model ``hidden_dim / num_heads / num_layers / seq_len`` (gradient
+the same model and data through upstream Levanter 1.2.dev1644 (jax 0.7.2), offline. Only gpt2 configs are
+mirrored, a mixture's sources as one source (their train_urls in order: the same tokens, another order): model ``hidden_dim / num_heads / num_layers / seq_len`` (gradient
 checkpointing off, as ours), ``train_batch_size``, ``mp``, ``steps_per_eval``, ``max_eval_batches``,
 ``per_device_parallelism`` (gradient accumulation) and the
 optimizer block are copied from our (overridden) config; embedded URLs are materialised as jsonl with
@@ -39,7 +39,7 @@ Its per-step metrics are parsed from the json_logger lines in its log. Upstream'
 ``duration + throughput/loading_time + throughput/hook_time`` (the table shows the duration-only median
 too). Upstream's own behaviour is kept: it also evaluates after step 0 (``step % steps_per_eval == 0``)
 and starts a local Ray to build a fresh cache. Ratios are ours / upstream of the medians over repeats
-(issue-7 goals: steady step <= 0.6x, end-to-end <= 0.5x; reported, not enforced).
+(goals: steady step <= 0.6x, end-to-end <= 0.5x; reported, not enforced).
 
 ``--warm-cache`` builds the token cache(s) once, untimed, and copies them into every repeat's directory,
 so the end-to-end time excludes the cache build (for both sides).
@@ -261,12 +261,20 @@ def upstream_config(cfg: dict, workdir: str, steps: int, data: dict, prep: dict,
     }
 
 
+def data_urls(data: dict, key: str) -> list:
+    """``data[key]`` of a single source; for a mixture, every source's ``key`` in source order (the upstream
+    mirror trains on their union as one source: the same tokens and model, another data order)."""
+    if "configs" in data:
+        return [u for c in data["configs"].values() for u in (c or {}).get(key) or []]
+    return list(data.get(key) or [])
+
+
 def upstream_unsupported(cfg: dict) -> Optional[str]:
     model, data = cfg.get("model", {}), cfg.get("data", {})
     if model.get("type") != "gpt2":
         return f"model.type is {model.get('type')!r}; the upstream mirror handles gpt2 only"
-    if "train_urls" not in data or "configs" in data or "components" in data:
-        return "the upstream mirror handles single-source data configs (data.train_urls) only"
+    if not data_urls(data, "train_urls") or "components" in data:
+        return "the upstream mirror handles data configs of train_urls (one source, or a mixture's union) only"
     if data.get("tokenizer", "byte") != "byte":
         tok = data.get("tokenizer")
         return f"data.tokenizer is {tok!r}; the upstream mirror handles the byte tokenizer only"
@@ -439,7 +447,7 @@ def prepare_upstream(cfg: dict, args, prep_dir: str) -> tuple[dict, dict]:
     data = {}
     for split, key in (("train", "train_urls"), ("validation", "validation_urls")):
         paths = []
-        for url in cfg["data"].get(key) or []:
+        for url in data_urls(cfg["data"], key):
             if is_embedded_url(url):
                 name, which = parse_embedded_url(url)
                 paths.append(materialize(name, which, os.path.join(prep_dir, "data")))

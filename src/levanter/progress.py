@@ -8,8 +8,10 @@ Two kinds of output, chosen per stream:
   and the bar is closed exactly once.
 * Elsewhere (a file, a pipe, a batch job's log), a bar would print nothing useful until it ends, so a
   plain line is printed to stdout every ``trainer.progress_interval`` (and for the first and last step):
-  ``step 120/300 loss 2.4312 | 23,456 tok/s | data wait 0.4 ms/step | ETA 1m12s``. When stdout is not a
-  terminal these lines are printed even if a bar is shown on stderr (``train_lm ... > run.log``).
+  ``step 120/300 loss 2.4312 | 23,456 tok/s | data wait 0.4 ms/step | ETA 1m12s``. The ETA is the
+  remaining steps at the pace since the previous line, which never includes the process's first step (its
+  compile); the first step's line says ``ETA after step 2`` instead. When stdout is not a terminal these
+  lines are printed even if a bar is shown on stderr (``train_lm ... > run.log``).
 
 Whatever the output, every evaluation's losses (``eval/...`` metrics, one line) and an end-of-run summary
 (steps, final train loss, last eval losses, wall time, tokens/s, where metrics and checkpoints went) are
@@ -103,6 +105,13 @@ def open_debug_log(directory: str) -> Optional[str]:
         handler.handle(record)
     root.addHandler(handler)
     return path
+
+
+def open_command_debug_log(command: str, log_dir: str = "logs") -> Optional[str]:
+    """The debug log of a command that has no run of its own (``cache_dataset``, ``export_lm_to_hf``):
+    ``<log_dir>/<command>/debug.log``, appended to by every invocation (each record carries its process id).
+    None when console logging was not set up (the command called from Python)."""
+    return open_debug_log(os.path.join(log_dir, command))
 
 
 def _duration(seconds: float) -> str:
@@ -213,10 +222,17 @@ class RunProgress:
         self._t_last_line = now
         tok_s = self._tokens / max(self._seconds, 1e-9)
         step_s = self._seconds / max(self._steps, 1)
-        eta = (self.total - done) * step_s
+        if done >= self.total:
+            eta = "ETA 0s"
+        elif self.steps_done == 1:
+            # the process's first step includes compiling it: an ETA at its pace would be many times too long
+            eta = f"ETA after step {done + 1}"
+        else:
+            # the window since the previous line, which is never the first step (that one always has a line)
+            eta = f"ETA {_duration((self.total - done) * step_s)}"
         self._print(
             f"step {done}/{self.total} loss {loss:.4f} | {tok_s:,.0f} tok/s | {step_s:.3f} s/step | "
-            f"data wait {1000 * self._wait / max(self._steps, 1):.1f} ms/step | ETA {_duration(eta)}"
+            f"data wait {1000 * self._wait / max(self._steps, 1):.1f} ms/step | {eta}"
         )
         self._steps, self._tokens, self._seconds, self._wait = 0, 0, 0.0, 0.0
 

@@ -4,7 +4,9 @@ A checkpoint at step ``k`` records everything that determines the data (sources 
 contents, stages, batch sizes, seeds, sequence length, shuffling, block size). On resume the current
 config's record is compared with it: an edit that changes the data of some step ``< k`` would make the
 resumed run's past disagree with what the checkpointed model actually saw, so it is refused with the
-first differing step and what changed; edits that only touch steps ``>= k`` are accepted and logged.
+first step at which the two schedules differ (a stage or batch-size segment start, the first step of a
+stage drawing a changed source, or 0 for the global settings) and what changed; edits that only touch
+steps ``>= k`` are accepted and logged.
 
 The comparison relies on the mixture's layout rule: data before a stage switch never depends on where
 (or whether) a later switch happens, so the first differing step is where the effective stage, the

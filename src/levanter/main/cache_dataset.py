@@ -21,6 +21,7 @@ from ..config import ConfigError, describe_error, load_yaml, split_config_path
 from ..config_doc import EntryPoint, format_help
 from ..data.config import DataConfig, LMMixtureDatasetConfig
 from ..errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError
+from ..progress import open_command_debug_log, setup_console_logging
 from ..utils import fs
 
 logger = logging.getLogger(__name__)
@@ -132,7 +133,10 @@ def cli(argv: Sequence[str] | None = None) -> None:
         if path is None:
             raise ConfigError("--config_path is required: give a train_lm or data-only config (YAML)")
         config = load_data_config(path, rest)
+        debug_log = open_command_debug_log("cache_dataset")
         main(config)
+        if debug_log is not None:
+            print(f"debug log: {debug_log}")
     except OutOfSpaceError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(OUT_OF_SPACE_EXIT_CODE) from None
@@ -142,5 +146,5 @@ def cli(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO)
+    setup_console_logging()  # levanter's INFO on the console; everything, third parties' too, in the debug log
     cli()

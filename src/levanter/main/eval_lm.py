@@ -12,7 +12,9 @@ first ``trainer.max_eval_batches`` batches of each source (all of them when null
 ``trainer.per_device_eval_parallelism`` x data-parallel devices (else the first training batch size). The
 batches are the same for any number of processes. It prints a table and writes the metrics to the
 configured trackers under the run ``<trainer.id>-eval`` (appended to, one record per evaluation, at the
-checkpoint's step; 0 for a Hugging Face checkpoint). ``main(config)`` returns the metrics.
+checkpoint's step; 0 for a Hugging Face checkpoint), and says where they went. Run from the command line,
+it keeps a debug log of every record (third-party libraries' too) in ``<trainer.log_dir>/<trainer.id>-eval``.
+``main(config)`` returns the metrics.
 
 Bad input (no checkpoint named, both named, a path without a complete checkpoint, a checkpoint that does
 not fit ``model``, data without validation sources) prints one ``error:`` paragraph and exits with status 2.
@@ -47,7 +49,9 @@ def main(config: EvalLmConfig) -> dict:
     import optax
 
     from levanter.eval import check_eval_set_sizes, format_table, make_evaluator
-    from levanter.tracker import NoopTracker, init_trackers
+    from levanter.progress import DEBUG_LOG_NAME, open_debug_log
+    from levanter.tracker import NoopTracker, init_trackers, metrics_destinations
+    from levanter.utils import fs
     from levanter.trainer import Trainer, resolve_checkpoint
 
     tcfg = config.trainer
@@ -72,6 +76,8 @@ def main(config: EvalLmConfig) -> dict:
     if not sets:
         raise ValueError("data has no validation_urls: there is nothing to evaluate on")
     check_eval_set_sizes(sets, tcfg, config.model.seq_len)
+    # the console shows levanter's INFO; the debug log of the run <id>-eval keeps every record, third parties' too
+    opened_debug_log = jax.process_index() == 0 and open_debug_log(fs.join(tcfg.log_dir, f"{tcfg.run_id()}-eval"))
 
     def loss_fn(model, batch):  # never called: the evaluator computes its own sums
         raise NotImplementedError
@@ -99,16 +105,23 @@ def main(config: EvalLmConfig) -> dict:
     evaluator = make_evaluator(trainer, config.data, sets, tokenizer, vocab_size, config.model.Pos)
     result = evaluator.evaluate(model)
     metrics = result.metrics()
+    run_id = f"{tcfg.run_id()}-eval"
     if jax.process_index() == 0:
         print(f"{where} (step {step})")
         print(format_table(result), flush=True)
-        tracker = init_trackers(tcfg.trackers(), f"{tcfg.run_id()}-eval", tcfg.log_dir)
+        tracker = init_trackers(tcfg.trackers(), run_id, tcfg.log_dir)
     else:
         tracker = NoopTracker()
     try:
         tracker.log(metrics, step=step)
     finally:
         tracker.finish()
+    if jax.process_index() == 0:
+        lines = metrics_destinations(tcfg.trackers(), run_id, tcfg.log_dir)
+        debug_log = fs.join(tcfg.log_dir, run_id, DEBUG_LOG_NAME)
+        if opened_debug_log:
+            lines.append(f"debug log: {debug_log}")
+        print(f"metrics of run {run_id} at step {step}:" + "".join(f"\n  {line}" for line in lines), flush=True)
     return metrics
 
 
@@ -128,6 +141,7 @@ def cli(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("levanter").setLevel(logging.INFO)
+    from levanter.progress import setup_console_logging
+
+    setup_console_logging()  # levanter's INFO on the console; every record in the run's debug log
     cli()

@@ -30,6 +30,7 @@ from levanter.checkpoint import CheckpointMismatchError, CorruptCheckpointError,
 from levanter.compat.export_guard import check_export_dir
 from levanter.config import ConfigError, parse_config, split_config_path
 from levanter.models import LmConfig
+from levanter.progress import open_command_debug_log, setup_console_logging
 from levanter.utils import fs
 
 logger = logging.getLogger(__name__)
@@ -145,12 +146,15 @@ def cli(argv: Optional[Sequence[str]] = None) -> None:
     try:
         path, rest = split_config_path(argv)
         config = parse_config(ExportLmConfig, path, rest)
+        debug_log = open_command_debug_log("export_lm_to_hf")
         main(config)
+        if debug_log is not None:
+            print(f"debug log: {debug_log}")
     except (ConfigError, ValueError, FileNotFoundError, CorruptCheckpointError) as e:
         print(f"error: {fs.redact(str(e))}", file=sys.stderr)
         raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_console_logging()  # levanter's INFO on the console; everything, third parties' too, in the debug log
     cli()

@@ -79,7 +79,7 @@ from levanter.lm_config import with_hf_model
 from levanter.tracker.lineage import check_log_lineage, record_log_lineage
 from levanter.memory_plan import FLAG_HELP, format_plan, make_plan, split_plan_args
 from levanter.progress import RunProgress, open_debug_log, setup_console_logging
-from levanter.tracker import JsonConfig, TrackerError, WandbConfig
+from levanter.tracker import TrackerError, metrics_destinations
 from levanter.utils import fs
 from levanter.trainer import (
     DataEndedError,
@@ -406,6 +406,8 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
             from levanter.compat import load_hf_weights
 
             state = eqx.tree_at(lambda s: s.model, state, load_hf_weights(state.model, hf_init_path(config)))
+            logger.info("loaded the weights of Hugging Face checkpoint %s (the optimizer starts fresh)",
+                        hf_init_path(config))
             origin = {"hf_checkpoint": hf_init_path(config)}
     if start_step >= tcfg.num_train_steps:  # e.g. trainer.load_checkpoint_path past the end
         say_finished(tcfg, run_id, start_step, restored_from)
@@ -501,16 +503,7 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
 
 def _where(tcfg: TrainerConfig, run_id: str, checkpointer) -> list:
     """Lines of the run summary saying where its metrics, checkpoints and debug log went."""
-    out = []
-    for c in tcfg.trackers():
-        for _, path in c.local_dirs(run_id, tcfg.log_dir):
-            if isinstance(c, JsonConfig):
-                path = fs.join(path, "metrics.jsonl")
-            out.append(f"{type(c).__name__.removesuffix('Config').lower()} metrics: {path}")
-        if isinstance(c, WandbConfig):
-            local = c.dir or c.log_dir or os.environ.get("WANDB_DIR") or tcfg.log_dir
-            out.append(f"wandb metrics: run {c.id or run_id} of project {c.project} (local files under "
-                       f"{fs.join(local, 'wandb')})")
+    out = metrics_destinations(tcfg.trackers(), run_id, tcfg.log_dir)
     out.append(f"checkpoints: {getattr(checkpointer, 'base_path', tcfg.checkpointer.expanded_path(run_id))}")
     log = fs.join(tcfg.log_dir, run_id, "debug.log")
     if not fs.is_url(log) and os.path.exists(log):
