@@ -42,6 +42,8 @@ import draccus
 import fsspec
 import yaml
 
+from .cli_args import join_dash_values, suggest_key
+
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
@@ -90,6 +92,8 @@ def parse_timedelta(value: Any) -> datetime.timedelta:
         return datetime.timedelta(seconds=value)
     if isinstance(value, str):
         text = value.strip()
+        if text.startswith("-"):
+            raise ValueError(f"a duration must not be negative, got {value!r}: use e.g. '30s', '15m' or '1h'")
         seconds, pos = 0.0, 0
         while pos < len(text):
             m = _DURATION_PART.match(text, pos)
@@ -282,7 +286,7 @@ def parse_config(
     ``section``: the file holds only that section of the config (a data-only file read as ``data``);
     ``extra``: keys set besides the file's (``{"trainer": {"num_train_steps": 100}}``), under the
     command-line overrides."""
-    args = list(args)
+    args = join_dash_values(args)
     if "--help" in args or "-h" in args:
         _print_help_for(config_class)
         raise SystemExit(0)
@@ -332,13 +336,13 @@ def _argparse_error(text: str) -> str:
     errors = [line.split(": error: ", 1)[1] for line in text.splitlines() if ": error: " in line]
     message = errors[-1] if errors else "invalid arguments"
     if message.startswith("unrecognized arguments:"):
-        known = set(re.findall(r"\[(--[\w.]+)", text))
+        known = {k[2:] for k in re.findall(r"\[(--[\w.]+)", text)}
         hints = []
         for arg in message.split(":", 1)[1].split():
             if arg.startswith("--"):
-                close = difflib.get_close_matches(arg.split("=", 1)[0], known, n=1)
+                close = suggest_key(arg[2:].split("=", 1)[0], known)
                 if close:
-                    hints.append(close[0])
+                    hints.append(f"--{close}")
         message += " (not config keys"
         message += f"; did you mean {', '.join(hints)}?)" if hints else ")"
     return message
