@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import draccus
 
 from ..cli_args import join_dash_values, key_is_known, suggest_key
-from ..config import ConfigError, describe_error, load_yaml, split_config_path
+from ..config import ConfigError, describe_error, load_yaml_origins, split_config_path
 from ..config_doc import EntryPoint, all_fields, format_help
 from ..data.config import DataConfig, LMMixtureDatasetConfig
 from ..errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError
@@ -133,7 +133,7 @@ def _check_keys(args: Sequence[str], config_path: str, whole: bool) -> None:
 
 
 def load_data_config(config_path: str, args: Sequence[str] = ()) -> DataConfig:
-    raw = load_yaml(config_path)
+    raw, origins = load_yaml_origins(config_path)
     whole = "data" in raw
     args = _expand_shorthands(join_dash_values(args), "data" if whole else "")
     _check_keys(args, config_path, whole)
@@ -143,7 +143,8 @@ def load_data_config(config_path: str, args: Sequence[str] = ()) -> DataConfig:
         return draccus.decode(DataConfig, section)
     except draccus.utils.ParsingError as e:
         where = ("data",) if whole else ()
-        message = describe_error(e, DataConfig, section, source=config_path, args=args, prefix=where)
+        message = describe_error(e, DataConfig, section, source=config_path, args=args, prefix=where,
+                                 origins=origins)
         raise ConfigError(message) from None
 
 
