@@ -47,7 +47,8 @@ def data_only(tmp: Path, cache: str = "cache") -> Path:
 
 # -- Ray ------------------------------------------------------------------------------------------------------
 def test_ray_local_start_fails(tmp_path):
-    """``RAY_TMPDIR`` under a regular file: Ray cannot create its session directory, for real."""
+    """``ray-local-start-fails``: ``RAY_TMPDIR`` under a regular file, so Ray cannot create its session
+    directory, for real."""
     pytest.importorskip("ray")
     cfg = data_only(tmp_path)
     (tmp_path / "afile").write_text("x")
@@ -59,9 +60,9 @@ def test_ray_local_start_fails(tmp_path):
     assert str(tmp_path / "afile") in message and "cache_options.backend: process" in message, message
 
 
-def test_ray_address_refuses_connections(tmp_path):
-    """``--ray_address`` at a closed port of this machine: refused at once, not after Ray's minutes of
-    retries."""
+def test_ray_address_refuses(tmp_path):
+    """``ray-address-refuses``: ``--ray_address`` at a closed port of this machine, refused at once, not
+    after Ray's minutes of retries."""
     pytest.importorskip("ray")
     cfg = data_only(tmp_path)
     with socket.socket() as s:
@@ -98,8 +99,9 @@ def full_debug_log(logs: Path) -> None:
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_debug_log_on_a_full_disk_prints_only_the_error(tmp_path):
-    """A bad input line found while building the cache, with the debug log's disk full: only the
-    ``error:`` of the bad line, not logging's "--- Logging error ---" traceback for every record."""
+    """``debug-log-disk-full``: a bad input line found while building the cache, with the debug log's disk
+    full: only the ``error:`` of the bad line, not logging's "--- Logging error ---" traceback for every
+    record."""
     data = tmp_path / "data.jsonl"
     data.write_text('{"text": "a"}\n{"text": broken\n')
     full_debug_log(tmp_path / "logs")
@@ -123,8 +125,9 @@ def _tmpfs_shell() -> list | None:
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_disk_full_during_a_build_prints_only_the_exit_74_message(tmp_path):
-    """A cache build into a real 1 MiB tmpfs that fills up, twice (the race was one run in two), with
-    the debug log on a full disk too: exit 74 and the one out-of-space message, no traceback."""
+    """``debug-log-disk-full``: a cache build into a real 1 MiB tmpfs that fills up, twice (the traceback
+    came in one run out of two), with the debug log on a full disk too: exit 74 and the one out-of-space
+    message, no traceback."""
     shell = _tmpfs_shell()
     if shell is None:
         pytest.skip("cannot mount a tmpfs here (no unprivileged user namespaces)")

@@ -91,9 +91,9 @@ def validate(config: TrainLmConfig):
         raise ValueError(f"prefetch_depth must be >= 0, got {config.prefetch_depth}")
     if not (math.isfinite(config.z_loss_weight) and 0 <= config.z_loss_weight <= Z_LOSS_WEIGHT_MAX):
         raise ValueError(
-            f"z_loss_weight must be in [0, {Z_LOSS_WEIGHT_MAX:g}] (1e-4 is usual), got {config.z_loss_weight}: the "
-            "z-loss adds z_loss_weight x logsumexp(logits)^2 per position, so a larger weight swamps the "
-            "next-token loss (and overflows float32 gradients at step 0)"
+            f"z_loss_weight must be a finite number in [0, {Z_LOSS_WEIGHT_MAX:g}] (1e-4 is usual), got "
+            f"{config.z_loss_weight}: the z-loss adds z_loss_weight x logsumexp(logits)^2 per position, so a "
+            "larger weight swamps the next-token loss (and overflows float32 gradients at step 0)"
         )
     if config.data_seed is not None and not 0 <= config.data_seed < SEED_LIMIT:
         raise ValueError(
