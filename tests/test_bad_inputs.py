@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from levanter.main import cache_dataset, data_schedule, export_lm_to_hf, train_lm
-from levanter.main import eval_lm
+from levanter.main import eval_lm, train_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "reference" / "errors.md"
@@ -843,6 +843,67 @@ CASES: list[Case] = [
          ["--vocab_size", "--dry_run"], args=["--vocab_size", "50000"]),
 ]
 
+# -- keys a command does not read, values argparse misreads, included files, value ranges ----------------
+INCLUDED_MODEL = "type: gpt2\nhidden_dimm: 32\nnum_heads: 4\nnum_layers: 1\nseq_len: 32\n"
+CLI_CASES = [
+    Case("cache-dataset-unknown-flag", "command line", "`cache_dataset --no_such_flag 1` (was ignored, exit 0)", 2,
+         ["command line: cache_dataset does not read --no_such_flag 1", "--data.KEY"], entry="cache_dataset",
+         args=["--no_such_flag", "1"]),
+    Case("cache-dataset-data-key-without-section", "command line",
+         "`cache_dataset` over a train_lm config with data keys given without `data.` (were ignored)", 2,
+         ["--cache_options.backend ray --tokenizer gpt2 --cache_dir $TMP/c",
+          "did you mean --data.cache_options.backend, --data.tokenizer, --data.cache_dir?"], entry="cache_dataset",
+         args=["--cache_options.backend", "ray", "--tokenizer", "gpt2", "--cache_dir", "$TMP/c"]),
+    Case("cache-dataset-data-only-with-section", "command line",
+         "`cache_dataset` over a data-only config with `--data.cache_dir`", 2,
+         ["--data.cache_dir $TMP/c", "data-only config", "did you mean --cache_dir?"], entry="cache_dataset",
+         yaml='train_urls: ["embedded://python-docs/validation"]\ntokenizer: byte\ncache_dir: $TMP/cache\n',
+         args=["--data.cache_dir", "$TMP/c"]),
+    Case("unknown-flag-nested-key", "command line", "`train_lm --save_interval 5m` (a key without its sections)", 2,
+         ["unrecognized arguments: --save_interval 5m", "did you mean --trainer.checkpointer.save_interval?"],
+         args=["--save_interval", "5m"]),
+    Case("eval-lm-unknown-flag", "command line", "`eval_lm --max_eval_batches 3`", 2,
+         ["--max_eval_batches 3", "did you mean --trainer.max_eval_batches?"], entry="eval_lm",
+         args=["--max_eval_batches", "3"]),
+    Case("export-unknown-flag", "command line", "`export_lm_to_hf --hidden_dim 32`", 2,
+         ["--hidden_dim 32", "did you mean --model.hidden_dim?"], entry="export_lm_to_hf", yaml=None,
+         config_path=None, args=["--checkpoint_path", "$TMP", "--hidden_dim", "32"]),
+    Case("train-tokenizer-unknown-flag", "command line", "`train_tokenizer --vocab 1000`", 2,
+         ["--vocab 1000", "did you mean --vocab_size?"], entry="train_tokenizer", yaml=None, config_path=None,
+         args=["--vocab", "1000"]),
+    Case("data-schedule-unknown-flag", "command line", "`data_schedule --cache_options.backend ray`", 2,
+         ["--cache_options.backend ray", "did you mean --data.cache_options.backend?"], entry="data_schedule",
+         args=["--cache_options.backend", "ray"]),
+    Case("save-interval-negative", "command line", "`--trainer.checkpointer.save_interval -5s` (was \"expected one "
+         "argument\")", 2, ["command line: --trainer.checkpointer.save_interval -5s", "must not be negative"],
+         args=["--trainer.checkpointer.save_interval", "-5s"]),
+    Case("save-interval-negative-equals", "command line", "`--trainer.checkpointer.save_interval=-5s`", 2,
+         ["command line: --trainer.checkpointer.save_interval -5s", "must not be negative"],
+         args=["--trainer.checkpointer.save_interval=-5s"]),
+    Case("save-interval-negative-yaml", "command line", "`save_interval: -5s` in the file", 2,
+         ["$TMP/config.yaml", "`trainer.checkpointer.save_interval`", "must not be negative", "'-5s'"],
+         yaml=edit(BASE, "checkpointer: {", "checkpointer: {save_interval: -5s, ")),
+    Case("brace-single-alternative", "command line", "`train_urls: [v{1}.jsonl]` (was reported as a missing v1.jsonl)",
+         2, ["data.train_urls: file not found: '$TMP/v{1}.jsonl'"], yaml=files_data('["$TMP/v{1}.jsonl"]'),
+         setup=write_files({"v2.jsonl": GOOD_JSONL})),
+    Case("brace-expansion-missing", "command line", "`train_urls: [v{1,2}.jsonl]` without v1.jsonl", 2,
+         ["file not found: '$TMP/v1.jsonl' (expanded from '$TMP/v{1,2}.jsonl')"], yaml=files_data('["$TMP/v{1,2}.jsonl"]'),
+         setup=write_files({"v2.jsonl": GOOD_JSONL})),
+    Case("include-typo", "command line", "a typo in a file the config `!include`s (was blamed on the config)", 2,
+         ["$TMP/model.yaml, line 2 (included from $TMP/config.yaml)", "unknown key `hidden_dimm`",
+          "did you mean `hidden_dim`?"], yaml=edit(BASE, REST.splitlines()[0], "model: !include model.yaml"),
+         setup=write_files({"model.yaml": INCLUDED_MODEL})),
+    Case("z-loss-huge", "command line", "`z_loss_weight: 1e30` (was an infinite gradient at step 0)", 2,
+         ["z_loss_weight", "[0, 1]", "1e+30"], args=["--z_loss_weight", "1e30"]),
+    Case("layer-norm-epsilon-negative", "command line", "`model.layer_norm_epsilon: -1` (was a NaN loss at step 0)",
+         2, ["--model.layer_norm_epsilon -1", "model.layer_norm_epsilon", "(0, 1]", "-1.0"],
+         args=["--model.layer_norm_epsilon", "-1"]),
+    Case("layer-norm-epsilon-nan", "command line", "`layer_norm_epsilon: .nan` in a Llama config", 2,
+         ["$TMP/config.yaml", "model.layer_norm_epsilon", "got nan"],
+         yaml=edit(BASE, "type: gpt2, hidden_dim: 32", "type: llama, num_kv_heads: 4, layer_norm_epsilon: .nan, hidden_dim: 32")),
+]
+CASES += CLI_CASES
+
 # -- branching from a checkpoint, evaluation ------------------------------------------------------------
 BRANCH_EVAL_CASES = [
     Case("initialize-from-missing", "branching and evaluation", "`initialize_from_checkpoint_path` that does not exist",
@@ -973,6 +1034,7 @@ def _subst(s: str, tmp: Path, shared: Path, port: int) -> str:
 ENTRIES = {"train_lm": train_lm.cli, "cache_dataset": cache_dataset.cli, "data_schedule": data_schedule.cli,
            "export_lm_to_hf": export_lm_to_hf.cli}
 ENTRIES["eval_lm"] = eval_lm.cli
+ENTRIES["train_tokenizer"] = train_tokenizer.cli
 
 
 def run_case(case: Case, tmp: Path, shared: Path, capsys, monkeypatch) -> tuple[int, str]:

@@ -81,6 +81,59 @@ def test_included_file_errors_name_that_file(tmp_path):
         parse_config(train_lm.TrainLmConfig, cfg_path)
 
 
+def test_errors_in_included_files_name_the_file_and_line_that_wrote_the_key(tmp_path):
+    """An unknown key, a bad value and a check across keys, each written by an included file (spliced in
+    as a value, or merged with ``<<:``), name that file and the key's line, not the including one."""
+    run = str(tmp_path / "run.yaml")
+    data = "data:\n" + "".join(f"  {line}\n" for line in DATA.splitlines())
+    model = write(tmp_path / "parts" / "model.yaml", "type: gpt2\nhidden_dim: 32\nnum_heads: 4\nseq_len: 32\n")
+    trainer = write(tmp_path / "parts" / "trainer.yaml", "trainer:\n  num_train_steps: 4\n  train_batch_sise: 8\n")
+    write(tmp_path / "run.yaml", data + "model: !include parts/model.yaml\n<<: !include parts/trainer.yaml\n")
+    with pytest.raises(ConfigError) as e:
+        parse_config(train_lm.TrainLmConfig, run)
+    assert str(e.value).startswith(f"{trainer}, line 3 (included from {run}): `trainer`: unknown key `train_batch_sise`")
+    write(tmp_path / "parts" / "trainer.yaml", "trainer:\n  num_train_steps: 4\n")
+    write(tmp_path / "parts" / "model.yaml", "type: gpt2\nhidden_dim: 32\nnum_heads: 4\nseq_len: 3O\n")
+    with pytest.raises(ConfigError) as e:
+        parse_config(train_lm.TrainLmConfig, run)
+    assert str(e.value).startswith(f"{model}, line 4 (included from {run}): `model.seq_len`: "), str(e.value)
+    write(tmp_path / "parts" / "model.yaml", "type: gpt2\nhidden_dim: 30\nnum_heads: 4\n")
+    with pytest.raises(ConfigError) as e:
+        parse_config(train_lm.TrainLmConfig, run)
+    assert str(e.value).startswith(f"{model}, line 2 (included from {run}): model.hidden_dim (30) must be"), str(e.value)
+    write(tmp_path / "parts" / "model.yaml", "type: gpt2\nhidden_dim: 32\nnum_heads: 4\n")
+    with pytest.raises(ConfigError) as e:  # a key of the including file is still blamed on it
+        parse_config(train_lm.TrainLmConfig, write(tmp_path / "run.yaml", data.replace("tokenizer", "tokeniser")
+                                                    + "model: !include parts/model.yaml\n"))
+    assert str(e.value).startswith(f"{run}: `data`: unknown key `tokeniser`"), str(e.value)
+
+
+def test_a_value_starting_with_a_dash_is_the_value_of_the_key_before_it():
+    from levanter.cli_args import join_dash_values
+
+    assert join_dash_values(["--a.b", "-5s", "--c", "-1", "--d", "x"]) == ["--a.b=-5s", "--c=-1", "--d", "x"]
+    assert join_dash_values(["--a", "--b", "1", "--c=-2", "-h"]) == ["--a", "--b", "1", "--c=-2", "-h"]
+    assert join_dash_values(["--a", "-h"]) == ["--a", "-h"]
+
+
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        ("save_interval", "trainer.checkpointer.save_interval"),  # a section left out
+        ("cache_options.backend", "data.cache_options.backend"),  # a section left out, keeping the rest
+        ("trainer.num_train_step", "trainer.num_train_steps"),  # a close spelling
+        ("num_train_step", "trainer.num_train_steps"),  # both
+        ("no_such_flag", None),
+    ],
+)
+def test_suggest_key(given, expected):
+    from levanter.cli_args import suggest_key
+
+    known = ["trainer.checkpointer.save_interval", "trainer.progress_interval", "trainer.num_train_steps",
+             "data.cache_options.backend", "data.cache_dir", "data.configs.<name>.cache_dir"]
+    assert suggest_key(given, known) == expected
+
+
 @pytest.mark.parametrize(
     "text, fragment",
     [

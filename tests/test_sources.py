@@ -92,6 +92,8 @@ def test_expand_braces_and_globs(tmp_path):
     assert expand_braces("a{1,2}b{x,y}") == ["a1bx", "a1by", "a2bx", "a2by"]
     assert expand_braces("s.{1..3}-of-3") == ["s.1-of-3", "s.2-of-3", "s.3-of-3"]
     assert expand_braces("{08..10}") == ["08", "09", "10"]
+    assert expand_braces("v{1}.jsonl") == ["v{1}.jsonl"]  # as in bash: no comma, no range, literal
+    assert expand_braces("{x}-{1,2}") == ["{x}-1", "{x}-2"]
     for name in ("s1.jsonl", "s2.jsonl", "s10.jsonl", "t1.jsonl"):
         write_jsonl(tmp_path / name, ["d"])
     got = expand_urls([str(tmp_path / "s*.jsonl"), str(tmp_path / "{t1,s1}.jsonl")])

@@ -42,6 +42,8 @@ import draccus
 import fsspec
 import yaml
 
+from .cli_args import join_dash_values, suggest_key
+
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
@@ -90,6 +92,8 @@ def parse_timedelta(value: Any) -> datetime.timedelta:
         return datetime.timedelta(seconds=value)
     if isinstance(value, str):
         text = value.strip()
+        if text.startswith("-"):
+            raise ValueError(f"a duration must not be negative, got {value!r}: use e.g. '30s', '15m' or '1h'")
         seconds, pos = 0.0, 0
         while pos < len(text):
             m = _DURATION_PART.match(text, pos)
@@ -172,11 +176,14 @@ class _Loader(yaml.SafeLoader):
 
     path: str = "<string>"
     including: tuple = ()
+    included: dict  # id(node) of an `!include` -> the included file's origins (see _origins)
+    merged: dict  # id(mapping node) -> the origins of the file `<<: !include` merged into it
 
     def flatten_mapping(self, node):
         for i, (key_node, value_node) in enumerate(node.value):
             if key_node.tag == _MERGE_TAG and value_node.tag == "!include":
                 value = self.construct_object(value_node, deep=True)
+                self.merged[id(node)] = self.included.get(id(value_node), {})
                 if not isinstance(value, dict):
                     raise ConfigError(
                         f"{self.path}, line {value_node.start_mark.line + 1}: "
@@ -202,10 +209,39 @@ def _include(loader: _Loader, node: yaml.Node):
     if target in chain or len(chain) >= _MAX_INCLUDE_DEPTH:
         loop = " -> ".join((*chain, target))
         raise ConfigError(f"{loader.path}, line {line}: `!include {name}` loops (or nests too deep): {loop}")
-    return _load(target, chain)
+    value, origins = _load(target, chain)
+    loader.included[id(node)] = origins
+    return value
 
 
 _Loader.add_constructor("!include", _include)
+
+
+def _origins(loader: _Loader, node: yaml.Node, key_path: tuple, out: dict, seen: set) -> dict:
+    """``{key path: (file, line)}`` for every key under ``node``: the file that wrote it, so that an
+    error in an ``!include``d file names that file rather than the one including it."""
+    if id(node) in seen:  # an alias of a node already walked
+        return out
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        for sub, where in loader.merged.get(id(node), {}).items():  # `<<: !include`: its keys, here
+            out[(*key_path, *sub)] = where
+        for key_node, value_node in node.value:
+            if key_node.start_mark is None or not isinstance(key_node, yaml.ScalarNode):
+                continue  # a key merged in from an included file: recorded above
+            path = (*key_path, key_node.value)
+            out[path] = (loader.path, key_node.start_mark.line + 1)
+            if id(value_node) in loader.included:
+                out.update({(*path, *sub): where for sub, where in loader.included[id(value_node)].items()})
+            else:
+                _origins(loader, value_node, path, out, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            if id(item) in loader.included:
+                out.update({(*key_path, str(i), *sub): w for sub, w in loader.included[id(item)].items()})
+            else:
+                _origins(loader, item, (*key_path, str(i)), out, seen)
+    return out
 
 
 def _check_duplicates(node: yaml.Node, path: str, key_path: tuple = (), seen: set | None = None) -> None:
@@ -236,16 +272,19 @@ def _check_duplicates(node: yaml.Node, path: str, key_path: tuple = (), seen: se
             _check_duplicates(item, path, (*key_path, str(i)), seen)
 
 
-def _load(path: str, including: tuple = ()) -> Any:
+def _load(path: str, including: tuple = ()) -> tuple[Any, dict]:
+    """The value in the YAML file ``path`` and the origins of its keys (:func:`_origins`)."""
     text = _read_text(path)
     loader = _Loader(text)
     loader.path, loader.including = path, including
+    loader.included, loader.merged = {}, {}
     try:
         node = loader.get_single_node()
         if node is None:
-            return None
+            return None, {}
         _check_duplicates(node, path)
-        return loader.construct_document(node)
+        value = loader.construct_document(node)
+        return value, _origins(loader, node, (), {}, set())
     except yaml.reader.ReaderError as e:  # a character YAML does not allow (a control character, ...)
         line = text.count("\n", 0, e.position) + 1
         what = f"{e.reason} (character {e.character!r})"
@@ -260,12 +299,18 @@ def _load(path: str, including: tuple = ()) -> Any:
 
 def load_yaml(path: str) -> dict:
     """The mapping in the YAML file ``path`` (``!include`` resolved); errors name the file and the line."""
-    data = _load(path)
+    return load_yaml_origins(path)[0]
+
+
+def load_yaml_origins(path: str) -> tuple[dict, dict]:
+    """:func:`load_yaml`, and ``{key path: (file, line)}``: which file (``path`` or one it includes)
+    wrote each key, for :func:`describe_error`."""
+    data, origins = _load(path)
     if data is None:
-        return {}
+        return {}, {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
-    return data
+    return data, origins
 
 
 # -- parsing -------------------------------------------------------------------------------------------------
@@ -282,17 +327,19 @@ def parse_config(
     ``section``: the file holds only that section of the config (a data-only file read as ``data``);
     ``extra``: keys set besides the file's (``{"trainer": {"num_train_steps": 100}}``), under the
     command-line overrides."""
-    args = list(args)
+    args = join_dash_values(args)
     if "--help" in args or "-h" in args:
         _print_help_for(config_class)
         raise SystemExit(0)
     raw: dict = {}
+    origins: dict = {}
     checked = None
     try:
         if config_path is not None:
-            raw = load_yaml(config_path)
+            raw, origins = load_yaml_origins(config_path)
         if section is not None:
             raw = {section: raw}
+            origins = {(section, *k): v for k, v in origins.items()}
         for key, value in (extra or {}).items():
             raw[key] = {**raw.get(key, {}), **value} if isinstance(value, dict) else value
         if raw or config_path is not None:
@@ -303,7 +350,9 @@ def parse_config(
                 yaml.safe_dump(raw, tmp, sort_keys=False, allow_unicode=True)
         return _parse_quietly(config_class, checked, args)
     except draccus.utils.ParsingError as e:
-        raise ConfigError(describe_error(e, config_class, raw, source=config_path, args=args)) from None
+        raise ConfigError(
+            describe_error(e, config_class, raw, source=config_path, args=args, origins=origins)
+        ) from None
     finally:
         if checked is not None:
             os.unlink(checked)
@@ -332,13 +381,13 @@ def _argparse_error(text: str) -> str:
     errors = [line.split(": error: ", 1)[1] for line in text.splitlines() if ": error: " in line]
     message = errors[-1] if errors else "invalid arguments"
     if message.startswith("unrecognized arguments:"):
-        known = set(re.findall(r"\[(--[\w.]+)", text))
+        known = {k[2:] for k in re.findall(r"\[(--[\w.]+)", text)}
         hints = []
         for arg in message.split(":", 1)[1].split():
             if arg.startswith("--"):
-                close = difflib.get_close_matches(arg.split("=", 1)[0], known, n=1)
+                close = suggest_key(arg[2:].split("=", 1)[0], known)
                 if close:
-                    hints.append(close[0])
+                    hints.append(f"--{close}")
         message += " (not config keys"
         message += f"; did you mean {', '.join(hints)}?)" if hints else ")"
     return message
@@ -611,11 +660,13 @@ def describe_error(
     source: str | None,
     args: Sequence[str] = (),
     prefix: Sequence[str] = (),
+    origins: dict | None = None,
 ) -> str:
     """One paragraph for a draccus error in decoding ``raw`` (a file's mapping, before the overrides in
     ``args``) as ``root``: where it is (the file, or the command-line override that set the key) and what
     is wrong. ``prefix`` is the key path of ``raw`` within the whole config (``("data",)`` for a data
-    section read on its own)."""
+    section read on its own). ``origins`` (:func:`load_yaml_origins`): where an included file wrote the
+    key at fault, that file and line are named instead of ``source``."""
     head = ".".join(prefix) + "." if prefix else ""
     given = [(k, v) for k, v in _overrides(args) if k.startswith(head)]
     merged = _with_overrides(raw, [(k[len(head):], v) for k, v in given])
@@ -630,8 +681,25 @@ def describe_error(
     if blamed:
         where = "command line: " + " ".join(f"--{k} {v}" for k, v in blamed)
         return f"{where}: {what}" if key in ("", blamed[0][0]) else f"{where}: `{key}`: {what}"
-    where = source or "command line"
+    where = _included_origin(origins or {}, full, what, source) or source or "command line"
     return f"{where}: `{key}`: {what}" if key else f"{where}: {what}"
+
+
+def _included_origin(origins: dict, key_path: tuple | None, what: str, source: str | None) -> str | None:
+    """``"<file>, line N (included from <source>)"`` when the key at fault (an unknown key the message
+    names, the key path, or the section holding it; for a check across keys, the longest key the message
+    names) was written by a file ``source`` includes; None otherwise."""
+    if key_path is not None:
+        unknown = re.findall(r"unknown (?:top-level )?keys? `([^`]+)`", what)
+        candidates = [(*key_path, u) for u in unknown] + [key_path[:i] for i in range(len(key_path), 0, -1)]
+    else:
+        named = [k for k in origins if re.search(rf"(?<![\w.]){re.escape('.'.join(k))}(?![\w])", what)]
+        candidates = sorted(named, key=len, reverse=True)
+    for candidate in candidates:
+        if candidate in origins:
+            file, line = origins[candidate]
+            return None if file == source else f"{file}, line {line} (included from {source})"
+    return None
 
 
 # -- entry points --------------------------------------------------------------------------------------------

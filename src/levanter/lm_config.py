@@ -36,7 +36,8 @@ class TrainLmConfig:
     model: LmConfig = dataclasses.field(default_factory=LlamaConfig)
     # The optimizer and its learning-rate schedule.
     optimizer: OptimizerConfig = dataclasses.field(default_factory=AdamConfig)
-    # Weight of the z-loss (the squared log-sum-exp of each position's logits) added to the loss; 0: none.
+    # Weight of the z-loss (the squared log-sum-exp of each position's logits) added to the loss; 0: none,
+    # at most 1 (1e-4 is usual).
     z_loss_weight: float = 0.0
     # Seed of the data order (shuffles, mixture draws); null: derived from trainer.seed.
     data_seed: Optional[int] = None
@@ -78,14 +79,22 @@ class TrainLmConfig:
     log_entropy: bool = refused("prediction entropy is not logged; remove the key", default=False)
 
 
+# Upstream and PaLM use 1e-4; at 1 the z-loss already outweighs the cross-entropy it regularises.
+Z_LOSS_WEIGHT_MAX = 1.0
+
+
 def validate(config: TrainLmConfig):
     """Every check that needs no data and no compile; errors name the config key. Returns the tokenizer."""
     check_refused(config)  # keys accepted from upstream configs, set to what is not built here
     check_hf_keys(config)
     if config.prefetch_depth < 0:
         raise ValueError(f"prefetch_depth must be >= 0, got {config.prefetch_depth}")
-    if not math.isfinite(config.z_loss_weight) or config.z_loss_weight < 0:
-        raise ValueError(f"z_loss_weight must be a finite number >= 0, got {config.z_loss_weight}")
+    if not (math.isfinite(config.z_loss_weight) and 0 <= config.z_loss_weight <= Z_LOSS_WEIGHT_MAX):
+        raise ValueError(
+            f"z_loss_weight must be a finite number in [0, {Z_LOSS_WEIGHT_MAX:g}] (1e-4 is usual), got "
+            f"{config.z_loss_weight}: the z-loss adds z_loss_weight x logsumexp(logits)^2 per position, so a "
+            "larger weight swamps the next-token loss (and overflows float32 gradients at step 0)"
+        )
     if config.data_seed is not None and not 0 <= config.data_seed < SEED_LIMIT:
         raise ValueError(
             f"data_seed must be in [0, 2**32 - 1], got {config.data_seed}: JAX keeps the low 32 bits of a "

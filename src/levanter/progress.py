@@ -22,13 +22,14 @@ INFO chatter (JAX's "Unable to initialize backend 'tpu'", say) goes only to the 
 ``<trainer.log_dir>/<run id>/debug.log``, which holds every record at DEBUG level from the start of the
 process (the last 10,000 records before the run's id is known are kept in memory, then written). The
 trade-off: a process that dies before its run id is known leaves no debug log; the console still shows
-its errors.
+its errors. A debug log that cannot be written (a full disk) drops its records quietly (:class:`_DebugLog`).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import logging
 import math
 import os
@@ -68,6 +69,27 @@ class _Buffer(logging.Handler):
 _buffer: Optional[_Buffer] = None
 
 
+class _DebugLog(logging.FileHandler):
+    """The run's ``debug.log``. A record that cannot be written (the log's disk is full, the file went
+    away) is dropped rather than reported with logging's own "--- Logging error ---" traceback: the debug
+    log usually shares its disk with the checkpoints and caches, whose writes report a full disk once,
+    with exit status 74, and a record emitted in between must not add a traceback beside that message.
+    Another I/O error is said once, in one line."""
+
+    _warned = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        err = sys.exc_info()[1]
+        if not isinstance(err, OSError):
+            super().handleError(record)  # a broken log call (bad format arguments): a bug to see
+            return
+        if self._warned or getattr(err, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+            return
+        self._warned = True
+        print(f"warning: cannot write the debug log {self.baseFilename} ({err.strerror or err}); its records "
+              "are dropped", file=sys.stderr)
+
+
 def setup_console_logging() -> None:
     """Log to stderr (:class:`_ConsoleFilter`) and buffer every record for the debug log, which
     :func:`open_debug_log` writes once the run's directory is known. Called once, by a command's
@@ -98,7 +120,7 @@ def open_debug_log(directory: str) -> Optional[str]:
         return None
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, DEBUG_LOG_NAME)
-    handler = logging.FileHandler(path, encoding="utf-8")
+    handler = _DebugLog(path, encoding="utf-8")
     handler.setLevel(logging.DEBUG)
     handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
     for record in buffer.records:

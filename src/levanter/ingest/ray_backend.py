@@ -10,7 +10,10 @@ tokenizing, the CPU-heavy part, spreads over the cluster.
 ``ray.init(address=...)`` joins a running cluster; without an address a local Ray instance is started on
 this machine with one CPU per worker. A Ray instance this process already joined (``ray.is_initialized()``)
 is used as is, and one started here is left running for the next build of the same process (Ray shuts it
-down at exit): starting Ray costs seconds, and ``cache_dataset`` builds two caches per source.
+down at exit): starting Ray costs seconds, and ``cache_dataset`` builds two caches per source. A Ray that
+will not start (whatever the exception) or a ``host:port`` that refuses connections (checked first: Ray
+itself retries one for minutes) is one error naming the key and the way to build without Ray
+(``cache_options.backend: process``).
 
 Failures: Ray retries a task whose worker died (``max_retries``) and one that raised a runtime, I/O or
 memory error (``retry_exceptions``); a :class:`~levanter.ingest.errors.SourceError` (bad input) is
@@ -26,7 +29,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
+import tempfile
 
+from ..errors import is_out_of_space, out_of_space_error
 from ..utils import fs
 from .errors import SourceError
 from .tokenize_worker import encode
@@ -37,6 +43,7 @@ _FAULT_RAISE_ONCE = "LEVANTER_FAULT_RAISE_ONCE"
 """A path: the first task that creates this file raises (crash-safety tests; unset in production)."""
 
 _TASK_RETRIES = 3
+_CONNECT_TIMEOUT_S = 10.0  # a head node that takes longer to accept a TCP connection is not usable
 # Exceptions a task is retried on; a SourceError (a ValueError: the input is bad) would only fail again.
 _RETRIED = [RuntimeError, OSError, MemoryError]
 
@@ -53,6 +60,41 @@ def _import_ray():
             "pip install 'levanter[ray]' or use backend: process"
         ) from None
     return ray
+
+
+_NO_RAY = "or build without Ray: set cache_options.backend: process (the default, a process pool on this machine)"
+
+
+def _start_error(address: str | None, e: BaseException) -> Exception:
+    """The one-paragraph error for a Ray that would not start (or a cluster that would not answer)."""
+    if is_out_of_space(e):
+        where = getattr(e, "filename", None) or os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()
+        return out_of_space_error("starting Ray (its session files)", str(where))
+    why = " ".join(f"{type(e).__name__}: {fs.redact(str(e))}".split())
+    if len(why) > 300:
+        why = why[:300] + " ..."
+    if address:
+        return ValueError(
+            f"cache_options.ray_address: cannot join the Ray cluster at {address!r} ({why}); check the address "
+            f"(host:port of the head node, or 'auto' for the cluster this machine belongs to), {_NO_RAY}"
+        )
+    return ValueError(
+        f"cache_options.backend: ray could not start a local Ray instance ({why}); check RAY_TMPDIR / "
+        f"TMPDIR and free space under them, {_NO_RAY}"
+    )
+
+
+def _check_reachable(address: str) -> None:
+    """Refuse a ``host:port`` (or ``ray://host:port``) that does not accept connections at once: Ray
+    itself retries such an address for minutes before it gives up."""
+    rest = address.split("://", 1)[1] if address.startswith("ray://") else address
+    host, sep, port = rest.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address and not address.startswith("ray://"):
+        return  # 'auto', 'local' or another form Ray resolves itself
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise _start_error(address, ConnectionError(f"{host}:{port}: {e.strerror or e}")) from None
 
 
 def _encode_task(key, tokenizer_box: list, eos, docs, shard, where, fault_marker):
@@ -99,15 +141,12 @@ class RayEncoder:
                 kwargs["address"] = address
             else:
                 kwargs["num_cpus"] = num_workers or os.cpu_count() or 1
+            if address:
+                _check_reachable(address)
             try:
                 ray.init(**kwargs)
-            except (ConnectionError, RuntimeError, ValueError) as e:
-                where = f"the Ray cluster at {address!r}" if address else "a local Ray instance"
-                raise ValueError(
-                    f"cache_options.ray_address: cannot start or join {where} ({fs.redact(str(e))}); "
-                    "check the address (host:port of the head node, or 'auto' for the cluster this machine "
-                    "belongs to), or leave it unset to start Ray on this machine"
-                ) from None
+            except Exception as e:  # noqa: BLE001 -- whatever stopped Ray from starting is reported alike
+                raise _start_error(address, e) from None
             logger.info("cache build: started or joined Ray (%s)", address or "local instance")
         cpus = int(ray.cluster_resources().get("CPU", 1))
         self.workers = min(num_workers, cpus) if num_workers else cpus

@@ -73,9 +73,12 @@ def _brace_alternatives(body: str) -> list[str]:
 
 def expand_braces(pattern: str) -> list[str]:
     """``a{1,2}b{x,y}`` -> ``[a1bx, a1by, a2bx, a2by]``; ``{1..3}`` ranges and nesting are supported;
-    order preserved."""
-    m = re.search(r"\{([^{}]*)\}", pattern)
-    if m is None:
+    order preserved. As in bash, braces without a comma or a range are literal: ``v{1}.jsonl`` names
+    the file ``v{1}.jsonl``, not ``v1.jsonl``."""
+    for m in re.finditer(r"\{([^{}]*)\}", pattern):
+        if "," in m.group(1) or re.fullmatch(r"-?\d+\.\.-?\d+", m.group(1)):
+            break
+    else:
         return [pattern]
     head, tail = pattern[: m.start()], pattern[m.end() :]
     out = []
@@ -155,11 +158,16 @@ def expand_urls(
                 )
             shards.append(resolve_embedded_url(url, embedded_dir))
             continue
-        for pattern in expand_braces(url):
+        expanded = expand_braces(url)
+        # where a brace expansion produced the name, the message also quotes the URL as written
+        written = f" (expanded from {url!r})" if expanded != [url] else ""
+        for pattern in expanded:
             if any(ch in pattern for ch in "*?["):
                 matches = _storage(pattern, what, lambda: fs.glob_detail(pattern))
                 if not matches and not missing_ok:
-                    raise SourceError(f"{what}: the pattern {pattern!r}{_resolved(pattern)} matches no files")
+                    raise SourceError(
+                        f"{what}: the pattern {pattern!r}{written}{_resolved(pattern)} matches no files"
+                    )
                 found = []
                 for name, is_dir in matches.items():
                     if is_dir:
@@ -169,7 +177,7 @@ def expand_urls(
                 if not _storage(pattern, what, lambda: fs.exists(pattern)):
                     if missing_ok:
                         continue
-                    raise SourceError(f"{what}: file not found: {pattern!r}{_resolved(pattern)}")
+                    raise SourceError(f"{what}: file not found: {pattern!r}{written}{_resolved(pattern)}")
                 if _storage(pattern, what, lambda: fs.isdir(pattern)):
                     raise _directory_error(what, pattern)
                 found = [pattern]

@@ -17,8 +17,9 @@ from collections.abc import Sequence
 
 import draccus
 
-from ..config import ConfigError, describe_error, load_yaml, split_config_path
-from ..config_doc import EntryPoint, format_help
+from ..cli_args import join_dash_values, key_is_known, suggest_key
+from ..config import ConfigError, describe_error, load_yaml_origins, split_config_path
+from ..config_doc import EntryPoint, all_fields, format_help
 from ..data.config import DataConfig, LMMixtureDatasetConfig
 from ..errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError
 from ..progress import open_command_debug_log, setup_console_logging
@@ -87,17 +88,64 @@ def _expand_shorthands(args: Sequence[str], prefix: str) -> list[str]:
     return out
 
 
+def _pairs(args: Sequence[str]) -> list[tuple[str, str]]:
+    """``--key value`` / ``--key=value`` pairs (keys without ``--``); anything else is refused."""
+    out, it = [], iter(args)
+    for a in it:
+        if not a.startswith("--"):
+            raise ConfigError(f"command line: unexpected argument {a!r}: overrides are --KEY VALUE pairs")
+        key, eq, value = a[2:].partition("=")
+        if not eq:
+            value = next(it, None)
+            if value is None:
+                raise ConfigError(f"command line: missing a value for --{key}")
+        out.append((key, value))
+    return out
+
+
+def _check_keys(args: Sequence[str], config_path: str, whole: bool) -> None:
+    """Refuse an override this command does not read, rather than build without it: a data key given
+    without ``data.`` for a train_lm config (or with it for a data-only one), another section's key
+    (``--trainer.*``), or no key at all; the message names the right spelling where one exists."""
+    known = [f.key for f in all_fields(CONFIG_DOC)]
+    bad, hints = [], []
+    for given in _pairs(args):
+        key = given[0]
+        inner = key[len("data."):] if whole and key.startswith("data.") else None if whole else key
+        if inner is not None and key_is_known(inner, known):
+            continue
+        bad.append(given)
+        if whole and inner is None and key_is_known(key, known):
+            hints.append(f"--data.{key}")
+        elif not whole and key.startswith("data.") and key_is_known(key[len("data."):], known):
+            hints.append(f"--{key[len('data.'):]}")
+        else:
+            close = suggest_key(inner if inner is not None else key, known)
+            if close is not None:
+                hints.append(f"--data.{close}" if whole else f"--{close}")
+    if not bad:
+        return
+    given = " ".join(f"--{k} {v}" for k, v in bad)
+    shape = (f"{config_path} is a train_lm config, whose data keys are overridden as --data.KEY (its other "
+             "sections are not read)" if whole else f"{config_path} is a data-only config, whose keys are "
+             "overridden as --KEY")
+    hint = f"; did you mean {', '.join(hints)}?" if hints else ""
+    raise ConfigError(f"command line: cache_dataset does not read {given}: {shape}{hint}")
+
+
 def load_data_config(config_path: str, args: Sequence[str] = ()) -> DataConfig:
-    raw = load_yaml(config_path)
+    raw, origins = load_yaml_origins(config_path)
     whole = "data" in raw
-    args = _expand_shorthands(args, "data" if whole else "")
+    args = _expand_shorthands(join_dash_values(args), "data" if whole else "")
+    _check_keys(args, config_path, whole)
     section = raw.get("data") or {} if whole else raw
     section = _merge(dict(section), _override_tree(args, "data" if whole else ""))
     try:
         return draccus.decode(DataConfig, section)
     except draccus.utils.ParsingError as e:
         where = ("data",) if whole else ()
-        message = describe_error(e, DataConfig, section, source=config_path, args=args, prefix=where)
+        message = describe_error(e, DataConfig, section, source=config_path, args=args, prefix=where,
+                                 origins=origins)
         raise ConfigError(message) from None
 
 

@@ -34,6 +34,7 @@ from .attention import AttentionMask, check_attn_config, check_backend_platform,
 from .layers import (
     ACTIVATIONS,
     check_activation,
+    check_epsilon,
     check_positive,
     check_remat,
     named,
@@ -67,7 +68,7 @@ class Gpt2Config(LmConfig):
     resid_pdrop: float = 0.0
     # Dropout rate on the attention weights (0: none).
     attn_pdrop: float = 0.0
-    # Epsilon of the layer norms.
+    # Epsilon of the layer norms, in (0, 1].
     layer_norm_epsilon: float = 1e-5
     # Activation of the MLP (gelu_new, gelu, relu, silu, ...).
     activation_function: str = "gelu_new"
@@ -118,6 +119,7 @@ class Gpt2Config(LmConfig):
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"model.{name} must be in [0, 1), got {p}")
         check_activation(self.activation_function)
+        check_epsilon(self.layer_norm_epsilon)
         check_remat(self.gradient_checkpointing)
         backend = self.attention_backend
         if self.attention_backend == "cudnn" and self.upcast_attn:

@@ -35,6 +35,16 @@ def check_positive(config, *names: str) -> None:
             raise ValueError(f"model.{name} must be positive, got {value}")
 
 
+def check_epsilon(value: float, name: str = "layer_norm_epsilon") -> None:
+    """Refuse a norm epsilon outside (0, 1]: it is added to the variance under the square root, so a
+    negative or NaN one makes the first step's loss NaN, and one above 1 flattens every activation."""
+    if not (math.isfinite(value) and 0.0 < value <= 1.0):
+        raise ValueError(
+            f"model.{name} must be a small positive number in (0, 1] (e.g. 1e-5), got {value}: it is added "
+            "to the variance in every norm, so a negative or non-finite one makes the loss NaN at step 0"
+        )
+
+
 def check_activation(name: str) -> None:
     """Refuse an ``activation_function`` that is not one of :data:`ACTIVATIONS`."""
     if name not in ACTIVATIONS:

@@ -38,6 +38,7 @@ from .attention import AttentionMask, check_attn_config, check_backend_platform,
 from .layers import (
     ACTIVATIONS,
     check_activation,
+    check_epsilon,
     check_positive,
     check_remat,
     named,
@@ -96,7 +97,7 @@ class LlamaConfig(LmConfig):
     activation_function: str = "silu"
     # Standard deviation of the normal initialisation of the weights.
     initializer_range: float = 0.02
-    # Epsilon of the RMS norms.
+    # Epsilon of the RMS norms, in (0, 1].
     layer_norm_epsilon: float = 1e-5
     # The output head reuses the token-embedding matrix instead of a matrix of its own.
     tie_word_embeddings: bool = False
@@ -135,6 +136,7 @@ class LlamaConfig(LmConfig):
         check_positive(
             self, "seq_len", "hidden_dim", "intermediate_dim", "num_layers", "num_heads", "num_kv_heads"
         )
+        check_epsilon(self.layer_norm_epsilon)
         if self.hidden_dim % self.num_heads != 0:
             raise ValueError(
                 f"model.hidden_dim ({self.hidden_dim}) must be divisible by "
