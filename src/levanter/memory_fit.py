@@ -357,16 +357,20 @@ def auto_pick(compiler: StepCompiler, base: Optional[StepMemory], limit: int) ->
 
 
 def does_not_fit(base: StepMemory, limit: int, source: str, batch: str, found: Sequence[Suggestion],
-                 auto: bool = False) -> str:
+                 auto: bool = False, splittable: bool = True) -> str:
     """The one-paragraph error of a step that cannot fit."""
     what = f"the train step needs {base.describe()} per device but a device has {size(limit)} ({source})"
     why = f"measured by compiling it ahead of time for a batch of {batch}"
     if base.oom:
         why += f"; the compiler said: {base.oom[:200]}"
     lowers = "; ".join(s.line(limit) for s in found) if found else "none of the keys it knows of"
-    tail = ("trainer.per_device_parallelism: auto found no microbatch that fits; use more devices" if auto else
-            "set trainer.per_device_parallelism: auto to train with the largest microbatch that fits, or use "
-            "more devices")
+    if auto:
+        tail = "use more devices (trainer.per_device_parallelism: auto found no microbatch that fits)"
+    elif not splittable:
+        tail = "use more devices (one sequence per device is already the smallest microbatch)"
+    else:
+        tail = ("set trainer.per_device_parallelism: auto to train with the largest microbatch that fits, or use "
+                "more devices")
     return (
         f"{what}: it cannot fit ({why}). What each key alone makes of it (compiled the same way): {lowers}. "
         f"Change one of them, or {tail}; --dry_run prints the whole memory plan."
@@ -409,7 +413,8 @@ def fit_trainer(compiler: StepCompiler, *, recorded: Optional[int] = None) -> Tr
         memory = compiler.compile()
         if not memory.fits(limit):
             found, _ = suggestions(compiler, memory, limit)
-            raise StepDoesNotFitError(does_not_fit(memory, limit, source, batch, found))
+            splittable = (tcfg.microbatch_size or microbatch_candidates(tcfg)[0]) > 1
+            raise StepDoesNotFitError(does_not_fit(memory, limit, source, batch, found, splittable=splittable))
         logger.info("the train step needs %s per device of %s (%s)", memory.describe(), size(limit), source)
     trainer = compiler.trainer()
     if memory.compiled is not None:
