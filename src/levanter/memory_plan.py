@@ -25,6 +25,10 @@ What it can and cannot know:
   the plan prints the step time and tokens/s that given MFUs would mean, and the MFU of a given
   ``--step_seconds``. The peak FLOP/s per device comes from ``--peak_flops`` or, for a known accelerator,
   the trainer's table (none for CPUs).
+* Where the device's memory is known (``--device_memory``, ``LEVANTER_DEVICE_MEMORY``, or the device's
+  report), the plan also says what ``trainer.per_device_parallelism: auto`` picks, and, for a step that
+  does not fit, what each key that lowers it would make of it, each compiled the same way
+  (:mod:`levanter.memory_fit`: a few more compiles, only then).
 """
 
 from __future__ import annotations
@@ -47,8 +51,10 @@ memory plan (no training):
                          parameters, optimizer state, batch and the step's temporaries, the total, and
                          the FLOPs per token; reads no data, allocates no parameters. On CPU, simulate the
                          run's devices: XLA_FLAGS=--xla_force_host_platform_device_count=8
-  --device_memory SIZE   device memory to compare the total against (e.g. 16GiB, 80GB); default: what
-                         the device reports, if it does
+  --device_memory SIZE   device memory to compare the total against (e.g. 16GiB, 80GB); default:
+                         LEVANTER_DEVICE_MEMORY, else what the device reports, if it does. With it, the
+                         plan says what per_device_parallelism: auto picks and, for a step that does not
+                         fit, what each key that lowers it would make of it (compiled the same way)
   --vocab_size N         vocabulary size when the tokenizer is not available locally
   --peak_flops F         peak FLOP/s of one device (e.g. 989e12); default: known accelerators only
   --step_seconds S       a measured or expected step time: the plan prints the MFU it means
