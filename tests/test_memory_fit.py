@@ -77,6 +77,11 @@ def test_microbatch_search_finds_the_largest_that_fits_with_few_compiles():
     pick, _ = search_microbatch(lambda d: StepMemory(total=None, oom="x") if d > 2 else StepMemory(total=1),
                                 [8, 4, 2, 1], budget=10)
     assert pick == 2
+    # A ramp (32 then 64 per device): the whole largest batch (64, not a candidate) measured not to fit
+    # bounds the search, and the largest candidate (32) is measured, not assumed.
+    calls.clear()
+    pick, seen = search_microbatch(at, [32, 16, 8, 4, 2, 1], budget=1000 + 100 * 40, known={64: StepMemory(7400)})
+    assert pick == 32 and calls == [32]
 
 
 def test_xla_out_of_memory_figures():

@@ -235,6 +235,11 @@ class StepCompiler:
 
 
 # -- per_device_parallelism -----------------------------------------------------------------------------------
+def current_microbatch(tcfg: TrainerConfig) -> int:
+    """Sequences per device per microbatch of the schedule's largest step as the config has it."""
+    return tcfg.microbatch_size or largest_batch(tcfg) // tcfg.data_axis_size
+
+
 def microbatch_candidates(tcfg: TrainerConfig) -> list[int]:
     """Per-device microbatches that divide every per-device batch of the schedule, largest first."""
     dp = tcfg.data_axis_size
@@ -259,9 +264,9 @@ def search_microbatch(measure_at: Callable[[int], StepMemory], candidates: Seque
     def ok(d):
         return seen[d].total is not None and seen[d].oom is None and seen[d].total <= budget
 
-    while True:
+    while True:  # a measured non-candidate (the whole batch of a ramp's largest step) still bounds the search
         fit = max((d for d in seen if d in cands and ok(d)), default=None)
-        fail = min((d for d in seen if d in cands and not ok(d)), default=None)
+        fail = min((d for d in seen if not ok(d)), default=None)
         open_ = [d for d in cands if d not in seen and (fail is None or d < fail) and (fit is None or d > fit)]
         if not open_:
             return fit, seen
@@ -329,7 +334,7 @@ def suggestions(compiler: StepCompiler, base: StepMemory, limit: int) -> tuple[l
     ``per_device_parallelism`` auto would pick (None: none fits)."""
     out = []
     pick, seen = auto_pick(compiler, base, limit)
-    current = compiler.trainer_config.microbatch_size or microbatch_candidates(compiler.trainer_config)[0]
+    current = current_microbatch(compiler.trainer_config)
     smaller = pick if pick is not None else min(seen, default=None)
     if smaller is not None and smaller < current:
         out.append(Suggestion("trainer.per_device_parallelism", smaller, seen[smaller]))
@@ -347,7 +352,7 @@ def auto_pick(compiler: StepCompiler, base: Optional[StepMemory], limit: int) ->
     cands = microbatch_candidates(tcfg)
     known = {}
     if base is not None:
-        known[tcfg.microbatch_size or cands[0]] = base
+        known[current_microbatch(tcfg)] = base
 
     def at(d: int) -> StepMemory:
         return compiler.compile(per_device_parallelism=d)
@@ -413,7 +418,7 @@ def fit_trainer(compiler: StepCompiler, *, recorded: Optional[int] = None) -> Tr
         memory = compiler.compile()
         if not memory.fits(limit):
             found, _ = suggestions(compiler, memory, limit)
-            splittable = (tcfg.microbatch_size or microbatch_candidates(tcfg)[0]) > 1
+            splittable = min(microbatch_candidates(tcfg)) < current_microbatch(tcfg)
             raise StepDoesNotFitError(does_not_fit(memory, limit, source, batch, found, splittable=splittable))
         logger.info("the train step needs %s per device of %s (%s)", memory.describe(), size(limit), source)
     trainer = compiler.trainer()
@@ -480,6 +485,7 @@ __all__ = [
     "abstract_state",
     "auto_pick",
     "device_memory",
+    "current_microbatch",
     "device_oom_as_error",
     "does_not_fit",
     "fit_trainer",

@@ -40,7 +40,12 @@ class StepProfiler:
             return
         if not fs.is_url(self.path):
             os.makedirs(self.path, exist_ok=True)
-        jax.profiler.start_trace(self.path)
+        try:
+            jax.profiler.start_trace(self.path)
+        except RuntimeError as e:  # another trace already running (e.g. started by the user's own code)
+            logger.warning("trainer.profiler: could not start a trace (%s); training goes on without one", e)
+            self.done = True
+            return
         self.active = True
         logger.info("profiling steps %d to %d into %s", step, self.end - 1, self.path)
 
