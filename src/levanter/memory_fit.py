@@ -402,14 +402,19 @@ def fit_trainer(compiler: StepCompiler, *, recorded: Optional[int] = None) -> Tr
         first = recorded if recorded in cands else cands[0]
         compiler = compiler.with_microbatch(first)
         memory = compiler.compile()
-        pick = first
-        if not memory.fits(limit, AUTO_HEADROOM if recorded is None else 0.0):
+        seen = {first: memory}
+        pick = first if memory.fits(limit, AUTO_HEADROOM if recorded is None else 0.0) else None
+        if pick is None:
             pick, seen = auto_pick(compiler, memory, limit)
-            if pick is None:
-                smallest = min(seen)
-                found, _ = suggestions(compiler.with_microbatch(smallest), seen[smallest], limit)
-                raise StepDoesNotFitError(does_not_fit(seen[smallest], limit, source, batch, found, auto=True))
-            compiler, memory = compiler.with_microbatch(pick), seen[pick]
+        agreed = _agree(pick or 0)  # every process trains with process 0's pick (one program)
+        if agreed and agreed not in seen:
+            seen[agreed] = compiler.with_microbatch(agreed).compile()
+        pick = agreed or None
+        if pick is None:
+            smallest = min(seen)
+            found, _ = suggestions(compiler.with_microbatch(smallest), seen[smallest], limit)
+            raise StepDoesNotFitError(does_not_fit(seen[smallest], limit, source, batch, found, auto=True))
+        compiler, memory = compiler.with_microbatch(pick), seen[pick]
         how = "recorded in the run's checkpoint" if recorded == pick else (
             f"the largest that leaves {AUTO_HEADROOM:.0%} of the device's {size(limit)} ({source}) free")
         logger.warning("per_device_parallelism: auto -> %d sequences per device per microbatch (%s; the step "
@@ -426,6 +431,16 @@ def fit_trainer(compiler: StepCompiler, *, recorded: Optional[int] = None) -> Tr
         state, abatch, batch_size = compiler.inputs(trainer)
         trainer.use_compiled(batch_size, state, abatch, memory.compiled)
     return trainer
+
+
+def _agree(value: int) -> int:
+    """Process 0's ``value`` on every process (the processes' devices may report different memory)."""
+    if jax.process_count() == 1:
+        return value
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
 
 
 def recorded_pick(tcfg: TrainerConfig, run_id: str) -> Optional[int]:
