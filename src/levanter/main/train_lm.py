@@ -13,7 +13,9 @@ details in ``<trainer.log_dir>/<run id>/debug.log``. Ctrl-C (SIGINT) or SIGTERM 
 step and exits with status 75; a second Ctrl-C exits at once with 130.
 
 A run either does what its config asks or fails: besides the values themselves, it refuses up front a
-model whose training state cannot fit in memory (estimated from shapes), log directories it cannot
+model whose training state cannot fit in memory (estimated from shapes), a train step whose compiled
+memory exceeds the device's (:mod:`levanter.memory_fit`, where the device's memory is known; that
+compile is the run's step), log directories it cannot
 write, training data too short for ``trainer.num_train_steps`` and validation sets smaller than one eval
 batch; at run time, a step whose loss, gradient norm or update is not finite is never applied, and data
 that still ends early is an error (exit 1), not a short run that exits 0.
