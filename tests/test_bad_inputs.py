@@ -132,6 +132,23 @@ def close_denying_proxy() -> None:
         _denying_proxies.pop().close()
 
 
+def _compile_out_of_memory(monkeypatch) -> None:
+    """XLA refuses to compile the train step for lack of device memory, with the message a TPU gives."""
+    import jax
+    from jax._src import compiler
+
+    real = compiler.compile_or_get_cached  # above the persistent compilation cache this module turns on
+
+    def compile_(backend, module, *args, **kwargs):
+        if "jit_flat" in str(module.operation.attributes["sym_name"]):  # the train step
+            raise jax.errors.JaxRuntimeError(
+                "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
+                "Used 20.50G of 15.48G hbm. Exceeded hbm capacity by 5.02G.")
+        return real(backend, module, *args, **kwargs)
+
+    monkeypatch.setattr(compiler, "compile_or_get_cached", compile_)
+
+
 def _write(path: Path, data: str | bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     if isinstance(data, bytes):
@@ -788,6 +805,26 @@ CASES: list[Case] = [
     Case("vocab-too-big", "training values", "`data.vocab_size: 1000000000` (hung at 0% CPU)", 2,
          ["the model cannot fit", "data.vocab_size=1,000,000,000", "GiB", "free"],
          args=["--data.vocab_size", "1000000000"]),
+    Case("step-does-not-fit", "training values",
+         "a compiled step larger than the device's memory (`LEVANTER_DEVICE_MEMORY=1KiB` simulates a small device)", 2,
+         ["the train step needs", "a device has 1.00 KiB (LEVANTER_DEVICE_MEMORY=1KiB)",
+          "trainer.per_device_parallelism: 1 ->", "model.gradient_checkpointing: true ->", "--dry_run"],
+         args=["--trainer.train_batch_size", "32"],  # 4 sequences per device: the microbatch can shrink
+         patch=lambda mp: mp.setenv("LEVANTER_DEVICE_MEMORY", "1KiB"), needs=["cache"],
+         after=no_checkpoint_left),
+    Case("device-out-of-memory", "training values",
+         "the device runs out of memory compiling the step (XLA's `RESOURCE_EXHAUSTED`, as a TPU says it)", 2,
+         ["the train step needs 20.50 GiB per device but a device has 15.48 GiB", "RESOURCE_EXHAUSTED",
+          "trainer.per_device_parallelism", "model.gradient_checkpointing: true", "model.cross_entropy_block_size",
+          "model.attn_backend", "--dry_run"], patch=lambda mp: _compile_out_of_memory(mp), needs=["cache"]),
+    Case("per-device-parallelism-word", "training values", "`per_device_parallelism: max` (not a number or auto)", 2,
+         ["trainer.per_device_parallelism", "'max'", "auto"], args=["--trainer.per_device_parallelism", "max"]),
+    Case("profiler-window-negative", "training values", "`profiler: true` with `profiler_start_step: -1`", 2,
+         ["trainer.profiler_start_step", "-1"],
+         args=["--trainer.profiler", "true", "--trainer.profiler_start_step", "-1"]),
+    Case("profiler-perfetto-link", "training values", "upstream's `profiler_perfetto_link: true`", 2,
+         ["trainer.profiler_perfetto_link=True", "Perfetto", "docs/performance.md"],
+         args=["--trainer.profiler_perfetto_link", "true"]),
     # ------------------------------------------------------------------------ config file and CLI (more)
     Case("config-not-utf8", "config file and CLI (more)", "a config file saved as Latin-1 (`# café` in a comment)", 2,
          ["$TMP/config.yaml, line 3", "not valid UTF-8", "byte 0xe9 at column 25"], yaml=None,

@@ -51,6 +51,7 @@ def test_dry_run_gpt2_nano_prints_the_plan(tmp_path, capsys, monkeypatch):
     temps, total = _gib(out, "compiled temporaries"), _gib(out, "total")
     assert temps > 0 and total >= temps + params
     assert "fits" in out and "(--device_memory)" in out
+    assert "per_device_parallelism: auto would pick 4" in out  # the whole batch (32 / 8 devices) fits
     assert re.search(r"at 0.1 s per step\s+MFU \d", out)
     assert not os.listdir(tmp_path)
 
@@ -92,4 +93,11 @@ def test_dry_run_llama_1b_with_8_simulated_devices(tmp_path):
     assert _gib(out, "optimizer state") == pytest.approx(2 * params, rel=0.05)
     assert _gib(out, "total") > _gib(out, "compiled temporaries") > 0
     assert re.search(r"at 50% MFU\s+a step takes [\d.,]+ s", out)
+    # 64 sequences per device at once do not fit 80 GiB: the plan names the microbatch that does, with its
+    # figure (compiled like the step itself), and auto picks that one.
+    assert "DOES NOT FIT" in out
+    m = re.search(r"what lowers it\s+trainer\.per_device_parallelism: (\d+) -> ([\d.,]+) GiB \(fits\)", out)
+    assert m, out
+    assert int(m.group(1)) < 64 and float(m.group(2)) < 80 < _gib(out, "total")
+    assert f"per_device_parallelism: auto would pick {m.group(1)}" in out
     assert not os.listdir(tmp_path)

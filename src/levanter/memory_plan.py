@@ -25,6 +25,10 @@ What it can and cannot know:
   the plan prints the step time and tokens/s that given MFUs would mean, and the MFU of a given
   ``--step_seconds``. The peak FLOP/s per device comes from ``--peak_flops`` or, for a known accelerator,
   the trainer's table (none for CPUs).
+* Where the device's memory is known (``--device_memory``, ``LEVANTER_DEVICE_MEMORY``, or the device's
+  report), the plan also says what ``trainer.per_device_parallelism: auto`` picks, and, for a step that
+  does not fit, what each key that lowers it would make of it, each compiled the same way
+  (:mod:`levanter.memory_fit`: a few more compiles, only then).
 """
 
 from __future__ import annotations
@@ -32,17 +36,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import re
 from typing import Any, Callable, Optional, Sequence
 
-import equinox as eqx
-import haliax as hax
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
 
 from levanter.lm_config import TrainLmConfig
-from levanter.trainer import Trainer, TrainerState, peak_flops_per_device
+from levanter import memory_fit
+from levanter.trainer import peak_flops_per_device
 
 FLAG_HELP = """\
 memory plan (no training):
@@ -50,8 +51,10 @@ memory plan (no training):
                          parameters, optimizer state, batch and the step's temporaries, the total, and
                          the FLOPs per token; reads no data, allocates no parameters. On CPU, simulate the
                          run's devices: XLA_FLAGS=--xla_force_host_platform_device_count=8
-  --device_memory SIZE   device memory to compare the total against (e.g. 16GiB, 80GB); default: what
-                         the device reports, if it does
+  --device_memory SIZE   device memory to compare the total against (e.g. 16GiB, 80GB); default:
+                         LEVANTER_DEVICE_MEMORY, else what the device reports, if it does. With it, the
+                         plan says what per_device_parallelism: auto picks and, for a step that does not
+                         fit, what each key that lowers it would make of it (compiled the same way)
   --vocab_size N         vocabulary size when the tokenizer is not available locally
   --peak_flops F         peak FLOP/s of one device (e.g. 989e12); default: known accelerators only
   --step_seconds S       a measured or expected step time: the plan prints the MFU it means
@@ -113,22 +116,12 @@ def split_plan_args(argv: Sequence[str]) -> tuple[Optional[PlanOptions], list[st
 _EXAMPLES = {
     "--device_memory": "16GiB", "--vocab_size": "128256", "--peak_flops": "989e12", "--step_seconds": "2.5"
 }
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
 def parse_bytes(text: str, flag: str = "--device_memory") -> int:
     """``16GiB`` -> 17179869184; decimal (GB) and binary (GiB) units, or a plain number of bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)(?:e(\d+))?\s*([a-zA-Z]*)\s*", text)
-    unit = m.group(3).lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise PlanArgumentError(
-            f"{flag} {text!r} is not a size: give a number with a unit, e.g. 16GiB, 80GB or 512MiB"
-        )
-    value = float(m.group(1)) * (10 ** int(m.group(2)) if m.group(2) else 1) * _UNITS[unit]
-    if value <= 0:
-        raise PlanArgumentError(f"{flag} must be positive, got {text!r}")
-    return int(value)
+    try:
+        return memory_fit.parse_bytes(text, flag)
+    except ValueError as e:
+        raise PlanArgumentError(str(e)) from None
 
 
 def _positive(text: Optional[str], flag: str, kind: Callable[[str], Any]):
@@ -218,6 +211,9 @@ class MemoryPlan:
     peak_source: str
     step_seconds: Optional[float]
     loss: str
+    compiler_oom: Optional[str] = None  # the compiler refused the step for lack of memory (its message)
+    lowers: tuple = ()  # "key: value -> figure" of each key that lowers a step that does not fit
+    auto: str = ""  # what per_device_parallelism: auto picks (where the device's memory is known)
 
     @property
     def tokens_per_step(self) -> int:
@@ -229,7 +225,9 @@ class MemoryPlan:
 
     @property
     def fits(self) -> Optional[bool]:
-        return None if self.device_memory is None else self.total_bytes <= self.device_memory
+        if self.device_memory is None:
+            return None
+        return self.compiler_oom is None and self.total_bytes <= self.device_memory
 
 
 def _shard_bytes(leaves: Sequence[Any]) -> int:
@@ -241,48 +239,10 @@ def _shard_bytes(leaves: Sequence[Any]) -> int:
     return total
 
 
-def _abstract_state(trainer: Trainer, config: TrainLmConfig, vocab_size: int, optimizer) -> TrainerState:
-    """The trainer state as ShapeDtypeStructs with the shardings the run would give it."""
-    Vocab = hax.Axis("vocab", vocab_size)
-
-    def init(key):
-        model = trainer.mp.cast_to_param(config.model.build(Vocab, key=key))
-        opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
-        return TrainerState(jnp.zeros((), jnp.int32), model, opt_state, key)
-
-    mapping = trainer.param_mapping
-    with hax.partitioning.set_mesh(trainer.mesh), hax.axis_mapping(mapping):
-        shapes = jax.eval_shape(init, jax.random.PRNGKey(0))
-        shardings = hax.partitioning.infer_resource_partitions(
-            shapes, mapping, preserve_existing_shardings=False
-        )
-    leaves, treedef = jax.tree_util.tree_flatten(shapes)
-    is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)  # noqa: E731
-    sh_leaves = jax.tree_util.tree_leaves(shardings, is_leaf=is_sharding)
-    if len(sh_leaves) != len(leaves):
-        # Not expected (every leaf gets a sharding, replicated when it has no mapped axis); replicating
-        # everything would over-count, never under-count, what a device holds.
-        replicated = NamedSharding(trainer.mesh, PartitionSpec())
-        sh_leaves = [replicated] * len(leaves)
-    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(leaves, sh_leaves)]
-    return jax.tree_util.tree_unflatten(treedef, abstract)
-
-
-def _device_memory(options: PlanOptions) -> tuple[Optional[int], str]:
-    if options.device_memory is not None:
-        return options.device_memory, "--device_memory"
-    d = jax.devices()[0]
-    try:
-        stats = d.memory_stats() or {}
-    except Exception:  # noqa: BLE001 -- backends without statistics (CPU)
-        stats = {}
-    if "bytes_limit" in stats:
-        return int(stats["bytes_limit"]), f"reported by {d.device_kind}"
-    return None, "unknown (pass --device_memory)"
-
-
 def make_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptions) -> MemoryPlan:
-    """Compile ``config``'s train step (with ``loss_fn``) ahead of time for abstract inputs and measure it."""
+    """Compile ``config``'s train step (with ``loss_fn``) ahead of time for abstract inputs and measure it;
+    where the device's memory is known, also what ``per_device_parallelism: auto`` picks and, for a step
+    that does not fit, what each key that lowers it would make of it (:mod:`levanter.memory_fit`)."""
     import jmp
 
     tcfg = dataclasses.replace(config.trainer, require_accelerator=False)  # a plan needs no accelerator
@@ -290,44 +250,59 @@ def make_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptions) ->
     config.optimizer.lr_scheduler(tcfg.num_train_steps)
     vocab_size, vocab_source = plan_vocab(config, options.vocab_size)
     optimizer = config.optimizer.build(tcfg.num_train_steps)
-    trainer = Trainer(tcfg, optimizer, loss_fn)
-    state = _abstract_state(trainer, config, vocab_size, optimizer)
-
-    batch_size = max(seg.value for seg in tcfg.batch_schedule.segments)
-    seq_len = config.model.seq_len
-    tokens = jax.ShapeDtypeStruct(
-        (batch_size, seq_len), jnp.int32, sharding=NamedSharding(trainer.mesh, PartitionSpec("data", None))
-    )
-    # What named_batch makes of the loader's batch, built directly (hax.named would convert the struct).
-    batch = {"tokens": hax.NamedArray(tokens, (hax.Axis(tcfg.batch_axis, batch_size), config.model.Pos))}
-    compiled = trainer.lower_train_step(state, batch, batch_size).compile()
-    mem = compiled.memory_analysis()
+    compiler = memory_fit.StepCompiler(config.model, tcfg, optimizer, loss_fn, vocab_size)
+    device_memory, memory_source = memory_fit.device_memory(options.device_memory)
+    cands = memory_fit.microbatch_candidates(tcfg)
+    auto_note, lowers = "", ()
+    memory = None
+    if tcfg.per_device_parallelism == "auto":  # plan what the run would train with
+        if device_memory is None:
+            compiler = compiler.with_microbatch(-1)
+            auto_note = "per_device_parallelism: auto: the device's memory is unknown, so the whole batch at once"
+        else:
+            memory = compiler.with_microbatch(cands[0]).compile()
+            pick = cands[0]
+            if not memory.fits(device_memory, memory_fit.AUTO_HEADROOM):
+                pick, seen = memory_fit.auto_pick(compiler.with_microbatch(cands[0]), memory, device_memory)
+                memory = seen[pick] if pick is not None else seen[min(seen)]
+                pick = pick if pick is not None else min(seen)
+            compiler = compiler.with_microbatch(pick)
+            auto_note = f"per_device_parallelism: auto picks {pick} ({memory.describe()})"
+    trainer = compiler.trainer()
+    state, batch, batch_size = compiler.inputs(trainer)
+    if memory is None:
+        memory = memory_fit.measure(trainer, state, batch, batch_size)
+    if device_memory is not None and not auto_note:
+        if memory.fits(device_memory):
+            pick, seen = memory_fit.auto_pick(compiler, memory, device_memory)
+        else:
+            found, pick = memory_fit.suggestions(compiler, memory, device_memory)
+            lowers = tuple(s.line(device_memory) for s in found)
+        auto_note = (f"per_device_parallelism: auto would pick {pick}" if pick is not None else
+                     "per_device_parallelism: auto finds no microbatch that fits")
+    mem = memory.compiled.memory_analysis() if memory.compiled is not None else None
+    tokens = batch["tokens"].array
 
     floats = [x for x in jax.tree_util.tree_leaves(state.model) if jnp.issubdtype(x.dtype, jnp.inexact)]
     param_bytes = _shard_bytes(floats)
     opt_bytes = _shard_bytes(jax.tree_util.tree_leaves(state.opt_state))
     batch_bytes = _shard_bytes([tokens])
-    temp = int(mem.temp_size_in_bytes)
+    temp = int(mem.temp_size_in_bytes) if mem is not None else 0
     # Live at the peak: the arguments (state and batch), the outputs that do not reuse a donated argument's
-    # buffer, and the step's temporaries.
-    args, outs, aliased = (int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
-                           int(mem.alias_size_in_bytes))
-    total = args + outs - aliased + temp
-    device_memory, memory_source = _device_memory(options)
+    # buffer, and the step's temporaries (memory_fit.measure).
+    total = memory.total if memory.total is not None else 0
     peak, peak_source = options.peak_flops, "--peak_flops"
     if peak is None:
         peak = peak_flops_per_device(jax.devices()[0])
         kind = jax.devices()[0].device_kind
         peak_source = f"{kind} (trainer's table)" if peak else "unknown (pass --peak_flops)"
-    n_micro = 1
-    if tcfg.per_device_parallelism > 0:
-        n_micro = batch_size // (tcfg.per_device_parallelism * tcfg.data_axis_size)
+    n_micro = _microbatches(trainer.config, batch_size)
     block = getattr(config.model, "cross_entropy_block_size", None)
     loss = "full logits" if block is None else f"blockwise, {block:,} vocabulary entries per block"
     return MemoryPlan(
         devices=jax.device_count(), platform=jax.devices()[0].platform,
         mesh_shape=dict(trainer.mesh.shape), vocab_size=vocab_size, vocab_source=vocab_source,
-        batch_size=batch_size, seq_len=seq_len, microbatches=n_micro,
+        batch_size=batch_size, seq_len=config.model.seq_len, microbatches=n_micro,
         param_count=sum(math.prod(x.shape) for x in floats), param_bytes=param_bytes,
         param_dtype=str(jnp.dtype(jmp.get_policy(tcfg.mp).param_dtype)),
         opt_bytes=opt_bytes, batch_bytes=batch_bytes, temp_bytes=temp, total_bytes=total,
@@ -335,7 +310,13 @@ def make_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptions) ->
         flops_per_token=float(config.model.flops_per_token(vocab_size)),
         peak_flops=peak, peak_source=peak_source,
         step_seconds=options.step_seconds, loss=loss,
+        compiler_oom=memory.oom, lowers=lowers, auto=auto_note,
     )
+
+
+def _microbatches(tcfg, batch_size: int) -> int:
+    micro = tcfg.microbatch_size
+    return 1 if micro is None else batch_size // (micro * tcfg.data_axis_size)
 
 
 def _size(n: float) -> str:
@@ -370,6 +351,12 @@ def format_plan(plan: MemoryPlan, config_path: Optional[str] = None) -> str:
         used = plan.total_bytes / plan.device_memory
         lines.append(f"  device memory         {_size(plan.device_memory):>14}   "
                      f"({plan.device_memory_source}): {verdict}, {used:.0%} used")
+    if plan.compiler_oom:
+        lines.append(f"  the compiler refused the step: {plan.compiler_oom[:300]}")
+    for i, line in enumerate(plan.lowers):  # each compiled ahead of time like the step itself
+        lines.append(f"  {'what lowers it' if i == 0 else '':<21} {line}")
+    if plan.auto:
+        lines.append(f"  {plan.auto}")
     lines += [
         "compute:",
         f"  FLOPs per token       {plan.flops_per_token:,.4g}   (model.flops_per_token: 3 x forward)",

@@ -113,8 +113,9 @@ class TrainerConfig:
     num_train_steps: int = 400_000
     # Sequences per step: a number, or a schedule [{start: step, value: size}, ...] from step 0.
     train_batch_size: Union[int, List[ScheduleStep]] = 512
-    # Sequences per device per microbatch (gradient accumulation); -1: the whole batch at once.
-    per_device_parallelism: int = -1
+    # Sequences per device per microbatch (gradient accumulation); -1: the whole batch at once; auto: the
+    # largest that fits the device's memory, found by compiling the step ahead of time (levanter.memory_fit).
+    per_device_parallelism: Union[int, str] = -1
     # Sequences per device per evaluation batch; -1: the first training batch size in total.
     per_device_eval_parallelism: int = -1
     # Evaluate every this many steps (and at the end, and at each mixture stage's start).
@@ -163,6 +164,18 @@ class TrainerConfig:
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     # Upstream's Ray settings (training here starts no Ray).
     ray: RayConfig = dataclasses.field(default_factory=RayConfig)
+    # Write a jax.profiler trace of profiler_num_steps steps from profiler_start_step under
+    # <log_dir>/<run id>/profiler (TensorBoard's profile plugin or Perfetto opens it; docs/performance.md).
+    profiler: bool = False
+    # The first step traced (the first steps compile; the default skips them).
+    profiler_start_step: int = 5
+    # How many steps the trace covers.
+    profiler_num_steps: int = 100
+    # Upstream opens the trace in Perfetto through a link it waits on; a run here never waits on a browser.
+    profiler_perfetto_link: bool = refused(
+        "the run never waits on a browser; open <log_dir>/<run id>/profiler in Perfetto or TensorBoard "
+        "(docs/performance.md)", default=False
+    )
     # Upstream shuts the machine down when the run ends; never done here.
     shutdown_at_exit: bool = refused("the machine is never shut down by a run; remove the key", default=False)
     # Upstream logs the train step's jaxpr to the tracker; not done here.
@@ -221,6 +234,12 @@ class TrainerConfig:
             raise ValueError(
                 f"trainer.model_axis_size={self.model_axis_size} does not divide the {jax.device_count()} devices"
             )
+        pdp = self.per_device_parallelism
+        if isinstance(pdp, bool) or (isinstance(pdp, str) and pdp != "auto") or not isinstance(pdp, (int, str)):
+            raise ValueError(
+                f"trainer.per_device_parallelism must be a number of sequences per device, -1 (the whole batch) "
+                f"or auto (the largest that fits the device's memory), got {pdp!r}"
+            )
         dp = self.data_axis_size
         for seg in sched.segments:
             if seg.value % dp:
@@ -230,13 +249,18 @@ class TrainerConfig:
                     f"the data-parallel size {dp} ({jax.device_count()} devices / model_axis_size "
                     f"{self.model_axis_size}){padded if self.allow_nondivisible_batch_size else ''}"
                 )
-            if self.per_device_parallelism > 0:
-                micro = self.per_device_parallelism * dp
+            if self.microbatch_size is not None:
+                micro = self.microbatch_size * dp
                 if seg.value % micro:
                     raise ValueError(
                         f"trainer.per_device_parallelism={self.per_device_parallelism}: the microbatch of {micro} "
                         f"examples does not divide batch size {seg.value} (from step {seg.start})"
                     )
+        if self.profiler and (self.profiler_start_step < 0 or self.profiler_num_steps < 1):
+            raise ValueError(
+                f"trainer.profiler_start_step must be >= 0 and trainer.profiler_num_steps >= 1, got "
+                f"{self.profiler_start_step} and {self.profiler_num_steps}"
+            )
         try:
             jmp.get_policy(self.mp)
         except (ValueError, KeyError) as e:
@@ -256,6 +280,13 @@ class TrainerConfig:
                 raise ValueError(f"trainer.jax_config: cannot set {name}={value!r} ({e})") from None
         if self.jax_compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", self.jax_compilation_cache_dir)
+
+    @property
+    def microbatch_size(self) -> Optional[int]:
+        """Sequences per device per microbatch, or None for the whole batch at once (-1, and ``auto`` until
+        :mod:`levanter.memory_fit` resolves it to a number)."""
+        pdp = self.per_device_parallelism
+        return pdp if isinstance(pdp, int) and not isinstance(pdp, bool) and pdp > 0 else None
 
     @property
     def data_axis_size(self) -> int:
@@ -378,6 +409,15 @@ class _FlatStep:
         jitted, n_state, _ = entry
         return jitted.lower(tuple(leaves[:n_state]), tuple(leaves[n_state:]))
 
+    def adopt(self, state: TrainerState, batch, compiled: jax.stages.Compiled) -> None:
+        """Call ``compiled`` (this step compiled ahead of time for arguments like ``state`` and ``batch``)
+        for arguments of their structure instead of compiling the jit for them."""
+        leaves, treedef = jax.tree_util.tree_flatten((state, batch))
+        entry = self._build(state, batch, leaves, abstract=True)
+        if entry is not None:
+            jitted, n_state, out_treedef = entry
+            self._by_structure[treedef] = (_Precompiled(compiled, jitted), n_state, out_treedef)
+
     def _build(self, state, batch, leaves, abstract: bool = False):
         if not abstract and not all(isinstance(x, jax.Array) for x in leaves):
             return None
@@ -416,6 +456,30 @@ class _FlatStep:
         for entry in self._by_structure.values():
             total += 1 if entry is None else entry[0]._cache_size()
         return total
+
+
+class _Precompiled:
+    """An ahead-of-time compiled step standing in for its jit; arguments it was not compiled for (another
+    sharding, shape or dtype, which the executable refuses before running) go to the jit."""
+
+    def __init__(self, compiled, jitted):
+        self._compiled = compiled
+        self._jitted = jitted
+        self._ran = False
+
+    def __call__(self, *args):
+        if self._compiled is not None:
+            try:
+                out = self._compiled(*args)
+                self._ran = True
+                return out
+            except (TypeError, ValueError) as e:
+                logger.debug("the ahead-of-time compiled step does not take these arguments (%s): jit compiles", e)
+                self._compiled = None
+        return self._jitted(*args)
+
+    def _cache_size(self) -> int:
+        return int(self._ran) + self._jitted._cache_size()
 
 
 class Trainer:
@@ -531,9 +595,10 @@ class Trainer:
 
     # -- compiled functions --------------------------------------------------------------------------
     def _microbatches(self, batch_size: int) -> int:
-        if self.config.per_device_parallelism <= 0:
+        micro = self.config.microbatch_size
+        if micro is None:
             return 1
-        return batch_size // (self.config.per_device_parallelism * self.config.data_axis_size)
+        return batch_size // (micro * self.config.data_axis_size)
 
     def _make_step(self, batch_size: int) -> Callable:
         n_micro = self._microbatches(batch_size)
@@ -624,6 +689,17 @@ class Trainer:
         fn = self._make_step(batch_size)
         with hax.partitioning.set_mesh(self.mesh), hax.axis_mapping(self.compute_mapping):
             return fn.lower(state, batch)
+
+    def use_compiled(self, batch_size: int, state: TrainerState, batch, compiled: jax.stages.Compiled) -> None:
+        """Run the steps of ``batch_size`` with ``compiled``, this trainer's step compiled ahead of time
+        (:meth:`lower_train_step`) for arguments shaped and sharded like ``state`` and ``batch``: the memory
+        check's compile (:mod:`levanter.memory_fit`) is then the run's, not one more. Arguments it was not
+        compiled for go to the jit as before."""
+        fn = self._step_fns.get(batch_size)
+        if fn is None:
+            fn = self._step_fns[batch_size] = self._make_step(batch_size)
+        with hax.partitioning.set_mesh(self.mesh), hax.axis_mapping(self.compute_mapping):
+            fn.adopt(state, batch, compiled)
 
     def eval_loss(self, model, batch) -> Tuple[jax.Array, jax.Array]:
         if self._eval_fn is None:

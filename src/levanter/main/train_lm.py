@@ -17,7 +17,9 @@ details in ``<trainer.log_dir>/<run id>/debug.log``. Ctrl-C (SIGINT) or SIGTERM 
 step and exits with status 75; a second Ctrl-C exits at once with 130.
 
 A run either does what its config asks or fails: besides the values themselves, it refuses up front a
-model whose training state cannot fit in memory (estimated from shapes), log directories it cannot
+model whose training state cannot fit in memory (estimated from shapes), a train step whose compiled
+memory exceeds the device's (:mod:`levanter.memory_fit`, where the device's memory is known; that
+compile is the run's step), log directories it cannot
 write, training data too short for ``trainer.num_train_steps`` and validation sets smaller than one eval
 batch; at run time, a step whose loss, gradient norm or update is not finite is never applied, and data
 that still ends early is an error (exit 1), not a short run that exits 0.
@@ -76,8 +78,10 @@ from levanter.lm_config import SEED_LIMIT, TrainLmConfig, data_key, validate  # 
 from levanter.lm_config import branch_origin, check_branch_model
 from levanter.lm_config import check_hf_save_path, hf_exporter, hf_init_path, model_record, model_vocab_size
 from levanter.lm_config import with_hf_model
+from levanter.memory_fit import RECORD_KEY, StepCompiler, device_oom_as_error, fit_trainer, recorded_pick
 from levanter.tracker.lineage import check_log_lineage, record_log_lineage
 from levanter.memory_plan import FLAG_HELP, format_plan, make_plan, split_plan_args
+from levanter.profiler import StepProfiler
 from levanter.progress import RunProgress, open_debug_log, setup_console_logging
 from levanter.tracker import TrackerError, metrics_destinations
 from levanter.utils import fs
@@ -153,8 +157,8 @@ def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tup
     )
     param_bytes = tree_nbytes(params)
     opt_bytes = tree_nbytes(jax.eval_shape(config.optimizer.build(tcfg.num_train_steps).init, params))
-    if tcfg.per_device_parallelism > 0:
-        micro = tcfg.per_device_parallelism * tcfg.data_axis_size
+    if tcfg.microbatch_size is not None or tcfg.per_device_parallelism == "auto":
+        micro = (tcfg.microbatch_size or 1) * tcfg.data_axis_size  # auto: at least one sequence per device
     else:
         micro = max(seg.value for seg in tcfg.batch_schedule.segments)
     logit_entries = config.model.loss_logit_entries(vocab_size)
@@ -383,7 +387,11 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
     optimizer = config.optimizer.build(tcfg.num_train_steps)
     lr_schedule = config.optimizer.lr_scheduler(tcfg.num_train_steps)
     eos_id = next(iter(eos_ids)) if tokens_only else None
-    trainer = Trainer(tcfg, optimizer, lm_loss_fn(config.z_loss_weight, eos_id))
+    # The step for the largest batch, compiled ahead of time and checked against the device's memory (it is
+    # the run's step then); per_device_parallelism: auto resolved (levanter.memory_fit).
+    compiler = StepCompiler(config.model, tcfg, optimizer, lm_loss_fn(config.z_loss_weight, eos_id), Vocab.size)
+    trainer = fit_trainer(compiler, recorded=recorded_pick(tcfg, run_id))
+    picked = {RECORD_KEY: trainer.config.per_device_parallelism} if tcfg.per_device_parallelism == "auto" else {}
     evaluator = make_evaluator(config, trainer, eval_sets, tokenizer, Vocab.size)
     state = trainer.initial_state(lambda k: config.model.build(Vocab, key=k), key=jax.random.fold_in(model_key, 0))
     state, restored_from = trainer.maybe_restore(state, run_id)
@@ -422,7 +430,7 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
     tracker.log_hyperparameters({**_config_dict(config), **({"initialized_from": origin} if origin else {})})
     checkpointer = tcfg.checkpointer.create(
         run_id,
-        metadata={"data_schedule": record, **model_record(config, Vocab.size),
+        metadata={"data_schedule": record, **model_record(config, Vocab.size), **picked,
                   **({"initialized_from": origin} if origin else {})},
         barrier=barrier if jax.process_count() > 1 else None,
         process_index=jax.process_index(),
@@ -437,6 +445,7 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
                         provenance=True)
     flops_per_token = config.model.flops_per_token(Vocab.size)
     peak = peak_flops_per_device(jax.devices()[0])
+    profiler = StepProfiler(tcfg, run_id)  # trainer.profiler: a jax.profiler trace of a window of steps
     progress = RunProgress(tcfg.num_train_steps, start_step,
                            interval_s=parse_timedelta(tcfg.progress_interval).total_seconds(),
                            enabled=jax.process_index() == 0)
@@ -472,6 +481,7 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
             tracker.log(log, step=step)
             last_loss = r.loss
             progress.step(step, r.loss, tokens, dt, batch.wait_seconds)
+            profiler.after_step(step)
 
         def is_eval_step(self, done: int) -> bool:
             return bool(eval_sets) and (
@@ -490,12 +500,14 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
         return named_batch(data, Pos, tcfg.batch_axis)
 
     try:
+        profiler.before_step(start_step)
         with progress.logging_around_bar(), loader.iter_from_step(start_step, tcfg.num_train_steps) as it:
             state = trainer.train(state, it, to_named=to_named, checkpointer=checkpointer, hooks=Hooks())
         final_step = int(state.step)
         tracker.log_summary({"final_step": final_step, **({"train/loss": last_loss} if last_loss is not None else {})})
         progress.summary(final_step=final_step, where=_where(tcfg, run_id, checkpointer))
     finally:
+        profiler.stop()
         progress.close()
         tracker.finish()
     return {"run_id": run_id, "final_step": int(state.step), "final_loss": last_loss}
@@ -551,9 +563,11 @@ def cli(argv=None) -> None:
         plan, argv = split_plan_args(argv)
         if plan is not None:
             path, rest = levanter.config.split_config_path(argv)
-            dry_run(levanter.config.parse_config(TrainLmConfig, path, rest), plan, path)
+            with device_oom_as_error():
+                dry_run(levanter.config.parse_config(TrainLmConfig, path, rest), plan, path)
             return
-        cli_main(argv=argv)
+        with device_oom_as_error():  # a device out of memory the up-front check did not foresee: exit 2
+            cli_main(argv=argv)
     except OutOfSpaceError as e:  # a full disk: free space and rerun (resumes from the latest checkpoint)
         print(f"error: {e}", file=sys.stderr)
         sys.exit(OUT_OF_SPACE_EXIT_CODE)

@@ -1,0 +1,153 @@
+"""The memory check before the first step, ``per_device_parallelism: auto``, and the profiler window.
+
+CPUs report no device memory, so these tests simulate one with ``LEVANTER_DEVICE_MEMORY``: the figures
+the limit is placed between are measured here through the same ahead-of-time compile the run uses
+(nothing hard-coded about what XLA's CPU compiler allocates).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+from pathlib import Path
+
+import jax
+import pytest
+
+from levanter.config import parse_config
+from levanter.lm_config import TrainLmConfig
+from levanter.main import train_lm
+from levanter.memory_fit import (
+    AUTO_HEADROOM,
+    ENV_DEVICE_MEMORY,
+    StepCompiler,
+    StepMemory,
+    microbatch_candidates,
+    oom_figures,
+    search_microbatch,
+    size,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+# 32 sequences on 8 devices: 4 per device, so the microbatch can be 4, 2 or 1 per device.
+CONFIG = """\
+data:
+  train_urls: ["embedded://python-docs/validation"]
+  tokenizer: byte
+  cache_dir: {tmp}/cache
+model: {{type: gpt2, hidden_dim: 32, num_heads: 2, num_layers: 1, seq_len: 64, gradient_checkpointing: false}}
+trainer:
+  num_train_steps: 2
+  train_batch_size: 32
+  steps_per_eval: 100
+  require_accelerator: false
+  id: fit
+  log_dir: {tmp}/logs
+  tracker: {{type: json}}
+  checkpointer: {{base_path: {tmp}/ckpt, keep: [{{every: 1}}]}}
+optimizer: {{learning_rate: 0.01, warmup: 0.0, weight_decay: 0.0, lr_schedule: constant}}
+"""
+
+
+def _config(tmp_path: Path, *args: str) -> tuple[str, TrainLmConfig]:
+    path = tmp_path / "config.yaml"
+    path.write_text(CONFIG.format(tmp=tmp_path))
+    return str(path), parse_config(TrainLmConfig, str(path), list(args))
+
+
+def test_microbatch_search_finds_the_largest_that_fits_with_few_compiles():
+    # Memory as a compiled step has it: fixed state plus a share per sequence of the microbatch.
+    calls = []
+
+    def at(d):
+        calls.append(d)
+        return StepMemory(total=1000 + 100 * d)
+
+    cands = [64, 32, 16, 8, 4, 2, 1]
+    pick, seen = search_microbatch(at, cands, budget=1000 + 100 * 5, known={64: StepMemory(total=7400)})
+    assert pick == 4 and seen[4].total == 1400
+    assert len(calls) <= 3, calls  # halving, then a prediction from two figures
+    assert 8 in seen and not seen[8].fits(1500)  # the next larger candidate was measured not to fit
+    # Nothing fits: the smallest candidate is measured and the answer is None.
+    pick, seen = search_microbatch(at, cands, budget=500, known={64: StepMemory(total=7400)})
+    assert pick is None and 1 in seen
+    # A compiler refusal (TPU: RESOURCE_EXHAUSTED at compile) counts as not fitting.
+    pick, _ = search_microbatch(lambda d: StepMemory(total=None, oom="x") if d > 2 else StepMemory(total=1),
+                                [8, 4, 2, 1], budget=10)
+    assert pick == 2
+    # A ramp (32 then 64 per device): the whole largest batch (64, not a candidate) measured not to fit
+    # bounds the search, and the largest candidate (32) is measured, not assumed.
+    calls.clear()
+    pick, seen = search_microbatch(at, [32, 16, 8, 4, 2, 1], budget=1000 + 100 * 40, known={64: StepMemory(7400)})
+    assert pick == 32 and calls == [32]
+
+
+def test_xla_out_of_memory_figures():
+    text = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
+            "Used 20.50G of 15.48G hbm. Exceeded hbm capacity by 5.02G.")
+    need, have = oom_figures(text)
+    assert need == int(20.50 * 2**30) and have == int(15.48 * 2**30)
+    assert oom_figures("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1234 bytes.") is None
+
+
+def test_candidates_divide_every_batch_of_the_schedule(tmp_path):
+    _, cfg = _config(tmp_path, "--trainer.train_batch_size", '[{start: 0, value: 16}, {start: 1, value: 48}]')
+    # 2 and 6 per device: microbatches dividing both
+    assert microbatch_candidates(cfg.trainer) == [2, 1]
+
+
+@pytest.mark.slow
+def test_a_step_that_cannot_fit_is_one_error_and_auto_trains(tmp_path, capsys, monkeypatch, caplog):
+    path, cfg = _config(tmp_path)
+    opt = cfg.optimizer.build(cfg.trainer.num_train_steps)
+    compiler = StepCompiler(cfg.model, cfg.trainer, opt, train_lm.lm_loss_fn(0.0, 256), 257)
+    whole, one = compiler.compile(), compiler.compile(per_device_parallelism=1)
+    assert one.total < whole.total
+    limit = int(one.total / (1 - AUTO_HEADROOM)) + 1024  # one sequence per device fits, the whole batch does not
+    assert limit < whole.total
+    monkeypatch.setenv(ENV_DEVICE_MEMORY, str(limit))
+    monkeypatch.chdir(tmp_path)
+
+    # As configured (4 per device at once): one error paragraph, exit 2, before any step or checkpoint.
+    with pytest.raises(SystemExit) as e:
+        train_lm.cli(["--config_path", path])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    [message] = [line for line in err.splitlines() if line.startswith("error:")]
+    assert f"a device has {size(limit)} ({ENV_DEVICE_MEMORY}={limit})" in message
+    assert "trainer.per_device_parallelism: " in message and "(fits)" in message
+    assert "model.gradient_checkpointing: true ->" in message and "auto" in message and "--dry_run" in message
+    assert not (tmp_path / "ckpt" / "fit").exists() or not list((tmp_path / "ckpt" / "fit").glob("step-*"))
+
+    # The plan says the same, and what auto would pick.
+    train_lm.cli(["--config_path", path, "--dry_run", "--device_memory", str(limit)])
+    plan = capsys.readouterr().out
+    assert "DOES NOT FIT" in plan and "what lowers it" in plan and "per_device_parallelism: auto would pick" in plan
+
+    # With auto the same config trains, with a microbatch that fits, recorded in its checkpoints.
+    with caplog.at_level(logging.WARNING, logger="levanter.memory_fit"):
+        train_lm.cli(["--config_path", path, "--trainer.per_device_parallelism", "auto"])
+    meta = json.loads((tmp_path / "ckpt" / "fit" / "step-2" / "metadata.json").read_text())
+    pick = meta["metadata"]["per_device_parallelism"]
+    assert pick in (1, 2) and f"auto -> {pick} sequences per device" in caplog.text
+    assert (pick == 1) == (compiler.compile(per_device_parallelism=2).total > limit * (1 - AUTO_HEADROOM))
+    # A resumed run takes the recorded pick.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="levanter.memory_fit"):
+        train_lm.cli(["--config_path", path, "--trainer.per_device_parallelism", "auto",
+                      "--trainer.num_train_steps", "3"])
+    assert f"auto -> {pick} sequences per device per microbatch (recorded in the run's checkpoint" in caplog.text
+    assert (tmp_path / "ckpt" / "fit" / "step-3" / "metadata.json").is_file()
+
+
+def test_profiler_writes_a_trace_of_the_window(tmp_path, monkeypatch):
+    _, cfg = _config(tmp_path, "--trainer.num_train_steps", "4", "--trainer.train_batch_size", "8",
+                     "--trainer.profiler", "true", "--trainer.profiler_start_step", "1",
+                     "--trainer.profiler_num_steps", "2")
+    monkeypatch.chdir(tmp_path)
+    assert train_lm.main(cfg)["final_step"] == 4
+    traces = glob.glob(str(tmp_path / "logs" / "fit" / "profiler" / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    assert len(traces) == 1 and Path(traces[0]).stat().st_size > 0
+    assert jax.profiler is not None
