@@ -83,7 +83,7 @@ from levanter.tracker.lineage import check_log_lineage, record_log_lineage
 from levanter.memory_plan import FLAG_HELP, format_plan, make_plan, split_plan_args
 from levanter.profiler import StepProfiler
 from levanter.progress import RunProgress, open_debug_log, setup_console_logging
-from levanter.tracker import TrackerError, metrics_destinations
+from levanter.tracker import JsonConfig, TrackerError, metrics_destinations
 from levanter.utils import fs
 from levanter.trainer import (
     DataEndedError,
