@@ -286,6 +286,41 @@ def build_then_edit(before: dict, after: dict) -> Callable[[Path, Path], None]:
     return setup
 
 
+def build_then_edit_keeping_mtime(name: str) -> Callable[[Path, Path], None]:
+    """Write ``name`` (GOOD_JSONL), build the case's cache, then change one digit in the middle of the file
+    (same size) and put its modification time back, as ``cp -p`` or ``rsync -t`` would."""
+
+    def setup(tmp: Path, shared: Path) -> None:
+        write_files({name: GOOD_JSONL})(tmp, shared)
+        cache_dataset.main(cache_dataset.load_data_config(str(tmp / "config.yaml")))
+        path = tmp / name
+        st = os.stat(path)
+        data = bytearray(path.read_bytes())
+        mid = len(data) // 2
+        while not chr(data[mid]).isdigit():
+            mid += 1
+        data[mid] = ord("1") if data[mid] != ord("1") else ord("2")
+        path.write_bytes(bytes(data))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    return setup
+
+
+def record_partial_hash(tmp: Path, shared: Path) -> None:
+    """Build the case's cache, then rewrite its ledger as caches recorded files over 4 MiB before: a hash of
+    the first and last MiB (``sampled``), no ctime or inode."""
+    from levanter.store import CacheLedger
+
+    write_files({"data.jsonl": GOOD_JSONL})(tmp, shared)
+    cache_dataset.main(cache_dataset.load_data_config(str(tmp / "config.yaml")))
+    ledger = CacheLedger.load(tmp / "cache" / "train")
+    for ident in ledger.metadata["inputs"].values():
+        ident.pop("ctime", None)
+        ident.pop("inode", None)
+        ident["sampled"] = True
+    ledger.save(tmp / "cache" / "train")
+
+
 def zstd_cut(text: str, keep: float) -> bytes:
     """``text`` zstd-compressed, keeping the first ``keep`` fraction of the stream (an interrupted copy)."""
     import zstandard
@@ -644,6 +679,20 @@ CASES: list[Case] = [
          ["data.train_urls", "$TMP/data.jsonl changed size", "delete $TMP/cache/train"],
          yaml=files_data('["$TMP/data.jsonl"]'),
          setup=build_then_edit({"data.jsonl": GOOD_JSONL}, {"data.jsonl": GOOD_JSONL * 3})),
+    Case("input-edited-mtime-restored", "inputs and cache builds",
+         "an input file edited in the middle (same size) after its cache was built, its mtime put back (`cp -p`)",
+         2, ["data.train_urls", "$TMP/data.jsonl was modified (same size, different content)",
+             "delete $TMP/cache/train"],
+         yaml=files_data('["$TMP/data.jsonl"]'), setup=build_then_edit_keeping_mtime("data.jsonl")),
+    Case("cache-partial-input-hash", "inputs and cache builds",
+         "a cache written when files over 4 MiB were identified by their first and last MiB only", 2,
+         ["only a partial content hash", "$TMP/data.jsonl", "delete $TMP/cache/train to rebuild it"],
+         yaml=files_data('["$TMP/data.jsonl"]'), setup=record_partial_hash),
+    Case("cache-verify-inputs-unknown", "inputs and cache builds", "`cache_options.verify_inputs: always`", 2,
+         ["data.cache_options.verify_inputs", "metadata, full", "'always'"],
+         yaml=edit(files_data('["$TMP/data.jsonl"]'), "cache_options: {num_workers: 1}",
+                   "cache_options: {num_workers: 1, verify_inputs: always}"),
+         setup=write_files({"data.jsonl": GOOD_JSONL})),
     Case("glob-gained-a-shard", "inputs and cache builds",
          "a new shard matching the glob of a finished cache", 2,
          ["data.train_urls", "new file $TMP/shards/b.jsonl", "delete $TMP/cache/train"],

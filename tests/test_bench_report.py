@@ -15,6 +15,8 @@ KEYS = {
 KEYS |= {"loss_blockwise_temp_ratio", "loss_blockwise_time_ratio", "llama_vanilla_over_flash_memory"}
 # The attention section (scripts/bench/attention.py).
 KEYS |= {"attention_flash_temp_ratio", "attention_flash_time_ratio"}
+# The input hash section (scripts/bench/input_hash.py).
+KEYS |= {"input_hash_gb_per_s"}
 
 
 @pytest.fixture(scope="module")

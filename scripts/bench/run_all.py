@@ -41,6 +41,9 @@ small Llama's train step at sequence 2,048 compiled ahead of time, ``jax_flash``
 Cache build -- ``cache_build.py``: build throughput (text tokens/s) of the process-pool and Ray backends at 2
 workers against the raw tokenizer on all cores and upstream's own builder, on the embedded corpus.
 
+Input hash -- ``input_hash.py``: the SHA-256 of a cache's input file (what a cache check reads whenever
+a file's metadata changed), in GB/s on a 1 GiB file (``--quick``: 256 MiB) in the page cache.
+
 Upstream needs the venv of ``setup_upstream_venv.sh`` (default ``~/.cache/levanter-bench/upstream-venv``,
 or ``--upstream-venv``); without it the upstream figures are null. See ``docs/performance.md``.
 """
@@ -66,6 +69,7 @@ import yaml
 import _synthetic as syn
 import attention as attention_bench
 import cache_build as cb
+import input_hash as ih
 import loader_cache as lc
 import loss as loss_bench
 import loader_object_store as los
@@ -433,6 +437,9 @@ def report(out: dict) -> dict:
     if out.get("loss"):
         loss_bench.print_section(out["loss"])
 
+    if out.get("input_hash"):
+        ih.print_section(out["input_hash"])
+
     def pick(d, *path):
         for p in path:
             if d is None:
@@ -455,6 +462,7 @@ def report(out: dict) -> dict:
         "object_store_wait_fraction": pick(out, "object_store", "s3", "wait_fraction"),
         "attention_flash_temp_ratio": pick(out, "attention", "temp_ratio"),
         "attention_flash_time_ratio": pick(out, "attention", "time_ratio"),
+        "input_hash_gb_per_s": pick(out, "input_hash", "hash_gb_per_s"),
     }
 
 
@@ -466,10 +474,11 @@ def main(argv=None) -> None:
     p.add_argument("--no-upstream", action="store_true", help="skip the upstream columns")
     p.add_argument("--only", default=None,
                    help="comma-separated sections: loader,upstream,stalls,memory,training,checksum,object_store,attention,loss,"
-                        "cache_build")
+                        "cache_build,input_hash")
     args = p.parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    sections = set((args.only or "loader,upstream,stalls,memory,training,checksum,object_store,attention,loss,cache_build").split(","))
+    sections = set((args.only or "loader,upstream,stalls,memory,training,checksum,object_store,attention,loss,cache_build,input_hash"
+                                     ).split(","))
     t_start = time.perf_counter()
     import jax
 
@@ -510,6 +519,7 @@ def main(argv=None) -> None:
                 attention_bench.QUICK if args.quick else attention_bench.FULL))),
             ("loss", lambda: out.update(loss=loss_bench.run(loss_bench.QUICK if args.quick else loss_bench.FULL))),
             ("cache_build", lambda: out.update(cache_build=cb.run(cb.QUICK if args.quick else cb.FULL, venv))),
+            ("input_hash", lambda: out.update(input_hash=ih.run(ih.QUICK if args.quick else ih.FULL, work))),
         ):
             if name in sections and name != "upstream":
                 t0 = time.perf_counter()
