@@ -26,6 +26,9 @@ removed is refused with one error naming it. A finished cache whose input files 
 (the files are not needed once tokenized); a cache recorded without identities is served with a warning
 that it cannot be checked. ``embedded://`` sources are identified by their corpus fingerprint instead.
 
+Concurrent builders: a build holds ``<cache_dir>/build.lock`` (:mod:`levanter.ingest.build_lock`) while it
+writes; a second run building the same cache waits for it and then serves (or resumes) what it left.
+
 A build that produced no tokens is never marked finished, and one that committed no tokens restarts
 from scratch when its inputs changed. A full disk is reported as
 :class:`~levanter.errors.OutOfSpaceError` naming the cache; the ledger only ever counts rows whose writes
@@ -51,6 +54,7 @@ from ..store.jagged_array import JaggedArrayStore
 from ..store.ledger import CacheLedger
 from ..utils.fault import fault_point
 from ..utils import fs
+from .build_lock import acquire_build_lock
 from .embedded import corpus_fingerprint, is_embedded_url, parse_embedded_url
 from .errors import SourceError
 from .progress import BuildProgress
@@ -305,15 +309,28 @@ def build_or_load_cache(
         ledger = CacheLedger.load(cache_dir)
     except fs.StorageAccessError as e:
         raise fs.StorageAccessError(f"{cache_key}: {e}") from None
+    full = options.verify_inputs == "full"
     if ledger is not None:
         _check_metadata(cache_dir, ledger.metadata, wanted)
         if ledger.is_finished:
-            verify_inputs(cache_dir, ledger, urls, what=what, full=options.verify_inputs == "full")
+            verify_inputs(cache_dir, ledger, urls, what=what, full=full)
             return TokenCache.open(cache_dir)
     check_writable(cache_dir, cache_key)
     try:
-        return _build(urls, cache_dir, tokenizer, ledger, wanted, text_key=text_key, enforce_eos=enforce_eos,
-                      options=options, embedded_dir=embedded_dir, what=what, progress=progress)
+        # One builder at a time: another run building this cache now is waited for, and what it finished
+        # is served (levanter.ingest.build_lock).
+        lock = acquire_build_lock(cache_dir, ledger_path=CacheLedger.path_in(cache_dir))
+        try:
+            ledger = CacheLedger.load(cache_dir)
+            if ledger is not None:
+                _check_metadata(cache_dir, ledger.metadata, wanted)
+                if ledger.is_finished:
+                    verify_inputs(cache_dir, ledger, urls, what=what, full=full)
+                    return TokenCache.open(cache_dir)
+            return _build(urls, cache_dir, tokenizer, ledger, wanted, text_key=text_key, enforce_eos=enforce_eos,
+                          options=options, embedded_dir=embedded_dir, what=what, progress=progress)
+        finally:
+            lock.release()
     except OutOfSpaceError:
         raise
     except Exception as e:

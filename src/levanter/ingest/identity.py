@@ -19,10 +19,13 @@ Checking a recorded identity (:func:`identity_change`) has two modes, ``cache_op
 Hashes are remembered per process, keyed by path and all four metadata values, so a run that checks its
 inputs twice (once up front, once when it opens the cache) reads each file once.
 
-Timestamps are coarse (a clock tick of a few milliseconds on Linux, up to seconds on some filesystems): a
-file written again within the tick of its previous write keeps its ctime. So a file whose ctime is less
-than ``RACY_SECONDS`` old when it is identified is recorded without ``ctime`` (the shortcut never applies
-to it: it is hashed at every check) and its hash is not remembered -- git's "racily clean" rule.
+Timestamps are coarse (one clock tick, a few milliseconds on Linux): a file written again within the tick
+of its previous write keeps its ctime. So a local file is identified (and its hash remembered) only once
+its ctime is ``SETTLE_SECONDS`` old -- identifying a file written a moment ago waits that long -- and its
+metadata is read again after hashing: a file that changed meanwhile is hashed again. The record then holds
+nothing that depends on when it was made, so two builds of the same files record the same bytes.
+Filesystems with coarser timestamps (FAT, some network filesystems: one or two seconds) leave a window that
+long after each write; ``verify_inputs: full`` closes it.
 
 Caches written when files over 4 MiB were identified by their first and last MiB only (``sampled``)
 cannot tell an edit in the middle from no edit: they are refused with a message saying to rebuild them.
@@ -43,7 +46,7 @@ VERIFY_MODES = ("metadata", "full")
 # Read size when hashing: large enough that hashlib (which releases the GIL) dominates the Python loop.
 _BLOCK = 8 * 2**20
 _METADATA_KEYS = ("size", "mtime", "ctime", "inode")
-RACY_SECONDS = 2.0
+SETTLE_SECONDS = 0.05
 # (local path, size, mtime_ns, ctime_ns, inode) -> sha256 hex digest, for this process.
 _hashes: dict[tuple, str] = {}
 
@@ -77,19 +80,33 @@ def _stat_identity(path: str) -> dict:
     return {"size": int(info.get("size") or 0), "mtime": None if stamp is None else str(stamp)}
 
 
-def _racy(ident: dict) -> bool:
-    """Whether the file changed so recently that another write could keep its ctime (see above)."""
-    return time.time_ns() - int(ident["ctime"]) < RACY_SECONDS * 1e9
+def _settled(path: str) -> dict:
+    """The metadata of ``path`` once its ctime is at least ``SETTLE_SECONDS`` old (see above)."""
+    while True:
+        ident = _stat_identity(path)
+        if "ctime" not in ident:
+            return ident
+        wait = SETTLE_SECONDS - (time.time_ns() - int(ident["ctime"])) / 1e9
+        if wait <= 0:
+            return ident
+        time.sleep(wait)
 
 
-def _content_hash(path: str, ident: dict) -> str:
-    if _racy(ident):
-        return hash_file(path)
-    key = (fs.abspath(path), *(ident[k] for k in _METADATA_KEYS))
-    digest = _hashes.get(key)
-    if digest is None:
-        digest = _hashes[key] = hash_file(path)
-    return digest
+def _content_hash(path: str, ident: dict) -> tuple[dict, str]:
+    """``(metadata, sha256)`` of ``path``, consistent with each other: hashed again if the file changed while
+    it was read. ``ident`` is its metadata as last read."""
+    while True:
+        key = (fs.abspath(path), *(ident[k] for k in _METADATA_KEYS))
+        digest = _hashes.get(key)
+        if digest is not None:
+            return ident, digest
+        ident = _settled(path)
+        digest = hash_file(path)
+        after = _stat_identity(path)
+        if after == ident:
+            _hashes[(fs.abspath(path), *(ident[k] for k in _METADATA_KEYS))] = digest
+            return ident, digest
+        ident = after
 
 
 def file_identity(path: str, *, content_hash: bool = True) -> dict:
@@ -99,9 +116,8 @@ def file_identity(path: str, *, content_hash: bool = True) -> dict:
     try:
         ident = _stat_identity(path)
         if content_hash and _is_local(path):
-            ident["sha256"] = _content_hash(path, ident)
-            if _racy(ident):
-                del ident["ctime"]
+            ident, digest = _content_hash(path, ident)
+            ident = {**ident, "sha256": digest}
         return ident
     except FileNotFoundError:
         raise SourceError(f"file not found: {path!r}") from None
@@ -133,7 +149,7 @@ def identity_change(path: str, old: dict, *, full: bool = False) -> str | None:
     if not full and all(now.get(k) == old.get(k) for k in _METADATA_KEYS):
         return None
     try:
-        digest = _content_hash(path, now)
+        _, digest = _content_hash(path, now)
     except OSError as e:
         raise SourceError(f"{path}: cannot read the file ({e.strerror or e})") from None
     if digest != old["sha256"]:
