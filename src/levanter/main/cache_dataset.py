@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import draccus
 
-from ..config import ConfigError, describe_error, load_yaml, split_config_path
+from ..config import ConfigError, describe_error, expand_user_paths, load_yaml, split_config_path
 from ..config_doc import EntryPoint, format_help
 from ..data.config import DataConfig, LMMixtureDatasetConfig
 from ..errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError
@@ -93,7 +93,7 @@ def load_data_config(config_path: str, args: Sequence[str] = ()) -> DataConfig:
     section = raw.get("data") or {} if whole else raw
     section = _merge(dict(section), _override_tree(args, "data" if whole else ""))
     try:
-        return draccus.decode(DataConfig, section)
+        return expand_user_paths(draccus.decode(DataConfig, section))
     except draccus.utils.ParsingError as e:
         where = ("data",) if whole else ()
         message = describe_error(e, DataConfig, section, source=config_path, args=args, prefix=where)
