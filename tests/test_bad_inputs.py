@@ -321,6 +321,15 @@ def record_partial_hash(tmp: Path, shared: Path) -> None:
     ledger.save(tmp / "cache" / "train")
 
 
+def build_then_move(tmp: Path, shared: Path) -> None:
+    """Build the cache from ``data.jsonl``, then copy the file to ``moved/`` (the case's config reads it
+    there): the same content under another path."""
+    write_files({"data.jsonl": GOOD_JSONL, "moved/data.jsonl": GOOD_JSONL})(tmp, shared)
+    original = tmp / "original.yaml"
+    original.write_text((tmp / "config.yaml").read_text().replace("/moved/data.jsonl", "/data.jsonl"))
+    cache_dataset.main(cache_dataset.load_data_config(str(original)))
+
+
 def zstd_cut(text: str, keep: float) -> bytes:
     """``text`` zstd-compressed, keeping the first ``keep`` fraction of the stream (an interrupted copy)."""
     import zstandard
@@ -693,6 +702,11 @@ CASES: list[Case] = [
          yaml=edit(files_data('["$TMP/data.jsonl"]'), "cache_options: {num_workers: 1}",
                    "cache_options: {num_workers: 1, verify_inputs: always}"),
          setup=write_files({"data.jsonl": GOOD_JSONL})),
+    Case("cache-inputs-moved", "inputs and cache builds",
+         "the input files of a finished cache copied to another directory (or a bucket) and the URLs changed", 2,
+         ["$TMP/cache/train", "different settings", "urls:", "$TMP/moved/data.jsonl",
+          "tied to the paths of its input files", "point the URLs back"],
+         yaml=files_data('["$TMP/moved/data.jsonl"]'), setup=build_then_move),
     Case("glob-gained-a-shard", "inputs and cache builds",
          "a new shard matching the glob of a finished cache", 2,
          ["data.train_urls", "new file $TMP/shards/b.jsonl", "delete $TMP/cache/train"],

@@ -159,8 +159,15 @@ def _check_metadata(cache_dir: str, found: dict, wanted: dict) -> None:
     if diffs:
         pairs = [(k, *_differing(found.get(k), wanted.get(k))) for k in diffs]
         detail = "; ".join(f"{k}: cache has {a!r}, config asks for {b!r}" for k, a, b in pairs)
+        moved = ""
+        if "urls" in diffs:
+            # Resume and reuse go by input path (the ledger counts documents per shard file): the same
+            # content under other paths, or cut into other shards, is another cache.
+            moved = (" A cache is tied to the paths of its input files: inputs moved (to a bucket, another "
+                     "directory) or re-split into other shards are not reused or resumed even when their "
+                     "content is the same; point the URLs back at the original files to reuse it.")
         raise CacheMismatchError(
-            f"the cache at {cache_dir!r} was built with different settings ({detail}). Use another "
+            f"the cache at {cache_dir!r} was built with different settings ({detail}).{moved} Use another "
             "cache_dir, or delete this one to rebuild it."
         )
 
@@ -235,6 +242,8 @@ def verify_inputs(
     recorded files exists any more the cache is served unchecked (tokenized data needs no raw files); a
     cache recorded without identities gets a warning that it cannot be checked.
     """
+    if "urls" in ledger.metadata:  # inputs moved to other paths: named as such, before their files
+        _check_metadata(cache_dir, {"urls": ledger.metadata["urls"]}, {"urls": list(urls)})
     recorded = ledger.metadata.get("inputs")
     if recorded is None:
         # Once per cache and process: a run (or a benchmark) opens the same cache many times, and the
