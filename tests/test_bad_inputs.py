@@ -162,6 +162,13 @@ def copy_cache(tmp: Path, shared: Path) -> None:
     shutil.copytree(shared / "cache", tmp / "cache")
 
 
+def swap_files(a: Path, b: Path) -> None:
+    aside = a.with_name(a.name + ".swap")
+    a.rename(aside)
+    b.rename(a)
+    aside.rename(b)
+
+
 def truncate_ledger(tmp: Path, shared: Path) -> None:
     copy_cache(tmp, shared)
     ledger = tmp / "cache" / "train" / "shard_ledger.json"
@@ -665,6 +672,17 @@ CASES: list[Case] = [
          setup=lambda t, s: (copy_cache(t, s), [
              p.write_bytes(p.read_bytes()[:9] + bytes([p.read_bytes()[9] ^ 4]) + p.read_bytes()[10:])
              for p in (t / "cache/train/input_ids/data/c").iterdir()])),
+    Case("cache-chunks-swapped", "cache reads", "a finished cache with two token chunk files swapped", 2,
+         ["the cache at $TMP/cache/train is damaged", "$TMP/cache/train/input_ids/data/c/0",
+          "$TMP/cache/train/input_ids/data/c/1", "checksum of another position", "delete it to rebuild"],
+         args=["--data.cache_dir", "$TMP/cache"], needs=["cache"],
+         setup=lambda t, s: (copy_cache(t, s), swap_files(t / "cache/train/input_ids/data/c/0",
+                                                           t / "cache/train/input_ids/data/c/1"))),
+    Case("cache-without-chunk-record", "cache reads",
+         "a finished cache written before chunk checksums were bound to positions (no `chunk_checksums.json`)", 2,
+         ["the cache at $TMP/cache/train", "records no position of its chunk checksums", "delete it to rebuild"],
+         args=["--data.cache_dir", "$TMP/cache"], needs=["cache"],
+         setup=lambda t, s: (copy_cache(t, s), os.remove(t / "cache/train/input_ids/chunk_checksums.json"))),
     Case("cache-offsets-chunk-deleted", "cache reads", "a finished cache with its offsets chunk file deleted", 2,
          ["the cache at $TMP/cache/train is damaged", "$TMP/cache/train/input_ids/offsets/c/0 is missing",
           "delete it to rebuild"], args=["--data.cache_dir", "$TMP/cache"], needs=["cache"],
