@@ -477,8 +477,8 @@ def main(argv=None) -> None:
                         "cache_build,input_hash")
     args = p.parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    sections = set((args.only or "loader,upstream,stalls,memory,training,checksum,object_store,attention,loss,cache_build,input_hash"
-                                     ).split(","))
+    every = "loader,upstream,stalls,memory,training,checksum,object_store,attention,loss,cache_build,input_hash"
+    sections = set((args.only or every).split(","))
     t_start = time.perf_counter()
     import jax
 

@@ -314,9 +314,9 @@ def parse_config(
 # Config keys that name local paths (or URLs): ``~`` in them is the home directory (fs.expand_user). Matched
 # by field name in every section, so a new section's ``log_dir`` or ``cache_dir`` is covered too.
 LOCAL_PATH_KEYS = frozenset({
-    "cache_dir", "train_urls", "validation_urls", "base_path", "log_dir", "logdir", "dir", "load_checkpoint_path",
-    "initialize_from", "initialize_from_checkpoint_path", "initialize_from_hf", "hf_save_path", "tokenizer",
-    "output_dir", "checkpoint_path", "jax_compilation_cache_dir",
+    "cache_dir", "train_urls", "validation_urls", "base_path", "log_dir", "logdir", "dir",
+    "load_checkpoint_path", "initialize_from", "initialize_from_checkpoint_path", "initialize_from_hf",
+    "hf_save_path", "tokenizer", "output_dir", "checkpoint_path", "jax_compilation_cache_dir",
 })
 
 

@@ -19,12 +19,13 @@ counts. A killed build therefore resumes and ends byte-identical to an uninterru
 cache is never rewritten, and a cache whose recorded settings (tokenizer, text key, EOS, shard list)
 differ from the requested ones is refused, never silently reused.
 
-Stale inputs: the ledger records each input file's identity (:func:`~levanter.ingest.identity.file_identity`:
-size, modification and status-change times, inode, a hash of the whole content). Before a finished cache is served, or an interrupted build
-resumed, the configured URLs are expanded again and compared: a file that was edited, added to a glob or
-removed is refused with one error naming it. A finished cache whose input files are all gone still serves
-(the files are not needed once tokenized); a cache recorded without identities is served with a warning
-that it cannot be checked. ``embedded://`` sources are identified by their corpus fingerprint instead.
+Stale inputs: the ledger records each input file's identity
+(:func:`~levanter.ingest.identity.file_identity`: size, modification and status-change times, inode, a hash
+of the whole content). Before a finished cache is served, or an interrupted build resumed, the configured
+URLs are expanded again and compared: a file that was edited, added to a glob or removed is refused with one
+error naming it. A finished cache whose input files are all gone still serves (the files are not needed once
+tokenized); a cache recorded without identities is served with a warning that it cannot be checked.
+``embedded://`` sources are identified by their corpus fingerprint instead.
 
 Concurrent builders: a build holds ``<cache_dir>/build.lock`` (:mod:`levanter.ingest.build_lock`) while it
 writes; a second run building the same cache waits for it and then serves (or resumes) what it left.
@@ -265,7 +266,8 @@ def verify_inputs(
     changes += [f"{p} is gone" for p in recorded if p not in current]
     if not changes:
         _refuse_partial(cache_dir, recorded, current, what)
-    changes += [c for p in current if p in recorded and (c := identity_change(p, recorded[p], full=full))]
+    changes += [c for p in current if p in recorded and not is_partial(recorded[p])
+                and (c := identity_change(p, recorded[p], full=full))]
     if changes:
         raise CacheMismatchError(
             f"the input files of {what} changed since the token cache at {cache_dir!r} was built: "
@@ -336,8 +338,9 @@ def build_or_load_cache(
                 if ledger.is_finished:
                     verify_inputs(cache_dir, ledger, urls, what=what, full=full)
                     return TokenCache.open(cache_dir)
-            return _build(urls, cache_dir, tokenizer, ledger, wanted, text_key=text_key, enforce_eos=enforce_eos,
-                          options=options, embedded_dir=embedded_dir, what=what, progress=progress)
+            return _build(urls, cache_dir, tokenizer, ledger, wanted, text_key=text_key,
+                          enforce_eos=enforce_eos, options=options, embedded_dir=embedded_dir, what=what,
+                          progress=progress)
         finally:
             lock.release()
     except OutOfSpaceError:

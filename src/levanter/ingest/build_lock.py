@@ -46,7 +46,8 @@ def _boot_id() -> str | None:
 
 
 def _record() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "boot": _boot_id(), "token": secrets.token_hex(8)}
+    return {"host": socket.gethostname(), "pid": os.getpid(), "boot": _boot_id(),
+            "token": secrets.token_hex(8)}
 
 
 def _pid_alive(pid: int) -> bool:
@@ -96,7 +97,8 @@ class BuildLock:
     def release(self) -> None:
         holder, _ = _read(self.path)
         if holder is not None and holder.get("token") == self._record["token"]:
-            fs.retry_transient(fs.remove, self.path, missing_ok=True, what=f"removing the build lock {self.path}")
+            fs.retry_transient(fs.remove, self.path, missing_ok=True,
+                               what=f"removing the build lock {self.path}")
 
 
 def acquire_build_lock(cache_dir: str, *, ledger_path: str) -> BuildLock:
@@ -120,7 +122,8 @@ def acquire_build_lock(cache_dir: str, *, ledger_path: str) -> BuildLock:
                            _describe(holder))
             _, raw_again = _read(path)
             if raw_again == raw:
-                fs.retry_transient(fs.remove, path, missing_ok=True, what=f"removing the stale build lock {path}")
+                fs.retry_transient(fs.remove, path, missing_ok=True,
+                                   what=f"removing the stale build lock {path}")
             continue
         if not waited:
             logger.info("another process (%s) is building the token cache at %s; waiting for it to finish",

@@ -110,7 +110,8 @@ def check(store_path: str, arrays: Mapping[str, ts.TensorStore], context: ts.Con
     for name, arr in sorted(checked.items()):
         entry = record.get(name)
         count = _chunks(arr)
-        if not isinstance(entry, dict) or entry.get("chunks") != count or len(entry.get("crc32c", ())) != count:
+        sums = entry.get("crc32c", ()) if isinstance(entry, dict) else ()
+        if not isinstance(entry, dict) or entry.get("chunks") != count or len(sums) != count:
             return f"{fs.join(store_path, MANIFEST_FILENAME)} does not describe the {name} array"
         found = _trailers(store_path, name, count, context)
         wrong += [fs.join(store_path, name, "c", str(k)) for k, (want, got) in

@@ -22,20 +22,20 @@ Reads are batched: every read method issues one tensorstore operation per step (
 however many rows or windows it serves, so a 2000-row request costs a couple of I/O round trips, not
 2000. Out-of-range requests raise ``IndexError`` naming the bad row or range and the store's size.
 
-Integrity: a read never returns data that was not written. Arrays are opened with
-``fill_missing_data_reads: false``, so a chunk file that is missing (deleted, or not visible for a moment
-on object storage) is an error instead of a run of fill values (token 0); and since a chunk that equals
-the fill value must then exist on disk, every chunk is stored (``store_data_equal_to_fill_value``).
-Arrays created here end their codec chain with zarr3's ``crc32c``, so a flipped bit is an error
-(``DATA_LOSS``), not a token; stores written without it are read as they are (the codecs come from each
-array's ``zarr.json``). A checksum covers a chunk's bytes, not its place, so :meth:`JaggedArrayStore.finalize`
-also records which checksum belongs at which chunk (:mod:`levanter.store.chunk_manifest`), and a finished
-cache is checked against that record when it is opened: swapped chunks fail like corrupt ones. Opening a store with a committed row count (to read or to append) checks that
-every chunk the committed rows need is there (one directory listing per array on local disk), so a
-damaged cache is refused before training starts, and a resumed build never writes into a hole (a write
-into a missing chunk would fill the rest of it with zeros). :func:`storage_fault` reads tensorstore's
-error text (status code, chunk file) for the loader, which retries what may pass and names the damaged
-cache otherwise.
+Integrity: a read never returns data that was not written. Arrays are opened with ``fill_missing_data_reads:
+false``, so a chunk file that is missing (deleted, or not visible for a moment on object storage) is an
+error instead of a run of fill values (token 0); and since a chunk that equals the fill value must then
+exist on disk, every chunk is stored (``store_data_equal_to_fill_value``). Arrays created here end their
+codec chain with zarr3's ``crc32c``, so a flipped bit is an error (``DATA_LOSS``), not a token; stores
+written without it are read as they are (the codecs come from each array's ``zarr.json``). A checksum covers
+a chunk's bytes, not its place, so :meth:`JaggedArrayStore.finalize` also records which checksum belongs at
+which chunk (:mod:`levanter.store.chunk_manifest`), and a finished cache is checked against that record when
+it is opened: swapped chunks fail like corrupt ones. Opening a store with a committed row count (to read or
+to append) checks that every chunk the committed rows need is there (one directory listing per array on
+local disk), so a damaged cache is refused before training starts, and a resumed build never writes into a
+hole (a write into a missing chunk would fill the rest of it with zeros). :func:`storage_fault` reads
+tensorstore's error text (status code, chunk file) for the loader, which retries what may pass and names the
+damaged cache otherwise.
 
 Trade-off: chunks are not compressed by default. A random window decodes a whole chunk, and on local
 disk that costs more than the bytes saved (docs/performance.md). ``codec="zstd"`` is there for remote
