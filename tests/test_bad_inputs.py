@@ -179,6 +179,13 @@ def copy_cache(tmp: Path, shared: Path) -> None:
     shutil.copytree(shared / "cache", tmp / "cache")
 
 
+def swap_files(a: Path, b: Path) -> None:
+    aside = a.with_name(a.name + ".swap")
+    a.rename(aside)
+    b.rename(a)
+    aside.rename(b)
+
+
 def truncate_ledger(tmp: Path, shared: Path) -> None:
     copy_cache(tmp, shared)
     ledger = tmp / "cache" / "train" / "shard_ledger.json"
@@ -333,6 +340,50 @@ def build_then_edit(before: dict, after: dict) -> Callable[[Path, Path], None]:
         write_files(after)(tmp, shared)
 
     return setup
+
+
+def build_then_edit_keeping_mtime(name: str) -> Callable[[Path, Path], None]:
+    """Write ``name`` (GOOD_JSONL), build the case's cache, then change one digit in the middle of the file
+    (same size) and put its modification time back, as ``cp -p`` or ``rsync -t`` would."""
+
+    def setup(tmp: Path, shared: Path) -> None:
+        write_files({name: GOOD_JSONL})(tmp, shared)
+        cache_dataset.main(cache_dataset.load_data_config(str(tmp / "config.yaml")))
+        path = tmp / name
+        st = os.stat(path)
+        data = bytearray(path.read_bytes())
+        mid = len(data) // 2
+        while not chr(data[mid]).isdigit():
+            mid += 1
+        data[mid] = ord("1") if data[mid] != ord("1") else ord("2")
+        path.write_bytes(bytes(data))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    return setup
+
+
+def record_partial_hash(tmp: Path, shared: Path) -> None:
+    """Build the case's cache, then rewrite its ledger as caches recorded files over 4 MiB before: a hash of
+    the first and last MiB (``sampled``), no ctime or inode."""
+    from levanter.store import CacheLedger
+
+    write_files({"data.jsonl": GOOD_JSONL})(tmp, shared)
+    cache_dataset.main(cache_dataset.load_data_config(str(tmp / "config.yaml")))
+    ledger = CacheLedger.load(tmp / "cache" / "train")
+    for ident in ledger.metadata["inputs"].values():
+        ident.pop("ctime", None)
+        ident.pop("inode", None)
+        ident["sampled"] = True
+    ledger.save(tmp / "cache" / "train")
+
+
+def build_then_move(tmp: Path, shared: Path) -> None:
+    """Build the cache from ``data.jsonl``, then copy the file to ``moved/`` (the case's config reads it
+    there): the same content under another path."""
+    write_files({"data.jsonl": GOOD_JSONL, "moved/data.jsonl": GOOD_JSONL})(tmp, shared)
+    original = tmp / "original.yaml"
+    original.write_text((tmp / "config.yaml").read_text().replace("/moved/data.jsonl", "/data.jsonl"))
+    cache_dataset.main(cache_dataset.load_data_config(str(original)))
 
 
 def zstd_cut(text: str, keep: float) -> bytes:
@@ -674,6 +725,18 @@ CASES: list[Case] = [
          setup=lambda t, s: (copy_cache(t, s), [
              p.write_bytes(p.read_bytes()[:9] + bytes([p.read_bytes()[9] ^ 4]) + p.read_bytes()[10:])
              for p in (t / "cache/train/input_ids/data/c").iterdir()])),
+    Case("cache-chunks-swapped", "cache reads", "a finished cache with two token chunk files swapped", 2,
+         ["the cache at $TMP/cache/train is damaged", "$TMP/cache/train/input_ids/data/c/0",
+          "$TMP/cache/train/input_ids/data/c/1", "checksum of another position", "delete it to rebuild"],
+         args=["--data.cache_dir", "$TMP/cache"], needs=["cache"],
+         setup=lambda t, s: (copy_cache(t, s), swap_files(t / "cache/train/input_ids/data/c/0",
+                                                           t / "cache/train/input_ids/data/c/1"))),
+    Case("cache-without-chunk-record", "cache reads",
+         "a finished cache written before chunk checksums were bound to positions (no `chunk_checksums.json`)",
+         2,
+         ["the cache at $TMP/cache/train", "records no position of its chunk checksums", "delete it to rebuild"],
+         args=["--data.cache_dir", "$TMP/cache"], needs=["cache"],
+         setup=lambda t, s: (copy_cache(t, s), os.remove(t / "cache/train/input_ids/chunk_checksums.json"))),
     Case("cache-offsets-chunk-deleted", "cache reads", "a finished cache with its offsets chunk file deleted", 2,
          ["the cache at $TMP/cache/train is damaged", "$TMP/cache/train/input_ids/offsets/c/0 is missing",
           "delete it to rebuild"], args=["--data.cache_dir", "$TMP/cache"], needs=["cache"],
@@ -697,6 +760,25 @@ CASES: list[Case] = [
          ["data.train_urls", "$TMP/data.jsonl changed size", "delete $TMP/cache/train"],
          yaml=files_data('["$TMP/data.jsonl"]'),
          setup=build_then_edit({"data.jsonl": GOOD_JSONL}, {"data.jsonl": GOOD_JSONL * 3})),
+    Case("input-edited-mtime-restored", "inputs and cache builds",
+         "an input file edited in the middle (same size) after its cache was built, its mtime put back (`cp -p`)",
+         2, ["data.train_urls", "$TMP/data.jsonl was modified (same size, different content)",
+             "delete $TMP/cache/train"],
+         yaml=files_data('["$TMP/data.jsonl"]'), setup=build_then_edit_keeping_mtime("data.jsonl")),
+    Case("cache-partial-input-hash", "inputs and cache builds",
+         "a cache written when files over 4 MiB were identified by their first and last MiB only", 2,
+         ["only a partial content hash", "$TMP/data.jsonl", "delete $TMP/cache/train to rebuild it"],
+         yaml=files_data('["$TMP/data.jsonl"]'), setup=record_partial_hash),
+    Case("cache-verify-inputs-unknown", "inputs and cache builds", "`cache_options.verify_inputs: always`", 2,
+         ["data.cache_options.verify_inputs", "metadata, full", "'always'"],
+         yaml=edit(files_data('["$TMP/data.jsonl"]'), "cache_options: {num_workers: 1}",
+                   "cache_options: {num_workers: 1, verify_inputs: always}"),
+         setup=write_files({"data.jsonl": GOOD_JSONL})),
+    Case("cache-inputs-moved", "inputs and cache builds",
+         "the input files of a finished cache copied to another directory (or a bucket) and the URLs changed", 2,
+         ["$TMP/cache/train", "different settings", "urls:", "$TMP/moved/data.jsonl",
+          "tied to the paths of its input files", "point the URLs back"],
+         yaml=files_data('["$TMP/moved/data.jsonl"]'), setup=build_then_move),
     Case("glob-gained-a-shard", "inputs and cache builds",
          "a new shard matching the glob of a finished cache", 2,
          ["data.train_urls", "new file $TMP/shards/b.jsonl", "delete $TMP/cache/train"],

@@ -17,6 +17,8 @@ KEYS |= {"loss_blockwise_temp_ratio", "loss_blockwise_time_ratio", "llama_vanill
 KEYS |= {"attention_flash_temp_ratio", "attention_flash_time_ratio"}
 # The checkpoint section (scripts/bench/checkpoint_block.py).
 KEYS |= {"checkpoint_block_ratio"}
+# The input hash section (scripts/bench/input_hash.py).
+KEYS |= {"input_hash_gb_per_s"}
 
 
 @pytest.fixture(scope="module")

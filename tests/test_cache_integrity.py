@@ -62,3 +62,59 @@ def test_a_mixture_of_planned_reads_checks_every_window(tmp_path, prefetch):
     assert info.value.step == len(seen) <= 18
     n = len(seen)
     np.testing.assert_array_equal(np.concatenate(seen), tokens[: n * 8 * 16].reshape(-1, 16))
+
+
+# -- chunks in the wrong place --------------------------------------------------------------------------------
+def _built_cache(tmp_path):
+    import json
+
+    from levanter.ingest import ByteTokenizer, CacheOptions, build_or_load_cache
+
+    src = tmp_path / "data.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document {i} " * 40}) + "\n" for i in range(200)))
+    cache = build_or_load_cache([str(src)], str(tmp_path / "c"), ByteTokenizer(), options=CacheOptions(1, 16),
+                                progress=False)
+    return src, tmp_path / "c", cache.store.read_rows_sync(range(cache.ledger.total_rows))
+
+
+def _swap(a, b):
+    tmp = a.with_name(a.name + ".swap")
+    a.rename(tmp)
+    b.rename(a)
+    tmp.rename(b)
+
+
+def test_swapped_chunks_pass_their_own_checksum_but_are_refused_at_open(tmp_path):
+    from levanter.ingest import ByteTokenizer, CacheOptions, build_or_load_cache
+    from levanter.store import DamagedStoreError, TokenCache
+
+    src, cache_dir, rows = _built_cache(tmp_path)
+    chunks = cache_dir / "input_ids" / "data" / "c"
+    _swap(chunks / "1", chunks / "3")
+    wrong = [chunks / "1", chunks / "3"]
+    with pytest.raises(DamagedStoreError) as info:
+        TokenCache.open(str(cache_dir))
+    message = str(info.value)
+    assert message.startswith(f"the cache at {cache_dir} is damaged")
+    assert all(str(p) in message for p in wrong) and "checksum of another position" in message
+    assert message.endswith("delete it to rebuild")
+    with pytest.raises(DamagedStoreError, match="another position"):  # the same through a build call
+        build_or_load_cache([str(src)], str(cache_dir), ByteTokenizer(), options=CacheOptions(1, 16),
+                            progress=False)
+    _swap(chunks / "1", chunks / "3")  # put back in place, the cache serves exactly what it held
+    reopened = TokenCache.open(str(cache_dir))
+    again = reopened.store.read_rows_sync(range(reopened.ledger.total_rows))
+    assert len(again) == len(rows) and all(np.array_equal(a, b) for a, b in zip(again, rows))
+
+
+def test_a_cache_without_a_chunk_record_is_refused_with_how_to_rebuild(tmp_path):
+    from levanter.store import DamagedStoreError, TokenCache
+
+    _, cache_dir, _ = _built_cache(tmp_path)
+    (cache_dir / "input_ids" / "chunk_checksums.json").unlink()  # as finished by an older version
+    with pytest.raises(DamagedStoreError) as info:
+        TokenCache.open(str(cache_dir))
+    assert str(info.value) == (
+        f"the cache at {cache_dir} records no position of its chunk checksums (written by an older version), "
+        "so a chunk swapped with another would be read unnoticed; delete it to rebuild"
+    )

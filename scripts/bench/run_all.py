@@ -45,6 +45,8 @@ workers against the raw tokenizer on all cores and upstream's own builder, on th
 Checkpoint -- ``checkpoint_block.py``: how long ``Checkpointer.on_step`` stops the loop, a synchronous save
 against a background one (the loop waits for the copy to host memory only), for a 2 M (``--quick``) or 20 M
 parameter state with Adam's moments, and the background save's total time.
+Input hash -- ``input_hash.py``: the SHA-256 of a cache's input file (what a cache check reads whenever
+a file's metadata changed), in GB/s on a 1 GiB file (``--quick``: 256 MiB) in the page cache.
 
 Upstream needs the venv of ``setup_upstream_venv.sh`` (default ``~/.cache/levanter-bench/upstream-venv``,
 or ``--upstream-venv``); without it the upstream figures are null. See ``docs/performance.md``.
@@ -72,6 +74,7 @@ import _synthetic as syn
 import attention as attention_bench
 import cache_build as cb
 import checkpoint_block as ckb
+import input_hash as ih
 import loader_cache as lc
 import loss as loss_bench
 import loader_object_store as los
@@ -441,6 +444,8 @@ def report(out: dict) -> dict:
 
     if out.get("checkpoint"):
         ckb.print_section(out["checkpoint"])
+    if out.get("input_hash"):
+        ih.print_section(out["input_hash"])
 
     def pick(d, *path):
         for p in path:
@@ -465,6 +470,7 @@ def report(out: dict) -> dict:
         "attention_flash_temp_ratio": pick(out, "attention", "temp_ratio"),
         "attention_flash_time_ratio": pick(out, "attention", "time_ratio"),
         "checkpoint_block_ratio": pick(out, "checkpoint", "block_ratio"),
+        "input_hash_gb_per_s": pick(out, "input_hash", "hash_gb_per_s"),
     }
 
 
@@ -476,11 +482,12 @@ def main(argv=None) -> None:
     p.add_argument("--no-upstream", action="store_true", help="skip the upstream columns")
     p.add_argument("--only", default=None,
                    help="comma-separated sections: loader,upstream,stalls,memory,training,checksum,object_store,attention,loss,"
-                        "cache_build,checkpoint")
+                        "cache_build,checkpoint,input_hash")
     args = p.parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    sections = set((args.only or "loader,upstream,stalls,memory,training,checksum,object_store,attention,loss,cache_build,"
-                     "checkpoint").split(","))
+    every = ("loader,upstream,stalls,memory,training,checksum,object_store,attention,loss,cache_build,checkpoint,"
+             "input_hash")
+    sections = set((args.only or every).split(","))
     t_start = time.perf_counter()
     import jax
 
@@ -522,6 +529,7 @@ def main(argv=None) -> None:
             ("loss", lambda: out.update(loss=loss_bench.run(loss_bench.QUICK if args.quick else loss_bench.FULL))),
             ("cache_build", lambda: out.update(cache_build=cb.run(cb.QUICK if args.quick else cb.FULL, venv))),
             ("checkpoint", lambda: out.update(checkpoint=ckb.run(ckb.QUICK if args.quick else ckb.FULL))),
+            ("input_hash", lambda: out.update(input_hash=ih.run(ih.QUICK if args.quick else ih.FULL, work))),
         ):
             if name in sections and name != "upstream":
                 t0 = time.perf_counter()

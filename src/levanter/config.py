@@ -43,6 +43,7 @@ import fsspec
 import yaml
 
 from .cli_args import join_dash_values, suggest_key
+from levanter.utils import fs
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -348,7 +349,7 @@ def parse_config(
             with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False, encoding="utf-8") as tmp:
                 checked = tmp.name
                 yaml.safe_dump(raw, tmp, sort_keys=False, allow_unicode=True)
-        return _parse_quietly(config_class, checked, args)
+        return expand_user_paths(_parse_quietly(config_class, checked, args))
     except draccus.utils.ParsingError as e:
         raise ConfigError(
             describe_error(e, config_class, raw, source=config_path, args=args, origins=origins)
@@ -356,6 +357,44 @@ def parse_config(
     finally:
         if checked is not None:
             os.unlink(checked)
+
+
+# Config keys that name local paths (or URLs): ``~`` in them is the home directory (fs.expand_user). Matched
+# by field name in every section, so a new section's ``log_dir`` or ``cache_dir`` is covered too.
+LOCAL_PATH_KEYS = frozenset({
+    "cache_dir", "train_urls", "validation_urls", "base_path", "log_dir", "logdir", "dir",
+    "load_checkpoint_path", "initialize_from", "initialize_from_checkpoint_path", "initialize_from_hf",
+    "hf_save_path", "tokenizer", "output_dir", "checkpoint_path", "jax_compilation_cache_dir",
+})
+
+
+def _expanded(value):
+    if isinstance(value, str):
+        return fs.expand_user(value)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return type(value)(fs.expand_user(v) for v in value)
+    return value
+
+
+def expand_user_paths(config: T) -> T:
+    """``config`` with ``~`` expanded in every :data:`LOCAL_PATH_KEYS` field of it and of its nested
+    sections (dataclasses, and lists and mappings of them), in place; returns it."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        for f in dataclasses.fields(config):
+            value = getattr(config, f.name)
+            if f.name in LOCAL_PATH_KEYS:
+                new = _expanded(value)
+                if new != value:
+                    object.__setattr__(config, f.name, new)  # sections may be frozen dataclasses
+            else:
+                expand_user_paths(value)
+    elif isinstance(config, dict):
+        for v in config.values():
+            expand_user_paths(v)
+    elif isinstance(config, (list, tuple)):
+        for v in config:
+            expand_user_paths(v)
+    return config
 
 
 def _parse_quietly(config_class, config_path, args):

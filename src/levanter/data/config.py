@@ -204,7 +204,8 @@ class LMTaskConfig:
             except fs.StorageAccessError as e:
                 raise fs.StorageAccessError(f"{cache_key}: {e}") from None
             if ledger is not None and ledger.is_finished:
-                verify_inputs(split_dir, ledger, urls, what=f"{what}.{split}_urls")
+                verify_inputs(split_dir, ledger, urls, what=f"{what}.{split}_urls",
+                              full=self.cache_options.verify_inputs == "full")
                 continue
             expand_urls([u for u in urls if not u.startswith("embedded://")] or [], what=f"{what}.{split}_urls",
                         allow_empty=True)

@@ -1,7 +1,9 @@
 """Ingest: from documents on disk to a finished token cache.
 
 * :mod:`~levanter.ingest.sources`: URL expansion (globs, braces, fsspec) and per-format readers, with
-  errors naming the file and line at fault; :func:`file_identity`, what a cache records per input file.
+  errors naming the file and line at fault.
+* :mod:`~levanter.ingest.identity`: :func:`file_identity`, what a cache records per input file (metadata and
+  a hash of the whole content), and how a change is detected (``cache_options.verify_inputs``).
 * :mod:`~levanter.ingest.hf_sources`: Hugging Face datasets (local or on the hub) resolved to data files.
 * :mod:`~levanter.ingest.tokenization`: byte, Hugging Face and passthrough tokenizers behind one interface.
 * :mod:`~levanter.ingest.embedded`: the embedded default corpus (Python's own docs and code).
@@ -42,6 +44,7 @@ _EXPORTS = {
         "resolve_embedded_url",
     ),
     "errors": ("SourceError",),
+    "identity": ("VERIFY_MODES", "hash_file", "identity_change"),
     "hf_sources": ("hf_data_files",),
     "sources": (
         "check_embedded_url",

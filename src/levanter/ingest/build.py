@@ -19,12 +19,16 @@ counts. A killed build therefore resumes and ends byte-identical to an uninterru
 cache is never rewritten, and a cache whose recorded settings (tokenizer, text key, EOS, shard list)
 differ from the requested ones is refused, never silently reused.
 
-Stale inputs: the ledger records each input file's identity (:func:`~levanter.ingest.sources.file_identity`:
-size, modification time, content hash). Before a finished cache is served, or an interrupted build
-resumed, the configured URLs are expanded again and compared: a file that was edited, added to a glob or
-removed is refused with one error naming it. A finished cache whose input files are all gone still serves
-(the files are not needed once tokenized); a cache recorded without identities is served with a warning
-that it cannot be checked. ``embedded://`` sources are identified by their corpus fingerprint instead.
+Stale inputs: the ledger records each input file's identity
+(:func:`~levanter.ingest.identity.file_identity`: size, modification and status-change times, inode, a hash
+of the whole content). Before a finished cache is served, or an interrupted build resumed, the configured
+URLs are expanded again and compared: a file that was edited, added to a glob or removed is refused with one
+error naming it. A finished cache whose input files are all gone still serves (the files are not needed once
+tokenized); a cache recorded without identities is served with a warning that it cannot be checked.
+``embedded://`` sources are identified by their corpus fingerprint instead.
+
+Concurrent builders: a build holds ``<cache_dir>/build.lock`` (:mod:`levanter.ingest.build_lock`) while it
+writes; a second run building the same cache waits for it and then serves (or resumes) what it left.
 
 A build that produced no tokens is never marked finished, and one that committed no tokens restarts
 from scratch when its inputs changed. A full disk is reported as
@@ -51,10 +55,12 @@ from ..store.jagged_array import JaggedArrayStore
 from ..store.ledger import CacheLedger
 from ..utils.fault import fault_point
 from ..utils import fs
+from .build_lock import acquire_build_lock
 from .embedded import corpus_fingerprint, is_embedded_url, parse_embedded_url
 from .errors import SourceError
 from .progress import BuildProgress
-from .sources import check_embedded_url, expand_urls, file_identity, iter_located_documents
+from .identity import VERIFY_MODES, file_identity, identity_change, is_partial
+from .sources import check_embedded_url, expand_urls, iter_located_documents
 from .tokenize_worker import encode, encode_in_worker, init_worker
 
 logger = logging.getLogger(__name__)
@@ -89,6 +95,9 @@ class CacheOptions:
     backend: str = "process"
     # With backend ray: the cluster to join (host:port or 'auto'); unset starts a local Ray instance.
     ray_address: Optional[str] = None
+    # How a cache's local input files are checked: 'metadata' (rehash a file only when its size, mtime,
+    # ctime or inode changed) or 'full' (rehash every file whenever the cache is opened).
+    verify_inputs: str = "metadata"
 
     def resolved_workers(self) -> int:
         n = self.num_workers if self.num_workers is not None else (os.cpu_count() or 1)
@@ -106,6 +115,11 @@ class CacheOptions:
             raise ValueError(f"cache_options.num_workers must be >= 1, got {self.num_workers}")
         if self.batch_size < 1:
             raise ValueError(f"cache_options.batch_size must be >= 1, got {self.batch_size}")
+        if self.verify_inputs not in VERIFY_MODES:
+            raise ValueError(
+                f"cache_options.verify_inputs: expected one of {', '.join(VERIFY_MODES)}, got "
+                f"{self.verify_inputs!r}"
+            )
         if self.ray_address is not None and self.backend != "ray":
             raise ValueError(
                 f"cache_options.ray_address is set ({self.ray_address!r}) but cache_options.backend is "
@@ -146,8 +160,15 @@ def _check_metadata(cache_dir: str, found: dict, wanted: dict) -> None:
     if diffs:
         pairs = [(k, *_differing(found.get(k), wanted.get(k))) for k in diffs]
         detail = "; ".join(f"{k}: cache has {a!r}, config asks for {b!r}" for k, a, b in pairs)
+        moved = ""
+        if "urls" in diffs:
+            # Resume and reuse go by input path (the ledger counts documents per shard file): the same
+            # content under other paths, or cut into other shards, is another cache.
+            moved = (" A cache is tied to the paths of its input files: inputs moved (to a bucket, another "
+                     "directory) or re-split into other shards are not reused or resumed even when their "
+                     "content is the same; point the URLs back at the original files to reuse it.")
         raise CacheMismatchError(
-            f"the cache at {cache_dir!r} was built with different settings ({detail}). Use another "
+            f"the cache at {cache_dir!r} was built with different settings ({detail}).{moved} Use another "
             "cache_dir, or delete this one to rebuild it."
         )
 
@@ -192,25 +213,6 @@ def _input_identities(urls: Sequence[str], shards: Sequence[str], what: str) -> 
     return {sh: file_identity(sh) for sh in shards if sh in files}
 
 
-def _identity_change(path: str, old: dict) -> str | None:
-    """How ``path`` differs from its recorded identity ``old`` (None: unchanged). Hashes only when the
-    size is equal and the modification time is not, so an unchanged corpus costs one stat per file."""
-    now = file_identity(path, content_hash=False)
-    if now.get("size") != old.get("size"):
-        return f"{path} changed size ({old.get('size')} -> {now.get('size')} bytes)"
-    if now.get("mtime") == old.get("mtime"):
-        return None
-    if "sha256" not in old:
-        return f"{path} was modified (modification time {old.get('mtime')} -> {now.get('mtime')})"
-    now = file_identity(path)
-    if now.get("sha256") != old["sha256"]:
-        return f"{path} was modified (same size, different content)"
-    if old.get("sampled"):
-        logger.warning("%s has a new modification time but the same size and sampled content; treating it "
-                       "as unchanged", path)
-    return None
-
-
 def _describe(items: list[str], limit: int = 3) -> str:
     shown = "; ".join(items[:limit])
     return shown if len(items) <= limit else f"{shown}; and {len(items) - limit} more"
@@ -220,15 +222,29 @@ def _describe(items: list[str], limit: int = 3) -> str:
 _warned_unchecked: set[str] = set()
 
 
+def _refuse_partial(cache_dir: str, recorded: dict, paths: Sequence[str], what: str) -> None:
+    partial = [p for p in paths if p in recorded and is_partial(recorded[p])]
+    if partial:
+        raise CacheMismatchError(
+            f"the token cache at {cache_dir!r} records only a partial content hash (first and last MiB) of "
+            f"{_describe(partial)} ({what}), so an edit inside it cannot be detected: delete {cache_dir} to "
+            "rebuild it (the rebuilt cache records a hash of the whole content)."
+        )
+
+
 def verify_inputs(
-    cache_dir: str, ledger: CacheLedger, urls: Sequence[str], *, what: str = "train_urls"
+    cache_dir: str, ledger: CacheLedger, urls: Sequence[str], *, what: str = "train_urls", full: bool = False
 ) -> None:
     """Refuse (:class:`CacheMismatchError`) when the input files of the cache ``ledger`` describes differ
     from what ``urls`` name now: an edited file, a file added to or gone from the shard list.
 
-    Where none of the recorded files exists any more the cache is served unchecked (tokenized data needs
-    no raw files); a cache recorded without identities gets a warning that it cannot be checked.
+    ``full`` hashes every local file (``cache_options.verify_inputs: full``); otherwise a file is hashed
+    only when its metadata changed (:func:`~levanter.ingest.identity.identity_change`). Where none of the
+    recorded files exists any more the cache is served unchecked (tokenized data needs no raw files); a
+    cache recorded without identities gets a warning that it cannot be checked.
     """
+    if "urls" in ledger.metadata:  # inputs moved to other paths: named as such, before their files
+        _check_metadata(cache_dir, {"urls": ledger.metadata["urls"]}, {"urls": list(urls)})
     recorded = ledger.metadata.get("inputs")
     if recorded is None:
         # Once per cache and process: a run (or a benchmark) opens the same cache many times, and the
@@ -248,7 +264,10 @@ def verify_inputs(
         return
     changes = [f"new file {p}" for p in current if p not in recorded]
     changes += [f"{p} is gone" for p in recorded if p not in current]
-    changes += [c for p in current if p in recorded and (c := _identity_change(p, recorded[p]))]
+    if not changes:
+        _refuse_partial(cache_dir, recorded, current, what)
+    changes += [c for p in current if p in recorded and not is_partial(recorded[p])
+                and (c := identity_change(p, recorded[p], full=full))]
     if changes:
         raise CacheMismatchError(
             f"the input files of {what} changed since the token cache at {cache_dir!r} was built: "
@@ -301,15 +320,29 @@ def build_or_load_cache(
         ledger = CacheLedger.load(cache_dir)
     except fs.StorageAccessError as e:
         raise fs.StorageAccessError(f"{cache_key}: {e}") from None
+    full = options.verify_inputs == "full"
     if ledger is not None:
         _check_metadata(cache_dir, ledger.metadata, wanted)
         if ledger.is_finished:
-            verify_inputs(cache_dir, ledger, urls, what=what)
+            verify_inputs(cache_dir, ledger, urls, what=what, full=full)
             return TokenCache.open(cache_dir)
     check_writable(cache_dir, cache_key)
     try:
-        return _build(urls, cache_dir, tokenizer, ledger, wanted, text_key=text_key, enforce_eos=enforce_eos,
-                      options=options, embedded_dir=embedded_dir, what=what, progress=progress)
+        # One builder at a time: another run building this cache now is waited for, and what it finished
+        # is served (levanter.ingest.build_lock).
+        lock = acquire_build_lock(cache_dir, ledger_path=CacheLedger.path_in(cache_dir))
+        try:
+            ledger = CacheLedger.load(cache_dir)
+            if ledger is not None:
+                _check_metadata(cache_dir, ledger.metadata, wanted)
+                if ledger.is_finished:
+                    verify_inputs(cache_dir, ledger, urls, what=what, full=full)
+                    return TokenCache.open(cache_dir)
+            return _build(urls, cache_dir, tokenizer, ledger, wanted, text_key=text_key,
+                          enforce_eos=enforce_eos, options=options, embedded_dir=embedded_dir, what=what,
+                          progress=progress)
+        finally:
+            lock.release()
     except OutOfSpaceError:
         raise
     except Exception as e:
@@ -327,7 +360,7 @@ def _build(urls, cache_dir, tokenizer, ledger, wanted, *, text_key, enforce_eos,
     fs.remove_stale_temporaries(cache_dir, "shard_ledger.json")
     shards = expand_urls(urls, embedded_dir=embedded_dir, what=what)
     if ledger is not None:
-        changed = _resume_mismatch(ledger, urls, shards, what)
+        changed = _resume_mismatch(cache_dir, ledger, shards, what, full=options.verify_inputs == "full")
         if changed is not None and ledger.total_tokens == 0:
             # Nothing of value was committed (e.g. a build that found no text): start again from the
             # current files rather than make the user delete the directory.
@@ -493,7 +526,8 @@ def _encoder(options: CacheOptions, tokenizer, eos, todo_bytes: int):
     return _InlineEncoder(tokenizer, eos)
 
 
-def _resume_mismatch(ledger: CacheLedger, urls: Sequence[str], shards: list[str], what: str) -> str | None:
+def _resume_mismatch(cache_dir: str, ledger: CacheLedger, shards: list[str], what: str, *,
+                     full: bool) -> str | None:
     """How the inputs of an interrupted build differ from ``shards`` (None: they match)."""
     before = ledger.metadata.get("shards") or []
     if before != shards:
@@ -503,5 +537,7 @@ def _resume_mismatch(ledger: CacheLedger, urls: Sequence[str], shards: list[str]
     recorded = ledger.metadata.get("inputs")
     if recorded is None:
         return None
-    changes = [c for p, old in recorded.items() if p in shards and (c := _identity_change(p, old))]
+    if ledger.total_tokens:
+        _refuse_partial(cache_dir, recorded, shards, what)
+    changes = [c for p, old in recorded.items() if p in shards and (c := identity_change(p, old, full=full))]
     return _describe(changes) if changes else None

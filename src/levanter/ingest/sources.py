@@ -16,13 +16,12 @@ Completeness: a compressed shard that ends early is an error saying "truncated",
 gzip checks this itself; zstd does not (a stream cut inside a block decodes to nothing, silently), so
 ``.zst`` shards are read through :class:`_ZstdReader`, which raises when the input ends inside a frame.
 
-:func:`file_identity` is what a token cache records about each input file (size, modification time, and a
-content hash of local files) so that a cache is never reused after its inputs changed.
+:func:`file_identity` (from :mod:`levanter.ingest.identity`) is what a token cache records about each input
+file, so that a cache is never reused after its inputs changed.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -32,6 +31,7 @@ from collections.abc import Iterator, Sequence
 from ..utils import fs
 
 from .errors import SourceError
+from .identity import file_identity
 
 __all__ = [
     "SourceError",
@@ -105,11 +105,6 @@ def check_embedded_url(url: str, *, what: str = "train_urls") -> None:
         parse_embedded_url(url)
     except ValueError as e:
         raise SourceError(f"{what}: {url!r}: {e}") from None
-
-
-def _is_local(fs) -> bool:
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return protocol in ("file", "local")
 
 
 def _storage(url: str, what: str, op):
@@ -199,52 +194,6 @@ def _resolved(path: str) -> str:
     if fs.is_url(path) or os.path.isabs(os.path.expanduser(path)):
         return ""
     return f" (resolved to {os.path.abspath(path)} from the working directory {os.getcwd()})"
-
-
-# -- input identity ----------------------------------------------------------------------------------
-_WHOLE_FILE_HASH_LIMIT = 4 * 2**20
-_SAMPLE = 2**20
-
-
-def file_identity(path: str, *, content_hash: bool = True) -> dict:
-    """What identifies the content of input file ``path``: ``size``, ``mtime`` and, for local files (unless
-    ``content_hash`` is false), ``sha256`` of the whole file (up to 4 MiB) or of its first and last MiB plus
-    the size (``sampled``).
-
-    Remote files get no hash: reading them costs a request per shard, and their modification time (or
-    ETag) already changes with every upload.
-    """
-    try:
-        return _file_identity(path, content_hash)
-    except FileNotFoundError:
-        raise SourceError(f"file not found: {path!r}") from None
-    except OSError as e:
-        raise SourceError(f"{path}: cannot read the file ({e.strerror or e})") from None
-
-
-def _file_identity(path: str, content_hash: bool) -> dict:
-    fsys, fpath = fs.filesystem(path)
-    if _is_local(fsys):
-        st = os.stat(fpath)
-        ident: dict = {"size": int(st.st_size), "mtime": str(st.st_mtime_ns)}
-        if not content_hash:
-            return ident
-        h = hashlib.sha256()
-        with open(fpath, "rb") as f:
-            if st.st_size <= _WHOLE_FILE_HASH_LIMIT:
-                h.update(f.read())
-            else:
-                h.update(f.read(_SAMPLE))
-                f.seek(st.st_size - _SAMPLE)
-                h.update(f.read(_SAMPLE))
-                h.update(str(st.st_size).encode())
-                ident["sampled"] = True
-        ident["sha256"] = h.hexdigest()
-        return ident
-    info = fs.info(path)
-    stamp = next((info[k] for k in ("mtime", "updated", "LastModified", "last_modified", "ETag", "etag")
-                  if info.get(k) is not None), None)
-    return {"size": int(info.get("size") or 0), "mtime": None if stamp is None else str(stamp)}
 
 
 class _ZstdReader(io.RawIOBase):

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import draccus
 
 from ..cli_args import join_dash_values, key_is_known, suggest_key
-from ..config import ConfigError, describe_error, load_yaml_origins, split_config_path
+from ..config import ConfigError, describe_error, expand_user_paths, load_yaml_origins, split_config_path
 from ..config_doc import EntryPoint, all_fields, format_help
 from ..data.config import DataConfig, LMMixtureDatasetConfig
 from ..errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError
@@ -141,7 +141,7 @@ def load_data_config(config_path: str, args: Sequence[str] = ()) -> DataConfig:
     section = raw.get("data") or {} if whole else raw
     section = _merge(dict(section), _override_tree(args, "data" if whole else ""))
     try:
-        return draccus.decode(DataConfig, section)
+        return expand_user_paths(draccus.decode(DataConfig, section))
     except draccus.utils.ParsingError as e:
         where = ("data",) if whole else ()
         message = describe_error(e, DataConfig, section, source=config_path, args=args, prefix=where,

@@ -3,7 +3,8 @@
 A cache directory holds ``input_ids/`` (a :class:`~levanter.store.jagged_array.JaggedArrayStore`, one
 row per document) and ``shard_ledger.json`` (a :class:`~levanter.store.ledger.CacheLedger`). The ledger is
 the authority on how many rows are committed, so the store is opened with its row count; a cache whose
-ledger is not marked finished is refused (its build was interrupted). Caches are written by
+ledger is not marked finished is refused (its build was interrupted), and so is one whose chunk files are
+not where their recorded checksums say (:mod:`levanter.store.chunk_manifest`). Caches are written by
 :mod:`levanter.ingest.build`.
 """
 
@@ -44,4 +45,6 @@ class TokenCache:
         store = JaggedArrayStore.open(
             fs.join(cache_dir, "input_ids"), mode="r", num_rows=ledger.total_rows
         )
+        # Each chunk's checksum must be the one recorded for its position: a swapped chunk passes its own.
+        store.verify_chunk_positions()
         return TokenCache(cache_dir, store, ledger)

@@ -22,18 +22,20 @@ Reads are batched: every read method issues one tensorstore operation per step (
 however many rows or windows it serves, so a 2000-row request costs a couple of I/O round trips, not
 2000. Out-of-range requests raise ``IndexError`` naming the bad row or range and the store's size.
 
-Integrity: a read never returns data that was not written. Arrays are opened with
-``fill_missing_data_reads: false``, so a chunk file that is missing (deleted, or not visible for a moment
-on object storage) is an error instead of a run of fill values (token 0); and since a chunk that equals
-the fill value must then exist on disk, every chunk is stored (``store_data_equal_to_fill_value``).
-Arrays created here end their codec chain with zarr3's ``crc32c``, so a flipped bit is an error
-(``DATA_LOSS``), not a token; stores written without it are read as they are (the codecs come from each
-array's ``zarr.json``). Opening a store with a committed row count (to read or to append) checks that
-every chunk the committed rows need is there (one directory listing per array on local disk), so a
-damaged cache is refused before training starts, and a resumed build never writes into a hole (a write
-into a missing chunk would fill the rest of it with zeros). :func:`storage_fault` reads tensorstore's
-error text (status code, chunk file) for the loader, which retries what may pass and names the damaged
-cache otherwise.
+Integrity: a read never returns data that was not written. Arrays are opened with ``fill_missing_data_reads:
+false``, so a chunk file that is missing (deleted, or not visible for a moment on object storage) is an
+error instead of a run of fill values (token 0); and since a chunk that equals the fill value must then
+exist on disk, every chunk is stored (``store_data_equal_to_fill_value``). Arrays created here end their
+codec chain with zarr3's ``crc32c``, so a flipped bit is an error (``DATA_LOSS``), not a token; stores
+written without it are read as they are (the codecs come from each array's ``zarr.json``). A checksum covers
+a chunk's bytes, not its place, so :meth:`JaggedArrayStore.finalize` also records which checksum belongs at
+which chunk (:mod:`levanter.store.chunk_manifest`), and a finished cache is checked against that record when
+it is opened: swapped chunks fail like corrupt ones. Opening a store with a committed row count (to read or
+to append) checks that every chunk the committed rows need is there (one directory listing per array on
+local disk), so a damaged cache is refused before training starts, and a resumed build never writes into a
+hole (a write into a missing chunk would fill the rest of it with zeros). :func:`storage_fault` reads
+tensorstore's error text (status code, chunk file) for the loader, which retries what may pass and names the
+damaged cache otherwise.
 
 Trade-off: chunks are not compressed by default. A random window decodes a whole chunk, and on local
 disk that costs more than the bytes saved (docs/performance.md). ``codec="zstd"`` is there for remote
@@ -53,6 +55,7 @@ import numpy as np
 import tensorstore as ts
 
 from ..utils import fs
+from . import chunk_manifest
 
 __all__ = [
     "JaggedArrayStore",
@@ -503,9 +506,11 @@ class JaggedArrayStore:
             _check_chunks(path, "data", data, data_size)
         if mode == "a":
             # Reset the garbage past the committed end now, so the store is what a clean build of the
-            # committed rows would be whatever the next appends write.
+            # committed rows would be whatever the next appends write; the chunk record of a finished
+            # store no longer holds once it is appended to (finalize writes it again).
             data = _truncate(data, data_size)
             offsets = _truncate(offsets, num_rows + 1)
+            chunk_manifest.remove(path)
         return cls(path, data, offsets, num_rows=num_rows, data_size=data_size, writable=mode == "a")
 
     @classmethod
@@ -515,6 +520,7 @@ class JaggedArrayStore:
                 f"chunk sizes must be >= 1, got data_chunk={data_chunk}, offsets_chunk={offsets_chunk}"
             )
         codecs = _codecs(codec, checksum)
+        chunk_manifest.remove(path)
         data = _create_array(
             _kvstore(path, "data"), dtype=dtype, chunk=data_chunk, codecs=codecs, context=_CONTEXT
         )
@@ -633,6 +639,22 @@ class JaggedArrayStore:
             raise PermissionError(f"store at {self.path!r} was opened read-only")
         self._data = self._data.resize(exclusive_max=[self._data_size]).result()
         self._offsets = self._offsets.resize(exclusive_max=[self._num_rows + 1]).result()
+        chunk_manifest.write(self.path, {"data": self._data, "offsets": self._offsets}, _CONTEXT)
+
+    def verify_chunk_positions(self, *, require: bool = True) -> None:
+        """Refuse (:class:`DamagedStoreError`) a finalized store with a chunk file whose checksum belongs at
+        another position (:mod:`levanter.store.chunk_manifest`); with ``require``, also one whose
+        checksummed chunks were never recorded (finished by an older version)."""
+        problem = chunk_manifest.check(self.path, {"data": self._data, "offsets": self._offsets}, _CONTEXT)
+        if problem == "unrecorded":
+            if require:
+                root = cache_root(self.path)
+                raise DamagedStoreError(
+                    f"the cache at {root} records no position of its chunk checksums (written by an older "
+                    "version), so a chunk swapped with another would be read unnoticed; delete it to rebuild"
+                )
+        elif problem is not None:
+            raise _damaged(self.path, problem)
 
     # -- reading -------------------------------------------------------------------------------------
     def _read(self, view: ts.TensorStore) -> ts.Future:

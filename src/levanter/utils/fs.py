@@ -91,8 +91,22 @@ def is_object_store(path: str | os.PathLike) -> bool:
     return _scheme(os.fspath(path)) in _OBJECT_SCHEMES
 
 
-def _strip_file(path: str) -> str:
+def expand_user(path: str | os.PathLike) -> str:
+    """``path`` with a leading ``~`` (or ``~user``) expanded when it is a local path (``file://`` kept);
+    URLs and other strings unchanged. Every local path a config names goes through here (the helpers
+    below, and :func:`levanter.config.expand_user_paths` for code that opens files itself), so
+    ``cache_dir: ~/x`` means the home directory's ``x``, never a folder named ``~``."""
     path = os.fspath(path)
+    if path.lower().startswith("file://"):
+        rest = path[len("file://") :]
+        return "file://" + os.path.expanduser(rest) if rest.startswith("~") else path
+    if path.startswith("~") and not is_url(path):
+        return os.path.expanduser(path)
+    return path
+
+
+def _strip_file(path: str) -> str:
+    path = expand_user(path)
     if path.lower().startswith("file://"):
         return path[len("file://") :] or "/"
     return path
@@ -786,6 +800,7 @@ def probe_writable(directory: str | os.PathLike) -> None:
     fails in seconds, naming its config key, instead of after a cache build."""
     directory = os.fspath(directory)
     if not is_url(directory):
+        directory = abspath(directory)
         os.makedirs(directory, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-probe-") as f:
             f.write(b"ok")
@@ -875,6 +890,7 @@ def remove_stale_temporaries(directory: str, name: str) -> list[str]:
     leave no temporaries (a PUT is all or nothing): nothing to do there."""
     if is_url(directory):
         return []
+    directory = abspath(directory)
     prefix = "." + name + "."
     try:
         entries = os.listdir(directory)
