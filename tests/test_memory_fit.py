@@ -23,6 +23,7 @@ from levanter.memory_fit import (
     ENV_DEVICE_MEMORY,
     StepCompiler,
     StepMemory,
+    is_resource_exhausted,
     microbatch_candidates,
     oom_figures,
     search_microbatch,
@@ -82,6 +83,18 @@ def test_microbatch_search_finds_the_largest_that_fits_with_few_compiles():
     calls.clear()
     pick, seen = search_microbatch(at, [32, 16, 8, 4, 2, 1], budget=1000 + 100 * 40, known={64: StepMemory(7400)})
     assert pick == 32 and calls == [32]
+
+
+def test_device_out_of_memory_is_told_from_a_full_disk():
+    xla = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1234 bytes.")
+    assert is_resource_exhausted(xla)
+    # tensorstore's full disk carries the same status code
+    disk = ValueError("RESOURCE_EXHAUSTED: Error writing local file \"/x/c/0\": [OS error 28: No space left on device]")
+    assert not is_resource_exhausted(disk)
+    try:
+        raise RuntimeError("the step failed") from xla
+    except RuntimeError as e:
+        assert is_resource_exhausted(e)
 
 
 def test_xla_out_of_memory_figures():

@@ -108,11 +108,17 @@ _SCALE = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def is_resource_exhausted(err: BaseException) -> bool:
-    """Whether ``err`` (or what it was raised from) is XLA running out of device memory."""
+    """Whether ``err`` (or what it was raised from) is XLA running out of device memory: a
+    ``JaxRuntimeError`` saying ``RESOURCE_EXHAUSTED``. Tensorstore reports a full disk with the same status
+    code (as a ``ValueError``); that is :func:`levanter.errors.is_out_of_space`'s, never this."""
+    from levanter.errors import is_out_of_space
+
+    if is_out_of_space(err):
+        return False
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
-        if "RESOURCE_EXHAUSTED" in str(err):
+        if isinstance(err, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(err):
             return True
         err = err.__cause__ or err.__context__
     return False
