@@ -164,3 +164,15 @@ def test_profiler_writes_a_trace_of_the_window(tmp_path, monkeypatch):
     traces = glob.glob(str(tmp_path / "logs" / "fit" / "profiler" / "plugins" / "profile" / "*" / "*.xplane.pb"))
     assert len(traces) == 1 and Path(traces[0]).stat().st_size > 0
     assert jax.profiler is not None
+
+
+def test_the_checked_step_is_the_runs_step(tmp_path, monkeypatch, caplog):
+    # With the device's memory known the step is compiled before the first step; the run then uses that
+    # executable: the train step (jit(flat)) compiles once, not twice.
+    _, cfg = _config(tmp_path, "--trainer.train_batch_size", "8")
+    monkeypatch.setenv(ENV_DEVICE_MEMORY, "64GiB")
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.DEBUG, logger="jax._src.interpreters.pxla"):
+        assert train_lm.main(cfg)["final_step"] == 2
+    compiles = [r for r in caplog.records if r.getMessage().startswith("Compiling jit(flat)")]
+    assert len(compiles) == 1, [r.getMessage()[:80] for r in compiles]
