@@ -176,3 +176,19 @@ def test_the_checked_step_is_the_runs_step(tmp_path, monkeypatch, caplog):
         assert train_lm.main(cfg)["final_step"] == 2
     compiles = [r for r in caplog.records if r.getMessage().startswith("Compiling jit(flat)")]
     assert len(compiles) == 1, [r.getMessage()[:80] for r in compiles]
+
+
+def test_the_plan_says_what_auto_picks(tmp_path, capsys, monkeypatch):
+    path, _ = _config(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    train_lm.cli(["--config_path", path, "--dry_run", "--device_memory", "16GiB",
+                  "--trainer.per_device_parallelism", "auto"])
+    out = capsys.readouterr().out
+    assert "per_device_parallelism: auto picks 4 (" in out and "1 microbatch;" in out  # 32 / 8 devices fit
+    train_lm.cli(["--config_path", path, "--dry_run", "--device_memory", "1KiB", "--trainer.train_batch_size", "16",
+                  "--trainer.per_device_parallelism", "auto"])
+    out = capsys.readouterr().out
+    assert "auto finds no microbatch that fits (planned: the smallest, 1 per device)" in out
+    assert "2 microbatches;" in out and "DOES NOT FIT" in out
+    assert "what lowers it        model.gradient_checkpointing: true ->" in out
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "ckpt").exists()
