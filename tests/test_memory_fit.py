@@ -23,6 +23,7 @@ from levanter.memory_fit import (
     ENV_DEVICE_MEMORY,
     StepCompiler,
     StepMemory,
+    is_resource_exhausted,
     microbatch_candidates,
     oom_figures,
     search_microbatch,
@@ -82,6 +83,18 @@ def test_microbatch_search_finds_the_largest_that_fits_with_few_compiles():
     calls.clear()
     pick, seen = search_microbatch(at, [32, 16, 8, 4, 2, 1], budget=1000 + 100 * 40, known={64: StepMemory(7400)})
     assert pick == 32 and calls == [32]
+
+
+def test_device_out_of_memory_is_told_from_a_full_disk():
+    xla = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1234 bytes.")
+    assert is_resource_exhausted(xla)
+    # tensorstore's full disk carries the same status code
+    disk = ValueError("RESOURCE_EXHAUSTED: Error writing local file \"/x/c/0\": [OS error 28: No space left on device]")
+    assert not is_resource_exhausted(disk)
+    try:
+        raise RuntimeError("the step failed") from xla
+    except RuntimeError as e:
+        assert is_resource_exhausted(e)
 
 
 def test_xla_out_of_memory_figures():
@@ -151,3 +164,31 @@ def test_profiler_writes_a_trace_of_the_window(tmp_path, monkeypatch):
     traces = glob.glob(str(tmp_path / "logs" / "fit" / "profiler" / "plugins" / "profile" / "*" / "*.xplane.pb"))
     assert len(traces) == 1 and Path(traces[0]).stat().st_size > 0
     assert jax.profiler is not None
+
+
+def test_the_checked_step_is_the_runs_step(tmp_path, monkeypatch, caplog):
+    # With the device's memory known the step is compiled before the first step; the run then uses that
+    # executable: the train step (jit(flat)) compiles once, not twice.
+    _, cfg = _config(tmp_path, "--trainer.train_batch_size", "8")
+    monkeypatch.setenv(ENV_DEVICE_MEMORY, "64GiB")
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.DEBUG, logger="jax._src.interpreters.pxla"):
+        assert train_lm.main(cfg)["final_step"] == 2
+    compiles = [r for r in caplog.records if r.getMessage().startswith("Compiling jit(flat)")]
+    assert len(compiles) == 1, [r.getMessage()[:80] for r in compiles]
+
+
+def test_the_plan_says_what_auto_picks(tmp_path, capsys, monkeypatch):
+    path, _ = _config(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    train_lm.cli(["--config_path", path, "--dry_run", "--device_memory", "16GiB",
+                  "--trainer.per_device_parallelism", "auto"])
+    out = capsys.readouterr().out
+    assert "per_device_parallelism: auto picks 4 (" in out and "1 microbatch;" in out  # 32 / 8 devices fit
+    train_lm.cli(["--config_path", path, "--dry_run", "--device_memory", "1KiB", "--trainer.train_batch_size", "16",
+                  "--trainer.per_device_parallelism", "auto"])
+    out = capsys.readouterr().out
+    assert "auto finds no microbatch that fits (planned: the smallest, 1 per device)" in out
+    assert "2 microbatches;" in out and "DOES NOT FIT" in out
+    assert "what lowers it        model.gradient_checkpointing: true ->" in out
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "ckpt").exists()

@@ -70,7 +70,9 @@ def parse_bytes(text: str, what: str = "--device_memory") -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)(?:e(\d+))?\s*([a-zA-Z]*)\s*", text)
     unit = m.group(3).lower() if m else None
     if m is None or unit not in _UNITS:
-        raise ValueError(f"{what} {text!r} is not a size: give a number with a unit, e.g. 16GiB, 80GB or 512MiB")
+        raise ValueError(
+            f"{what} {text!r} is not a size: give a number with a unit, e.g. 16GiB, 80GB or 512MiB"
+        )
     value = float(m.group(1)) * (10 ** int(m.group(2)) if m.group(2) else 1) * _UNITS[unit]
     if value <= 0:
         raise ValueError(f"{what} must be positive, got {text!r}")
@@ -108,11 +110,17 @@ _SCALE = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def is_resource_exhausted(err: BaseException) -> bool:
-    """Whether ``err`` (or what it was raised from) is XLA running out of device memory."""
+    """Whether ``err`` (or what it was raised from) is XLA running out of device memory: a
+    ``JaxRuntimeError`` saying ``RESOURCE_EXHAUSTED``. Tensorstore reports a full disk with the same status
+    code (as a ``ValueError``); that is :func:`levanter.errors.is_out_of_space`'s, never this."""
+    from levanter.errors import is_out_of_space
+
+    if is_out_of_space(err):
+        return False
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
-        if "RESOURCE_EXHAUSTED" in str(err):
+        if isinstance(err, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(err):
             return True
         err = err.__cause__ or err.__context__
     return False
@@ -158,7 +166,9 @@ def abstract_state(trainer: Trainer, model_config, vocab_size: int, optimizer) -
     mapping = trainer.param_mapping
     with hax.partitioning.set_mesh(trainer.mesh), hax.axis_mapping(mapping):
         shapes = jax.eval_shape(init, jax.random.PRNGKey(0))
-        shardings = hax.partitioning.infer_resource_partitions(shapes, mapping, preserve_existing_shardings=False)
+        shardings = hax.partitioning.infer_resource_partitions(
+            shapes, mapping, preserve_existing_shardings=False
+        )
     leaves, treedef = jax.tree_util.tree_flatten(shapes)
     is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)  # noqa: E731
     sh_leaves = jax.tree_util.tree_leaves(shardings, is_leaf=is_sharding)
@@ -234,7 +244,7 @@ class StepCompiler:
         return measure(trainer, *compiler.inputs(trainer, model_config))
 
 
-# -- per_device_parallelism -----------------------------------------------------------------------------------
+# -- per_device_parallelism ------------------------------------------------------------------------------
 def current_microbatch(tcfg: TrainerConfig) -> int:
     """Sequences per device per microbatch of the schedule's largest step as the config has it."""
     return tcfg.microbatch_size or largest_batch(tcfg) // tcfg.data_axis_size
@@ -250,7 +260,8 @@ def microbatch_candidates(tcfg: TrainerConfig) -> list[int]:
 
 
 def search_microbatch(measure_at: Callable[[int], StepMemory], candidates: Sequence[int], budget: int,
-                      known: Optional[dict[int, StepMemory]] = None) -> tuple[Optional[int], dict[int, StepMemory]]:
+                      known: Optional[dict[int, StepMemory]] = None
+                      ) -> tuple[Optional[int], dict[int, StepMemory]]:
     """``(the largest candidate whose step needs at most budget bytes, or None; every figure measured)``.
 
     ``measure_at(d)`` compiles the step at per-device microbatch ``d``; ``known`` are figures already
@@ -267,7 +278,8 @@ def search_microbatch(measure_at: Callable[[int], StepMemory], candidates: Seque
     while True:  # a measured non-candidate (the whole batch of a ramp's largest step) still bounds the search
         fit = max((d for d in seen if d in cands and ok(d)), default=None)
         fail = min((d for d in seen if not ok(d)), default=None)
-        open_ = [d for d in cands if d not in seen and (fail is None or d < fail) and (fit is None or d > fit)]
+        open_ = [d for d in cands
+                 if d not in seen and (fail is None or d < fail) and (fit is None or d > fit)]
         if not open_:
             return fit, seen
         pick = _predict(seen, open_, budget)
@@ -291,7 +303,7 @@ def _predict(seen: dict[int, StepMemory], open_: list[int], budget: int) -> Opti
     return max(within) if within else min(open_)
 
 
-# -- what lowers the step --------------------------------------------------------------------------------------
+# -- what lowers the step --------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Suggestion:
     key: str
@@ -319,9 +331,10 @@ def model_alternatives(model_config, vocab_size: int) -> list[tuple[str, Any, An
     if requested is not None:
         from levanter.models import resolve_attn_backend
 
+        dropout = getattr(model_config, "attn_pdrop", 0.0)
         resolved = resolve_attn_backend(requested, platform=jax.default_backend(), seq_len=model_config.seq_len,
-                                        dropout=getattr(model_config, "attn_pdrop", 0.0))
-        if resolved == "vanilla" and getattr(model_config, "attn_pdrop", 0.0) == 0.0 and model_config.seq_len >= 256:
+                                        dropout=dropout)
+        if resolved == "vanilla" and dropout == 0.0 and model_config.seq_len >= 256:
             changes = {"attn_backend": "jax_flash"}
             if getattr(model_config, "use_flash_attention", None) is not None:
                 changes["use_flash_attention"] = None
@@ -329,7 +342,8 @@ def model_alternatives(model_config, vocab_size: int) -> list[tuple[str, Any, An
     return out
 
 
-def suggestions(compiler: StepCompiler, base: StepMemory, limit: int) -> tuple[list[Suggestion], Optional[int]]:
+def suggestions(compiler: StepCompiler, base: StepMemory, limit: int
+                ) -> tuple[list[Suggestion], Optional[int]]:
     """What each key alone makes of a step that does not fit, compiled ahead of time; and the
     ``per_device_parallelism`` auto would pick (None: none fits)."""
     out = []
@@ -374,8 +388,8 @@ def does_not_fit(base: StepMemory, limit: int, source: str, batch: str, found: S
     elif not splittable:
         tail = "use more devices (one sequence per device is already the smallest microbatch)"
     else:
-        tail = ("set trainer.per_device_parallelism: auto to train with the largest microbatch that fits, or use "
-                "more devices")
+        tail = ("set trainer.per_device_parallelism: auto to train with the largest microbatch that fits, or "
+                "use more devices")
     return (
         f"{what}: it cannot fit ({why}). What each key alone makes of it (compiled the same way): {lowers}. "
         f"Change one of them, or {tail}; --dry_run prints the whole memory plan."
@@ -393,7 +407,8 @@ def fit_trainer(compiler: StepCompiler, *, recorded: Optional[int] = None) -> Tr
     auto = tcfg.per_device_parallelism == "auto"
     if limit is None:
         if auto:
-            logger.info("per_device_parallelism: auto: the device's memory is %s; the whole batch at once", source)
+            logger.info("per_device_parallelism: auto: the device's memory is %s; the whole batch at once",
+                        source)
             return compiler.with_microbatch(-1).trainer()
         return compiler.trainer()
     batch = f"{largest_batch(tcfg)} x {compiler.model_config.seq_len} tokens"
@@ -424,7 +439,8 @@ def fit_trainer(compiler: StepCompiler, *, recorded: Optional[int] = None) -> Tr
         if not memory.fits(limit):
             found, _ = suggestions(compiler, memory, limit)
             splittable = min(microbatch_candidates(tcfg)) < current_microbatch(tcfg)
-            raise StepDoesNotFitError(does_not_fit(memory, limit, source, batch, found, splittable=splittable))
+            raise StepDoesNotFitError(
+                does_not_fit(memory, limit, source, batch, found, splittable=splittable))
         logger.info("the train step needs %s per device of %s (%s)", memory.describe(), size(limit), source)
     trainer = compiler.trainer()
     if memory.compiled is not None:
@@ -483,8 +499,8 @@ def out_of_memory_message(err: BaseException) -> str:
     return (
         f"{need} (XLA: {first[:240]}). Lower it with trainer.per_device_parallelism (a smaller microbatch; "
         "auto picks the largest that fits), model.gradient_checkpointing: true, "
-        "model.cross_entropy_block_size (e.g. 8192) or model.attn_backend: jax_flash; --dry_run --device_memory "
-        "SIZE prints what each needs without running."
+        "model.cross_entropy_block_size (e.g. 8192) or model.attn_backend: jax_flash; --dry_run "
+        "--device_memory SIZE prints what each needs without running."
     )
 
 

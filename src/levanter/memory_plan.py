@@ -262,12 +262,18 @@ def make_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptions) ->
         else:
             memory = compiler.with_microbatch(cands[0]).compile()
             pick = cands[0]
+            found = None
             if not memory.fits(device_memory, memory_fit.AUTO_HEADROOM):
-                pick, seen = memory_fit.auto_pick(compiler.with_microbatch(cands[0]), memory, device_memory)
-                memory = seen[pick] if pick is not None else seen[min(seen)]
-                pick = pick if pick is not None else min(seen)
+                found, seen = memory_fit.auto_pick(compiler.with_microbatch(cands[0]), memory, device_memory)
+                pick = found if found is not None else min(seen)
+                memory = seen[pick]
             compiler = compiler.with_microbatch(pick)
             auto_note = f"per_device_parallelism: auto picks {pick} ({memory.describe()})"
+            if found is None and not memory.fits(device_memory, memory_fit.AUTO_HEADROOM):
+                auto_note = (f"per_device_parallelism: auto finds no microbatch that fits (planned: the smallest, "
+                             f"{pick} per device)")
+                lowers = tuple(x.line(device_memory) for x in memory_fit.suggestions(compiler, memory,
+                                                                                      device_memory)[0])
     trainer = compiler.trainer()
     state, batch, batch_size = compiler.inputs(trainer)
     if memory is None:
