@@ -1,12 +1,59 @@
-"""Test configuration: 8 simulated CPU devices (must be set before jax is imported)."""
+"""Test configuration: 8 simulated CPU devices (must be set before jax is imported).
+
+``JAX_PLATFORMS=tpu python -m pytest -m "not slow" -p no:xdist`` runs the suite on one TPU chip instead:
+tests/accelerator.py says what changes there (tolerances, skips) and why."""
 
 import os
+
+import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+def _tests_module(name):
+    import importlib
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    return importlib.import_module(name)
+
+
 def pytest_configure(config):
+    config.addinivalue_line("markers", "devices(n): needs n JAX devices; skipped with fewer (one TPU chip: 1)")
+    config.addinivalue_line("markers", "sockets: starts local TCP servers; skipped where they cannot run "
+                                       "(tests/accelerator.py: a TPU, LEVANTER_TEST_NO_SOCKETS=1)")
+    _configure_xla_cache(config)  # first: JAX reads the cache's environment when it is imported
+    _configure_tpu()
+
+
+def _configure_tpu():
+    """On a TPU (``JAX_PLATFORMS=tpu`` given by the user; CPU stays the default): float32 matmuls at full
+    precision, since the TPU's default runs them as bfloat16 passes (about three digits) and the tests
+    compare float32 results to 1e-5; and subprocesses on the CPU, since only one process at a time can
+    hold the chip (the subprocess tests then run as they do on CPU)."""
+    if not _tests_module("accelerator").ON_TPU:
+        return
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    os.environ["JAX_PLATFORMS"] = "cpu"  # read by JAX at import: affects child processes only
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """``@pytest.mark.devices(n)`` and ``@pytest.mark.sockets``: skip before any fixture builds a mesh or
+    starts a server."""
+    marker = item.get_closest_marker("devices")
+    if marker is not None:
+        _tests_module("accelerator").require_devices(marker.args[0])
+    if item.get_closest_marker("sockets") is not None:
+        _tests_module("accelerator").require_sockets()
+
+
+def _configure_xla_cache(config):
     """One persistent XLA compilation cache for the whole session, shared by the xdist workers and every
     ``train_lm`` subprocess the tests start (through the environment): the suite compiles the same tiny
     models' programs many times, and all but the first of each become cache hits. Set here, in the
@@ -46,18 +93,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 # a server is active its environment (AWS_ENDPOINT_URL + keys, STORAGE_EMULATOR_HOST) is set in os.environ
 # for in-process clients; ``.env`` holds the same variables for subprocesses.
 
-import pytest  # noqa: E402
-
-
 def _object_store_module():
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    import object_store
-
-    return object_store
+    _tests_module("accelerator").require_sockets()  # every fixture below starts a local server
+    return _tests_module("object_store")
 
 
 @pytest.fixture(scope="session")

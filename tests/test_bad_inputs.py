@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 
+from accelerator import require_devices, require_sockets
 from levanter.main import cache_dataset, data_schedule, export_lm_to_hf, train_lm
 from levanter.main import eval_lm, train_tokenizer
 
@@ -110,7 +111,10 @@ class Case:
     setup: Callable[[Path, Path], None] | None = None  # (tmp, shared): create or damage files
     patch: Callable[[pytest.MonkeyPatch], None] | None = None  # in-process fault injection
     after: Callable[[Path, Path], None] | None = None  # extra checks once it has failed
-    needs: Sequence[str] = ()  # shared artefacts (see ensure): "cache", "checkpoint"; servers: "s3_server", "gcs_server"
+    # shared artefacts (see ensure): "cache", "checkpoint"; servers: "s3_server", "gcs_server"; "sockets": a
+    # free TCP port ($PORT); "8 devices": a message that names the 8 simulated devices; "cpu": a refusal that
+    # only a CPU backend gets
+    needs: Sequence[str] = ()
 
 
 _denying_proxies: list = []
@@ -460,10 +464,11 @@ CASES: list[Case] = [
     Case("negative-steps", "trainer", "`num_train_steps: -5`", 2, ["trainer.num_train_steps", "-5"],
          args=["--trainer.num_train_steps", "-5"]),
     Case("batch-not-divisible", "trainer", "a batch size the 8 data-parallel devices cannot split", 2,
-         ["trainer.train_batch_size", "12", "data-parallel size 8"], args=["--trainer.train_batch_size", "12"]),
+         ["trainer.train_batch_size", "12", "data-parallel size 8"], args=["--trainer.train_batch_size", "12"],
+         needs=["8 devices"]),
     Case("microbatch-not-dividing", "trainer", "`per_device_parallelism` whose microbatch does not divide the batch",
          2, ["trainer.per_device_parallelism=3", "24", "16"],
-         args=["--trainer.train_batch_size", "16", "--trainer.per_device_parallelism", "3"]),
+         args=["--trainer.train_batch_size", "16", "--trainer.per_device_parallelism", "3"], needs=["8 devices"]),
     Case("batch-schedule-not-at-0", "trainer", "a batch-size schedule whose first entry starts at step 5", 2,
          ["trainer.train_batch_size", "step 0", "start=5"],
          args=["--trainer.train_batch_size", "[{start: 5, value: 8}]"]),
@@ -473,11 +478,12 @@ CASES: list[Case] = [
     Case("batch-size-zero", "trainer", "`train_batch_size: 0`", 2, ["trainer.train_batch_size", "positive", "0"],
          args=["--trainer.train_batch_size", "0"]),
     Case("model-axis-not-dividing", "trainer", "`model_axis_size: 3` on 8 devices", 2,
-         ["trainer.model_axis_size=3", "8 devices"], args=["--trainer.model_axis_size", "3"]),
+         ["trainer.model_axis_size=3", "8 devices"], args=["--trainer.model_axis_size", "3"],
+         needs=["8 devices"]),
     Case("bad-mp-policy", "trainer", "an unparseable mixed-precision policy", 2, ["trainer.mp", "p=f32,c=float99"],
          args=["--trainer.mp", "p=f32,c=float99"]),
     Case("require-accelerator-on-cpu", "trainer", "`require_accelerator: true` on a machine with only CPUs", 2,
-         ["trainer.require_accelerator", "false"], args=["--trainer.require_accelerator", "true"]),
+         ["trainer.require_accelerator", "false"], args=["--trainer.require_accelerator", "true"], needs=["cpu"]),
     Case("bad-save-interval", "trainer", "a checkpoint interval that is not a duration", 2,
          ["trainer.checkpointer.save_interval", "'soon'"], args=["--trainer.checkpointer.save_interval", "soon"]),
     Case("keep-not-increasing", "trainer", "checkpoint `keep` intervals whose `until` goes backwards", 2,
@@ -521,7 +527,8 @@ CASES: list[Case] = [
          ["model.seq_len (2048)", "model.n_positions", "1024"],
          args=["--model.seq_len", "2048", "--model.n_positions", "1024"]),
     Case("attn-backend-not-on-platform", "model", "`attn_backend: splash` on a machine with only CPUs", 2,
-         ["model.attn_backend", "'splash'", "TPU", "'cpu'"], args=["--model.attn_backend", "splash"]),
+         ["model.attn_backend", "'splash'", "TPU", "'cpu'"], args=["--model.attn_backend", "splash"],
+         needs=["cpu"]),
     Case("flash-block-size-zero", "model", "`flash_attention_block_size: 0`", 2,
          ["model.flash_attention_block_size", "positive integer", "got 0"],
          args=["--model.flash_attention_block_size", "0"]),
@@ -706,7 +713,7 @@ CASES: list[Case] = [
          ["trainer.distributed", "did not answer within 1 s", "127.0.0.1:"],
          args=["--trainer.distributed.num_processes", "2", "--trainer.distributed.process_id", "1",
                "--trainer.distributed.initialization_timeout", "1",
-               "--trainer.distributed.coordinator_address", "127.0.0.1:$PORT"]),
+               "--trainer.distributed.coordinator_address", "127.0.0.1:$PORT"], needs=["sockets"]),
     # ----------------------------------------------------------------------------------------- runtime
     Case("nan-loss", "runtime", "a learning rate so large the loss blows up (`learning_rate: 1e30`)", 1,
          ["train/loss", "at step 1", "trainer.crash_on_"], args=["--optimizer.learning_rate", "1e30"], needs=["cache"]),
@@ -1157,7 +1164,7 @@ ENTRIES["train_tokenizer"] = train_tokenizer.cli
 
 
 def run_case(case: Case, tmp: Path, shared: Path, capsys, monkeypatch) -> tuple[int, str]:
-    port = free_port()
+    port = free_port() if "sockets" in case.needs else 0
     sub = lambda s: _subst(s, tmp, shared, port)  # noqa: E731
     if case.yaml is not None:
         _write(tmp / "config.yaml", sub(case.yaml))
@@ -1251,6 +1258,15 @@ def test_bad_input(case: Case, tmp_path, shared, capsys, monkeypatch, request):
     for what in case.needs:
         if what in ("s3_server", "gcs_server"):
             request.getfixturevalue(what)  # started once per session; its environment is set while it runs
+        elif what == "sockets":
+            require_sockets()
+        elif what == "8 devices":
+            require_devices(8)
+        elif what == "cpu":
+            import jax
+
+            if jax.default_backend() != "cpu":
+                pytest.skip(f"a refusal on CPU only; this backend is {jax.default_backend()}")
         else:
             ensure(what, shared)
     status, stderr = run_case(case, tmp_path, shared, capsys, monkeypatch)

@@ -25,6 +25,9 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture(scope="module")
 def ray_address():
+    from accelerator import require_sockets
+
+    require_sockets()  # a local Ray instance listens on TCP ports
     ctx = ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ctx.address_info["gcs_address"]
     ray.shutdown()

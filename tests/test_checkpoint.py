@@ -142,6 +142,7 @@ def shard_state(state, mesh):
     return jax.tree.map(put, state)
 
 
+@pytest.mark.devices(8)  # the 4x2 mesh
 def test_round_trip_sharded(tmp_path, mesh):
     state = shard_state(make_state(1), mesh)
     assert state["model"].w.sharding.spec == P("data", "model")
@@ -170,6 +171,7 @@ def test_round_trip_sharded(tmp_path, mesh):
     assert restored2["model"].w.sharding == state["model"].w.sharding
 
 
+@pytest.mark.devices(8)  # the 4x2 mesh
 def test_reshard_on_load(tmp_path, mesh):
     state = make_state(2)
     path = save_checkpoint(state, 1, str(tmp_path / "ck"))
@@ -482,6 +484,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path, point):
 
 
 # -- integrity: what is refused before it is written or resumed ------------------------------------------
+@pytest.mark.devices(8)  # the 4x2 mesh
 def test_save_refuses_non_finite_values_and_writes_nothing(tmp_path, mesh):
     from levanter.checkpoint import CheckpointSaveError
 

@@ -333,6 +333,7 @@ def test_a_million_steps_plan_in_well_under_five_seconds(shared, tmp_path, block
 
 
 def test_plot_writes_a_png(shared, tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib (the 'plot' extra) is not installed")
     cfg = mixture_config(shared, tmp_path, None)
     out = tmp_path / "plots" / "plan.png"
     result = data_schedule.main(cfg, plot=str(out))

@@ -29,6 +29,7 @@ def _gib(text: str, row: str) -> float:
     return float(m.group(1).replace(",", "")) * scale / 2**30
 
 
+@pytest.mark.devices(8)  # the plan it checks is 8 CPU devices'
 def test_dry_run_gpt2_nano_prints_the_plan(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # nothing may be written: no cache, no logs, no checkpoints
     # One layer of the nano model instead of four: a quarter of the compile, the same plan.

@@ -121,6 +121,7 @@ def test_eval_lm_losses_and_bits_per_byte_equal_an_independent_computation(origi
         assert hf[k] == pytest.approx(v, rel=1e-5), k
 
 
+@pytest.mark.devices(8)
 def test_eval_metrics_do_not_depend_on_how_batches_are_split_over_devices(origin):
     import optax
     from jax.sharding import NamedSharding, PartitionSpec

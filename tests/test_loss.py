@@ -19,12 +19,13 @@ import numpy as np
 import optax
 import pytest
 
+from accelerator import tol
 from levanter.main.train_lm import check_memory, lm_loss_fn
 from levanter.models import Gpt2Config, LlamaConfig, blockwise_next_token_loss, next_token_loss
 from levanter.models.loss import blockwise_logsumexp
 from levanter.trainer import Trainer, TrainerConfig
 
-RTOL, ATOL = 2e-5, 2e-6
+RTOL, ATOL = tol(2e-5), tol(2e-6)  # tenfold on a TPU (tests/accelerator.py)
 
 
 def _close(a, b, rtol=RTOL, atol=ATOL):
@@ -48,7 +49,7 @@ def test_blockwise_logsumexp_matches_full(vocab, block):
     _close(blockwise_logsumexp(h, w, block), jax.nn.logsumexp(h @ w.T, axis=-1))
     got, want = jax.jit(jax.grad(blockwise, (0, 1)))(h, w), jax.jit(jax.grad(full, (0, 1)))(h, w)
     for a, b in zip(got, want):
-        _close(a, b, atol=1e-5)
+        _close(a, b, atol=tol(1e-5))
 
 
 def test_blockwise_logsumexp_refuses_bad_block():
@@ -101,7 +102,7 @@ def test_blockwise_loss_and_gradients_match_full(vocab, z_loss, masked):
     want = jax.jit(jax.grad(summed(full), argnums=(0, 1)))(hidden, lm_head)
     for a, b in zip(got, want):
         assert a.axes == b.axes
-        _close(a.array, b.array, atol=1e-5)
+        _close(a.array, b.array, atol=tol(1e-5))
 
 
 def test_blockwise_loss_in_bfloat16_is_close():
@@ -168,7 +169,7 @@ def test_trainer_step_with_blocks_equals_full():
     _close(block_m["grad_norm"], full_m["grad_norm"])
     for a, b in zip(jax.tree.leaves(eqx.filter(block_state.model, eqx.is_array)),
                     jax.tree.leaves(eqx.filter(full_state.model, eqx.is_array))):
-        _close(a, b, atol=1e-5)
+        _close(a, b, atol=tol(1e-5))
 
 
 def test_config_refuses_bad_block_size():

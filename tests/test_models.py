@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import haliax as hax
+from accelerator import tol
 from levanter.models import (
     Gpt2Config,
     LlamaConfig,
@@ -65,7 +66,7 @@ def test_causal(model):
     for t in (0, 5, 14):
         changed = ids.array.at[:, t + 1 :].set((ids.array[:, t + 1 :] + 7) % Vocab.size)
         out = forward(model, hax.named(changed, ids.axes)).array
-        np.testing.assert_allclose(out[:, : t + 1], base[:, : t + 1], atol=1e-5)
+        np.testing.assert_allclose(out[:, : t + 1], base[:, : t + 1], atol=tol(1e-5))
         assert not np.allclose(out[:, t + 1 :], base[:, t + 1 :], atol=1e-3)
 
 
@@ -77,7 +78,7 @@ def test_segment_isolation(model):
     changed = jnp.where(in_segment_0, (ids.array + 11) % Vocab.size, ids.array)
     out = forward(model, hax.named(changed, ids.axes), seg).array
     # row 0: segments 1 and 2 never see segment 0
-    np.testing.assert_allclose(out[0, 5:], base[0, 5:], atol=1e-5)
+    np.testing.assert_allclose(out[0, 5:], base[0, 5:], atol=tol(1e-5))
     assert not np.allclose(out[0, :5], base[0, :5], atol=1e-3)
     # row 1 is one document, so later positions do see the change
     assert not np.allclose(out[1, 5:], base[1, 5:], atol=1e-3)
@@ -86,7 +87,7 @@ def test_segment_isolation(model):
     if isinstance(model.config, LlamaConfig):
         Pos4 = model.Pos.resize(4)
         alone = forward(model, hax.named(ids.array[:, 12:], (Batch, Pos4))).array
-        np.testing.assert_allclose(base[0, 12:], alone[0], atol=1e-4)
+        np.testing.assert_allclose(base[0, 12:], alone[0], atol=tol(1e-4))
 
 
 def _reference_attention(q, k, v, mask):
@@ -115,12 +116,12 @@ def test_gqa_attention_matches_reference():
     out = causal_attention(q, k, v, mask)
     assert out.axes == (Batch, Pos, Heads, HeadSize)
     expected = _reference_attention(*(np.asarray(x.array) for x in (q, k, v, mask)))
-    np.testing.assert_allclose(np.asarray(out.array), expected, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out.array), expected, atol=tol(1e-5))
 
     # GQA == multi-head attention with each kv head repeated for its group of query heads
     k_rep = hax.named(jnp.repeat(k.array, 2, axis=2), (Batch, Pos, Heads, HeadSize))
     v_rep = hax.named(jnp.repeat(v.array, 2, axis=2), (Batch, Pos, Heads, HeadSize))
-    np.testing.assert_allclose(out.array, causal_attention(q, k_rep, v_rep, mask).array, atol=1e-5)
+    np.testing.assert_allclose(out.array, causal_attention(q, k_rep, v_rep, mask).array, atol=tol(1e-5))
 
     with pytest.raises(TypeError, match="boolean"):
         causal_attention(q, k, v, mask.astype(jnp.float32))
@@ -147,13 +148,13 @@ def test_softmax_attention_gradients_match_autodiff(lead, segments):
     loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v, jnp.asarray(mask)) * g)  # noqa: E731
     ours, ours_grads = jax.value_and_grad(loss(softmax_attention), argnums=(0, 1, 2))(q, k, v)
     ref, ref_grads = jax.value_and_grad(loss(_autodiff_attention), argnums=(0, 1, 2))(q, k, v)
-    np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ours, ref, rtol=tol(1e-5), atol=tol(1e-5))
     for name, a, b in zip("qkv", ours_grads, ref_grads):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=f"d{name}")
+        np.testing.assert_allclose(a, b, rtol=tol(1e-4), atol=tol(1e-5), err_msg=f"d{name}")
     # under jit too (the compiled backward is the one training uses)
     jitted = jax.jit(jax.grad(loss(softmax_attention), argnums=(0, 1, 2)))(q, k, v)
     for a, b in zip(jitted, ref_grads):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(a, b, rtol=tol(1e-4), atol=tol(1e-5))
 
 
 def test_causal_attention_gradients_match_the_reference():
@@ -181,7 +182,7 @@ def test_causal_attention_gradients_match_the_reference():
     q_axes, kv_axes = q.axes, k.axes
     args = (q.array, k.array, v.array)
     for a, b in zip(jax.grad(ours, argnums=(0, 1, 2))(*args), jax.grad(reference, argnums=(0, 1, 2))(*args)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(a, b, rtol=tol(1e-4), atol=tol(1e-5))
 
 
 def test_attention_dropout_path_matches_the_custom_backward_path():
@@ -199,7 +200,7 @@ def test_attention_dropout_path_matches_the_custom_backward_path():
         plain = causal_attention(q, k, v, mask)
         dropped = causal_attention(q, k, v, mask, dropout=1e-12, key=jax.random.PRNGKey(0))
         assert dropped.axes == plain.axes
-        np.testing.assert_allclose(dropped.array, plain.array, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(dropped.array, plain.array, rtol=tol(1e-5), atol=tol(1e-6))
 
 
 def test_token_dot_equals_the_named_dot():
@@ -212,20 +213,20 @@ def test_token_dot_equals_the_named_dot():
     out = token_dot(x, w, E)
     ref = hax.dot(x, w, axis=E)
     assert out.axes == (B, P, H, D)
-    np.testing.assert_allclose(out.array, ref.rearrange(out.axes).array, rtol=1e-6)
+    np.testing.assert_allclose(out.array, ref.rearrange(out.axes).array, rtol=tol(1e-6))
     # several contracted axes, given in an order other than the array's
     x2 = hax.random.normal(jax.random.PRNGKey(2), (B, H, P, D))
     w2 = hax.random.normal(jax.random.PRNGKey(3), (H, D, E))
     out2 = token_dot(x2, w2, (D, H))
     assert out2.axes == (B, P, E)
-    np.testing.assert_allclose(out2.array, hax.dot(x2, w2, axis=(H, D)).rearrange(out2.axes).array, rtol=1e-5)
+    np.testing.assert_allclose(out2.array, hax.dot(x2, w2, axis=(H, D)).rearrange(out2.axes).array, rtol=tol(1e-5))
     # an outer axis shared with the weight is a batch axis of the product: the plain dot is used
     w3 = hax.random.normal(jax.random.PRNGKey(4), (B, E, H))
-    np.testing.assert_allclose(token_dot(x, w3, E).array, hax.dot(x, w3, axis=E).array, rtol=1e-6)
+    np.testing.assert_allclose(token_dot(x, w3, E).array, hax.dot(x, w3, axis=E).array, rtol=tol(1e-6))
     # linear() = the Linear module, bias included
     layer = hax.nn.Linear.init(E, (H, D), key=jax.random.PRNGKey(5), use_bias=True)
     layer = eqx.tree_at(lambda m: m.bias, layer, hax.random.normal(jax.random.PRNGKey(6), (H, D)))
-    np.testing.assert_allclose(linear(layer, x).array, layer(x).rearrange((B, P, H, D)).array, rtol=1e-5)
+    np.testing.assert_allclose(linear(layer, x).array, layer(x).rearrange((B, P, H, D)).array, rtol=tol(1e-5))
     assert linear(layer, x).axes == (B, P, H, D)
 
 
@@ -254,7 +255,7 @@ def test_gqa_model_matches_repeated_kv_mha():
         (attn, gqa.layers.stacked.mlp, gqa.embed_tokens, gqa.lm_head),
     )
     ids = random_ids(7, gqa.Pos)
-    np.testing.assert_allclose(forward(gqa, ids).array, forward(equivalent, ids).array, atol=1e-5)
+    np.testing.assert_allclose(forward(gqa, ids).array, forward(equivalent, ids).array, atol=tol(1e-5))
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -296,8 +297,8 @@ def test_next_token_loss_matches_numpy():
     expected = np.mean(terms)
 
     named = (hax.named(logits, (B, P, V)), hax.named(tokens, (B, P)), hax.named(mask, (B, P)))
-    assert float(next_token_loss(*named)) == pytest.approx(expected, rel=1e-5)
-    assert float(next_token_loss(*named, reduction="sum")) == pytest.approx(np.sum(terms), rel=1e-5)
+    assert float(next_token_loss(*named)) == pytest.approx(expected, rel=tol(1e-5))
+    assert float(next_token_loss(*named, reduction="sum")) == pytest.approx(np.sum(terms), rel=tol(1e-5))
     # sum_and_count: the sum and the number of counted positions (what a trainer divides by over a step)
     total, count = next_token_loss(*named, reduction="sum_and_count")
     assert float(count) == len(terms) == 6 and float(total) == float(next_token_loss(*named, reduction="sum"))
@@ -307,16 +308,16 @@ def test_next_token_loss_matches_numpy():
     assert per_pos.axes == (B, P) and float(per_pos.array[0, 4]) == 0.0  # last position never counts
     # a float mask means the same as its boolean version; bfloat16 logits are upcast
     float_mask = hax.named(mask.astype(np.float32), (B, P))
-    assert float(next_token_loss(named[0], named[1], float_mask)) == pytest.approx(expected, rel=1e-5)
+    assert float(next_token_loss(named[0], named[1], float_mask)) == pytest.approx(expected, rel=tol(1e-5))
     bf16 = next_token_loss(named[0].astype(jnp.bfloat16), named[1], named[2])
     assert bf16.dtype == jnp.float32 and float(bf16) == pytest.approx(expected, rel=2e-2)
     # no mask: every position but the last; z-loss adds weight * logsumexp**2
     all_terms = [-lp[b, t, tokens[b, t + 1]] for b in range(2) for t in range(4)]
-    assert float(next_token_loss(named[0], named[1])) == pytest.approx(np.mean(all_terms), rel=1e-5)
+    assert float(next_token_loss(named[0], named[1])) == pytest.approx(np.mean(all_terms), rel=tol(1e-5))
     lse = np.log(np.exp(logits.astype(np.float64)).sum(-1))
     z = np.mean([lse[b, t] ** 2 for b in range(2) for t in range(4) if mask[b, t]])
     got = float(next_token_loss(*named, z_loss_weight=1e-2))
-    assert got == pytest.approx(expected + 1e-2 * z, rel=1e-5)
+    assert got == pytest.approx(expected + 1e-2 * z, rel=tol(1e-5))
     # nothing counted: mean is 0, not NaN
     none = hax.named(np.zeros((2, 5), dtype=bool), (B, P))
     assert float(next_token_loss(named[0], named[1], none)) == 0.0
@@ -446,7 +447,7 @@ def test_unrolled_layers_are_the_same_model(name):
     Pos = scanned.config.Pos
     ids = random_ids(5, Pos)
     seg = hax.named(jnp.array([[0] * 8 + [1] * 8, [0] * 16]), (Batch, Pos))
-    np.testing.assert_allclose(forward(scanned, ids, seg).array, forward(unrolled, ids, seg).array, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(forward(scanned, ids, seg).array, forward(unrolled, ids, seg).array, rtol=tol(2e-5), atol=tol(2e-5))
 
     def loss(m):
         return next_token_loss(m(ids, seg), ids)
@@ -455,7 +456,7 @@ def test_unrolled_layers_are_the_same_model(name):
     gs = grad(scanned)
     gu = grad(unrolled)
     for a, b in zip(jax.tree.leaves(gs), jax.tree.leaves(gu)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=tol(1e-4), atol=tol(1e-6))
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

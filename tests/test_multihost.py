@@ -21,6 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 # -- the index map, simulated at scale ------------------------------------------------------------------
+@pytest.mark.devices(8)
 def test_pure_row_map_matches_jax_sharding_on_real_meshes():
     devices = np.asarray(jax.devices())
     for shape, names, data_axes in [((8,), ("data",), ("data",)), ((4, 2), ("data", "model"), ("data",)),
@@ -150,6 +151,7 @@ def steps_of(tmp_path, run_id, key):
 
 
 @pytest.mark.slow
+@pytest.mark.sockets  # a jax.distributed coordinator on 127.0.0.1
 def test_two_processes_match_one_process_with_the_same_device_count(tmp_path):
     for rc, err in launch(tmp_path, "one", processes=1, devices_per_process=4, steps=6):
         assert rc == 0, err[-3000:]
@@ -168,6 +170,7 @@ def test_two_processes_match_one_process_with_the_same_device_count(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.sockets
 @pytest.mark.parametrize("first, second", [((1, 4), (2, 2)), ((2, 2), (1, 4))])
 def test_elastic_resume_across_topologies(tmp_path, first, second):
     for rc, err in launch(tmp_path, "ref", processes=1, devices_per_process=4, steps=8):
@@ -185,6 +188,7 @@ def test_elastic_resume_across_topologies(tmp_path, first, second):
 
 
 @pytest.mark.slow
+@pytest.mark.sockets
 def test_mismatched_configs_across_processes_are_refused(tmp_path):
     outs = launch(tmp_path, "mm", processes=2, devices_per_process=1, steps=2,
                   per_process_extra=lambda pid: ["--trainer.seed", str(pid)])
@@ -193,6 +197,7 @@ def test_mismatched_configs_across_processes_are_refused(tmp_path):
         assert "launched with different configs" in err and "Traceback" not in err.split("error:")[-1]
 
 
+@pytest.mark.sockets  # a free port on 127.0.0.1
 def test_unreachable_coordinator_fails_fast_with_a_clear_error(tmp_path):
     port = free_port()  # nothing listens there
     code = (
