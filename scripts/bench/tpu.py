@@ -21,7 +21,9 @@ config and watches its ``metrics.jsonl``; once ``--steps`` steps are logged it r
 * **tokens/s** and **MFU**: the model's ``flops_per_token`` (3 x the forward matmuls, no credit for
   recomputation) x tokens per step / step / the chip's peak (the trainer's table: 197 TFLOP/s for v5e);
 * **of matmul**: the same FLOP rate as a share of the measured matmul rate;
-* **peak HBM**: ``peak_bytes_in_use`` of the device after the measured steps, against ``bytes_limit``;
+* **peak HBM**: the device's ``memory_stats()`` after the measured steps: ``peak_bytes_in_use`` (buffers: the
+  parameters, optimizer state and batches) and ``peak_bytes_reserved`` (what the TPU runtime also holds for the
+  compiled programs' temporaries), against ``bytes_limit``;
 * **data wait**: summed ``data/wait_seconds`` over summed step seconds.
 
 ``--profile`` also writes a ``jax.profiler`` trace of two steps and prints the device's busiest operations
@@ -228,7 +230,9 @@ def print_rows(results: list) -> None:
         if "error" in r:
             print(f"{r['row']:<16}  failed: {r['error']} {' '.join(r.get('overrides', []))}")
             continue
-        hbm = f"{r['peak_hbm_bytes'] / 2**30:.1f}/{r['hbm_limit_bytes'] / 2**30:.1f} GiB" if r["peak_hbm_bytes"] else "?"
+        stats = r.get("memory_stats") or {}
+        used = max(stats.get("peak_bytes_reserved", 0), r["peak_hbm_bytes"] or 0)
+        hbm = f"{used / 2**30:.1f}/{r['hbm_limit_bytes'] / 2**30:.1f} GiB" if used else "?"
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "?"
         print(f"{r['row']:<16}{r['step_seconds']:>9.4f}{r['tokens_per_second']:>11,.0f}{mfu:>8}"
               f"{100 * r['of_matmul']:>10.1f}%{hbm:>15}{100 * r['data_wait']:>7.2f}%  {' '.join(r['overrides'])}")
