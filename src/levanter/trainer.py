@@ -52,7 +52,7 @@ from .checkpoint import (
 from .data.loader import Batch
 from .distributed import DistributedConfig
 from .schedule import BatchSchedule, ScheduleStep
-from .tracker import JsonConfig, TrackerConfig, init_trackers
+from .tracker import JsonConfig, TrackerConfig, WandbConfig, init_trackers
 from .utils import fs
 from .utils.fault import fault_point
 
@@ -124,6 +124,9 @@ class TrainerConfig:
     max_eval_batches: Optional[int] = None
     # Where metrics go: one tracker section (type: json, tensorboard, wandb, noop) or a list of them.
     tracker: Union[TrackerConfig, Tuple[TrackerConfig, ...]] = dataclasses.field(default_factory=JsonConfig)
+    # Upstream's older spelling of a wandb tracker (the fields of tracker: {type: wandb, ...}): it replaces
+    # the default tracker, or joins the trackers given; refused together with a wandb entry in tracker.
+    wandb: Optional[WandbConfig] = None
     # When checkpoints are saved and which are kept.
     checkpointer: CheckpointerConfig = dataclasses.field(default_factory=CheckpointerConfig)
     # null: resume from the run's latest checkpoint if there is one; true: require one; false: start fresh.
@@ -204,11 +207,20 @@ class TrainerConfig:
         return self.id if self.id else _generated_run_id()
 
     def trackers(self) -> Tuple[TrackerConfig, ...]:
-        return self.tracker if isinstance(self.tracker, tuple) else (self.tracker,)
+        given = self.tracker if isinstance(self.tracker, tuple) else (self.tracker,)
+        if self.wandb is None:
+            return given
+        return (self.wandb,) if given == (JsonConfig(),) else (*given, self.wandb)
 
     def validate(self) -> None:
         """Cheap checks that need no devices beyond counting them; errors name the config key."""
         check_refused(self, "trainer")  # upstream keys not built here (config_doc.refused)
+        given = self.tracker if isinstance(self.tracker, tuple) else (self.tracker,)
+        if self.wandb is not None and any(isinstance(t, WandbConfig) for t in given):
+            raise ValueError(
+                "trainer.wandb and a wandb entry in trainer.tracker both configure wandb; keep one (trainer.wandb "
+                "is upstream's older spelling of trainer.tracker: {type: wandb, ...})"
+            )
         check_run_id(self.id)
         if self.num_train_steps < 1:
             raise ValueError(f"trainer.num_train_steps must be >= 1, got {self.num_train_steps}")

@@ -43,12 +43,14 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import re
 from collections import deque
 from collections.abc import Iterator, Sequence
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 
+from ..config_doc import check_refused, refused
 from ..errors import OutOfSpaceError, is_out_of_space, out_of_space_error
 from ..store.cache import TokenCache
 from ..store.jagged_array import JaggedArrayStore
@@ -98,6 +100,19 @@ class CacheOptions:
     # How a cache's local input files are checked: 'metadata' (rehash a file only when its size, mtime,
     # ctime or inode changed) or 'full' (rehash every file whenever the cache is opened).
     verify_inputs: str = "metadata"
+    # Upstream's CacheOptions keys below only shape how upstream's Ray builder parallelises and flushes,
+    # never what is written; this builder has its own knobs (num_workers, batch_size) and ignores them.
+    # Upstream: shards per build group (its unit of parallel work); accepted, no effect here.
+    num_shard_groups: Optional[int] = 128
+    # Upstream: bytes buffered before a write (an int or a size such as 512MB); accepted, no effect here.
+    target_size_per_flush: Union[int, str] = "512MB"
+    # Upstream: batches prefetched per build group; accepted, no effect here.
+    prefetch_per_group: int = 4
+    # Upstream: a key that shuffles the shards' order before the build, which changes the data's order;
+    # refused if set (shards are read in the order configured here).
+    shard_order_randomization_key: Optional[int] = refused(
+        "shards are read in the configured order here; remove the key, or reorder the URLs yourself"
+    )
 
     def resolved_workers(self) -> int:
         n = self.num_workers if self.num_workers is not None else (os.cpu_count() or 1)
@@ -107,6 +122,7 @@ class CacheOptions:
 
     def check(self) -> None:
         """Refuse settings no build can use, naming the key."""
+        check_refused(self, "cache_options")
         if self.backend not in BACKENDS:
             raise ValueError(
                 f"cache_options.backend: expected one of {', '.join(BACKENDS)}, got {self.backend!r}"
@@ -119,6 +135,18 @@ class CacheOptions:
             raise ValueError(
                 f"cache_options.verify_inputs: expected one of {', '.join(VERIFY_MODES)}, got "
                 f"{self.verify_inputs!r}"
+            )
+        if self.num_shard_groups is not None and self.num_shard_groups < 1:
+            raise ValueError(f"cache_options.num_shard_groups must be >= 1 or null, got {self.num_shard_groups}")
+        if self.prefetch_per_group < 1:
+            raise ValueError(f"cache_options.prefetch_per_group must be >= 1, got {self.prefetch_per_group}")
+        size = self.target_size_per_flush
+        if isinstance(size, bool) or (isinstance(size, int) and size < 1) or (
+            isinstance(size, str) and not re.fullmatch(r"\s*\d+(\.\d*)?\s*[a-zA-Z]*\s*", size)
+        ):
+            raise ValueError(
+                f"cache_options.target_size_per_flush must be a positive number of bytes or a size such as "
+                f"512MB, got {size!r}"
             )
         if self.ray_address is not None and self.backend != "ray":
             raise ValueError(

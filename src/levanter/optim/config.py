@@ -26,12 +26,14 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-from typing import Optional
+from typing import Dict, Optional, Union
 
 import draccus
 import equinox as eqx
 import jax
 import optax
+
+from ..config_doc import check_refused, refused
 
 SCHEDULES = ("constant", "linear", "cosine", "wsd", "warmup-stable-decay")
 
@@ -125,8 +127,17 @@ class OptimizerConfig(draccus.ChoiceRegistry, abc.ABC):
     decay: Optional[float] = None
     # Shape after warmup: constant, linear, cosine, or wsd / warmup-stable-decay (constant, then linear).
     lr_schedule: str = "cosine"
+    # Upstream skips a step whose loss or gradient norm lies over the mean + 6 standard deviations of the
+    # last steps (true, a window length, or {rolling_interval_length, sigma_factor}); refused if set.
+    skip_bad_steps: Union[bool, int, Dict[str, float]] = refused(
+        "steps are not skipped for outlying finite losses or gradient norms here; remove the key. A "
+        "non-finite loss, gradient or update is never applied: set trainer.crash_on_nan: false and "
+        "trainer.crash_on_inf: false to skip such steps and go on instead of stopping",
+        default=False,
+    )
 
     def __post_init__(self):
+        check_refused(self, "optimizer")
         _check_numbers(self)
         _check_range(self, "learning_rate", 0, None)
         _check_range(self, "weight_decay", 0, None)
