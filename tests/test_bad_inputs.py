@@ -1060,7 +1060,7 @@ CASES += BRANCH_EVAL_CASES
 HF_GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 1, "n_head": 4, "n_positions": 64, "vocab_size": 300}
 HF_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300,
-            "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}}
+            "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}}
 
 
 def hf_dir(doc: dict, weights: str = "model.safetensors") -> Callable[[Path, Path], None]:
@@ -1097,8 +1097,8 @@ HF_CASES = [
     Case("hf-init-other-architecture", "hugging face", "a checkpoint of an architecture not implemented (mistral)", 2,
          ["$TMP/hf/config.json", "model_type 'mistral'"], setup=hf_dir({**HF_LLAMA, "model_type": "mistral"}),
          yaml=BASE + "initialize_from_hf: $TMP/hf\n"),
-    Case("hf-init-rope-scaling", "hugging face", "a Llama checkpoint with a rope scaling not implemented (yarn)", 2,
-         ["'rope_parameters'", "'yarn'"], setup=hf_dir(HF_LLAMA),
+    Case("hf-init-rope-scaling", "hugging face", "a Llama checkpoint with a rope scaling not implemented (longrope)", 2,
+         ["'rope_parameters'", "'longrope'"], setup=hf_dir(HF_LLAMA),
          yaml=edit(BASE, "type: gpt2, hidden_dim: 32", "type: llama, num_kv_heads: 4, hidden_dim: 32") + "initialize_from_hf: $TMP/hf\n"),
     Case("hf-init-bin-only", "hugging face", "a checkpoint with PyTorch `.bin` weights only", 2,
          ["$TMP/hf", "*.bin", "save_pretrained"], setup=hf_dir(HF_GPT2, "pytorch_model.bin"),

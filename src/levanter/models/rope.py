@@ -97,11 +97,14 @@ RopeConfig.register_subclass("linear", DefaultRopeConfig)
 @RopeConfig.register_subclass("llama3")
 @dataclasses.dataclass(frozen=True)
 class Llama3RopeConfig(RopeConfig):
+    # Base of the rotary frequencies (Llama 3's 500000 by default).
     theta: float = 500000.0
     # Low frequencies (wavelength > original_max_position_embeddings / low_freq_factor) are divided by this.
     factor: float = 8.0
-    # Wavelength bounds of the blended middle band, as divisors of original_max_position_embeddings.
+    # Wavelengths above original_max_position_embeddings / low_freq_factor are divided by factor.
     low_freq_factor: float = 1.0
+    # Wavelengths below original_max_position_embeddings / high_freq_factor are kept; between the two
+    # bounds the frequency is blended.
     high_freq_factor: float = 4.0
     # Context length the model was pretrained at.
     original_max_position_embeddings: int = 8192
@@ -140,14 +143,17 @@ class Llama3RopeConfig(RopeConfig):
 class YarnRopeConfig(RopeConfig):
     # Context extension ratio: interpolated frequencies are the base ones divided by this.
     factor: float = 1.0
-    # Rotation counts bounding the ramp between extrapolated (fast) and interpolated (slow) dimensions.
+    # Rotations over original_max_position_embeddings above which a dimension keeps its frequency.
     beta_fast: float = 32.0
+    # Rotations below which a dimension is fully interpolated; the ramp between the two is linear.
     beta_slow: float = 1.0
     # Context length the model was pretrained at.
     original_max_position_embeddings: int = 2048
     # cos/sin multiplier; unset = 0.1 ln(factor) + 1, or the mscale / mscale_all_dim ratio when both are set.
     attention_factor: Optional[float] = None
+    # With mscale_all_dim, the attention factor is (0.1 mscale ln f + 1) / (0.1 mscale_all_dim ln f + 1).
     mscale: Optional[float] = None
+    # The denominator's mscale (see mscale); ignored unless both are set.
     mscale_all_dim: Optional[float] = None
     # Round the ramp's correction dimensions outward to integers (transformers' default).
     truncate: bool = True
