@@ -519,6 +519,11 @@ CASES: list[Case] = [
          yaml=edit(BASE, "type: gpt2", "type: transformer9000")),
     Case("heads-not-dividing-hidden", "model", "`hidden_dim: 30` with `num_heads: 4`", 2,
          ["model.hidden_dim (30)", "model.num_heads (4)"], args=["--model.hidden_dim", "30"]),
+    Case("rope-llama3-band-inverted", "model", "`rope: {type: llama3}` with `high_freq_factor` not above "
+         "`low_freq_factor`", 2, ["model.rope.high_freq_factor (1.0)", "model.rope.low_freq_factor (2.0)"],
+         yaml=edit(BASE, "{type: gpt2, hidden_dim: 32, num_heads: 4,",
+                   "{type: llama, rope: {type: llama3, low_freq_factor: 2.0, high_freq_factor: 1.0}, num_kv_heads: 4, hidden_dim: 32, "
+                   "num_heads: 4,")),
     Case("kv-heads-not-dividing", "model", "a Llama with `num_heads: 6`, `num_kv_heads: 4`", 2,
          ["model.num_heads (6)", "model.num_kv_heads (4)"],
          yaml=edit(BASE, "{type: gpt2, hidden_dim: 32, num_heads: 4,",
