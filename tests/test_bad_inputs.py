@@ -519,6 +519,11 @@ CASES: list[Case] = [
          yaml=edit(BASE, "type: gpt2", "type: transformer9000")),
     Case("heads-not-dividing-hidden", "model", "`hidden_dim: 30` with `num_heads: 4`", 2,
          ["model.hidden_dim (30)", "model.num_heads (4)"], args=["--model.hidden_dim", "30"]),
+    Case("rope-llama3-band-inverted", "model", "`rope: {type: llama3}` with `high_freq_factor` not above "
+         "`low_freq_factor`", 2, ["model.rope.high_freq_factor (1.0)", "model.rope.low_freq_factor (2.0)"],
+         yaml=edit(BASE, "{type: gpt2, hidden_dim: 32, num_heads: 4,",
+                   "{type: llama, rope: {type: llama3, low_freq_factor: 2.0, high_freq_factor: 1.0}, num_kv_heads: 4, hidden_dim: 32, "
+                   "num_heads: 4,")),
     Case("kv-heads-not-dividing", "model", "a Llama with `num_heads: 6`, `num_kv_heads: 4`", 2,
          ["model.num_heads (6)", "model.num_kv_heads (4)"],
          yaml=edit(BASE, "{type: gpt2, hidden_dim: 32, num_heads: 4,",
@@ -1060,7 +1065,7 @@ CASES += BRANCH_EVAL_CASES
 HF_GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 1, "n_head": 4, "n_positions": 64, "vocab_size": 300}
 HF_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300,
-            "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}}
+            "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}}
 
 
 def hf_dir(doc: dict, weights: str = "model.safetensors") -> Callable[[Path, Path], None]:
@@ -1097,8 +1102,8 @@ HF_CASES = [
     Case("hf-init-other-architecture", "hugging face", "a checkpoint of an architecture not implemented (mistral)", 2,
          ["$TMP/hf/config.json", "model_type 'mistral'"], setup=hf_dir({**HF_LLAMA, "model_type": "mistral"}),
          yaml=BASE + "initialize_from_hf: $TMP/hf\n"),
-    Case("hf-init-rope-scaling", "hugging face", "a Llama checkpoint with a rope scaling not implemented (yarn)", 2,
-         ["'rope_parameters'", "'yarn'"], setup=hf_dir(HF_LLAMA),
+    Case("hf-init-rope-scaling", "hugging face", "a Llama checkpoint with a rope scaling not implemented (longrope)", 2,
+         ["'rope_parameters'", "'longrope'"], setup=hf_dir(HF_LLAMA),
          yaml=edit(BASE, "type: gpt2, hidden_dim: 32", "type: llama, num_kv_heads: 4, hidden_dim: 32") + "initialize_from_hf: $TMP/hf\n"),
     Case("hf-init-bin-only", "hugging face", "a checkpoint with PyTorch `.bin` weights only", 2,
          ["$TMP/hf", "*.bin", "save_pretrained"], setup=hf_dir(HF_GPT2, "pytorch_model.bin"),

@@ -2,7 +2,7 @@
 hf_save_path, export_lm_to_hf), against real ``transformers`` models on CPU, offline.
 
 Tiny random GPT-2 and Llama models (grouped-query attention, tied and untied heads, a non-default rope
-theta) are made by ``transformers`` once per module; our import must give transformers' logits on the
+theta, llama3 and yarn rope scaling) are made by ``transformers`` once per module; our import must give transformers' logits on the
 same tokens (float32, max abs difference < 1e-4), an export must load in transformers and give ours, and
 export -> import is bit-identical. One short training run serves several assertions.
 """
@@ -25,6 +25,7 @@ import haliax as hax
 from accelerator import tol
 from levanter.compat import load_hf_checkpoint, load_hf_config, save_hf_checkpoint
 from levanter.models import Gpt2Config, LlamaConfig
+from levanter.models.rope import Llama3RopeConfig, YarnRopeConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,6 +47,18 @@ def hf_configs():
         "llama-tied": transformers.LlamaConfig(
             hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
             vocab_size=VOCAB, tie_word_embeddings=True, max_position_embeddings=64, **quiet),
+        # Head size 16 and these wavelength bounds put frequencies in all three llama3 bands (kept, blended,
+        # divided) and a partial yarn ramp; yarn's factor also scales cos/sin (attention factor ~1.14).
+        "llama-rope-llama3": transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=VOCAB, max_position_embeddings=128, rope_parameters={
+                "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}, **quiet),
+        "llama-rope-yarn": transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=VOCAB, max_position_embeddings=256, rope_parameters={
+                "rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0,
+                "original_max_position_embeddings": 64}, **quiet),
     }
 
 
@@ -78,7 +91,7 @@ def imported(hf_dirs):
     return {name: load_hf_checkpoint(d) for name, (d, _) in hf_dirs.items()}
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-gqa-untied", "llama-tied"])
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa-untied", "llama-tied", "llama-rope-llama3", "llama-rope-yarn"])
 def test_import_gives_transformers_logits(name, hf_dirs, imported):
     config, model = imported[name]
     assert isinstance(config, Gpt2Config if name == "gpt2" else LlamaConfig)
@@ -87,12 +100,19 @@ def test_import_gives_transformers_logits(name, hf_dirs, imported):
         assert model.lm_head is not None
     if name == "llama-tied":
         assert config.tie_word_embeddings and model.lm_head is None
+    if name == "llama-rope-llama3":
+        assert config.rope == Llama3RopeConfig(theta=1e4, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                               original_max_position_embeddings=64)
+    if name == "llama-rope-yarn":
+        assert config.rope == YarnRopeConfig(theta=100.0, factor=4.0, beta_fast=8.0, beta_slow=1.0,
+                                             original_max_position_embeddings=64)
+        assert config.rope.attention_scaling() > 1.1  # the cos/sin scaling is exercised
     assert jax.tree.leaves(model)[0].dtype == np.float32
     diff = np.abs(our_logits(model) - hf_dirs[name][1]).max()
     assert diff < tol(1e-4), diff
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-gqa-untied"])
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa-untied", "llama-rope-llama3", "llama-rope-yarn"])
 def test_export_loads_in_transformers_and_imports_bit_identically(name, hf_dirs, imported, tmp_path):
     config, model = imported[name]
     out = tmp_path / "out"
@@ -163,14 +183,22 @@ def test_config_refusals_name_the_field(tmp_path):
         return str(d)
 
     llama = hf_configs()["llama-gqa-untied"].to_dict()
-    with pytest.raises(ValueError, match="rope_parameters.*'yarn'"):
-        load_hf_config(write({**llama, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}))
+    with pytest.raises(ValueError, match="rope_parameters.*'longrope'"):
+        load_hf_config(write({**llama, "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}}))
+    with pytest.raises(ValueError, match="rope_scaling.*'dynamic'"):
+        load_hf_config(write({**llama, "rope_parameters": None, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}))
     with pytest.raises(ValueError, match="attention_bias"):
         load_hf_config(write({**llama, "attention_bias": True}))
     with pytest.raises(ValueError, match="model_type 'mistral'"):
         load_hf_config(write({**llama, "model_type": "mistral"}))
     linear = load_hf_config(write({**llama, "rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}))
     assert linear.rope_theta_and_factor == (1e4, 2.0)
+    # Older config.json spelling: rope_scaling with "type", theta at the top level, original length omitted
+    # (transformers then uses max_position_embeddings).
+    old = load_hf_config(write({**llama, "rope_parameters": None, "rope_theta": 5e5, "max_position_embeddings": 128,
+                                "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0}}))
+    assert old.rope == Llama3RopeConfig(theta=5e5, original_max_position_embeddings=128)
 
 
 @pytest.fixture(scope="module")

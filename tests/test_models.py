@@ -20,6 +20,7 @@ from levanter.models import (
     next_token_loss,
 )
 from levanter.models.llama import DefaultRopeConfig
+from levanter.models.rope import Llama3RopeConfig, YarnRopeConfig
 
 Vocab = hax.Axis("vocab", 100)
 Batch = hax.Axis("batch", 2)
@@ -348,6 +349,16 @@ def test_draccus_selects_architecture():
     assert type(llama) is LlamaConfig and llama.num_kv_heads == 2 and llama.max_seq_len is None
     assert llama.rope == DefaultRopeConfig(theta=500000.0) and llama.rope_theta_and_factor == (500000.0, 1.0)
     assert draccus.decode(LmConfig, {"type": "llama", "rope_theta": 1e6}).rope_theta_and_factor == (1e6, 1.0)
+    # Upstream's spelling of the scaled variants; unset keys take transformers'/upstream's defaults.
+    llama3 = draccus.decode(LmConfig, {"type": "llama", "rope": {"type": "llama3", "factor": 32.0}})
+    assert llama3.rope == Llama3RopeConfig(theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192)
+    yarn = draccus.decode(LmConfig, {"type": "llama", "rope": {
+        "type": "yarn", "theta": 1e6, "factor": 4.0, "beta_fast": 16, "original_max_position_embeddings": 4096,
+        "mscale": 0.7, "mscale_all_dim": 0.7}})
+    assert yarn.rope == YarnRopeConfig(theta=1e6, factor=4.0, beta_fast=16.0, original_max_position_embeddings=4096,
+                                       mscale=0.7, mscale_all_dim=0.7)
+    assert yarn.rope.attention_scaling() == 1.0  # equal mscales cancel, as in transformers
 
     with pytest.raises(draccus.utils.DecodingError, match="hidden_size"):
         draccus.decode(LmConfig, {"type": "gpt2", "hidden_size": 32})

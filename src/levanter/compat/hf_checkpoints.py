@@ -2,8 +2,8 @@
 
 * :func:`load_hf_config` maps a ``config.json`` onto our :class:`~levanter.models.Gpt2Config` or
   :class:`~levanter.models.LlamaConfig`. Options we do not implement (another architecture, a rope
-  scaling type other than ``default``/``linear``, biases in Llama, a head size other than
-  ``hidden_size / num_attention_heads``) are refused, naming the ``config.json`` field, rather than loaded
+  type other than default/linear/llama3/yarn (:mod:`levanter.models.rope`), biases in Llama, a head size
+  other than ``hidden_size / num_attention_heads``) are refused, naming the ``config.json`` field, rather than loaded
   into a model that would compute something else.
 * :func:`load_hf_checkpoint` reads the weights (``model.safetensors``, or the shards that
   ``model.safetensors.index.json`` names) into our model, in float32. ``.bin`` (pickle) checkpoints are
@@ -52,7 +52,7 @@ from typing import Any, Iterable, Optional
 import numpy as np
 
 from levanter.models import Gpt2Config, LlamaConfig, LmConfig
-from levanter.models.llama import RopeConfig
+from levanter.models.rope import rope_from_hf, rope_to_hf
 from levanter.utils import fs
 
 logger = logging.getLogger(__name__)
@@ -251,28 +251,6 @@ def _gpt2_from_hf(doc: dict, where: str) -> tuple[LmConfig, int]:
     return cfg, _int(doc, where, "vocab_size")
 
 
-def _llama_rope(doc: dict, where: str) -> tuple[float, Optional[RopeConfig]]:
-    params = doc.get("rope_parameters")
-    scaling = doc.get("rope_scaling")
-    if isinstance(params, dict) and params:
-        field, rope = "rope_parameters", dict(params)
-    elif isinstance(scaling, dict) and scaling:
-        field, rope = "rope_scaling", dict(scaling)
-    else:
-        return float(doc.get("rope_theta", 10000.0)), None
-    theta = float(rope.get("rope_theta", doc.get("rope_theta", 10000.0)))
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "default":
-        return theta, None
-    if kind == "linear":
-        factor = float(rope.get("factor", 1.0))
-        return theta, RopeConfig.get_choice_class("linear")(theta=theta, factor=factor)
-    raise ValueError(
-        f"{where}: field {field!r} has rope_type {kind!r}, which is not implemented (only 'default' and 'linear' "
-        "rotary embeddings are)"
-    )
-
-
 def _llama_from_hf(doc: dict, where: str) -> tuple[LmConfig, int]:
     d = _int(doc, where, "hidden_size")
     heads = _int(doc, where, "num_attention_heads")
@@ -288,7 +266,7 @@ def _llama_from_hf(doc: dict, where: str) -> tuple[LmConfig, int]:
             raise ValueError(f"{where}: field {name!r} true is not supported (Llama here has no biases)")
     if doc.get("pretraining_tp", 1) not in (None, 1):
         raise ValueError(f"{where}: field 'pretraining_tp' other than 1 is not supported")
-    theta, rope = _llama_rope(doc, where)
+    theta, rope = rope_from_hf(doc, where)
     max_pos = _int(doc, where, "max_position_embeddings", default=2048)
     cfg = LlamaConfig(
         seq_len=min(max_pos, 2048),
@@ -345,10 +323,6 @@ def lm_to_hf_config(config: LmConfig, vocab_size: int) -> dict:
                 "model.use_bias true or model.use_layer_norm_weight false cannot be exported: Hugging Face Llama "
                 "has no biases and always has norm weights"
             )
-        theta, factor = config.rope_theta_and_factor
-        rope = {"rope_type": "default", "rope_theta": theta}
-        if factor != 1.0:
-            rope = {"rope_type": "linear", "rope_theta": theta, "factor": factor}
         return {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
@@ -364,9 +338,7 @@ def lm_to_hf_config(config: LmConfig, vocab_size: int) -> dict:
             "initializer_range": config.initializer_range,
             "rms_norm_eps": config.layer_norm_epsilon,
             "tie_word_embeddings": config.tie_word_embeddings,
-            "rope_theta": theta,
-            "rope_parameters": rope,
-            "rope_scaling": None if factor == 1.0 else {"rope_type": "linear", "factor": factor},
+            **rope_to_hf(config.rope_config),
             "attention_bias": False,
             "mlp_bias": False,
             "pretraining_tp": 1,

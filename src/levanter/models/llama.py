@@ -17,7 +17,8 @@ a ``heads -> model`` tensor-parallel mapping shards it; attention splits ``heads
 RoPE uses the Hugging Face "rotate half" layout (the two halves of ``head_size`` form the complex
 pairs) and row positions ``0..L-1``. Rotary encoding is relative, so packed documents see the same
 within-document geometry wherever they start in the row. The ``rope`` block accepts upstream's
-nested form (``rope: {type: default, theta: ..., factor: ...}``); without it, ``rope_theta`` is used.
+nested form (``rope: {type: default | linear | llama3 | yarn, theta: ..., ...}``, see
+:mod:`levanter.models.rope`); without it, ``rope_theta`` is used.
 """
 
 from __future__ import annotations
@@ -48,32 +49,10 @@ from .layers import (
 )
 from ..config_doc import refused
 from .lm_model import LAYERS, LmConfig, LmHeadModel, check_input_length
+from .rope import DefaultRopeConfig, RopeConfig, rotary_tables
 from .token_dot import linear
 
 HEAD_SIZE = "head_size"
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeConfig(draccus.ChoiceRegistry):
-    """Rotary-embedding settings (upstream's ``rope:`` block). Only ``default`` (alias ``linear``) exists."""
-
-    # Base of the rotary frequencies.
-    theta: float = 10000.0
-    # Positions are divided by this (linear scaling); 1.0 = plain RoPE.
-    factor: float = 1.0
-
-    @classmethod
-    def default_choice_name(cls) -> Optional[str]:
-        return "default"
-
-
-@RopeConfig.register_subclass("default")
-@dataclasses.dataclass(frozen=True)
-class DefaultRopeConfig(RopeConfig):
-    pass
-
-
-RopeConfig.register_subclass("linear", DefaultRopeConfig)
 
 
 @LmConfig.register_subclass("llama")
@@ -152,9 +131,9 @@ class LlamaConfig(LmConfig):
                 f"model.hidden_dim / model.num_heads = {self.hidden_dim // self.num_heads} "
                 "must be even for RoPE"
             )
-        theta, factor = self.rope_theta_and_factor
-        if theta <= 0 or factor <= 0:
-            raise ValueError(f"model.rope theta and factor must be positive, got {theta=}, {factor=}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"model.rope_theta must be positive, got {self.rope_theta}")
+        self.rope_config.check()
         check_activation(self.activation_function)
         check_remat(self.gradient_checkpointing)
         self.attention_backend  # validates attn_backend, use_flash_attention, flash_attention_block_size
@@ -174,10 +153,14 @@ class LlamaConfig(LmConfig):
         check_backend_platform(self.attention_backend, platform)
 
     @property
+    def rope_config(self) -> RopeConfig:
+        """The rotary settings in force: ``rope`` when given, else plain RoPE at ``rope_theta``."""
+        return self.rope if self.rope is not None else DefaultRopeConfig(theta=float(self.rope_theta))
+
+    @property
     def rope_theta_and_factor(self) -> tuple[float, float]:
-        if self.rope is not None:
-            return float(self.rope.theta), float(self.rope.factor)
-        return float(self.rope_theta), 1.0
+        rope = self.rope_config
+        return float(rope.theta), float(getattr(rope, "factor", 1.0))
 
     @property
     def Heads(self) -> Axis:
@@ -210,16 +193,6 @@ class LlamaConfig(LmConfig):
         attn = 2 * 2 * s * d  # scores + weighted sum over the full map
         forward = self.num_layers * (proj + mlp + attn) + 2 * d * vocab_size
         return 3.0 * forward
-
-
-def rotary_tables(Pos: Axis, HeadSize: Axis, theta: float, factor: float) -> tuple[NamedArray, NamedArray]:
-    """float32 ``cos``/``sin`` tables ``[position, head_size]`` in the rotate-half layout."""
-    half = HeadSize.size // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) * 2.0 / HeadSize.size))
-    positions = jnp.arange(Pos.size, dtype=jnp.float32) / factor
-    angles = positions[:, None] * inv_freq[None, :]
-    angles = jnp.concatenate([angles, angles], axis=-1)
-    return hax.named(jnp.cos(angles), (Pos, HeadSize)), hax.named(jnp.sin(angles), (Pos, HeadSize))
 
 
 def apply_rotary(x: NamedArray, cos: NamedArray, sin: NamedArray) -> NamedArray:
@@ -355,8 +328,7 @@ class LlamaLMHeadModel(LmHeadModel):
             dtype=jnp.float32 if c.upcast_attn else x.dtype,
             head_size=c.HeadSize.size,
         )
-        theta, factor = self.config.rope_theta_and_factor
-        cos, sin = rotary_tables(Pos, self.config.HeadSize, theta, factor)
+        cos, sin = rotary_tables(Pos, self.config.HeadSize, self.config.rope_config)
         # mask, cos and sin have no `layers` axis, so the scan passes them unchanged to every layer.
         # scan_layers=False unrolls the loop at trace time; the parameters stay stacked either way.
         x = self.layers.fold(x, mask, cos, sin, unroll=not self.config.scan_layers)
