@@ -815,6 +815,15 @@ class Trainer:
                     "trainer.num_train_steps, then rerun."
                 )
             return state
+        except Exception:
+            # A run that fails (a non-finite loss, unreadable data) still commits the checkpoint whose
+            # background write is in flight: the last good state is there to resume from. A failed write
+            # is logged, not raised, so that the run's own error is the one reported.
+            try:
+                checkpointer.wait_until_finished()
+            except Exception as e:  # noqa: BLE001
+                logger.error("the checkpoint being written when the run failed was not saved: %s", e)
+            raise
         finally:
             self.restore_signal_handlers(previous_handler)
 
