@@ -230,11 +230,15 @@ def trained(hf_dirs, tmp_path_factory):
     records = []
     handler = logging.Handler(logging.INFO)
     handler.emit = lambda record: records.append(record.getMessage())
-    logging.getLogger("levanter").addHandler(handler)
+    log = logging.getLogger("levanter")
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)  # the INFO lines reach the handler whatever the root logger's level
     try:
         summary = train_lm.main(config)
     finally:
-        logging.getLogger("levanter").removeHandler(handler)
+        log.removeHandler(handler)
+        log.setLevel(level)
     return tmp, {**summary, "log": records}
 
 
