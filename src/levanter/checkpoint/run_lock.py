@@ -50,6 +50,7 @@ from typing import Any, Optional
 
 from levanter.errors import is_out_of_space, out_of_space_error
 from levanter.utils import fs
+from levanter.utils.process import pid_alive, proc_stat
 
 __all__ = ["LOCK_FILENAME", "RunLock", "RunLockedError", "acquire_run_lock", "hold_run_lock"]
 
@@ -91,31 +92,10 @@ def _pid_namespace() -> Optional[str]:
         return None
 
 
-def _proc_stat(pid: int) -> Optional[list[str]]:
-    """Fields of ``/proc/<pid>/stat`` after the command name (state first), or None."""
-    text = _read_text(f"/proc/{pid}/stat")
-    if text is None or ")" not in text:
-        return None
-    return text.rsplit(")", 1)[1].split()
-
-
 def _pid_start(pid: int) -> Optional[str]:
     """The process's start time in clock ticks since boot: with the boot id, a process's identity."""
-    fields = _proc_stat(pid)
+    fields = proc_stat(pid)
     return fields[19] if fields is not None and len(fields) > 19 else None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # exists, owned by someone else
-    except OSError:
-        return True  # cannot tell: assume it lives
-    fields = _proc_stat(pid)
-    return not (fields and fields[0] == "Z")  # a zombie has exited
 
 
 def _this_process(run_id: str) -> dict:
@@ -159,7 +139,7 @@ def _is_stale(holder: dict, path: str) -> bool:
         return False
     if pid == os.getpid():
         return False  # this process holds it (a run in progress in this interpreter)
-    if not _pid_alive(pid):
+    if not pid_alive(pid):
         return True
     start = holder.get("pid_start")
     return start is not None and _pid_start(pid) not in (None, start)  # the PID was reused

@@ -25,6 +25,7 @@ import socket
 import time
 
 from ..utils import fs
+from ..utils.process import pid_alive
 
 __all__ = ["BUILD_LOCK_FILENAME", "BuildLock", "acquire_build_lock"]
 
@@ -50,16 +51,6 @@ def _record() -> dict:
             "token": secrets.token_hex(8)}
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _age(path: str) -> float | None:
     try:
         return time.time() - fs.mtime(path)
@@ -70,7 +61,7 @@ def _age(path: str) -> float | None:
 def _stale(holder: dict | None, lock_path: str, ledger_path: str) -> bool:
     if holder is not None and holder.get("host") == socket.gethostname() and holder.get("boot") == _boot_id():
         pid = holder.get("pid")
-        return isinstance(pid, int) and not _pid_alive(pid)
+        return isinstance(pid, int) and not pid_alive(pid)
     ages = [a for a in (_age(lock_path), _age(ledger_path)) if a is not None]
     return bool(ages) and min(ages) > STALE_AFTER_SECONDS
 
