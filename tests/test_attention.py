@@ -285,11 +285,14 @@ def test_remat_policies_give_the_same_loss_and_gradients():
 def test_named_save_policies_save_more_and_give_the_same_gradients(kind, capsys):
     """MaxText's named policies keep each layer's input plus the marked activations: the layer scan saves
     more for its backward pass under ``save_qkv_proj`` than under full remat, more again under
-    ``save_dot_with_context_except_mlp``, and every policy gives the loss and gradients of no remat."""
+    ``save_dot_with_context_except_mlp``, more again under ``minimal_with_context`` (the MLP's matmuls too),
+    and every policy gives the loss and gradients of no remat."""
     Pos = Axis("position", 16)
     ids = hax.named(jnp.asarray(np.random.default_rng(2).integers(0, Vocab.size, (2, 16))), (Batch, Pos))
     saved, results = {}, {}
-    for policy in [False, True, "save_qkv_proj", "save_dot_except_mlp", "save_dot_with_context_except_mlp"]:
+    policies = [False, True, "save_qkv_proj", "save_dot_except_mlp", "save_dot_with_context_except_mlp",
+                "minimal_with_context"]
+    for policy in policies:
         model = _build(_tiny(kind, attn_backend="jax_flash", flash_attention_block_size=8,
                              gradient_checkpointing=policy))
         params, static = eqx.partition(model, eqx.is_inexact_array)
@@ -301,7 +304,8 @@ def test_named_save_policies_save_more_and_give_the_same_gradients(kind, capsys)
         # What the layer scan hands its backward pass: the layers' inputs, plus the saved activations.
         saved[policy] = sum("output of scan" in line for line in capsys.readouterr().out.splitlines())
         results[policy] = jax.jit(jax.value_and_grad(loss))(params)
-    assert saved[True] < saved["save_qkv_proj"] < saved["save_dot_with_context_except_mlp"], saved
+    assert (saved[True] < saved["save_qkv_proj"] < saved["save_dot_with_context_except_mlp"]
+            < saved["minimal_with_context"]), saved
     ref_loss, ref_grads = results[False]
     for policy, (value, grads) in results.items():
         np.testing.assert_allclose(value, ref_loss, rtol=tol(1e-6), err_msg=str(policy))

@@ -60,6 +60,11 @@ SAVED_NAMES: dict[str, tuple[str, ...]] = {
     "save_dot_except_mlp": ("query_proj", "key_proj", "value_proj", "qkv_proj", "out_proj"),
     "save_dot_except_mlpwi": ("query_proj", "key_proj", "value_proj", "qkv_proj", "out_proj", "mlpwo"),
     "save_dot_with_context_except_mlp": ("query_proj", "key_proj", "value_proj", "qkv_proj", "context", "out_proj"),
+    # Every matmul's output and the attention output: the backward pass recomputes only elementwise work.
+    "minimal_with_context": (
+        "query_proj", "key_proj", "value_proj", "qkv_proj", "context", "out_proj", "mlpwi", "mlpwi_0", "mlpwi_1",
+        "mlpwo",
+    ),
 }
 
 # `gradient_checkpointing` values besides true/false: what each block saves for the backward pass.
