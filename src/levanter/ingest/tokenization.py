@@ -34,6 +34,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from ..utils.fs import atomic_write_text
+from ..utils.hub import hub_host, hub_offline
 
 __all__ = [
     "ByteTokenizer",
@@ -310,12 +311,11 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str) -> HfTokenize
 
 def _check_hub_reachable(name: str) -> None:
     """Fail in milliseconds, not after ~20 s of HTTP retries, when the hub's host does not resolve."""
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False"):
+    if hub_offline():
         return  # the hub client itself fails fast in offline mode
     import socket
-    from urllib.parse import urlparse
 
-    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    host = hub_host()
     try:
         socket.getaddrinfo(host, 443)
     except OSError as e:
