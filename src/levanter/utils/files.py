@@ -225,22 +225,36 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, mode: int = 0o64
         retry_transient(fs.pipe_file, p, bytes(data), what=f"write {path}")
         return
     path = abspath(path)
-    directory = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    tmp = _durable_temporary(path, data, mode)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_if_present(tmp)
+        raise
+    fsync_dir(os.path.dirname(path))
+
+
+def _durable_temporary(path: str, data: bytes, mode: int) -> str:
+    """A temporary file ``.<name>.<random>.tmp`` beside the local ``path``, holding ``data``, fsynced, with
+    permissions ``mode``: what a rename or a hard link then puts in place whole. Removed if writing fails."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix="." + os.path.basename(path) + ".", suffix=".tmp")
     try:
         os.fchmod(fd, mode)  # mkstemp creates 0600; give the permissions an ordinary write would
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        _unlink_if_present(tmp)
         raise
-    fsync_dir(directory)
+    return tmp
+
+
+def _unlink_if_present(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -254,25 +268,16 @@ def create_exclusive(path: str | os.PathLike, data: bytes) -> bool:
     path = os.fspath(path)
     if not is_url(path):
         path = abspath(path)
-        directory = os.path.dirname(path)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+        tmp = _durable_temporary(path, data, 0o644)
         try:
-            os.fchmod(fd, 0o644)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
             try:
                 os.link(tmp, path)
             except FileExistsError:
                 return False
-            fsync_dir(directory)
+            fsync_dir(os.path.dirname(path))
             return True
         finally:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            _unlink_if_present(tmp)
     fs, p = filesystem(path)
     if url_scheme(path) == "memory":
         with _MEMORY_LOCK:
