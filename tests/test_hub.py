@@ -48,3 +48,9 @@ def test_endpoint_and_host(monkeypatch):
     assert hub.hub_host() == "huggingface.co"
     monkeypatch.setenv("HF_ENDPOINT", "http://mirror.example:8080/hf")
     assert hub.hub_host() == "mirror.example"
+
+
+def test_an_endpoint_whose_host_does_not_resolve_is_unreachable(monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", "https://no-such-host.invalid")
+    why = hub.hub_unreachable()
+    assert why is not None and why.startswith("the Hugging Face hub (no-such-host.invalid) is unreachable (")

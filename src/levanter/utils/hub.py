@@ -13,6 +13,7 @@ sets a variable later is seen; the cost is a few dictionary lookups per hub reso
 from __future__ import annotations
 
 import os
+import socket
 from urllib.parse import urlparse
 
 # The values huggingface_hub takes as true (compared upper-cased).
@@ -51,4 +52,15 @@ def hub_host() -> str:
     return urlparse(hub_endpoint()).hostname or "huggingface.co"
 
 
-__all__ = ["DEFAULT_ENDPOINT", "hub_endpoint", "hub_host", "hub_offline", "offline_variable"]
+def hub_unreachable() -> str | None:
+    """Why the hub cannot be reached (its host does not resolve), or None when it resolves: a DNS lookup
+    answers in milliseconds where the hub client would retry HTTP for tens of seconds."""
+    host = hub_host()
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as e:
+        return f"the Hugging Face hub ({host}) is unreachable ({e})"
+    return None
+
+
+__all__ = ["DEFAULT_ENDPOINT", "hub_endpoint", "hub_host", "hub_offline", "hub_unreachable", "offline_variable"]
