@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from levanter import config_doc
+from levanter import config_doc, refused_keys
 
 REPO = Path(__file__).resolve().parent.parent
 SRC = REPO / "src" / "levanter"
@@ -99,7 +99,7 @@ def test_help_lists_each_key_once_with_its_default(module):
 @dataclasses.dataclass(frozen=True)
 class Inner:
     # a key this code does not implement
-    later: int = config_doc.refused("not built; remove it", default=0)
+    later: int = refused_keys.refused("not built; remove it", default=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,11 +111,11 @@ class Outer:
 
 
 def test_refused_fields_are_marked_and_refused_when_set():
-    config_doc.check_refused(Outer())  # defaults pass
+    refused_keys.check_refused(Outer())  # defaults pass
     with pytest.raises(ValueError, match=r"^x\.inner\.later=3 is not supported: not built; remove it$"):
-        config_doc.check_refused(Outer(inner=Inner(later=3)), "x")
+        refused_keys.check_refused(Outer(inner=Inner(later=3)), "x")
     with pytest.raises(ValueError, match=r"many\.a\.later=1"):
-        config_doc.check_refused(Outer(many={"a": Inner(later=1)}))
+        refused_keys.check_refused(Outer(many={"a": Inner(later=1)}))
     rows = config_doc.all_fields(config_doc.EntryPoint("m", "s", Outer))
     assert [(r.key, r.refused, r.description) for r in rows] == [
         ("many", None, "mapping of sections"),
@@ -154,12 +154,12 @@ def names_read() -> set:
 def test_every_key_is_read_or_refused(entries, names_read):
     """A key that parses but that no code reads would be silently ignored. A field counts as read where the
     library's code reads its name as an attribute (``.name``) or names it in a string
-    (``getattr(c, "name")``); a field marked with ``config_doc.refused`` is refused by ``check_refused``
+    (``getattr(c, "name")``); a field marked with ``refused_keys.refused`` is refused by ``check_refused``
     when set."""
     unread = set()
     for e in entries:
         for r in config_doc.all_fields(e):
             if not r.refused and r.name not in names_read:
                 unread.add(f"{r.owner.__module__}.{r.owner.__qualname__}.{r.name}")
-    assert not unread, "read these fields where they take effect, or mark them config_doc.refused(...):\n" + \
+    assert not unread, "read these fields where they take effect, or mark them refused_keys.refused(...):\n" + \
         "\n".join(sorted(unread))

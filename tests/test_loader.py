@@ -702,14 +702,14 @@ def test_cancelling_a_read_leaves_the_tensorstore_future_alone():
     released only by its own callback; a read that completes is handed over as before."""
     import tensorstore as ts
 
-    from levanter.store import jagged_array as ja
+    from levanter.store import batched_reads
 
     def held(f) -> bool:
-        return any(v is f for v in ja._callbacks_pending.values())
+        return any(v is f for v in batched_reads._callbacks_pending.values())
 
     async def scenario():
         promise, fut = ts.Promise.new()
-        task = asyncio.create_task(ja.awaited(fut))
+        task = asyncio.create_task(batched_reads.awaited(fut))
         await asyncio.sleep(0)
         assert held(fut)
         task.cancel()
@@ -725,7 +725,7 @@ def test_cancelling_a_read_leaves_the_tensorstore_future_alone():
         assert not held(fut)
 
         promise2, fut2 = ts.Promise.new()
-        task2 = asyncio.create_task(ja.awaited(fut2))
+        task2 = asyncio.create_task(batched_reads.awaited(fut2))
         await asyncio.sleep(0)
         promise2.set_result(np.arange(4))
         np.testing.assert_array_equal(await task2, np.arange(4))
@@ -820,15 +820,15 @@ def test_read_ahead_from_any_step_equals_the_uninterrupted_run(tmp_path, monkeyp
     """A loader started at any step (a resume) reads, with its groups cut from there, exactly the tail of
     an uninterrupted run over a store-backed mixture, across a batch-size change and a stage switch; the
     groups are read together (fewer tensorstore reads than steps)."""
-    from levanter.store.jagged_array import JaggedArrayStore
+    from levanter.store import batched_reads
 
     schedule = schedule_of([(0, 8), (40, 12)])
     mix = _store_mixture(tmp_path, schedule, block_size=None)
     whole = [np.asarray(b.data["tokens"]) for b in DataLoader(mix, schedule, prefetch_depth=prefetch_depth)
              .iter_from_step(0, 100)]
     reads = []
-    real_read = JaggedArrayStore._read
-    monkeypatch.setattr(JaggedArrayStore, "_read", lambda self, v: reads.append(1) or real_read(self, v))
+    real_read = batched_reads.read_view
+    monkeypatch.setattr(batched_reads, "read_view", lambda v: reads.append(1) or real_read(v))
     for start in (1, 13, 39, 40, 69, 70, 71, 99):
         before = len(reads)
         with DataLoader(mix, schedule, prefetch_depth=prefetch_depth).iter_from_step(start, 100) as it:

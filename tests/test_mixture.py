@@ -285,7 +285,7 @@ def test_combined_read_equals_reading_each_source(tmp_path, monkeypatch, names):
     plan, else per-source reads; one causal-LM finish of the whole batch when the plans share it) equals
     each source's own get_batch of the rows the mixture drew."""
     from levanter.data.dataset import StackedBatch
-    from levanter.store.jagged_array import JaggedArrayStore
+    from levanter.store import batched_reads
 
     import levanter.data.mixture as mixture_module
     import levanter.data.text as text_module
@@ -297,8 +297,8 @@ def test_combined_read_equals_reading_each_source(tmp_path, monkeypatch, names):
     )
 
     reads = []
-    real_read = JaggedArrayStore._read
-    monkeypatch.setattr(JaggedArrayStore, "_read", lambda self, view: reads.append(1) or real_read(self, view))
+    real_read = batched_reads.read_view
+    monkeypatch.setattr(batched_reads, "read_view", lambda view: reads.append(1) or real_read(view))
     permuted = []
     real_many = mixture_module.permute_many
     monkeypatch.setattr(
@@ -366,7 +366,7 @@ def test_combined_read_equals_reading_each_source(tmp_path, monkeypatch, names):
 def test_tokens_only_mixture_reads_the_tokens_of_the_full_one(tmp_path, monkeypatch):
     """``tokens_only`` sources (what train_lm reads): every step's batch is ``{tokens}``, equal to the
     full mixture's tokens; sources with other EOS ids now share a read plan and its coalesced reads."""
-    from levanter.store.jagged_array import JaggedArrayStore
+    from levanter.store import batched_reads
 
     names = ("shuffled", "blocks", "other_eos")
     full, only = _token_sources(tmp_path), _token_sources(tmp_path, tokens_only=True)
@@ -376,8 +376,8 @@ def test_tokens_only_mixture_reads_the_tokens_of_the_full_one(tmp_path, monkeypa
     full_mix, only_mix = (MixtureDataset({n: srcs[n] for n in names}, weights, batch_schedule=schedule, key=3)
                           for srcs in (full, only))
     reads = []
-    real_read = JaggedArrayStore._read
-    monkeypatch.setattr(JaggedArrayStore, "_read", lambda self, v: reads.append(1) or real_read(self, v))
+    real_read = batched_reads.read_view
+    monkeypatch.setattr(batched_reads, "read_view", lambda v: reads.append(1) or real_read(v))
     only_reads = []
     for step in range(20):
         idx = np.arange(step * 8, step * 8 + 8)
@@ -483,7 +483,7 @@ def test_coalesced_reads_never_change_what_is_read(tmp_path, monkeypatch, block_
     reads than requests."""
     from levanter.data.dataset import StackedBatch
     from levanter.data.read_ahead import TRIM_GROUPS, GROUPS_AHEAD, MISS, PLAN_MAX_STEPS, ReadAhead
-    from levanter.store.jagged_array import JaggedArrayStore
+    from levanter.store import batched_reads
 
     import levanter.data.read_ahead as read_ahead_module
     import levanter.data.text as text_module
@@ -493,8 +493,8 @@ def test_coalesced_reads_never_change_what_is_read(tmp_path, monkeypatch, block_
     # Small enough that batches of 8 and 12 rows coalesce 2-3 steps, and batch-size changes cut groups.
     monkeypatch.setattr(read_ahead_module, "COALESCE_ROWS", 24)
     reads = []
-    real_read = JaggedArrayStore._read
-    monkeypatch.setattr(JaggedArrayStore, "_read", lambda self, v: reads.append(1) or real_read(self, v))
+    real_read = batched_reads.read_view
+    monkeypatch.setattr(batched_reads, "read_view", lambda v: reads.append(1) or real_read(v))
     srcs = _token_sources(tmp_path)
 
     def make():
@@ -551,7 +551,7 @@ def test_groups_read_ahead_stay_bounded_and_a_failed_one_is_read_again(tmp_path,
     never more than ``GROUPS_AHEAD`` groups past it; a read ahead that fails fails only the steps it
     holds, once each, and asking again reads them afresh -- every answer equals a fresh mixture's."""
     from levanter.data.read_ahead import COALESCE_MAX_STEPS, GROUPS_AHEAD, MISS, ReadAhead
-    from levanter.store.jagged_array import JaggedArrayStore
+    from levanter.store import batched_reads
 
     srcs = _token_sources(tmp_path, tokens_only=True)
     weights = [(0, {"shuffled": 0.5, "blocks": 0.3, "epochs": 0.2}), (40, {"shuffled": 0.1, "blocks": 0.9})]
@@ -575,13 +575,13 @@ def test_groups_read_ahead_stay_bounded_and_a_failed_one_is_read_again(tmp_path,
 
     expect = asyncio.run(expected())
     reads = []
-    real_read = JaggedArrayStore._read
+    real_read = batched_reads.read_view
 
-    def read(self, view):
+    def read(view):
         reads.append(1)
-        return FailedRead() if len(reads) == 6 else real_read(self, view)
+        return FailedRead() if len(reads) == 6 else real_read(view)
 
-    monkeypatch.setattr(JaggedArrayStore, "_read", read)
+    monkeypatch.setattr(batched_reads, "read_view", read)
     mix = make()
     group_steps = COALESCE_MAX_STEPS  # 4 rows a step: groups are cut by steps, not rows
     failed, furthest = [], 0

@@ -15,12 +15,10 @@ docs/performance.md ("Attention backends"); ``run_all.py`` runs this as its ``at
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
-import sys
 import time
+
+from _common import note_load_average, parser, write_json
 
 QUICK = dict(seq_len=2048, heads=8, head_size=64, batch=1, block=512, repeats=3)
 FULL = dict(seq_len=4096, heads=8, head_size=64, batch=1, block=512, repeats=5)
@@ -89,16 +87,14 @@ def print_section(res: dict) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--quick", action="store_true", help="sequence 2,048 instead of 4,096")
     p.add_argument("--json", default=None, help="write the figures to this JSON file")
     args = p.parse_args(argv)
-    print(f"# load average " + "%.2f %.2f %.2f" % os.getloadavg(), file=sys.stderr)
+    note_load_average()
     res = run(QUICK if args.quick else FULL)
     print_section(res)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(args.json, res)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ Usage::
 
 from __future__ import annotations
 
-from _table import print_table  # noqa: E402 -- scripts/bench is on sys.path when run as a script
+from _common import load_average, parser, print_table  # noqa: E402 -- scripts/bench is on sys.path
 import argparse
 import gc
 import json
@@ -230,8 +230,8 @@ def read_benchmark(cache_dir: str, batch_sizes, n_batches: int, repeats: int, se
 
 # -- main ----------------------------------------------------------------------------------------------
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    p = parser(
+        __doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--quick", action="store_true", help="fewer repeats, workers 1 and 2 only (< 1 minute)")
     p.add_argument("--build-repeats", type=int, default=None, help="builds per configuration (3; --quick: 1)")
@@ -272,7 +272,7 @@ def main(argv=None) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
     print()
     print(f"# total wall time {time.perf_counter() - t_start:.1f} s; load average now "
-          + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+          + load_average())
 
 
 def _run(
@@ -287,7 +287,7 @@ def _run(
     print(
         f"# cache benchmark: python {platform.python_version()} ({platform.machine()}), "
         f"{os.cpu_count()} CPUs "
-        f"({usable} usable), load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+        f"({usable} usable), load average " + load_average()
     )
     print(
         f"# tokenizers {pkg_version('tokenizers')}, tensorstore {pkg_version('tensorstore')}, "

@@ -47,6 +47,8 @@ import sys
 import tempfile
 import time
 
+from _common import load_average, parser, write_json
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_UPSTREAM = os.path.expanduser("~/.cache/levanter-bench/upstream-venv")
 SOURCES = ("python-code", "python-docs")
@@ -219,7 +221,7 @@ def print_report(out: dict) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--quick", action="store_true", help="fewer repeats")
     p.add_argument("--json", default=None, help="write the figures to this JSON file")
     p.add_argument("--upstream-venv", default=DEFAULT_UPSTREAM,
@@ -232,14 +234,12 @@ def main(argv=None) -> None:
         upstream_main(tok_dir, out_root, int(repeats), shards)
         return
     print(f"# cache_build: python {platform.python_version()}, {os.cpu_count()} CPUs, load average "
-          + "%.2f %.2f %.2f" % os.getloadavg())
+          + load_average())
     t0 = time.perf_counter()
     out = run(QUICK if args.quick else FULL, None if args.no_upstream else args.upstream_venv)
     print_report(out)
-    print(f"# total {time.perf_counter() - t0:.1f} s; load average now " + "%.2f %.2f %.2f" % os.getloadavg())
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    print(f"# total {time.perf_counter() - t0:.1f} s; load average now " + load_average())
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

@@ -23,15 +23,14 @@ docs/performance.md ("Checkpoints").
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
+
+from _common import note_load_average, parser, write_json
 
 QUICK = dict(params=2e6, repeats=3)
 FULL = dict(params=2e7, repeats=3)
@@ -195,7 +194,7 @@ def print_section(r: dict) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--quick", action="store_true", help=f"{QUICK['params']:.0e} parameters (CPU, seconds)")
     p.add_argument("--params", type=float, default=None, help="parameters (the state is 12 bytes per parameter)")
     p.add_argument("--repeats", type=int, default=None, help="saves per mode")
@@ -204,7 +203,7 @@ def main(argv=None) -> None:
     p.add_argument("--verify", action="store_true", help="reload the last background save and compare")
     p.add_argument("--json", default=None, help="also write the result to this file")
     args = p.parse_args(argv)
-    print("# load average " + "%.2f %.2f %.2f" % os.getloadavg(), file=sys.stderr)
+    note_load_average()
     cfg = dict(QUICK if args.quick else FULL)
     if args.params is not None:
         cfg["params"] = args.params
@@ -212,9 +211,7 @@ def main(argv=None) -> None:
         cfg["repeats"] = args.repeats
     res = run(cfg, args.dir, args.verify)
     print_section(res)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(args.json, res)
     print(json.dumps({k: v for k, v in res.items() if k != "all"}))
 
 

@@ -21,12 +21,12 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import tempfile
 import time
+
+from _common import parser, write_json
 
 from levanter.ingest.identity import hash_file
 
@@ -83,7 +83,7 @@ def print_section(res: dict) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--quick", action="store_true", help="a 256 MiB file instead of 1 GiB")
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--json", default=None, help="write the figures to this JSON file")
@@ -93,9 +93,7 @@ def main(argv=None) -> None:
         cfg["repeats"] = args.repeats
     res = run(cfg)
     print_section(res)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(args.json, res)
 
 
 if __name__ == "__main__":

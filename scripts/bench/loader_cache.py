@@ -385,7 +385,7 @@ def checksum_section(work: str, root: str, total_tokens: int, shapes: dict, repe
 
 
 def print_checksum_section(res: dict) -> None:
-    from _table import print_table
+    from _common import print_table
 
     def f(s, scale=1.0, spec=".2f"):
         return f"{s['median'] * scale:{spec}} [{s['min'] * scale:{spec}}, {s['max'] * scale:{spec}}]"

@@ -27,7 +27,7 @@ Usage::
 
 from __future__ import annotations
 
-from _table import print_table  # noqa: E402 -- scripts/bench is on sys.path when run as a script
+from _common import parser, print_table  # noqa: E402 -- scripts/bench is on sys.path
 import argparse
 import asyncio
 import os
@@ -154,8 +154,8 @@ def stats_rows(block_sizes, per_key: dict, scale: float, fmt: str) -> list[list[
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    p = parser(
+        __doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--quick", action="store_true", help="fewer repeats and steps (smoke run, a few seconds)")
     p.add_argument("--repeats", type=int, default=None, help="repeats per resume step (21; --quick: 5)")

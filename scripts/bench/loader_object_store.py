@@ -28,8 +28,6 @@ Run alone: ``.venv/bin/python scripts/bench/loader_object_store.py --quick``; ``
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import sys
@@ -37,6 +35,8 @@ import tempfile
 import time
 
 import numpy as np
+
+from _common import parser, print_table, write_json
 
 import loader_cache as lc
 
@@ -138,8 +138,6 @@ def run(cfg: dict, fail_fraction: float = 0.0, delay_s=(0.02, 0.05)) -> dict:
 
 
 def print_section(res: dict) -> None:
-    from _table import print_table
-
     lo, s3 = res["local"], res["s3"]
     delay = f"{res['delay_s'][0] * 1e3:.0f}-{res['delay_s'][1] * 1e3:.0f} ms"
     fails = f", {res['fail_fraction'] * 100:.0f} % answered 503" if res["fail_fraction"] else ""
@@ -161,7 +159,7 @@ def print_section(res: dict) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--fail-fraction", type=float, default=0.0, help="fraction of requests answered 503")
     p.add_argument("--delay-ms", default="20,50", help="each request's added latency, uniform in LOW,HIGH ms")
@@ -170,9 +168,7 @@ def main(argv=None) -> None:
     low, high = (float(x) / 1e3 for x in args.delay_ms.split(","))
     res = run(QUICK if args.quick else FULL, fail_fraction=args.fail_fraction, delay_s=(low, high))
     print_section(res)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(args.json, res)
 
 
 if __name__ == "__main__":

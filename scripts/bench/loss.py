@@ -21,13 +21,12 @@ as its ``loss`` section.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import os
 import statistics
-import sys
 import time
+
+from _common import note_load_average, parser, write_json
 
 QUICK = dict(tokens=1024, vocab=32_768, hidden=512, block=4096, repeats=3,
              llama=dict(seq_len=2048, batch=4, hidden=512, layers=4, heads=8, kv_heads=4, mlp=1408, vocab=32_000,
@@ -150,13 +149,13 @@ def print_section(res: dict) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--quick", action="store_true", help="smaller loss shapes and Llama batch")
     p.add_argument("--only", default="loss,llama", help="comma-separated: loss,llama")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats of the loss (after a warm-up)")
     p.add_argument("--json", default=None, help="write the figures to this JSON file")
     args = p.parse_args(argv)
-    print("# load average " + "%.2f %.2f %.2f" % os.getloadavg(), file=sys.stderr)
+    note_load_average()
     cfg = dict(QUICK if args.quick else FULL)
     if args.repeats is not None:
         cfg["repeats"] = args.repeats
@@ -170,9 +169,7 @@ def main(argv=None) -> None:
         print_section(res)
     else:
         print(json.dumps(res, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(args.json, res)
 
 
 if __name__ == "__main__":

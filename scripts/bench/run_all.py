@@ -54,8 +54,7 @@ or ``--upstream-venv``); without it the upstream figures are null. See ``docs/pe
 
 from __future__ import annotations
 
-from _table import print_table  # noqa: E402 -- scripts/bench is on sys.path when run as a script
-import argparse
+from _common import load_average, parser, print_table, write_json  # noqa: E402 -- scripts/bench is on sys.path
 import json
 import os
 import platform
@@ -475,7 +474,7 @@ def report(out: dict) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--quick", action="store_true", help="fewer repeats and steps: < 2 minutes on 2 cores")
     p.add_argument("--json", default=None, help="write every figure to this JSON file")
     p.add_argument("--upstream-venv", default=DEFAULT_UPSTREAM, help="upstream levanter venv (setup_upstream_venv.sh)")
@@ -497,7 +496,7 @@ def main(argv=None) -> None:
         why, venv = f"no upstream venv at {venv} (make one with scripts/bench/setup_upstream_venv.sh)", None
     print(f"# run_all{' --quick' if args.quick else ''}: python {platform.python_version()}, jax {jax.__version__}, "
           f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), load average "
-          + "%.2f %.2f %.2f" % os.getloadavg() + (f"; upstream: {why}" if why else ""))
+          + load_average() + (f"; upstream: {why}" if why else ""))
     out: dict = {"mode": "quick" if args.quick else "full", "machine": {
         "cpus": os.cpu_count(), "python": platform.python_version(), "jax": jax.__version__,
         "platform": platform.platform()}}
@@ -544,10 +543,8 @@ def main(argv=None) -> None:
     out["total_seconds"] = time.perf_counter() - t_start
     print()
     print("headline: " + ", ".join(f"{k}={'null' if v is None else f'{v:.4g}'}" for k, v in headline.items()))
-    print(f"# total {out['total_seconds']:.1f} s; load average now " + "%.2f %.2f %.2f" % os.getloadavg())
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1, default=str)
+    print(f"# total {out['total_seconds']:.1f} s; load average now " + load_average())
+    write_json(args.json, out, default=str)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import write_json  # noqa: E402 -- after the path insert above
+
 ROWS = {
     "gpt2_small": "config/bench/gpt2_small_tpu.yaml",
     "llama_350m": "config/bench/llama_350m_tpu.yaml",
@@ -269,9 +271,7 @@ def main() -> None:
     ensure_tokenizer()
     results = [run_row(name, args, overrides) for name in args.rows]
     print_rows(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

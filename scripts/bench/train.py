@@ -55,7 +55,7 @@ Usage::
 
 from __future__ import annotations
 
-from _table import print_table  # noqa: E402 -- scripts/bench is on sys.path when run as a script
+from _common import parser, print_table  # noqa: E402 -- scripts/bench is on sys.path
 import argparse
 import copy
 import dataclasses
@@ -579,8 +579,8 @@ def report(label: str, results: list[RunResult], skip: int, steps: int) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = parser(
+        __doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="%(prog)s [options] [--key value ...]   (unknown --key value pairs are passed to train_lm)",
         allow_abbrev=False,
     )

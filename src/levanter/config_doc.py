@@ -7,10 +7,10 @@ read by both ``--help`` and the reference generator (``scripts/gen_config_refere
 never disagree. ``--help`` is printed here rather than by draccus because draccus's help repeats the
 keys that the members of a union share, and shows no default for a field without a description.
 
-:func:`refused` marks a field that upstream configs may carry but that this code does not implement: it
-parses (so such configs load) and :func:`check_refused` rejects it, naming the key, when it is set to
-anything but its default. ``--help`` and the reference mark such fields; the test that every field is read
-somewhere accepts them without a list to maintain.
+Fields marked :func:`~levanter.refused_keys.refused` (upstream keys not built here, rejected by
+:func:`~levanter.refused_keys.check_refused` when set) are listed as refused by ``--help`` and the
+reference; the marker lives in :mod:`levanter.refused_keys`, so that config dataclasses do not import
+this module.
 
 Trade-off: descriptions come from the source text (``inspect.getsource``), so a config class defined
 where no source is available (an interactive session) gets empty descriptions instead of an error.
@@ -25,53 +25,14 @@ import inspect
 import re
 import textwrap
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Optional, Union
 
 import draccus
 
-REFUSED = "levanter.refused"
-
-
-def refused(why: str, default: Any = None, *, default_factory: Any = dataclasses.MISSING):
-    """A dataclass field accepted so that upstream configs parse, refused by :func:`check_refused` when set
-    to anything but its default; ``why`` says what to do instead (it ends the error message)."""
-    if default_factory is not dataclasses.MISSING:
-        return dataclasses.field(default_factory=default_factory, metadata={REFUSED: why})
-    return dataclasses.field(default=default, metadata={REFUSED: why})
-
-
-def field_default(f: dataclasses.Field) -> Any:
-    """A field's default value (``dataclasses.MISSING`` if it has none)."""
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return f.default_factory()  # type: ignore[misc]
-    return dataclasses.MISSING
-
-
-def check_refused(config: Any, prefix: str = "") -> None:
-    """Raise ``ValueError`` naming the first refused field (see :func:`refused`) set in ``config`` to
-    anything but its default, searching nested sections, mappings and lists of sections."""
-    for key, f, value in _set_fields(config, prefix):
-        if REFUSED in f.metadata and value != field_default(f):
-            raise ValueError(f"{key}={value!r} is not supported: {f.metadata[REFUSED]}")
-
-
-def _set_fields(obj: Any, prefix: str) -> Iterator[tuple[str, dataclasses.Field, Any]]:
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            key = f"{prefix}.{f.name}" if prefix else f.name
-            yield key, f, value
-            yield from _set_fields(value, key)
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _set_fields(v, f"{prefix}.{k}")
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _set_fields(v, f"{prefix}.{i}" if prefix else str(i))
-
+# The refused-key marker lives in its own module, which config dataclasses import without this one;
+# it is re-exported here for code written against this module.
+from .refused_keys import REFUSED, check_refused, field_default, refused
 
 # -- descriptions --------------------------------------------------------------------------------------------
 _FIELD_LINE = re.compile(r"^\s*(\w+)\s*:")

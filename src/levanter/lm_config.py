@@ -18,7 +18,7 @@ from typing import Dict, Optional, Union
 
 import jax
 
-from levanter.config_doc import check_refused, refused
+from levanter.refused_keys import check_refused, refused
 from levanter.data.config import DataConfig, UrlSingleDatasetLMConfig
 from levanter.models import LlamaConfig, LmConfig
 from levanter.optim import AdamConfig, OptimizerConfig

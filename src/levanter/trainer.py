@@ -40,7 +40,7 @@ import optax
 from jax.sharding import Mesh
 
 from .config import parse_timedelta
-from .config_doc import check_refused, refused
+from .refused_keys import check_refused, refused
 from .checkpoint import (
     METADATA_FILENAME,
     CheckpointerConfig,

@@ -1,7 +1,9 @@
 """Checkpoints: save a training-state pytree so that it restores bit for bit, and decide when to save.
 
 - :mod:`~levanter.checkpoint.serialization`: the pytree <-> TensorStore format (:func:`save_checkpoint`,
-  :func:`load_checkpoint`): bit-exact, checksummed, finite values only, multi-process.
+  :func:`load_checkpoint`): bit-exact, checksummed, finite values only, multi-process; the save side is
+  there, the load side in :mod:`~levanter.checkpoint.restore`, what both share (leaf names, array specs)
+  in :mod:`~levanter.checkpoint.tree_format`.
 - :mod:`~levanter.checkpoint.layout`: the layout of a run's checkpoints on local disk or an object store
   (``gs://``, ``s3://``): ``step-N`` directories, ``metadata.json``, the all-or-nothing commit (a renamed
   ``.tmp-`` directory on POSIX storage; ``metadata.json`` written last as the commit record on object
@@ -26,7 +28,8 @@ from levanter.checkpoint.layout import (
 )
 from levanter.checkpoint.policy import CheckpointInterval, Checkpointer, CheckpointerConfig
 from levanter.checkpoint.run_lock import RunLock, RunLockedError, acquire_run_lock, hold_run_lock
-from levanter.checkpoint.serialization import load_checkpoint, save_checkpoint
+from levanter.checkpoint.restore import load_checkpoint
+from levanter.checkpoint.serialization import save_checkpoint
 
 __all__ = [
     "CHECKPOINT_FORMAT_VERSION",

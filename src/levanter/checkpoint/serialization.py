@@ -45,33 +45,33 @@ reads only the slices its own devices need.
 :func:`prepare_save` (checks and collectives, on the calling thread) followed by
 :meth:`PreparedSave.commit`; :class:`~levanter.checkpoint.Checkpointer` runs the commit in the background
 after :meth:`PreparedSave.copy_to_host` (:mod:`levanter.checkpoint.async_writer`).
+
+This module is the save side. What save and load share (leaf names, array specs and chunking, running the
+asynchronous I/O, storage error text) is :mod:`levanter.checkpoint.tree_format`; the load side is
+:mod:`levanter.checkpoint.restore`, whose :func:`load_checkpoint` is re-exported here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import datetime
 import json
 import logging
-import math
 import operator
 import os
-import re
 import secrets
 import shutil
 import time
-import urllib.parse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import numpy as np
 import tensorstore as ts
 from jax.experimental.array_serialization import serialization as jax_serialization
 
-from levanter.checkpoint.errors import CheckpointMismatchError, CheckpointSaveError, CorruptCheckpointError
+from levanter.checkpoint.errors import CheckpointSaveError
 from levanter.checkpoint.host_copy import HostShards, host_copies, write_host_shards
 from levanter.checkpoint.layout import (
     CHECKPOINT_FORMAT_VERSION,
@@ -80,9 +80,22 @@ from levanter.checkpoint.layout import (
     atomic_write_json,
     commits_by_rename,
     is_complete,
-    read_checkpoint_metadata,
     remove_dir,
     resolve_path,
+)
+from levanter.checkpoint.restore import load_checkpoint
+from levanter.checkpoint.tree_format import (
+    chunk_shape,
+    finish_all,
+    io_error_text,
+    is_key_dtype,
+    is_stored_leaf,
+    leaf_name,
+    run_coroutine,
+    shape_dtype,
+    summarise,
+    ts_context,
+    write_spec,
 )
 from levanter.errors import is_out_of_space, out_of_space_error
 from levanter.utils import fs
@@ -93,74 +106,11 @@ __all__ = ["Barrier", "PreparedSave", "io_error_text", "load_checkpoint", "prepa
 
 logger = logging.getLogger(__name__)
 
-# Largest chunk file; shards above this are split so that a single file stays manageable.
-_MAX_CHUNK_BYTES = 2 * 1024**3
-# Host memory one process may hold for reads in flight while loading (a soft cap, see _ByteLimiter).
-_READ_BYTES_IN_FLIGHT = 16 * 1024**3
-
 Barrier = Callable[[str], None]
 
 
 def _no_barrier(name: str) -> None:
     return None
-
-
-# ---------------------------------------------------------------------------------------------------
-# Leaves and their names
-# ---------------------------------------------------------------------------------------------------
-
-
-def _is_stored_leaf(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
-def _is_template_leaf(x: Any) -> bool:
-    return _is_stored_leaf(x) or isinstance(x, jax.ShapeDtypeStruct)
-
-
-def _is_key_dtype(dtype: Any) -> bool:
-    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def _key_component(k: Any) -> str:
-    if isinstance(k, jax.tree_util.DictKey):
-        return str(k.key)
-    if isinstance(k, jax.tree_util.GetAttrKey):
-        return k.name
-    if isinstance(k, jax.tree_util.SequenceKey):
-        return str(k.idx)
-    if isinstance(k, jax.tree_util.FlattenedIndexKey):
-        return str(k.key)
-    return str(k)
-
-
-def _encode_component(s: str) -> str:
-    # Percent-encoding with nothing "safe" is injective ('%' itself is encoded), so two different
-    # keys can never share a directory. The special cases below produce strings quote() never does.
-    if s == "":
-        return "%"
-    if s in (".", ".."):
-        return s.replace(".", "%2E")
-    return urllib.parse.quote(s, safe="")
-
-
-def _leaf_name(path: tuple) -> str:
-    """The directory (relative to the checkpoint) of the leaf at key path ``path``."""
-    if not path:
-        return "root"  # the whole tree is one array, so nothing else can be called this
-    parts = [_encode_component(_key_component(k)) for k in path]
-    if len(parts) == 1 and parts[0] == METADATA_FILENAME:
-        parts[0] = "metadata%2Ejson"
-    return "/".join(parts)
-
-
-def _shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:
-    return tuple(int(d) for d in np.shape(x)), x.dtype
-
-
-# ---------------------------------------------------------------------------------------------------
-# Running the asynchronous reads and writes
-# ---------------------------------------------------------------------------------------------------
 
 
 def _shared_token() -> str:
@@ -171,101 +121,6 @@ def _shared_token() -> str:
 
         value = int(multihost_utils.broadcast_one_to_all(np.int32(value)))
     return f"{value:08x}"
-
-
-def _run(coro):
-    """``asyncio.run``, also from a thread that already runs an event loop (e.g. a notebook)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
-
-
-# ---------------------------------------------------------------------------------------------------
-# TensorStore specs
-# ---------------------------------------------------------------------------------------------------
-
-
-def _chunk_shape(shard_shape: Sequence[int], itemsize: int) -> list[int]:
-    """The shard shape, halved (by smallest prime factors) until a chunk is at most _MAX_CHUNK_BYTES.
-
-    Chunks always divide the shard, so each process writes whole chunks of its own shards only.
-    """
-    chunk = [max(1, int(d)) for d in shard_shape]
-    while math.prod(chunk) * itemsize > _MAX_CHUNK_BYTES:
-        best = None
-        for axis, d in enumerate(chunk):
-            if d == 1:
-                continue
-            p = next(f for f in range(2, d + 1) if d % f == 0)
-            if best is None or d > chunk[best[0]]:
-                best = (axis, p)
-        if best is None:
-            break
-        chunk[best[0]] //= best[1]
-    return chunk
-
-
-_URL_CONTEXT: ts.Context | None = None
-
-
-def _ts_context(path: str) -> ts.Context:
-    """The TensorStore context for arrays under ``path``: JAX's default for local disk; for URLs one
-    process-wide context with the storage layer's request retries (one, because a ``memory://`` kvstore
-    lives in its context: a second context would not see what the first wrote)."""
-    global _URL_CONTEXT
-    if not fs.is_url(path):
-        return jax_serialization.TS_CONTEXT
-    if _URL_CONTEXT is None:
-        _URL_CONTEXT = ts.Context({"data_copy_concurrency": {"limit": 128}, **fs.tensorstore_context_spec()})
-    return _URL_CONTEXT
-
-
-def _write_spec(directory: str, shape: Sequence[int], dtype: Any, chunk: Sequence[int]) -> dict:
-    return {
-        "driver": "zarr3",
-        "kvstore": fs.kvstore_spec(directory),
-        "metadata": {
-            "shape": list(shape),
-            "data_type": np.dtype(dtype).name,
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk)}},
-            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
-        },
-        # Without this all-zero chunks (fresh Adam moments) are not written, and the read side could
-        # not tell "all zeros" from "chunk file lost".
-        "store_data_equal_to_fill_value": True,
-    }
-
-
-def _read_spec(directory: str) -> dict:
-    # A missing chunk file is an error, not a block of zeros.
-    return {
-        "driver": "zarr3",
-        "kvstore": fs.kvstore_spec(directory),
-        "fill_missing_data_reads": False,
-    }
-
-
-class _ByteLimiter:
-    """Caps host bytes held by reads in flight (the interface ``async_deserialize`` expects)."""
-
-    def __init__(self, limit: int):
-        self._limit = limit
-        self._available = limit
-        self._cv = asyncio.Condition()
-
-    async def wait_for_bytes(self, n: int) -> None:
-        async with self._cv:
-            # A single read larger than the cap waits for everything else to finish, then proceeds.
-            await self._cv.wait_for(lambda: self._available >= min(n, self._limit))
-            self._available -= n
-
-    async def release_bytes(self, n: int) -> None:
-        async with self._cv:
-            self._available += n
-            self._cv.notify_all()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -283,13 +138,13 @@ def _prepare_leaves(tree: Any) -> list[_ToWrite]:
     out = []
     seen: set[str] = set()
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if not _is_stored_leaf(leaf):
+        if not is_stored_leaf(leaf):
             continue
-        name = _leaf_name(path)
+        name = leaf_name(path)
         if name in seen:  # cannot happen with injective names; a guard against silent overwrites
             raise ValueError(f"two leaves map to the same checkpoint entry {name!r}")
         seen.add(name)
-        shape, dtype = _shape_dtype(leaf)
+        shape, dtype = shape_dtype(leaf)
         record: dict[str, Any] = {
             "name": name,
             "keypath": jax.tree_util.keystr(path),
@@ -298,7 +153,7 @@ def _prepare_leaves(tree: Any) -> list[_ToWrite]:
             "kind": "numpy" if not isinstance(leaf, jax.Array) else "jax",
         }
         value = leaf
-        if isinstance(leaf, jax.Array) and _is_key_dtype(dtype):
+        if isinstance(leaf, jax.Array) and is_key_dtype(dtype):
             value = jax.random.key_data(leaf)
             record["key_impl"] = str(jax.random.key_impl(leaf))
         elif isinstance(leaf, np.generic):
@@ -312,18 +167,18 @@ def _prepare_leaves(tree: Any) -> list[_ToWrite]:
 async def write_leaf(root: str, item: _ToWrite, process_index: int) -> None:
     """Write one leaf under ``root``: this process's replica-0 shards, or a host value (process 0 only)."""
     directory = fs.join(root, item.record["name"])
-    context = _ts_context(root)
+    context = ts_context(root)
     value = item.value
     multi = jax.process_count() > 1
     if isinstance(value, HostShards):  # a device array copied to the host before a background save
-        chunk = _chunk_shape(value.shard_shape, value.dtype.itemsize)
-        spec = _write_spec(directory, value.shape, value.dtype, chunk)
+        chunk = chunk_shape(value.shard_shape, value.dtype.itemsize)
+        spec = write_spec(directory, value.shape, value.dtype, chunk)
         await write_host_shards(value, spec, context, creates_metadata=jax.process_index() == 0)
         return
     if isinstance(value, jax.Array) and not (multi and value.is_fully_addressable):
         shard_shape = value.sharding.shard_shape(value.shape)
-        chunk = _chunk_shape(shard_shape, value.dtype.itemsize)
-        spec = _write_spec(directory, value.shape, value.dtype, chunk)
+        chunk = chunk_shape(shard_shape, value.dtype.itemsize)
+        spec = write_spec(directory, value.shape, value.dtype, chunk)
         # primary_host=0: only process 0 creates zarr.json; every process writes its own replica-0 shards.
         await jax_serialization.async_serialize(value, spec, primary_host=0, context=context)
         return
@@ -332,25 +187,9 @@ async def write_leaf(root: str, item: _ToWrite, process_index: int) -> None:
     if process_index != 0:
         return
     host = np.asarray(value)
-    spec = _write_spec(directory, host.shape, host.dtype, _chunk_shape(host.shape, host.dtype.itemsize))
+    spec = write_spec(directory, host.shape, host.dtype, chunk_shape(host.shape, host.dtype.itemsize))
     store = await ts.open(spec, create=True, open=True, context=context)
     await store.write(host)
-
-
-async def _finish_all(tasks: list) -> list:
-    """Results (or exceptions) of ``tasks`` in order, once *every* task has finished.
-
-    A failed leaf must not cancel the others: a cancelled task leaves its TensorStore operation running,
-    and when that finishes after the event loop has closed, its callback prints a traceback ("Event loop
-    is closed") under the real error message. Only a cancellation from outside cancels them all.
-    """
-    try:
-        return await asyncio.gather(*tasks, return_exceptions=True)
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
 
 
 async def _write_all(root: str, items: list[_ToWrite], process_index: int) -> None:
@@ -361,7 +200,7 @@ async def _write_all(root: str, items: list[_ToWrite], process_index: int) -> No
             if i < len(tasks) - 1:
                 fault_point("checkpoint_mid_write")
     except Exception:
-        await _finish_all(tasks)  # let the other writes settle, then report this failure
+        await finish_all(tasks)  # let the other writes settle, then report this failure
         raise
     except BaseException:
         for t in tasks:
@@ -399,35 +238,6 @@ def _non_finite_leaves(items: list[_ToWrite]) -> list[str]:
     return bad
 
 
-# Tensorstore appends its whole spec and source locations to an error; the first clause is the message.
-_TS_NOISE = re.compile(r"\s*\[(?:tensorstore_spec|source locations)=.*$", re.S)
-# The status codes TensorStore (absl) puts first in the message of a failed storage operation.
-_TS_STORAGE_STATUS = re.compile(
-    r"^(FAILED_PRECONDITION|UNAVAILABLE|PERMISSION_DENIED|UNAUTHENTICATED|NOT_FOUND|DEADLINE_EXCEEDED|"
-    r"RESOURCE_EXHAUSTED|ABORTED|INTERNAL|UNKNOWN|DATA_LOSS): "
-)
-
-
-def _one_line(text: str) -> str:
-    text = fs.redact(_TS_NOISE.sub("", text.strip().splitlines()[0] if text.strip() else text))
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
-def io_error_text(e: BaseException) -> Optional[str]:
-    """A one-line description of a storage error (credentials redacted), or None if ``e`` is not one."""
-    if isinstance(e, fs.StorageAccessError):
-        return _one_line(str(e))
-    if isinstance(e, OSError):
-        return _one_line(e.strerror or str(e))
-    if isinstance(e, ValueError) and (
-        "[OS error" in str(e) or "os_error_code=" in str(e) or _TS_STORAGE_STATUS.match(str(e))
-    ):  # a tensorstore I/O error (local file or HTTP)
-        return _one_line(str(e))
-    if isinstance(e, Exception) and fs.is_transient(e):  # retries exhausted
-        return _one_line(f"{type(e).__name__}: {e}")
-    return None
-
-
 def _metadata_doc(step: int, is_temporary: bool, user_metadata: dict, items: list[_ToWrite]) -> dict:
     return {
         "format_version": CHECKPOINT_FORMAT_VERSION,
@@ -448,7 +258,7 @@ def _commit_by_rename(final: str, items: list[_ToWrite], doc: Callable[[], dict]
     try:
         if is_leader:
             os.makedirs(tmp, exist_ok=True)
-        _run(_write_all(tmp, items, process_index))
+        run_coroutine(_write_all(tmp, items, process_index))
         barrier(f"levanter_checkpoint_written_{name}_{token}")
         if is_leader:
             atomic_write_json(os.path.join(tmp, METADATA_FILENAME), doc())
@@ -477,7 +287,7 @@ def _commit_by_record(final: str, items: list[_ToWrite], doc: Callable[[], dict]
                            METADATA_FILENAME)
             fs.retry_transient(fs.remove_tree, final, what=f"deleting {final}")
         barrier(f"levanter_checkpoint_cleared_{name}_{token}")
-        _run(_write_all(final, items, process_index))
+        run_coroutine(_write_all(final, items, process_index))
         barrier(f"levanter_checkpoint_written_{name}_{token}")
         if is_leader:
             fault_point("checkpoint_before_record")
@@ -551,7 +361,7 @@ def prepare_save(
     bad = _non_finite_leaves(items)
     if bad:
         raise CheckpointSaveError(
-            f"not saving the checkpoint of step {step} to {final}: {_summarise(bad, 3)} "
+            f"not saving the checkpoint of step {step} to {final}: {summarise(bad, 3)} "
             f"{'holds' if len(bad) == 1 else 'hold'} NaN or infinite values. Nothing was written; the latest "
             "complete checkpoint is unchanged. Resume from it with a fixed config (learning rate, epsilon)."
         )
@@ -603,179 +413,3 @@ class PreparedSave:
         logger.info("saved checkpoint for step %d to %s (%d arrays, %.2fs)", step, final, len(self.items),
                     time.perf_counter() - started)
         return final
-
-
-# ---------------------------------------------------------------------------------------------------
-# Load
-# ---------------------------------------------------------------------------------------------------
-
-
-def _key_data_sharding(
-    sharding: jax.sharding.Sharding, ndim: int, extra: int
-) -> jax.sharding.Sharding | None:
-    """The sharding of ``key_data`` for a key array placed with ``sharding`` (trailing dims replicated)."""
-    if isinstance(sharding, jax.sharding.NamedSharding):
-        spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
-        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec, *([None] * extra)))
-    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
-        return sharding
-    return None
-
-
-@dataclass
-class _ToRead:
-    record: dict
-    keypath: str
-    sharding: jax.sharding.Sharding | None  # None: return a numpy array
-    numpy_scalar: bool
-
-
-def _target_sharding(leaf: Any, explicit: jax.sharding.Sharding | None) -> jax.sharding.Sharding | None:
-    if explicit is not None:
-        return explicit
-    if isinstance(leaf, jax.Array):
-        return leaf.sharding
-    if isinstance(leaf, jax.ShapeDtypeStruct):
-        return leaf.sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    return None  # numpy template leaf: restore on the host
-
-
-async def _read_leaf(root: str, item: _ToRead, limiter: _ByteLimiter) -> Any:
-    rec = item.record
-    directory = fs.join(root, rec["name"])
-    context = _ts_context(root)
-
-    def fail(why: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"checkpoint {root}: leaf {item.keypath} ({rec['name']}) {why}")
-
-    spec = _read_spec(directory)
-    try:
-        store = await ts.open(spec, open=True, context=context)
-    except ValueError as e:
-        # Asked only on failure: one existence check per leaf would cost a request each on object stores.
-        zarr_json = fs.join(directory, "zarr.json")
-        if not fs.retry_transient(fs.isfile, zarr_json, what=f"looking for {zarr_json}"):
-            raise fail(f"is missing: there is no array at {directory}") from None
-        raise fail(f"cannot be opened: {_one_line(str(e))}") from e
-    stored_shape = tuple(rec["stored_shape"])
-    stored_dtype = np.dtype(rec["stored_dtype"])
-    if tuple(store.shape) != stored_shape or store.dtype.numpy_dtype != stored_dtype:
-        raise fail(
-            f"holds {tuple(store.shape)} {store.dtype.numpy_dtype} but {METADATA_FILENAME} says "
-            f"{stored_shape} {stored_dtype}"
-        )
-    try:
-        if item.sharding is None:
-            host = await store.read()
-            return host[()] if item.numpy_scalar else host
-        key_impl = rec.get("key_impl")
-        if key_impl is None:
-            return await jax_serialization.async_deserialize(
-                item.sharding, spec, global_shape=stored_shape, dtype=stored_dtype, byte_limiter=limiter,
-                context=context,
-            )
-        ndim = len(rec["shape"])
-        data_sharding = _key_data_sharding(item.sharding, ndim, len(stored_shape) - ndim)
-        if data_sharding is None:  # an exotic sharding: load on one device, then move the keys
-            data_sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        data = await jax_serialization.async_deserialize(
-            data_sharding, spec, global_shape=stored_shape, dtype=stored_dtype, byte_limiter=limiter,
-            context=context,
-        )
-        keys = jax.random.wrap_key_data(data, impl=key_impl)
-        if keys.sharding != item.sharding:
-            keys = jax.device_put(keys, item.sharding)
-        return keys
-    except ValueError as e:  # tensorstore reports DATA_LOSS / NOT_FOUND chunk errors as ValueError
-        raise fail(f"cannot be read (truncated or damaged chunk?): {_one_line(str(e))}") from e
-
-
-async def _read_all(root: str, items: list[_ToRead]) -> list[Any]:
-    limiter = _ByteLimiter(_READ_BYTES_IN_FLIGHT)
-    tasks = [asyncio.ensure_future(_read_leaf(root, it, limiter)) for it in items]
-    results = await _finish_all(tasks)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r  # the first failing leaf in tree order
-    return results
-
-
-def _sharding_lookup(shardings: Any) -> Callable[[str], jax.sharding.Sharding | None]:
-    if shardings is None:
-        return lambda name: None
-    if isinstance(shardings, jax.sharding.Sharding):
-        return lambda name: shardings
-    by_name = {
-        _leaf_name(path): s
-        for path, s in jax.tree_util.tree_flatten_with_path(shardings)[0]
-        if isinstance(s, jax.sharding.Sharding)
-    }
-    return by_name.get
-
-
-def _summarise(names: Sequence[str], limit: int = 8) -> str:
-    names = sorted(names)
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
-
-
-def load_checkpoint(template_tree: Any, checkpoint_path: str, *, shardings: Any = None,
-                    subpath: str | None = None) -> Any:
-    """Restore a checkpoint into the structure of ``template_tree``.
-
-    Array leaves of the template (``jax.Array``, numpy arrays/scalars, ``jax.ShapeDtypeStruct``) are
-    replaced by the saved values; every other leaf and the tree structure are the template's. Each
-    restored ``jax.Array`` gets the template leaf's sharding (a ``ShapeDtypeStruct`` without one: the
-    first local device), unless ``shardings`` -- one ``Sharding`` for all leaves, or a pytree shaped
-    like the template with ``Sharding`` leaves -- says otherwise. Numpy template leaves come back as
-    numpy. Shapes and dtypes must match the template exactly (:class:`CheckpointMismatchError`);
-    missing, truncated or damaged files raise :class:`CorruptCheckpointError`.
-
-    ``subpath`` (upstream's name): restore only the subtree saved under that key (``"model"`` of a
-    saved training state) into ``template_tree``; the checkpoint's other leaves are left alone.
-    """
-    root = resolve_path(checkpoint_path)
-    doc = read_checkpoint_metadata(root)
-    prefix = f"{subpath}/" if subpath else ""
-    saved = {rec["name"][len(prefix):]: rec for rec in doc["leaves"] if rec["name"].startswith(prefix)}
-    sharding_for = _sharding_lookup(shardings)
-
-    flat, treedef = jax.tree_util.tree_flatten_with_path(template_tree)
-    wanted: list[tuple[int, _ToRead]] = []
-    names = []
-    for i, (path, leaf) in enumerate(flat):
-        if not _is_template_leaf(leaf):
-            continue
-        name = _leaf_name(path)
-        names.append(name)
-        if name not in saved:
-            continue  # reported below, together with any others
-        rec = saved[name]
-        keypath = (subpath or "") + jax.tree_util.keystr(path)
-        shape, dtype = _shape_dtype(leaf)
-        if list(shape) != rec["shape"] or str(dtype) != rec["dtype"]:
-            raise CheckpointMismatchError(
-                f"checkpoint {root}: leaf {keypath} is {tuple(rec['shape'])} {rec['dtype']} in the "
-                f"checkpoint but {shape} {dtype} in the template"
-            )
-        target = _target_sharding(leaf, sharding_for(name))
-        wanted.append((i, _ToRead(rec, keypath, target, isinstance(leaf, np.generic))))
-    missing = sorted(set(names) - set(saved))
-    if missing:
-        raise CheckpointMismatchError(
-            f"checkpoint {root} has no entry for template leaves {_summarise([prefix + m for m in missing])} "
-            "(was it saved from a different model or optimizer?)"
-        )
-    unexpected = sorted(set(saved) - set(names))
-    if unexpected:
-        raise CheckpointMismatchError(
-            f"checkpoint {root} holds leaves {_summarise([prefix + u for u in unexpected])} that the template "
-            "does not have"
-        )
-
-    values = _run(_read_all(root, [item for _, item in wanted]))
-    leaves = [leaf for _, leaf in flat]
-    for (i, _), value in zip(wanted, values):
-        leaves[i] = value
-    return jax.tree_util.tree_unflatten(treedef, leaves)
-

@@ -24,7 +24,7 @@ import logging
 import re
 from typing import Dict, List, Optional, Tuple, Union
 
-from ..config_doc import check_refused, refused
+from ..refused_keys import check_refused, refused
 from ..schedule import BatchSchedule, as_int
 from ..utils import fs
 from ._prp import derive_seed, seed_from_key

@@ -50,7 +50,7 @@ from typing import Optional, Union
 
 import numpy as np
 
-from ..config_doc import check_refused, refused
+from ..refused_keys import check_refused, refused
 from ..errors import OutOfSpaceError, is_out_of_space, out_of_space_error
 from ..store.cache import TokenCache
 from ..store.jagged_array import JaggedArrayStore

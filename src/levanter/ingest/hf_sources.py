@@ -33,6 +33,7 @@ import os
 import socket
 from urllib.parse import unquote, urlparse
 
+from ..utils.hub import hub_endpoint, offline_variable
 from .errors import SourceError
 from .sources import detect_format
 
@@ -124,17 +125,12 @@ def _builder_files(id: str, name: str | None, split: str, what: str, required: b
     return by_split[split]
 
 
-def _hub_endpoint() -> str:
-    return os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-
-
 def _check_hub_reachable(id: str, what: str) -> None:
     """Fail at once when the hub cannot be reached (the library would retry for tens of seconds)."""
-    offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(v, "").lower() in
-               ("1", "true", "yes", "on")]
-    why = f"{offline[0]} is set" if offline else None
+    offline = offline_variable(datasets=True)
+    why = f"{offline} is set" if offline else None
     if why is None:
-        url = urlparse(_hub_endpoint())
+        url = urlparse(hub_endpoint())
         port = url.port or (443 if url.scheme == "https" else 80)
         try:
             socket.create_connection((url.hostname, port), timeout=_HUB_PROBE_TIMEOUT_S).close()

@@ -34,6 +34,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from ..utils.fs import atomic_write_text
+from ..utils.hub import hub_offline, hub_unreachable
 
 __all__ = [
     "ByteTokenizer",
@@ -310,20 +311,15 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_dir: str) -> HfTokenize
 
 def _check_hub_reachable(name: str) -> None:
     """Fail in milliseconds, not after ~20 s of HTTP retries, when the hub's host does not resolve."""
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False"):
+    if hub_offline():
         return  # the hub client itself fails fast in offline mode
-    import socket
-    from urllib.parse import urlparse
-
-    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
-    try:
-        socket.getaddrinfo(host, 443)
-    except OSError as e:
+    why = hub_unreachable()
+    if why is not None:
         raise ValueError(
-            f"could not load tokenizer {name!r}: it is not an existing local path, and the Hugging Face hub "
-            f"({host}) is unreachable ({e}). Offline, pass a local directory or tokenizer.json path instead, "
-            "or use 'byte' (no files needed) or 'passthrough' (pre-tokenized data)."
-        ) from None
+            f"could not load tokenizer {name!r}: it is not an existing local path, and {why}. Offline, pass a "
+            "local directory or tokenizer.json path instead, or use 'byte' (no files needed) or 'passthrough' "
+            "(pre-tokenized data)."
+        )
 
 
 def _could_be_hub_id(spec: str) -> bool:

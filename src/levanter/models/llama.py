@@ -47,7 +47,7 @@ from .layers import (
     normal_linear,
     remat_policy,
 )
-from ..config_doc import refused
+from ..refused_keys import refused
 from .lm_model import LAYERS, LmConfig, LmHeadModel, check_input_length
 from .rope import DefaultRopeConfig, RopeConfig, rotary_tables
 from .token_dot import linear

@@ -33,7 +33,7 @@ import equinox as eqx
 import jax
 import optax
 
-from ..config_doc import check_refused, refused
+from ..refused_keys import check_refused, refused
 
 SCHEDULES = ("constant", "linear", "cosine", "wsd", "warmup-stable-decay")
 

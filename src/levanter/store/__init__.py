@@ -1,9 +1,12 @@
 """Storage for token caches: ragged row stores, batched reads, the build ledger, and opening a cache.
 
-* :class:`JaggedArrayStore`: 1-D rows of one dtype (documents' token ids) in tensorstore, append-only,
-  with batched reads of rows and of fixed-length windows over the flat token stream; :func:`read_stacked`
-  and :func:`read_blocks` read views of several stores in one operation, :func:`awaited` awaits a
-  tensorstore future from asyncio, :func:`storage_fault` tells what a failed read says about the storage.
+* :class:`JaggedArrayStore` (``jagged_array``): 1-D rows of one dtype (documents' token ids) in
+  tensorstore, append-only, with batched reads of rows and of fixed-length windows over the flat token
+  stream; its zarr3 arrays are opened, grown and checked by ``zarr_arrays``.
+* ``batched_reads``: :func:`read_stacked` and :func:`read_blocks` read views of several stores in one
+  operation, :func:`awaited` awaits a tensorstore future from asyncio.
+* ``faults``: :func:`storage_fault` tells what a failed read says about the storage;
+  :class:`DamagedStoreError` names the cache to delete.
 * :class:`CacheLedger`: the JSON record of what a build has committed; the authority on row counts.
 * :class:`TokenCache`: a finished cache opened for reading.
 
@@ -13,18 +16,9 @@ other way round.
 """
 
 from .cache import TokenCache
-from .jagged_array import (
-    DEFAULT_DATA_CHUNK,
-    DEFAULT_OFFSETS_CHUNK,
-    DamagedStoreError,
-    JaggedArrayStore,
-    StorageFault,
-    awaited,
-    cache_root,
-    read_blocks,
-    read_stacked,
-    storage_fault,
-)
+from .batched_reads import awaited, read_blocks, read_stacked
+from .faults import DamagedStoreError, StorageFault, cache_root, storage_fault
+from .jagged_array import DEFAULT_DATA_CHUNK, DEFAULT_OFFSETS_CHUNK, JaggedArrayStore
 from .ledger import LEDGER_FILENAME, LEDGER_FORMAT_VERSION, CacheLedger, CorruptLedgerError
 
 __all__ = [

@@ -36,7 +36,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from levanter.config_doc import refused
+from levanter.refused_keys import refused
 from levanter.tracker.tracker import Tracker, TrackerConfig, to_python
 from levanter.utils import fs
 

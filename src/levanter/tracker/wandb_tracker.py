@@ -28,7 +28,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
-from levanter.config_doc import refused
+from levanter.refused_keys import refused
 from levanter.tracker.tracker import Tracker, TrackerConfig, TrackerError, normalize_metrics
 from levanter.utils import fs
 
