@@ -133,7 +133,7 @@ def child(args: argparse.Namespace, overrides: list) -> None:
     from levanter.ingest.tokenization import load_tokenizer
     from levanter.lm_config import TrainLmConfig, model_vocab_size
     from levanter.main import train_lm
-    from levanter.trainer import peak_flops_per_device
+    from levanter.utils.flops import peak_flops_per_device
 
     platform = jax.default_backend()
     if platform != "tpu" and not args.allow_cpu:
