@@ -151,11 +151,6 @@ def make_evaluator(config: TrainLmConfig, trainer: Trainer, eval_sets: Dict[str,
     return evaluator_for(trainer, config.data, eval_sets, tokenizer, vocab_size, config.model.Pos)
 
 
-def run_eval(evaluator: Evaluator, model) -> dict:
-    """The ``eval/...`` metrics of ``model`` (:meth:`levanter.eval.EvalResult.metrics`)."""
-    return evaluator.evaluate(model).metrics()
-
-
 def main(config: TrainLmConfig) -> dict:
     """Train; returns a summary ``{"run_id", "final_step", "final_loss"}``."""
     config.trainer.distributed.initialize()  # before anything asks JAX about devices
@@ -343,7 +338,7 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
             )
 
         def evaluate(self, model, done: int) -> None:
-            losses = run_eval(evaluator, model)
+            losses = evaluator.evaluate(model).metrics()  # the eval/... metrics (levanter.eval)
             tracker.log(losses, step=done)
             progress.eval(done, losses)
 
