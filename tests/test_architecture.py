@@ -23,7 +23,10 @@ FORBIDDEN: dict[str, frozenset[str]] = {
     "data": frozenset({"trainer", "models", "main", "checkpoint"}),
     "models": frozenset({"data", "trainer", "main"}),
     "compat": frozenset({"store", "ingest", "data", "trainer", "main"}),
+    "checkpoint": frozenset({"trainer", "trainer_config", "main"}),
+    "trainer_config": frozenset({"trainer", "main"}),
     "trainer": frozenset({"main"}),
+    "lm_loss": frozenset({"trainer", "main"}),
 }
 
 
@@ -162,7 +165,7 @@ KNOWN = {
     "levanter.data", "levanter.data.mixture", "levanter.data._prp", "levanter.store", "levanter.store.cache",
     "levanter.main", "levanter.main.train_lm", "levanter.main.data_schedule", "levanter.models",
     "levanter.models.gpt2", "levanter.models.llama", "levanter.ingest", "levanter.trainer",
-    "levanter.checkpoint", "levanter.config",
+    "levanter.checkpoint", "levanter.checkpoint.resume", "levanter.config", "levanter.trainer_config",
 }
 
 
@@ -179,6 +182,9 @@ KNOWN = {
         ("levanter.data.loader", "import levanter.checkpoint\n", "data must not import checkpoint"),
         ("levanter.models.llama", "from ..data import Batch\n", "models must not import data"),
         ("levanter.trainer", "from .main.train_lm import main\n", "trainer must not import main"),
+        ("levanter.trainer_config", "from .trainer import Trainer\n", "trainer_config must not import trainer"),
+        ("levanter.checkpoint.resume", "from levanter.trainer_config import TrainerConfig\n",
+         "checkpoint must not import trainer_config"),
         ("levanter.main.data_schedule", "from .train_lm import TrainLmConfig\n", "another entry point"),
         ("levanter.main.train_lm", "from levanter.data._prp import derive_seed\n", "private module '_prp'"),
         ("levanter.models.llama", "from .gpt2 import _check_config\n", "private name '_check_config'"),

@@ -28,6 +28,7 @@ from levanter.checkpoint import (
     discover_latest_checkpoint,
     load_checkpoint,
     read_checkpoint_metadata,
+    restore,
     save_checkpoint,
 )
 from levanter.config import ConfigError, parse_config, parse_timedelta
@@ -593,43 +594,60 @@ def restore_config(tmp_path, **kw):
 
 
 def test_resume_refuses_damaged_checkpoints_and_missing_load_paths(tmp_path):
-    from levanter.trainer import Trainer
-
     tree = {"x": jnp.arange(3.0)}
     run = tmp_path / "r"
     save_checkpoint({"x": jnp.arange(3.0) + 1}, 2, str(run / "step-2"))
     save_checkpoint({"x": jnp.arange(3.0) + 2}, 4, str(run / "step-4"))
     os.unlink(run / "step-4" / METADATA_FILENAME)
 
-    def restore(**kw):
-        return Trainer(restore_config(tmp_path, **kw), optax.sgd(0.1), None).maybe_restore(tree, "r")
+    def resume(**kw):
+        point = restore_config(tmp_path, **kw).resume_point("r")
+        return restore(tree, point), (point.path if point is not None else None)
 
     # an intact step-2 does not make it safe: resuming there would overwrite step-4's arrays
     damaged = rf"{run} holds .*: {run}/step-4\..*load_checkpoint: false"
     with pytest.raises(CorruptCheckpointError, match=damaged):
-        restore()
+        resume()
     with pytest.raises(CorruptCheckpointError, match="step-4"):
-        restore(load_checkpoint=True)
-    assert restore(load_checkpoint=False)[1] is None  # asked for: start from scratch
+        resume(load_checkpoint=True)
+    assert resume(load_checkpoint=False)[1] is None  # asked for: start from scratch
     (run / "step-4" / METADATA_FILENAME).write_text(json.dumps(read_checkpoint_metadata(str(run / "step-2"))))
-    state, path = restore()
+    state, path = resume()
     assert path == str(run / "step-4")
 
     with pytest.raises(FileNotFoundError, match=rf"load_checkpoint_path='{tmp_path}/rr' does not exist"):
-        restore(load_checkpoint_path=str(tmp_path / "rr"))
+        resume(load_checkpoint_path=str(tmp_path / "rr"))
     os.makedirs(tmp_path / "empty")
     with pytest.raises(FileNotFoundError, match="load_checkpoint_path=.*empty' holds no complete checkpoint"):
-        restore(load_checkpoint_path=str(tmp_path / "empty"))
+        resume(load_checkpoint_path=str(tmp_path / "empty"))
     with pytest.raises(FileNotFoundError, match="load_checkpoint_path=.*step-9' does not exist"):
-        restore(load_checkpoint_path=str(run / "step-9"))
-    from_step_2 = restore(load_checkpoint_path=str(run / "step-2"))[0]
+        resume(load_checkpoint_path=str(run / "step-9"))
+    from_step_2 = resume(load_checkpoint_path=str(run / "step-2"))[0]
     np.testing.assert_array_equal(from_step_2["x"], np.arange(3.0) + 1)
-    np.testing.assert_array_equal(restore(load_checkpoint_path=str(run))[0]["x"], np.arange(3.0) + 2)
+    np.testing.assert_array_equal(resume(load_checkpoint_path=str(run))[0]["x"], np.arange(3.0) + 2)
+
+
+def test_resume_point_carries_the_step_and_records_and_finds_a_finished_run(tmp_path):
+    run = tmp_path / "r"
+    save_checkpoint({"x": jnp.arange(3.0)}, 4, str(run / "step-4"), metadata={"data_schedule": {"stages": 1}})
+    point = restore_config(tmp_path, num_train_steps=10).resume_point("r")
+    assert (point.path, point.step, point.records) == (str(run / "step-4"), 4, {"data_schedule": {"stages": 1}})
+    assert not point.finished(10) and point.finished(4)
+    # A run already at num_train_steps writes nothing: it is found finished even beside a damaged checkpoint,
+    # which a run that goes on training refuses.
+    os.makedirs(run / "step-6")
+    (run / "step-6" / "x").write_text("arrays without their metadata.json")
+    assert restore_config(tmp_path, num_train_steps=4).resume_point("r").finished(4)
+    with pytest.raises(CorruptCheckpointError, match="step-6"):
+        restore_config(tmp_path, num_train_steps=10).resume_point("r")
+    # load_checkpoint: true with nothing to resume from is an error naming the directory searched.
+    with pytest.raises(FileNotFoundError, match=r"trainer.load_checkpoint is true but no complete checkpoint .*'/"):
+        restore_config(tmp_path / "none", load_checkpoint=True).resume_point("r")
 
 
 @pytest.mark.parametrize("bad", ["../../x", "a/b", "..", ".", "", "a\\b", "x\0"])
 def test_run_ids_must_be_one_path_component(bad):
-    from levanter.trainer import TrainerConfig, check_run_id
+    from levanter.trainer_config import TrainerConfig, check_run_id
 
     with pytest.raises(ValueError, match=r"trainer\.id=.* must be a single directory name"):
         TrainerConfig(id=bad, require_accelerator=False, num_train_steps=1, train_batch_size=8).validate()

@@ -29,6 +29,7 @@ from levanter.checkpoint import (
     discover_latest_checkpoint,
     load_checkpoint,
     read_checkpoint_metadata,
+    restore,
     save_checkpoint,
     unreadable_checkpoints,
 )
@@ -116,13 +117,12 @@ def test_save_load_discover_delete_round_trip(store):
     ck.wait_until_finished()
     assert fs.listdir(fs.join(base, "r")) == ["step-10"]
 
-    import optax
-
-    from levanter.trainer import Trainer, TrainerConfig
+    from levanter.trainer import TrainerConfig
 
     tcfg = TrainerConfig(id="r", require_accelerator=False, checkpointer=cfg)
-    state, path = Trainer(tcfg, optax.sgd(0.1), None).maybe_restore(make_tree(0), "r")
-    assert path == fs.join(base, "r", "step-10")
+    point = tcfg.resume_point("r")
+    assert point.path == fs.join(base, "r", "step-10") and point.step == 10
+    state = restore(make_tree(0), point)
     assert_bit_equal(t3, state)
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from levanter.config import parse_config
 from levanter.lm_config import TrainLmConfig
+from levanter.lm_loss import lm_loss_fn
 from levanter.main import train_lm
 from levanter.memory_fit import (
     AUTO_HEADROOM,
@@ -115,7 +116,7 @@ def test_candidates_divide_every_batch_of_the_schedule(tmp_path):
 def test_a_step_that_cannot_fit_is_one_error_and_auto_trains(tmp_path, capsys, monkeypatch, caplog):
     path, cfg = _config(tmp_path)
     opt = cfg.optimizer.build(cfg.trainer.num_train_steps)
-    compiler = StepCompiler(cfg.model, cfg.trainer, opt, train_lm.lm_loss_fn(0.0, 256), 257)
+    compiler = StepCompiler(cfg.model, cfg.trainer, opt, lm_loss_fn(0.0, 256), 257)
     whole, one = compiler.compile(), compiler.compile(per_device_parallelism=1)
     assert one.total < whole.total
     limit = int(one.total / (1 - AUTO_HEADROOM)) + 1024  # one sequence per device fits, the whole batch does not

@@ -15,11 +15,13 @@ import jax
 import numpy as np
 import pytest
 
-from levanter.checkpoint import CheckpointerConfig, CheckpointInterval
+from levanter.checkpoint import CheckpointerConfig, CheckpointInterval, restore
 from levanter.config import ConfigError, parse_config
 from levanter.data.config import UrlSingleDatasetLMConfig
 from levanter.data.loader import Batch, DataLoader
+from levanter.lm_loss import lm_loss_fn
 from levanter.main import train_lm
+from levanter.memory_plan import available_memory, check_memory
 from levanter.models import Gpt2Config, LlamaConfig
 from levanter.optim import AdamConfig
 from levanter.schedule import ScheduleStep
@@ -151,7 +153,7 @@ def test_trainer_train_runs_the_loop_and_its_hooks(tmp_path):
     vocab = hax.Axis("vocab", 61)
     ckpt = CheckpointerConfig(base_path=str(tmp_path / "ckpt"), keep=[])
     tcfg = TrainerConfig(num_train_steps=4, train_batch_size=8, require_accelerator=False, checkpointer=ckpt)
-    trainer = Trainer(tcfg, AdamConfig(learning_rate=1e-2).build(4), train_lm.lm_loss_fn(0.0, 60))
+    trainer = Trainer(tcfg, AdamConfig(learning_rate=1e-2).build(4), lm_loss_fn(0.0, 60))
     rng = np.random.default_rng(0)
     data = [{"tokens": jax.device_put(rng.integers(0, 61, (8, 16)).astype(np.int32))} for _ in range(4)]
 
@@ -194,8 +196,9 @@ def test_trainer_train_runs_the_loop_and_its_hooks(tmp_path):
 
     # Resumed at step 2 (an eval step): the state as restored is evaluated first, then training goes on
     # to the same final parameters as the uninterrupted run.
-    restored, path = trainer.maybe_restore(fresh(), "mid")
-    assert path is not None and int(restored.step) == 2
+    point = tcfg.resume_point("mid")
+    restored = restore(fresh(), point)
+    assert point is not None and point.step == int(restored.step) == 2
     hooks = Recorder()
     resumed = trainer.train(restored, batches(range(2, 4)), to_named=to_named, checkpointer=ckpt.create("mid"),
                             hooks=hooks)
@@ -587,7 +590,7 @@ def test_tokens_only_batches_give_the_same_loss_and_gradients(eos):
     tokens = rng.integers(0, 13, (4, 16)).astype(np.int32)
     tokens[rng.random(tokens.shape) < 0.15] = 9
     assert (tokens == 9).any(axis=1).all()  # every row has documents to keep apart
-    loss = train_lm.lm_loss_fn(0.0, eos)
+    loss = lm_loss_fn(0.0, eos)
 
     @eqx.filter_jit
     def value_and_grad(m, batch):
@@ -630,7 +633,7 @@ def test_flat_dispatch_step_equals_named_jit(model_axis_size, tp):
     batches = [{"tokens": jax.device_put(rng.integers(0, 61, (8, 16)).astype(np.int32))} for _ in range(3)]
     results = []
     for use_flat in (True, False):
-        trainer = Trainer(tcfg, AdamConfig(learning_rate=1e-2).build(10), train_lm.lm_loss_fn(0.0, 60))
+        trainer = Trainer(tcfg, AdamConfig(learning_rate=1e-2).build(10), lm_loss_fn(0.0, 60))
         state = trainer.initial_state(lambda k: model_cfg.build(vocab, key=k), key=jax.random.PRNGKey(3))
         step_fn = trainer._make_step(8)
         assert isinstance(step_fn, _FlatStep)
@@ -662,7 +665,7 @@ def test_the_train_step_compiles_once_and_keeps_every_dtype(mp):
 
     model_cfg = Gpt2Config(hidden_dim=32, num_heads=2, num_layers=2, seq_len=16)
     tcfg = TrainerConfig(mp=mp, train_batch_size=8, require_accelerator=False)
-    trainer = Trainer(tcfg, AdamConfig(learning_rate=1e-2).build(10), train_lm.lm_loss_fn(0.0, 60))
+    trainer = Trainer(tcfg, AdamConfig(learning_rate=1e-2).build(10), lm_loss_fn(0.0, 60))
     vocab = hax.Axis("vocab", 61)
     state = trainer.initial_state(lambda k: model_cfg.build(vocab, key=k), key=jax.random.PRNGKey(3))
     dtypes = [x.dtype for x in jax.tree.leaves(state)]
@@ -688,7 +691,7 @@ def _zero_gradient_rows_step(eps: float, crash_on_nan: bool = True):
     tcfg = TrainerConfig(train_batch_size=8, require_accelerator=False, crash_on_nan=crash_on_nan)
     # Built from optax directly: AdamConfig refuses epsilon 0, and this checks the step's own guard.
     optimizer = optax.chain(optax.scale_by_adam(eps=eps), optax.scale(-1e-2))
-    trainer = Trainer(tcfg, optimizer, train_lm.lm_loss_fn(0.0, 60))
+    trainer = Trainer(tcfg, optimizer, lm_loss_fn(0.0, 60))
     import haliax as hax
 
     vocab = hax.Axis("vocab", 61)
@@ -795,12 +798,12 @@ def test_memory_estimate_refuses_what_cannot_fit(tmp_path):
     base = tiny_config(tmp_path)
     huge = dataclasses.replace(base, data=dataclasses.replace(base.data, vocab_size=10**8))
     with pytest.raises(ValueError, match=r"cannot fit.*16.0 GiB free.*data.vocab_size=100,000,000") as e:
-        train_lm.check_memory(huge, 10**8, available=(16 * 2**30, "the test's budget"))
+        check_memory(huge, 10**8, available=(16 * 2**30, "the test's budget"))
     gib = float(str(e.value).split("at least ")[1].split(" GiB")[0].replace(",", ""))
     assert 4 * 10**8 * 32 * 4 / 2**30 < gib  # parameters, gradients and two moments alone
-    train_lm.check_memory(base, 257, available=(16 * 2**30, "the test's budget"))
-    train_lm.check_memory(base, 257)
-    assert train_lm.available_memory() is not None  # CPU devices: the host's memory is known
+    check_memory(base, 257, available=(16 * 2**30, "the test's budget"))
+    check_memory(base, 257)
+    assert available_memory() is not None  # CPU devices: the host's memory is known
 
 
 def test_data_ending_early_at_run_time_exits_1(tmp_path, monkeypatch, capsys):

@@ -92,7 +92,7 @@ def run_llama(cfg: dict) -> dict:
 
     from levanter.data.config import UrlSingleDatasetLMConfig
     from levanter.lm_config import TrainLmConfig
-    from levanter.main.train_lm import lm_loss_fn
+    from levanter.lm_loss import lm_loss_fn
     from levanter.memory_plan import PlanOptions, make_plan
     from levanter.models import LlamaConfig
     from levanter.trainer import TrainerConfig

@@ -19,7 +19,7 @@ config and watches its ``metrics.jsonl``; once ``--steps`` steps are logged it r
 * **step**: median of ``throughput/step_seconds`` over the steps after the first ``--skip`` (the wall time
   between steps: data wait, host syncs and logging included, as the run's own progress line shows it);
 * **tokens/s** and **MFU**: the model's ``flops_per_token`` (3 x the forward matmuls, no credit for
-  recomputation) x tokens per step / step / the chip's peak (the trainer's table: 197 TFLOP/s for v5e);
+  recomputation) x tokens per step / step / the chip's peak (levanter.utils.flops: 197 TFLOP/s for v5e);
 * **of matmul**: the same FLOP rate as a share of the measured matmul rate;
 * **peak HBM**: the device's ``memory_stats()`` after the measured steps: ``peak_bytes_in_use`` (buffers: the
   parameters, optimizer state and batches) and ``peak_bytes_reserved`` (what the TPU runtime also holds for the
@@ -135,7 +135,7 @@ def child(args: argparse.Namespace, overrides: list) -> None:
     from levanter.ingest.tokenization import load_tokenizer
     from levanter.lm_config import TrainLmConfig, model_vocab_size
     from levanter.main import train_lm
-    from levanter.trainer import peak_flops_per_device
+    from levanter.utils.flops import peak_flops_per_device
 
     platform = jax.default_backend()
     if platform != "tpu" and not args.allow_cpu:

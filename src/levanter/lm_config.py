@@ -22,7 +22,7 @@ from levanter.refused_keys import check_refused, refused
 from levanter.data.config import DataConfig, UrlSingleDatasetLMConfig
 from levanter.models import LlamaConfig, LmConfig
 from levanter.optim import AdamConfig, OptimizerConfig
-from levanter.trainer import TrainerConfig
+from levanter.trainer_config import TrainerConfig
 from levanter.utils import fs
 
 
@@ -187,7 +187,7 @@ def branch_origin(config: TrainLmConfig) -> Optional[BranchOrigin]:
     complete ``step-N`` directory; None when neither is set. Refuses both at once, a path with no complete
     checkpoint, and a path inside this run's own checkpoint directory (the branch needs its own
     ``trainer.id``, or its checkpoints would mix with the origin's)."""
-    from levanter.trainer import resolve_checkpoint
+    from levanter.checkpoint import resolve_checkpoint
 
     tcfg = config.trainer
     if tcfg.initialize_from and config.initialize_from_checkpoint_path:

@@ -47,7 +47,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from levanter.trainer import Trainer, TrainerConfig, TrainerState
+from levanter.checkpoint import ResumePoint
+from levanter.trainer import Trainer, TrainerState
+from levanter.trainer_config import TrainerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -459,17 +461,13 @@ def _agree(value: int) -> int:
     return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
 
 
-def recorded_pick(tcfg: TrainerConfig, run_id: str) -> Optional[int]:
-    """The ``per_device_parallelism`` that ``auto`` picked, as the run's latest checkpoint records it
-    (None: not ``auto``, a fresh start, or nothing recorded)."""
-    if tcfg.per_device_parallelism != "auto" or tcfg.load_checkpoint is False:
+def recorded_pick(tcfg: TrainerConfig, point: Optional[ResumePoint]) -> Optional[int]:
+    """The ``per_device_parallelism`` that ``auto`` picked, as the checkpoint the run resumes from
+    (``point``, :meth:`TrainerConfig.resume_point`) records it (None: not ``auto``, a fresh start, or
+    nothing recorded)."""
+    if tcfg.per_device_parallelism != "auto" or point is None:
         return None
-    from levanter.checkpoint import discover_latest_checkpoint, read_checkpoint_metadata
-
-    path = discover_latest_checkpoint(tcfg.checkpointer.expanded_path(run_id))
-    if path is None:
-        return None
-    value = read_checkpoint_metadata(path).get("metadata", {}).get(RECORD_KEY)
+    value = point.records.get(RECORD_KEY)
     return value if isinstance(value, int) and value > 0 else None
 
 

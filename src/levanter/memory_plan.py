@@ -29,6 +29,12 @@ What it can and cannot know:
   report), the plan also says what ``trainer.per_device_parallelism: auto`` picks, and, for a step that
   does not fit, what each key that lowers it would make of it, each compiled the same way
   (:mod:`levanter.memory_fit`: a few more compiles, only then).
+
+Every run (not only ``--dry_run``) also takes the cheapest look first, :func:`check_memory`: a lower bound
+from shapes alone (parameters, gradients, optimizer state, one microbatch's float32 logits) against what
+the devices, or for CPU devices the host, have free. It compiles nothing, so it refuses a model that
+cannot possibly fit before the caches are built or anything is allocated; the compiled check
+(:func:`levanter.memory_fit.fit_trainer`) comes later and sees the rest.
 """
 
 from __future__ import annotations
@@ -36,14 +42,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 
 from levanter.lm_config import TrainLmConfig
 from levanter import memory_fit
-from levanter.trainer import peak_flops_per_device
+from levanter.utils.flops import peak_flops_per_device
 
 FLAG_HELP = """\
 memory plan (no training):
@@ -387,11 +393,119 @@ def format_plan(plan: MemoryPlan, config_path: Optional[str] = None) -> str:
     return "\n".join(lines)
 
 
+# -- the run's estimate from shapes, before anything is allocated ------------------------------------------
+def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tuple[int, str]] = None) -> None:
+    """Refuse a model whose training state cannot fit, before anything is allocated.
+
+    The estimate is a lower bound from shapes alone (``jax.eval_shape``: nothing is allocated):
+    parameters and their gradients at the parameter precision, the optimizer's state, and the float32
+    logits of one (micro)batch that the loss holds at once (the whole vocabulary, or one block of
+    ``model.cross_entropy_block_size`` entries). Activations and XLA's temporaries come on top
+    (``--dry_run`` compiles the step and measures them).
+    ``available``: ``(bytes, description)``, by default what the devices (or, for CPU devices, the
+    host) have free; no check where that cannot be known. Without this, a huge vocabulary failed with an
+    out-of-memory traceback deep in the initialisation, or hung.
+    """
+    import equinox as eqx
+    import jmp
+
+    from levanter.models import parameter_shapes, tree_nbytes
+
+    if available is None:
+        available = available_memory()
+        if available is None:
+            return
+    tcfg = config.trainer
+    param_dtype = jmp.get_policy(tcfg.mp).param_dtype
+    shapes = parameter_shapes(config.model, vocab_size)
+    def is_float(x) -> bool:
+        return isinstance(x, jax.ShapeDtypeStruct) and jnp.issubdtype(x.dtype, jnp.inexact)
+
+    params = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype) if is_float(x) else None,
+        eqx.filter(shapes, is_float),
+    )
+    param_bytes = tree_nbytes(params)
+    opt_bytes = tree_nbytes(jax.eval_shape(config.optimizer.build(tcfg.num_train_steps).init, params))
+    if tcfg.microbatch_size is not None or tcfg.per_device_parallelism == "auto":
+        micro = (tcfg.microbatch_size or 1) * tcfg.data_axis_size  # auto: at least one sequence per device
+    else:
+        micro = max(seg.value for seg in tcfg.batch_schedule.segments)
+    logit_entries = config.model.loss_logit_entries(vocab_size)
+    logit_bytes = micro * config.model.seq_len * logit_entries * 4
+    need = (2 * param_bytes + opt_bytes + logit_bytes) // max(jax.process_count(), 1)
+    have, where = available
+    if need <= have:
+        return
+    vocab_key = "data.vocab_size" if config.data.vocab_size is not None else "the tokenizer's vocabulary"
+    raise ValueError(
+        f"the model cannot fit: training needs at least {_gib(need)} (parameters and gradients "
+        f"{_gib(2 * param_bytes)}, optimizer state {_gib(opt_bytes)}, float32 logits of a batch of {micro} x "
+        f"{config.model.seq_len} positions x {logit_entries:,} vocabulary entries {_gib(logit_bytes)}) but "
+        f"{where} has "
+        f"{_gib(have)} free. Shrink the model ({vocab_key}={vocab_size:,}, model.hidden_dim, "
+        "model.num_layers) or the batch (trainer.train_batch_size, trainer.per_device_parallelism), or use "
+        "more devices."
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB"
+
+
+def available_memory() -> Optional[Tuple[int, str]]:
+    """``(free bytes, description)`` of this process's devices: for CPU devices the host's available
+    memory (capped by a cgroup limit), else the sum of the devices' free memory; None if unknown."""
+    devices = jax.local_devices()
+    if all(d.platform == "cpu" for d in devices):
+        free = _host_available_bytes()
+        return None if free is None else (free, f"the host ({len(devices)} CPU devices)")
+    total = 0
+    for d in devices:
+        try:
+            stats = d.memory_stats()
+        except Exception:  # noqa: BLE001 -- a backend without memory statistics: no estimate
+            return None
+        if not stats or "bytes_limit" not in stats:
+            return None
+        total += int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    return total, f"{len(devices)} x {devices[0].device_kind}"
+
+
+def _host_available_bytes() -> Optional[int]:
+    free = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    free = int(line.split()[1]) * 1024
+                    break
+    except OSError:
+        pass
+    if free is None:
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    try:  # a container's limit (cgroup v2) can be far below the host's memory
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            free = min(free, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return free
+
+
 __all__ = [
     "FLAG_HELP",
     "MemoryPlan",
     "PlanArgumentError",
     "PlanOptions",
+    "available_memory",
+    "check_memory",
     "format_plan",
     "make_plan",
     "parse_bytes",

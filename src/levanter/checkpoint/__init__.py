@@ -13,6 +13,8 @@
 - :mod:`~levanter.checkpoint.async_writer`, :mod:`~levanter.checkpoint.host_copy`: saves in the
   background -- the caller waits only for the copy of the state to host memory.
 - :mod:`~levanter.checkpoint.run_lock`: one writer per run directory (a create-if-absent lock record).
+- :mod:`~levanter.checkpoint.resume`: where a run starts from -- the checkpoint it resumes (resolved and
+  its metadata read once), one it branches from, whether it already finished.
 
 Durations in the config (``save_interval: 15m``) are parsed by :func:`levanter.config.parse_timedelta`.
 """
@@ -30,6 +32,14 @@ from levanter.checkpoint.policy import CheckpointInterval, Checkpointer, Checkpo
 from levanter.checkpoint.run_lock import RunLock, RunLockedError, acquire_run_lock, hold_run_lock
 from levanter.checkpoint.restore import load_checkpoint
 from levanter.checkpoint.serialization import save_checkpoint
+from levanter.checkpoint.resume import (
+    ResumePoint,
+    find_resume_point,
+    initialize_from,
+    resolve_checkpoint,
+    restart_schedules,
+    restore,
+)
 
 __all__ = [
     "CHECKPOINT_FORMAT_VERSION",
@@ -40,14 +50,20 @@ __all__ = [
     "Checkpointer",
     "CheckpointerConfig",
     "CorruptCheckpointError",
+    "ResumePoint",
     "RunLock",
     "RunLockedError",
     "acquire_run_lock",
     "delete_stale_temporaries",
     "discover_latest_checkpoint",
+    "find_resume_point",
     "hold_run_lock",
+    "initialize_from",
     "load_checkpoint",
     "read_checkpoint_metadata",
+    "resolve_checkpoint",
+    "restart_schedules",
+    "restore",
     "save_checkpoint",
     "unreadable_checkpoints",
 ]

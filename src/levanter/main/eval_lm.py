@@ -52,7 +52,8 @@ def main(config: EvalLmConfig) -> dict:
     from levanter.progress import DEBUG_LOG_NAME, open_debug_log
     from levanter.tracker import NoopTracker, init_trackers, metrics_destinations
     from levanter.utils import fs
-    from levanter.trainer import Trainer, resolve_checkpoint
+    from levanter.checkpoint import initialize_from, resolve_checkpoint
+    from levanter.trainer import Trainer
 
     tcfg = config.trainer
     tcfg.distributed.initialize()
@@ -87,7 +88,7 @@ def main(config: EvalLmConfig) -> dict:
         vocab_size = model_vocab_size(config, tokenizer)
         state = trainer.initial_state(lambda k: config.model.build(hax.Axis("vocab", vocab_size), key=k),
                                       key=jax.random.PRNGKey(0))
-        state = trainer.initialize_from_checkpoint(state, path, optimizer_state=False, key="checkpoint_path")
+        state = initialize_from(state, path, optimizer_state=False, key="checkpoint_path")
         model = state.model
         step = int(read_checkpoint_metadata(path)["step"])
         where = path

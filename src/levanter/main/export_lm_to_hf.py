@@ -26,7 +26,12 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from levanter.checkpoint import CheckpointMismatchError, CorruptCheckpointError, read_checkpoint_metadata
+from levanter.checkpoint import (
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    read_checkpoint_metadata,
+    resolve_checkpoint,
+)
 from levanter.compat.export_guard import check_export_dir
 from levanter.config import ConfigError, parse_config, split_config_path
 from levanter.models import LmConfig
@@ -57,22 +62,6 @@ class ExportLmConfig:
     upload_to_hf: Optional[str] = None
 
 
-def _find_checkpoint(path: str) -> str:
-    from levanter.checkpoint import discover_latest_checkpoint
-
-    if not fs.exists(path):
-        raise FileNotFoundError(f"checkpoint_path={path!r} does not exist")
-    if fs.exists(fs.join(path, "metadata.json")):
-        return path
-    found = discover_latest_checkpoint(path)
-    if found is None:
-        raise ValueError(
-            f"checkpoint_path={path!r} holds no complete checkpoint (a step-N directory with metadata.json, or a "
-            "run directory of them)"
-        )
-    return found
-
-
 def _vocab_from_leaves(doc: dict, config: LmConfig) -> Optional[int]:
     name = "model/wte/weight" if config.__class__.__name__ == "Gpt2Config" else "model/embed_tokens/weight"
     for rec in doc.get("leaves", []):
@@ -98,7 +87,7 @@ def main(config: ExportLmConfig) -> str:
         raise ValueError("upload_to_hf is not supported (no hub access is assumed): upload output_dir yourself")
     if config.save_dtype is not None and config.save_dtype not in HF_SAVE_DTYPES:
         raise ValueError(f"save_dtype {config.save_dtype!r} is not one of {sorted(HF_SAVE_DTYPES)}")
-    path = _find_checkpoint(config.checkpoint_path)
+    path = resolve_checkpoint(config.checkpoint_path, "checkpoint_path")  # a step-N directory, or a run's latest
     # Before anything is loaded: the output may replace only an earlier export, and never the checkpoint.
     check_export_dir(config.output_dir, "output_dir", [("the checkpoint being exported", path, True),
                                                        ("checkpoint_path", config.checkpoint_path, True)])

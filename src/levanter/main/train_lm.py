@@ -46,20 +46,21 @@ import asyncio
 import logging
 import os
 import sys
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import equinox as eqx
 import haliax as hax
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import levanter.config
 from levanter.checkpoint import (
     CheckpointSaveError,
-    discover_latest_checkpoint,
+    ResumePoint,
     hold_run_lock,
+    initialize_from,
     read_checkpoint_metadata,
+    restore,
 )
 from levanter.config import parse_timedelta
 from levanter.data.dataset import AsyncDataset
@@ -68,32 +69,31 @@ from levanter.data import seed_from_key
 from levanter.data.fingerprint import batch_fingerprint
 from levanter.data.mixture import MixtureDataset
 from levanter.data.schedule_record import data_schedule_record, first_difference
-from levanter.data.text import causal_lm_columns_jax
 from levanter.eval import Evaluator, check_eval_set_sizes
 from levanter.eval import make_evaluator as evaluator_for
 from levanter.errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError
 from levanter.distributed import DistributedStartupError, barrier, check_same_config_everywhere
-from levanter.tracker import NoopTracker, check_trackers_writable
+from levanter.tracker import NoopTracker, check_trackers_writable, init_trackers
 from levanter.lm_config import SEED_LIMIT, TrainLmConfig, data_key, validate  # noqa: F401 -- upstream's path
 from levanter.lm_config import branch_origin, check_branch_model
 from levanter.lm_config import check_hf_save_path, hf_exporter, hf_init_path, model_record, model_vocab_size
 from levanter.lm_config import with_hf_model
 from levanter.memory_fit import RECORD_KEY, StepCompiler, device_oom_as_error, fit_trainer, recorded_pick
 from levanter.tracker.lineage import check_log_lineage, record_log_lineage
-from levanter.memory_plan import FLAG_HELP, format_plan, make_plan, split_plan_args
+from levanter.lm_loss import lm_loss_fn
+from levanter.memory_plan import FLAG_HELP, check_memory, format_plan, make_plan, split_plan_args
 from levanter.profiler import StepProfiler
 from levanter.progress import RunProgress, open_debug_log, setup_console_logging
 from levanter.tracker import JsonConfig, TrackerError, metrics_destinations
 from levanter.utils import fs
+from levanter.utils.flops import peak_flops_per_device
 from levanter.trainer import (
     DataEndedError,
     StepReport,
     Trainer,
     TrainerConfig,
     TrainHooks,
-    init_trackers,
     named_batch,
-    peak_flops_per_device,
 )
 
 logger = logging.getLogger(__name__)
@@ -124,116 +124,10 @@ def check_data_covers_run(config: TrainLmConfig, train_set: AsyncDataset, schedu
     )
 
 
-def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tuple[int, str]] = None) -> None:
-    """Refuse a model whose training state cannot fit, before anything is allocated.
-
-    The estimate is a lower bound from shapes alone (``jax.eval_shape``: nothing is allocated):
-    parameters and their gradients at the parameter precision, the optimizer's state, and the float32
-    logits of one (micro)batch that the loss holds at once (the whole vocabulary, or one block of
-    ``model.cross_entropy_block_size`` entries). Activations and XLA's temporaries come on top
-    (``--dry_run`` compiles the step and measures them).
-    ``available``: ``(bytes, description)``, by default what the devices (or, for CPU devices, the
-    host) have free; no check where that cannot be known. Without this, a huge vocabulary failed with an
-    out-of-memory traceback deep in the initialisation, or hung.
-    """
-    import equinox as eqx
-    import jmp
-
-    from levanter.models import parameter_shapes, tree_nbytes
-
-    if available is None:
-        available = available_memory()
-        if available is None:
-            return
-    tcfg = config.trainer
-    param_dtype = jmp.get_policy(tcfg.mp).param_dtype
-    shapes = parameter_shapes(config.model, vocab_size)
-    def is_float(x) -> bool:
-        return isinstance(x, jax.ShapeDtypeStruct) and jnp.issubdtype(x.dtype, jnp.inexact)
-
-    params = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype) if is_float(x) else None,
-        eqx.filter(shapes, is_float),
-    )
-    param_bytes = tree_nbytes(params)
-    opt_bytes = tree_nbytes(jax.eval_shape(config.optimizer.build(tcfg.num_train_steps).init, params))
-    if tcfg.microbatch_size is not None or tcfg.per_device_parallelism == "auto":
-        micro = (tcfg.microbatch_size or 1) * tcfg.data_axis_size  # auto: at least one sequence per device
-    else:
-        micro = max(seg.value for seg in tcfg.batch_schedule.segments)
-    logit_entries = config.model.loss_logit_entries(vocab_size)
-    logit_bytes = micro * config.model.seq_len * logit_entries * 4
-    need = (2 * param_bytes + opt_bytes + logit_bytes) // max(jax.process_count(), 1)
-    have, where = available
-    if need <= have:
-        return
-    vocab_key = "data.vocab_size" if config.data.vocab_size is not None else "the tokenizer's vocabulary"
-    raise ValueError(
-        f"the model cannot fit: training needs at least {_gib(need)} (parameters and gradients "
-        f"{_gib(2 * param_bytes)}, optimizer state {_gib(opt_bytes)}, float32 logits of a batch of {micro} x "
-        f"{config.model.seq_len} positions x {logit_entries:,} vocabulary entries {_gib(logit_bytes)}) but "
-        f"{where} has "
-        f"{_gib(have)} free. Shrink the model ({vocab_key}={vocab_size:,}, model.hidden_dim, "
-        "model.num_layers) or the batch (trainer.train_batch_size, trainer.per_device_parallelism), or use "
-        "more devices."
-    )
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:,.1f} GiB"
-
-
-def available_memory() -> Optional[Tuple[int, str]]:
-    """``(free bytes, description)`` of this process's devices: for CPU devices the host's available
-    memory (capped by a cgroup limit), else the sum of the devices' free memory; None if unknown."""
-    devices = jax.local_devices()
-    if all(d.platform == "cpu" for d in devices):
-        free = _host_available_bytes()
-        return None if free is None else (free, f"the host ({len(devices)} CPU devices)")
-    total = 0
-    for d in devices:
-        try:
-            stats = d.memory_stats()
-        except Exception:  # noqa: BLE001 -- a backend without memory statistics: no estimate
-            return None
-        if not stats or "bytes_limit" not in stats:
-            return None
-        total += int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-    return total, f"{len(devices)} x {devices[0].device_kind}"
-
-
-def _host_available_bytes() -> Optional[int]:
-    free = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    free = int(line.split()[1]) * 1024
-                    break
-    except OSError:
-        pass
-    if free is None:
-        try:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            return None
-    try:  # a container's limit (cgroup v2) can be far below the host's memory
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        with open("/sys/fs/cgroup/memory.current") as f:
-            used = int(f.read().strip())
-        if limit != "max":
-            free = min(free, int(limit) - used)
-    except (OSError, ValueError):
-        pass
-    return free
-
-
-def check_data_schedule(checkpoint_path: str, record: dict, start_step: int, *, allow: bool) -> None:
-    """Refuse to resume if the data schedule changed before ``start_step`` (unless ``allow``)."""
-    from levanter.checkpoint import read_checkpoint_metadata
-
-    old = read_checkpoint_metadata(checkpoint_path).get("metadata", {}).get("data_schedule")
+def check_data_schedule(point: ResumePoint, record: dict, *, allow: bool) -> None:
+    """Refuse to resume from ``point`` if the data schedule changed before its step (unless ``allow``)."""
+    checkpoint_path, start_step = point.path, point.step
+    old = point.records.get("data_schedule")
     if old is None:
         logger.warning("checkpoint %s records no data schedule; cannot check the resumed data", checkpoint_path)
         return
@@ -251,40 +145,10 @@ def check_data_schedule(checkpoint_path: str, record: dict, start_step: int, *, 
     logger.warning("data schedule edited from step %d: %s (checkpoint at step %d)", step, what, start_step)
 
 
-def lm_loss_fn(z_loss_weight: float = 0.0, eos_id: int | None = None):
-    """``(sum of next-token cross-entropies over loss positions, number of loss positions)``: the model's
-    ``compute_next_token_loss`` (:func:`levanter.models.next_token_loss` on the logits, or the blockwise
-    loss when ``model.cross_entropy_block_size`` is set).
-
-    A batch of ``{tokens}`` alone (the training set ``train_lm`` reads, ``tokens_only``) gets its loss mask
-    and segment ids from the tokens and ``eos_id``, on the device (:func:`causal_lm_columns_jax`: the
-    same values the dataset would have shipped); a batch that has them uses its own.
-    """
-
-    def loss(model, batch):
-        tokens = batch["tokens"]
-        if "loss_mask" in batch:
-            mask, seg = batch["loss_mask"], batch["segment_ids"]
-        else:
-            derived = causal_lm_columns_jax(tokens.array, eos_id)
-            mask = hax.named(derived["loss_mask"], tokens.axes)
-            seg = hax.named(derived["segment_ids"], tokens.axes)
-        return model.compute_next_token_loss(
-            tokens, mask, seg, reduction="sum_and_count", z_loss_weight=z_loss_weight
-        )
-
-    return loss
-
-
 def make_evaluator(config: TrainLmConfig, trainer: Trainer, eval_sets: Dict[str, AsyncDataset], tokenizer,
                    vocab_size: int) -> Evaluator:
     """The evaluator of the run's validation sources (:func:`levanter.eval.make_evaluator`)."""
     return evaluator_for(trainer, config.data, eval_sets, tokenizer, vocab_size, config.model.Pos)
-
-
-def run_eval(evaluator: Evaluator, model) -> dict:
-    """The ``eval/...`` metrics of ``model`` (:meth:`levanter.eval.EvalResult.metrics`)."""
-    return evaluator.evaluate(model).metrics()
 
 
 def main(config: TrainLmConfig) -> dict:
@@ -318,26 +182,15 @@ def main(config: TrainLmConfig) -> dict:
     # released however the run ends (a SIGKILLed run's lock is recognised as stale on its host).
     lock = hold_run_lock(run_dir, run_id, process_index=jax.process_index())
     try:
-        finished = finished_checkpoint(tcfg, run_id)
-        if finished is not None:  # before the caches, the model and the trackers: nothing is touched
-            say_finished(tcfg, run_id, *finished)
-            return {"run_id": run_id, "final_step": finished[0], "final_loss": None}
-        return _main_locked(config, tokenizer, run_id)
+        # Where the run starts: its checkpoint resolved and its metadata read once (levanter.checkpoint.resume).
+        point = tcfg.resume_point(run_id)
+        if point is not None and point.finished(tcfg.num_train_steps):
+            # before the caches, the model and the trackers: nothing is touched
+            say_finished(tcfg, run_id, point.step, point.path)
+            return {"run_id": run_id, "final_step": point.step, "final_loss": None}
+        return _main_locked(config, tokenizer, run_id, point)
     finally:
         lock.release()
-
-
-def finished_checkpoint(tcfg: TrainerConfig, run_id: str) -> Optional[Tuple[int, str]]:
-    """``(step, path)`` of the run's latest checkpoint when it is at or past ``trainer.num_train_steps``
-    (a finished run rerun, or rerun with fewer steps); None otherwise, or when the run starts elsewhere
-    (``load_checkpoint: false``, ``load_checkpoint_path``)."""
-    if tcfg.load_checkpoint is False or tcfg.load_checkpoint_path is not None:
-        return None
-    path = discover_latest_checkpoint(tcfg.checkpointer.expanded_path(run_id))
-    if path is None:
-        return None
-    step = int(read_checkpoint_metadata(path)["step"])
-    return (step, path) if step >= tcfg.num_train_steps else None
 
 
 def say_finished(tcfg: TrainerConfig, run_id: str, step: int, path: Optional[str]) -> None:
@@ -352,8 +205,8 @@ def say_finished(tcfg: TrainerConfig, run_id: str, step: int, path: Optional[str
         )
 
 
-def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
-    """The run itself, under its lock: caches, state (initial or restored), the step loop."""
+def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[ResumePoint]) -> dict:
+    """The run itself, under its lock: caches, state (initial, or restored from ``point``), the step loop."""
     tcfg = config.trainer
     schedule = tcfg.batch_schedule
     Pos = config.model.Pos
@@ -390,24 +243,23 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
     # The step for the largest batch, compiled ahead of time and checked against the device's memory (it is
     # the run's step then); per_device_parallelism: auto resolved (levanter.memory_fit).
     compiler = StepCompiler(config.model, tcfg, optimizer, lm_loss_fn(config.z_loss_weight, eos_id), Vocab.size)
-    trainer = fit_trainer(compiler, recorded=recorded_pick(tcfg, run_id))
+    trainer = fit_trainer(compiler, recorded=recorded_pick(tcfg, point))
     picked = {RECORD_KEY: trainer.config.per_device_parallelism} if tcfg.per_device_parallelism == "auto" else {}
     evaluator = make_evaluator(config, trainer, eval_sets, tokenizer, Vocab.size)
     state = trainer.initial_state(lambda k: config.model.build(Vocab, key=k), key=jax.random.fold_in(model_key, 0))
-    state, restored_from = trainer.maybe_restore(state, run_id)
+    state = restore(state, point)
     start_step = int(state.step)
     # A branch (trainer.initialize_from / initialize_from_checkpoint_path) starts from another run's checkpoint
     # at step 0, once: rerun, it resumes from its own checkpoints, which carry the record of its origin. Its
     # data schedule is its own, so the origin's is not checked against it.
     origin = None
-    if restored_from is not None:
-        check_data_schedule(restored_from, record, start_step, allow=config.allow_data_schedule_change)
-        origin = read_checkpoint_metadata(restored_from).get("metadata", {}).get("initialized_from")
+    if point is not None:
+        check_data_schedule(point, record, allow=config.allow_data_schedule_change)
+        origin = point.records.get("initialized_from")
     else:
         branch = branch_origin(config)
         if branch is not None:
-            state = trainer.initialize_from_checkpoint(state, branch.path, optimizer_state=branch.optimizer_state,
-                                                       key=branch.key)
+            state = initialize_from(state, branch.path, optimizer_state=branch.optimizer_state, key=branch.key)
             origin = {"path": branch.path, "step": int(read_checkpoint_metadata(branch.path)["step"]),
                       "optimizer_state": branch.optimizer_state}
         elif hf_init_path(config) is not None:  # weights from a Hugging Face checkpoint; the optimizer's are fresh
@@ -417,9 +269,6 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
             logger.info("loaded the weights of Hugging Face checkpoint %s (the optimizer starts fresh)",
                         hf_init_path(config))
             origin = {"hf_checkpoint": hf_init_path(config)}
-    if start_step >= tcfg.num_train_steps:  # e.g. trainer.load_checkpoint_path past the end
-        say_finished(tcfg, run_id, start_step, restored_from)
-        return {"run_id": run_id, "final_step": start_step, "final_loss": None}
 
     if jax.process_index() == 0:
         record_log_lineage(_json_log_dirs(tcfg, run_id), tcfg.checkpointer.expanded_path(run_id))
@@ -489,7 +338,7 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
             )
 
         def evaluate(self, model, done: int) -> None:
-            losses = run_eval(evaluator, model)
+            losses = evaluator.evaluate(model).metrics()  # the eval/... metrics (levanter.eval)
             tracker.log(losses, step=done)
             progress.eval(done, losses)
 

@@ -1,0 +1,46 @@
+"""The training loss of a causal language model, as the trainer takes it: ``loss(model, batch) -> (sum,
+count)``.
+
+:func:`lm_loss_fn` joins the two halves the trainer must not know about: the batch the loader ships (the
+tokens alone, or tokens with their loss mask and segment ids) and the model's own loss
+(``compute_next_token_loss``: :func:`levanter.models.next_token_loss`, or its blockwise form over the
+vocabulary). It returns a *sum* with its token count, not a mean, so that microbatches combine into the exact
+step-wide mean. It lives here, beside neither half, because ``models`` may not import ``data``; the entry
+points (``train_lm``, its dry run) and the memory checks import it from here.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import haliax as hax
+
+from levanter.data.text import causal_lm_columns_jax
+
+
+def lm_loss_fn(z_loss_weight: float = 0.0, eos_id: Optional[int] = None) -> Callable:
+    """``(sum of next-token cross-entropies over loss positions, number of loss positions)``: the model's
+    ``compute_next_token_loss`` (:func:`levanter.models.next_token_loss` on the logits, or the blockwise
+    loss when ``model.cross_entropy_block_size`` is set), with a z-loss of ``z_loss_weight``.
+
+    A batch of ``{tokens}`` alone (the training set ``train_lm`` reads, ``tokens_only``) gets its loss mask
+    and segment ids from the tokens and ``eos_id``, on the device (:func:`causal_lm_columns_jax`: the
+    same values the dataset would have shipped); a batch that has them uses its own.
+    """
+
+    def loss(model, batch):
+        tokens = batch["tokens"]
+        if "loss_mask" in batch:
+            mask, seg = batch["loss_mask"], batch["segment_ids"]
+        else:
+            derived = causal_lm_columns_jax(tokens.array, eos_id)
+            mask = hax.named(derived["loss_mask"], tokens.axes)
+            seg = hax.named(derived["segment_ids"], tokens.axes)
+        return model.compute_next_token_loss(
+            tokens, mask, seg, reduction="sum_and_count", z_loss_weight=z_loss_weight
+        )
+
+    return loss
+
+
+__all__ = ["lm_loss_fn"]
