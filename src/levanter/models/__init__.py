@@ -1,7 +1,8 @@
-"""Language models: the :class:`LmConfig` registry, the :class:`LmHeadModel` interface, GPT-2 and Llama.
+"""Language models: the :class:`LmConfig` registry, the :class:`LmHeadModel` interface, GPT-2, Llama, Qwen2
+and Qwen3.
 
 Importing this package registers every architecture with :class:`LmConfig`, so a YAML ``model:``
-block with ``type: gpt2`` or ``type: llama`` decodes to the right config class.
+block with ``type: gpt2``, ``llama``, ``qwen2`` or ``qwen3`` decodes to the right config class.
 """
 
 from .attention import (
@@ -34,6 +35,7 @@ from .lm_model import (
     split_key,
     tree_nbytes,
 )
+from .qwen import Qwen2Config, Qwen3Config
 
 __all__ = [
     "ACTIVATIONS",
@@ -50,6 +52,8 @@ __all__ = [
     "LlamaLMHeadModel",
     "LmConfig",
     "LmHeadModel",
+    "Qwen2Config",
+    "Qwen3Config",
     "RopeConfig",
     "blockwise_next_token_loss",
     "causal_attention",
