@@ -51,6 +51,8 @@ from .checkpoint import (
 )
 from .data.loader import Batch
 from .distributed import DistributedConfig
+from .optim.skip_steps import spike_skipped
+from .quantization import QuantizationConfig
 from .schedule import BatchSchedule, ScheduleStep
 from .tracker import JsonConfig, TrackerConfig, WandbConfig, init_trackers
 from .utils import fs
@@ -95,8 +97,9 @@ class RayConfig:
     address: Optional[str] = refused(
         "training uses no Ray cluster; remove the key (data.cache_options.ray_address builds caches on Ray)"
     )
-    # Upstream starts Ray workers on each host; training here never does.
-    start_workers: bool = refused("training here starts no Ray workers; remove the key", default=True)
+    # Upstream starts Ray workers on each host; training here needs none and starts none, whatever this says
+    # (false, as upstream's exported configs write it, is what happens).
+    start_workers: bool = True
     # Upstream starts a local Ray cluster when none is found; training here never does.
     auto_start_cluster: bool = refused("training here starts no Ray cluster; remove the key", default=False)
 
@@ -197,6 +200,12 @@ class TrainerConfig:
     replica_ici_axis_size: int = refused("replica axes are not built here; leave it at 1", default=1)
     # Upstream's replica axis across slices (hybrid sharding); refused unless 1.
     replica_dcn_axis_size: int = refused("replica axes are not built here; leave it at 1", default=1)
+    # int8 training of the linear layers ({int8: true, targets: ...}; levanter.quantization); null: none.
+    quantization: Optional[QuantizationConfig] = None
+    # Upstream's averaged copy of the weights (EMA) for evaluation; refused if set.
+    model_averaging: Optional[Dict[str, Any]] = refused(
+        "no averaged copy of the weights is kept here; remove the key (evaluation uses the trained weights)"
+    )
 
     # -- derived -------------------------------------------------------------------------------------
     @property
@@ -215,6 +224,8 @@ class TrainerConfig:
     def validate(self) -> None:
         """Cheap checks that need no devices beyond counting them; errors name the config key."""
         check_refused(self, "trainer")  # upstream keys not built here (config_doc.refused)
+        if self.quantization is not None:
+            self.quantization.check(jax.default_backend())
         given = self.tracker if isinstance(self.tracker, tuple) else (self.tracker,)
         if self.wandb is not None and any(isinstance(t, WandbConfig) for t in given):
             raise ValueError(
@@ -660,7 +671,10 @@ class Trainer:
             denom = jnp.maximum(count, 1.0)
             grads = jax.tree.map(lambda g: g / denom, grads)
             grad_norm = optax.tree.norm(grads)
-            updates, opt_state = optimizer.update(grads, state.opt_state, params)
+            # The step's mean loss for optimizers that read it (optimizer.skip_bad_steps).
+            extra = {"loss": total / denom} if isinstance(optimizer, optax.GradientTransformationExtraArgs) else {}
+            updates, opt_state = optimizer.update(grads, state.opt_state, params, **extra)
+            spike = spike_skipped(opt_state)  # skipped as an outlier (optimizer.skip_bad_steps); applies zero
             new_params = eqx.apply_updates(params, updates)
             # A finite loss and gradient can still give a non-finite update (a zero epsilon's 0/0, a learning
             # rate beyond float32's range): the new parameters and optimizer state are checked too, so that
@@ -679,7 +693,7 @@ class Trainer:
             model = eqx.combine(new_params, static)
             new_state = TrainerState(state.step + 1, model, opt_state, state.training_key)
             metrics = {"loss": total / denom, "loss_tokens": count, "grad_norm": grad_norm,
-                       "update_finite": update_finite, "skipped": jnp.logical_not(finite)}
+                       "update_finite": update_finite, "skipped": jnp.logical_not(finite) | spike}
             return new_state, metrics
 
         named = hax.named_jit(

@@ -73,6 +73,7 @@ from levanter.eval import Evaluator, check_eval_set_sizes
 from levanter.eval import make_evaluator as evaluator_for
 from levanter.errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError
 from levanter.distributed import DistributedStartupError, barrier, check_same_config_everywhere
+from levanter.quantization import quantize
 from levanter.tracker import NoopTracker, check_trackers_writable
 from levanter.lm_config import SEED_LIMIT, TrainLmConfig, data_key, validate  # noqa: F401 -- upstream's path
 from levanter.lm_config import branch_origin, check_branch_model
@@ -251,7 +252,7 @@ def check_data_schedule(checkpoint_path: str, record: dict, start_step: int, *, 
     logger.warning("data schedule edited from step %d: %s (checkpoint at step %d)", step, what, start_step)
 
 
-def lm_loss_fn(z_loss_weight: float = 0.0, eos_id: int | None = None):
+def lm_loss_fn(z_loss_weight: float = 0.0, eos_id: int | None = None, quantization=None):
     """``(sum of next-token cross-entropies over loss positions, number of loss positions)``: the model's
     ``compute_next_token_loss`` (:func:`levanter.models.next_token_loss` on the logits, or the blockwise
     loss when ``model.cross_entropy_block_size`` is set).
@@ -259,9 +260,13 @@ def lm_loss_fn(z_loss_weight: float = 0.0, eos_id: int | None = None):
     A batch of ``{tokens}`` alone (the training set ``train_lm`` reads, ``tokens_only``) gets its loss mask
     and segment ids from the tokens and ``eos_id``, on the device (:func:`causal_lm_columns_jax`: the
     same values the dataset would have shipped); a batch that has them uses its own.
+
+    ``quantization`` (``trainer.quantization``): the model's linear layers compute in int8 inside the loss
+    (:func:`levanter.quantization.quantize`), for training and evaluation alike.
     """
 
     def loss(model, batch):
+        model = quantize(model, quantization)
         tokens = batch["tokens"]
         if "loss_mask" in batch:
             mask, seg = batch["loss_mask"], batch["segment_ids"]
@@ -389,7 +394,8 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
     eos_id = next(iter(eos_ids)) if tokens_only else None
     # The step for the largest batch, compiled ahead of time and checked against the device's memory (it is
     # the run's step then); per_device_parallelism: auto resolved (levanter.memory_fit).
-    compiler = StepCompiler(config.model, tcfg, optimizer, lm_loss_fn(config.z_loss_weight, eos_id), Vocab.size)
+    compiler = StepCompiler(config.model, tcfg, optimizer,
+                            lm_loss_fn(config.z_loss_weight, eos_id, tcfg.quantization), Vocab.size)
     trainer = fit_trainer(compiler, recorded=recorded_pick(tcfg, run_id))
     picked = {RECORD_KEY: trainer.config.per_device_parallelism} if tcfg.per_device_parallelism == "auto" else {}
     evaluator = make_evaluator(config, trainer, eval_sets, tokenizer, Vocab.size)
@@ -546,7 +552,8 @@ def dry_run(config: TrainLmConfig, options, config_path: Optional[str] = None) -
     """Print the memory plan of ``config`` (:mod:`levanter.memory_plan`): nothing is trained or read."""
     config.trainer.distributed.initialize()
     config.trainer.apply_jax_config()
-    print(format_plan(make_plan(config, lm_loss_fn(config.z_loss_weight), options), config_path))
+    loss = lm_loss_fn(config.z_loss_weight, quantization=config.trainer.quantization)
+    print(format_plan(make_plan(config, loss, options), config_path))
 
 
 def cli(argv=None) -> None:

@@ -10,6 +10,9 @@ linear warm-up from 0:
 * ``constant`` -- the peak rate throughout;
 * ``linear`` / ``cosine`` -- decay to ``min_lr_ratio * learning_rate`` over ``decay`` (fraction or steps;
   default: all remaining steps), then hold;
+* ``inv`` -- upstream's inverse decay ``learning_rate / (1 + k t)``, with ``k`` chosen so that it reaches
+  ``min_lr_ratio * learning_rate`` after ``decay`` steps (default: all remaining steps), then holds; it
+  needs ``min_lr_ratio > 0``;
 * ``wsd`` (warmup-stable-decay) -- hold the peak, then decay linearly to the minimum over the last
   ``decay`` of training (default 20%).
 
@@ -26,16 +29,19 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-from typing import Dict, Optional, Union
+from typing import Dict, List, Optional, Union
 
 import draccus
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import optax
 
 from ..config_doc import check_refused, refused
+from .skip_steps import resolve as resolve_skip_bad_steps
+from .skip_steps import skip_bad_steps
 
-SCHEDULES = ("constant", "linear", "cosine", "wsd", "warmup-stable-decay")
+SCHEDULES = ("constant", "linear", "cosine", "inv", "wsd", "warmup-stable-decay")
 
 
 def _steps(value: float | int | None, num_train_steps: int, default: int, name: str) -> int:
@@ -75,11 +81,26 @@ def lr_schedule_fn(
         d = max(1, _steps(decay, num_train_steps, rest, "decay"))
         if lr_schedule == "linear":
             main = optax.linear_schedule(learning_rate, lo, d)
+        elif lr_schedule == "inv":
+            if min_lr_ratio <= 0:
+                raise ValueError(
+                    "optimizer.lr_schedule: inv decays as learning_rate / (1 + k t) towards the minimum "
+                    "min_lr_ratio x learning_rate, so it needs optimizer.min_lr_ratio > 0 (got 0); use linear or "
+                    "cosine to decay to 0"
+                )
+            main = _inverse_decay(learning_rate, lo, (1.0 / min_lr_ratio - 1.0) / d)
         else:
             main = optax.cosine_decay_schedule(learning_rate, d, alpha=min_lr_ratio)
     if warm == 0:
         return main
     return optax.join_schedules([optax.linear_schedule(0.0, learning_rate, warm), main], [warm])
+
+
+def _inverse_decay(peak: float, floor: float, k: float):
+    def schedule(count):
+        return jnp.maximum(peak / (1.0 + k * count), floor)
+
+    return schedule
 
 
 def decay_mask(params):
@@ -113,6 +134,13 @@ def _check_range(config, name: str, lo: float | None, hi: float | None) -> None:
         raise ValueError(f"optimizer.{name} must be {want}, got {v}")
 
 
+_NO_CYCLES = "cyclic learning-rate schedules are not built here: one warmup and one decay span the run"
+_MATRICES_DECAY = (
+    "weight decay applies to every matrix (arrays of two or more dimensions) and to nothing else here; "
+    "remove the key"
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig(draccus.ChoiceRegistry, abc.ABC):
     # Peak learning rate (reached at the end of the warmup).
@@ -127,17 +155,29 @@ class OptimizerConfig(draccus.ChoiceRegistry, abc.ABC):
     decay: Optional[float] = None
     # Shape after warmup: constant, linear, cosine, or wsd / warmup-stable-decay (constant, then linear).
     lr_schedule: str = "cosine"
-    # Upstream skips a step whose loss or gradient norm lies over the mean + 6 standard deviations of the
-    # last steps (true, a window length, or {rolling_interval_length, sigma_factor}); refused if set.
-    skip_bad_steps: Union[bool, int, Dict[str, float]] = refused(
-        "steps are not skipped for outlying finite losses or gradient norms here; remove the key. A "
-        "non-finite loss, gradient or update is never applied: set trainer.crash_on_nan: false and "
-        "trainer.crash_on_inf: false to skip such steps and go on instead of stopping",
-        default=False,
-    )
+    # Skip an update whose loss or gradient norm exceeds the mean + sigma_factor standard deviations of the
+    # last steps (levanter.optim.skip_steps): true (128 steps, 6 sigma), a window length, or
+    # {rolling_interval_length, sigma_factor}; false: apply every finite update.
+    skip_bad_steps: Union[bool, int, Dict[str, float]] = False
+    # Upstream's cycle length (steps, or a fraction of the run); accepted when one cycle spans the whole run
+    # (null, 1.0 or >= num_train_steps), refused otherwise: cyclic schedules are not built here.
+    cycle_length: Optional[Union[int, float, List[int]]] = None
+    # Upstream's number of cycles (or their end steps); refused if set: cyclic schedules are not built here.
+    cycles: Optional[Union[int, List[int]]] = refused(_NO_CYCLES)
+    # Upstream's re-warmup at each new cycle; refused unless 0 (there is one cycle).
+    rewarmup: float = refused(_NO_CYCLES, default=0.0)
+    # Upstream's deprecated cycle end steps; refused if set.
+    haps: Optional[List[int]] = refused(_NO_CYCLES)
+    # Upstream's deprecated final cooldown; refused if set (use decay).
+    cooldown: Optional[float] = refused("use decay (steps or a fraction of the run) and min_lr_ratio instead")
+    # Upstream's regex or names of the parameters weight decay applies to; refused if set.
+    weight_decay_modules: Optional[Union[List[str], str]] = refused(_MATRICES_DECAY)
+    # Upstream's switch for its default weight-decay mask; refused if set.
+    default_weight_decay_mask: Optional[bool] = refused(_MATRICES_DECAY)
 
     def __post_init__(self):
         check_refused(self, "optimizer")
+        resolve_skip_bad_steps(self.skip_bad_steps)
         _check_numbers(self)
         _check_range(self, "learning_rate", 0, None)
         _check_range(self, "weight_decay", 0, None)
@@ -150,6 +190,7 @@ class OptimizerConfig(draccus.ChoiceRegistry, abc.ABC):
         return "adam"
 
     def lr_scheduler(self, num_train_steps: int):
+        self._check_one_cycle(num_train_steps)
         return lr_schedule_fn(
             learning_rate=self.learning_rate,
             num_train_steps=num_train_steps,
@@ -159,9 +200,23 @@ class OptimizerConfig(draccus.ChoiceRegistry, abc.ABC):
             lr_schedule=self.lr_schedule,
         )
 
+    def _check_one_cycle(self, num_train_steps: int) -> None:
+        c = self.cycle_length
+        if c is None or (not isinstance(c, list) and (c == 1.0 or c >= num_train_steps)):
+            return
+        raise ValueError(
+            f"optimizer.cycle_length={c!r} is not supported: {_NO_CYCLES}. Remove the key, or give a cycle "
+            f"covering the whole run (1.0, or >= trainer.num_train_steps={num_train_steps})"
+        )
+
     @abc.abstractmethod
     def build(self, num_train_steps: int) -> optax.GradientTransformation:
         ...
+
+    def with_step_skipping(self, optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
+        """``optimizer`` wrapped per ``skip_bad_steps`` (unchanged when it is off)."""
+        cfg = resolve_skip_bad_steps(self.skip_bad_steps)
+        return optimizer if cfg is None else skip_bad_steps(optimizer, cfg)
 
 
 @OptimizerConfig.register_subclass("adam")
@@ -203,6 +258,62 @@ class AdamConfig(OptimizerConfig):
         if self.weight_decay > 0:
             parts.append(optax.add_decayed_weights(self.weight_decay, mask=decay_mask))
         parts.append(optax.scale_by_learning_rate(schedule))
-        return optax.chain(*parts)
+        return self.with_step_skipping(optax.chain(*parts))
 
 
+
+
+class _NotBuiltOptimizer(OptimizerConfig):
+    """An upstream optimizer type not built here: its keys parse (so the file reads), then the config is
+    refused naming the type and what to use instead, before any work."""
+
+    INSTEAD = ""
+
+    def __post_init__(self):
+        raise ValueError(f"optimizer.type={self.get_choice_name(type(self))} is not supported: {self.INSTEAD}")
+
+    def build(self, num_train_steps: int) -> optax.GradientTransformation:  # pragma: no cover -- never built
+        raise AssertionError("refused in __post_init__")
+
+
+@OptimizerConfig.register_subclass("sophia-h")
+@dataclasses.dataclass(frozen=True)
+class SophiaHConfig(_NotBuiltOptimizer):
+    """Upstream's Sophia-H (a clipped diagonal-Hessian preconditioner); refused: it is not built here."""
+
+    INSTEAD = (
+        "Sophia's Hessian estimates are not built here; use type: adam (AdamW), keeping learning_rate, "
+        "weight_decay, warmup and min_lr_ratio and dropping gamma (Sophia's learning rates are of Adam's order)"
+    )
+    # Upstream's keys, accepted so that its configs parse before the refusal.
+    b1: float = 0.965
+    b2: float = 0.99
+    epsilon: float = 1e-12
+    gamma: float = 0.01
+    clip_threshold: Optional[float] = 1.0
+    rng_seed: int = 0
+    update_interval: int = 10
+    max_grad_norm: Optional[float] = 1.0
+
+
+@OptimizerConfig.register_subclass("muon")
+@dataclasses.dataclass(frozen=True)
+class MuonConfig(_NotBuiltOptimizer):
+    """Upstream's Muon (orthogonalised momentum for matrices, Adam for the rest); refused: not built here."""
+
+    INSTEAD = (
+        "Muon's orthogonalised updates are not built here; use type: adam (AdamW) with an Adam learning rate "
+        "(adam_lr, about 6e-4 for a small GPT-2, not Muon's lr)"
+    )
+    # Upstream's keys, accepted so that its configs parse before the refusal.
+    lr: float = 0.02
+    adam_lr: float = 6e-4
+    momentum: float = 0.95
+    nesterov: bool = True
+    backend_steps: int = 5
+    beta1: float = 0.9
+    beta2: float = 0.95
+    epsilon: float = 1e-8
+    muon_epsilon: float = 1e-8
+    max_grad_norm: Optional[float] = 1.0
+    use_kimi_scaling: bool = False
