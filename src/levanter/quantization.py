@@ -39,7 +39,8 @@ _NATIVE_INT8 = ("tpu", "gpu", "cuda", "rocm")
 
 @dataclasses.dataclass(frozen=True)
 class QuantizationConfig:
-    """The ``trainer.quantization`` section (see the module docstring)."""
+    """int8 training: the model's linear layers compute their products in int8, forward and backward; the
+    parameters, optimizer state and checkpoints stay as they are (levanter.quantization)."""
 
     # Compute the linear layers' matrix products in int8 (haliax's AQT int8 kernel), forward and backward.
     int8: bool = False

@@ -97,9 +97,10 @@ class RayConfig:
     address: Optional[str] = refused(
         "training uses no Ray cluster; remove the key (data.cache_options.ray_address builds caches on Ray)"
     )
-    # Upstream starts Ray workers on each host; training here needs none and starts none, whatever this says
-    # (false, as upstream's exported configs write it, is what happens).
-    start_workers: bool = True
+    # Upstream starts Ray workers on each host; training here starts none (false, as upstream's exported
+    # configs write it, is what happens); refused if true.
+    start_workers: bool = refused("training here starts no Ray workers; remove the key or set it false",
+                                  default=False)
     # Upstream starts a local Ray cluster when none is found; training here never does.
     auto_start_cluster: bool = refused("training here starts no Ray cluster; remove the key", default=False)
 

@@ -153,7 +153,8 @@ class OptimizerConfig(draccus.ChoiceRegistry, abc.ABC):
     warmup: float = 0.01
     # Steps of the decay (fraction if below 1); null: all steps after warmup (wsd: the last 20 %).
     decay: Optional[float] = None
-    # Shape after warmup: constant, linear, cosine, or wsd / warmup-stable-decay (constant, then linear).
+    # Shape after warmup: constant, linear, cosine, inv (1 / (1 + k t), down to the minimum), or wsd /
+    # warmup-stable-decay (constant, then linear).
     lr_schedule: str = "cosine"
     # Skip an update whose loss or gradient norm exceeds the mean + sigma_factor standard deviations of the
     # last steps (levanter.optim.skip_steps): true (128 steps, 6 sigma), a window length, or
@@ -276,24 +277,38 @@ class _NotBuiltOptimizer(OptimizerConfig):
         raise AssertionError("refused in __post_init__")
 
 
+_SOPHIA = (
+    "Sophia's Hessian estimates are not built here; use type: adam (AdamW), keeping learning_rate, "
+    "weight_decay, warmup and min_lr_ratio and dropping gamma (Sophia's learning rates are of Adam's order)"
+)
+_MUON = (
+    "Muon's orthogonalised updates are not built here; use type: adam (AdamW) with an Adam learning rate "
+    "(adam_lr, about 6e-4 for a small GPT-2, not Muon's lr)"
+)
+
+
 @OptimizerConfig.register_subclass("sophia-h")
 @dataclasses.dataclass(frozen=True)
 class SophiaHConfig(_NotBuiltOptimizer):
     """Upstream's Sophia-H (a clipped diagonal-Hessian preconditioner); refused: it is not built here."""
 
-    INSTEAD = (
-        "Sophia's Hessian estimates are not built here; use type: adam (AdamW), keeping learning_rate, "
-        "weight_decay, warmup and min_lr_ratio and dropping gamma (Sophia's learning rates are of Adam's order)"
-    )
-    # Upstream's keys, accepted so that its configs parse before the refusal.
-    b1: float = 0.965
-    b2: float = 0.99
-    epsilon: float = 1e-12
-    gamma: float = 0.01
-    clip_threshold: Optional[float] = 1.0
-    rng_seed: int = 0
-    update_interval: int = 10
-    max_grad_norm: Optional[float] = 1.0
+    INSTEAD = _SOPHIA
+    # Sophia's first-moment decay (upstream); the type is refused.
+    b1: float = refused(_SOPHIA, default=0.965)
+    # Sophia's Hessian-estimate decay (upstream); the type is refused.
+    b2: float = refused(_SOPHIA, default=0.99)
+    # Sophia's denominator floor (upstream); the type is refused.
+    epsilon: float = refused(_SOPHIA, default=1e-12)
+    # Sophia's Hessian scale (upstream); the type is refused.
+    gamma: float = refused(_SOPHIA, default=0.01)
+    # Sophia's update clip (upstream); the type is refused.
+    clip_threshold: Optional[float] = refused(_SOPHIA, default=1.0)
+    # Seed of Sophia's Hessian probes (upstream); the type is refused.
+    rng_seed: int = refused(_SOPHIA, default=0)
+    # Steps between Hessian estimates (upstream); the type is refused.
+    update_interval: int = refused(_SOPHIA, default=10)
+    # Gradient clip norm (upstream); the type is refused.
+    max_grad_norm: Optional[float] = refused(_SOPHIA, default=1.0)
 
 
 @OptimizerConfig.register_subclass("muon")
@@ -301,19 +316,26 @@ class SophiaHConfig(_NotBuiltOptimizer):
 class MuonConfig(_NotBuiltOptimizer):
     """Upstream's Muon (orthogonalised momentum for matrices, Adam for the rest); refused: not built here."""
 
-    INSTEAD = (
-        "Muon's orthogonalised updates are not built here; use type: adam (AdamW) with an Adam learning rate "
-        "(adam_lr, about 6e-4 for a small GPT-2, not Muon's lr)"
-    )
-    # Upstream's keys, accepted so that its configs parse before the refusal.
-    lr: float = 0.02
-    adam_lr: float = 6e-4
-    momentum: float = 0.95
-    nesterov: bool = True
-    backend_steps: int = 5
-    beta1: float = 0.9
-    beta2: float = 0.95
-    epsilon: float = 1e-8
-    muon_epsilon: float = 1e-8
-    max_grad_norm: Optional[float] = 1.0
-    use_kimi_scaling: bool = False
+    INSTEAD = _MUON
+    # Muon's learning rate for matrices (upstream); the type is refused.
+    lr: float = refused(_MUON, default=0.02)
+    # Adam's learning rate for the other parameters (upstream); the type is refused.
+    adam_lr: float = refused(_MUON, default=6e-4)
+    # Muon's momentum (upstream); the type is refused.
+    momentum: float = refused(_MUON, default=0.95)
+    # Nesterov momentum (upstream); the type is refused.
+    nesterov: bool = refused(_MUON, default=True)
+    # Newton-Schulz iterations (upstream); the type is refused.
+    backend_steps: int = refused(_MUON, default=5)
+    # Adam's first-moment decay (upstream); the type is refused.
+    beta1: float = refused(_MUON, default=0.9)
+    # Adam's second-moment decay (upstream); the type is refused.
+    beta2: float = refused(_MUON, default=0.95)
+    # Adam's epsilon (upstream); the type is refused.
+    epsilon: float = refused(_MUON, default=1e-8)
+    # Muon's normalisation epsilon (upstream); the type is refused.
+    muon_epsilon: float = refused(_MUON, default=1e-8)
+    # Gradient clip norm (upstream); the type is refused.
+    max_grad_norm: Optional[float] = refused(_MUON, default=1.0)
+    # Kimi's update scaling (upstream); the type is refused.
+    use_kimi_scaling: bool = refused(_MUON, default=False)
