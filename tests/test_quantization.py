@@ -108,3 +108,22 @@ def test_settings_that_cannot_be_honoured_are_refused_before_any_work(tmp_path, 
     cfg = _parse(tmp_path, "  quantization:\n" + block)
     with pytest.raises(ValueError, match=fragment):
         cfg.trainer.validate()
+
+
+def test_the_evaluator_computes_through_the_int8_kernels_too():
+    import optax
+
+    from levanter.eval import Evaluator
+
+    model = _model()
+    batch = {"tokens": hax.named(jnp.arange(32).reshape(2, 16) % 64, ("batch", "position"))}
+    batch["loss_mask"] = hax.ones(batch["tokens"].axes)
+    batch["segment_ids"] = hax.zeros(batch["tokens"].axes, dtype=jnp.int32)
+    counts = {}
+    for q in (None, INT8):
+        tcfg = TrainerConfig(num_train_steps=1, train_batch_size=8, require_accelerator=False, quantization=q)
+        trainer = Trainer(tcfg, optax.identity(), lambda m, b: None)
+        ev = Evaluator(trainer, [], batch_size=2, Pos=TINY.Pos, byte_lengths=None)
+        with hax.partitioning.set_mesh(trainer.mesh), hax.axis_mapping(trainer.compute_mapping):
+            counts[q] = ev._sums_fn().lower(model, batch, ev._byte_lengths).as_text().count("xi8>")
+    assert counts[None] == 0 and counts[INT8] > 0

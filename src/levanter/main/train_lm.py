@@ -262,7 +262,7 @@ def lm_loss_fn(z_loss_weight: float = 0.0, eos_id: int | None = None, quantizati
     same values the dataset would have shipped); a batch that has them uses its own.
 
     ``quantization`` (``trainer.quantization``): the model's linear layers compute in int8 inside the loss
-    (:func:`levanter.quantization.quantize`), for training and evaluation alike.
+    (:func:`levanter.quantization.quantize`); the evaluator (:mod:`levanter.eval`) quantizes the same way.
     """
 
     def loss(model, batch):
