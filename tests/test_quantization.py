@@ -127,3 +127,18 @@ def test_the_evaluator_computes_through_the_int8_kernels_too():
         with hax.partitioning.set_mesh(trainer.mesh), hax.axis_mapping(trainer.compute_mapping):
             counts[q] = ev._sums_fn().lower(model, batch, ev._byte_lengths).as_text().count("xi8>")
     assert counts[None] == 0 and counts[INT8] > 0
+
+
+@pytest.mark.slow
+def test_train_lm_runs_with_int8_and_skip_bad_steps(tmp_path):
+    """The whole entry point with both options on: it trains, logs every step as applied, and finishes."""
+    import dataclasses
+
+    from test_train_lm import metrics, tiny_config, train_losses
+
+    cfg = tiny_config(tmp_path, steps=4, quantization=INT8)
+    cfg = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, skip_bad_steps=True))
+    train_lm.main(cfg)
+    rows = metrics(tmp_path)
+    assert len(train_losses(rows)) == 4
+    assert [r["train/skipped_step"] for r in rows if "train/skipped_step" in r] == [0, 0, 0, 0]

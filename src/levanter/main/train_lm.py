@@ -456,11 +456,15 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
                            interval_s=parse_timedelta(tcfg.progress_interval).total_seconds(),
                            enabled=jax.process_index() == 0)
     last_loss = None
+    skipping_spikes = bool(config.optimizer.skip_bad_steps)
 
     class Hooks(TrainHooks):
         def on_step(self, r: StepReport) -> None:
             nonlocal last_loss
             step, batch, dt = r.step, r.batch, r.seconds
+            if r.skipped and skipping_spikes and np.isfinite(r.loss) and np.isfinite(r.grad_norm):
+                logger.warning("step %d: loss %.4g or gradient norm %.4g is a spike against the recent steps: "
+                               "the update was skipped (optimizer.skip_bad_steps)", step, r.loss, r.grad_norm)
             tokens = batch.batch_size * Pos.size
             log = {
                 "train/loss": r.loss,
