@@ -137,13 +137,12 @@ def test_one_cycle_spanning_the_run_is_accepted_and_real_cycles_refused(tmp_path
 
 
 def test_the_inv_schedule_decays_hyperbolically_to_the_minimum():
-    cfg = AdamConfig(learning_rate=1.0, warmup=0.0, min_lr_ratio=0.1, lr_schedule="inv", decay=100)
-    lr = cfg.lr_scheduler(1000)
-    # 1 / (1 + k t) with k = (1 / 0.1 - 1) / 100: 1 at 0, 1/2 at t = 100/9, 0.1 from t = 100 on.
+    cfg = AdamConfig(learning_rate=1.0, warmup=0.0, min_lr_ratio=0.1, lr_schedule="inv")
+    lr = cfg.lr_scheduler(100)
+    # 1 / (1 + k t) with k = (1 / 0.1 - 1) / 100: 1 at 0, 1/2 at t = 100/9, 0.1 at the end.
     assert float(lr(0)) == pytest.approx(1.0)
     assert float(lr(100 / 9)) == pytest.approx(0.5, rel=1e-2)
     assert float(lr(100)) == pytest.approx(0.1)
-    assert float(lr(900)) == pytest.approx(0.1)
     with pytest.raises(ValueError, match=r"inv .*needs optimizer\.min_lr_ratio > 0"):
         AdamConfig(min_lr_ratio=0.0, lr_schedule="inv").lr_scheduler(10)
 
@@ -176,3 +175,14 @@ def test_a_list_for_a_string_or_list_key_stays_a_list(tmp_path):
     assert parse(tmp_path, DATA + "trainer:\n  fsdp_axis: embed\n").trainer.fsdp_axis == "embed"
     with pytest.raises(ConfigError, match=r"`trainer\.id`: expected str"):
         parse(tmp_path, DATA + "trainer:\n  id: [a, b]\n")
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine", "inv"])
+def test_a_given_decay_ends_the_run_after_holding_the_peak(schedule):
+    # Upstream's shape: warmup, then the peak held, then the decay over the last `decay` steps.
+    lr = AdamConfig(learning_rate=1.0, warmup=10, min_lr_ratio=0.1, lr_schedule=schedule,
+                    decay=20).lr_scheduler(100)
+    assert float(lr(5)) == pytest.approx(0.5)
+    assert [float(lr(t)) for t in (10, 50, 80)] == pytest.approx([1.0, 1.0, 1.0])
+    assert 0.1 < float(lr(90)) < 1.0
+    assert float(lr(100)) == pytest.approx(0.1)

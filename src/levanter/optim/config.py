@@ -8,11 +8,12 @@ Schedules (``lr_schedule``), after ``warmup`` (a fraction of ``num_train_steps``
 linear warm-up from 0:
 
 * ``constant`` -- the peak rate throughout;
-* ``linear`` / ``cosine`` -- decay to ``min_lr_ratio * learning_rate`` over ``decay`` (fraction or steps;
-  default: all remaining steps), then hold;
-* ``inv`` -- upstream's inverse decay ``learning_rate / (1 + k t)``, with ``k`` chosen so that it reaches
-  ``min_lr_ratio * learning_rate`` after ``decay`` steps (default: all remaining steps), then holds; it
-  needs ``min_lr_ratio > 0``;
+* ``linear`` / ``cosine`` -- decay to ``min_lr_ratio * learning_rate`` over the last ``decay`` steps of the
+  run (fraction or steps; default: all steps after the warmup), holding the peak before them, as upstream's
+  schedules do;
+* ``inv`` -- upstream's inverse decay ``learning_rate / (1 + k t)`` over the last ``decay`` steps (default:
+  all steps after the warmup), ``k`` chosen so that it reaches ``min_lr_ratio * learning_rate`` at the end;
+  it needs ``min_lr_ratio > 0``;
 * ``wsd`` (warmup-stable-decay) -- hold the peak, then decay linearly to the minimum over the last
   ``decay`` of training (default 20%).
 
@@ -78,7 +79,9 @@ def lr_schedule_fn(
     elif lr_schedule == "constant":
         main = optax.constant_schedule(learning_rate)
     else:
+        # The decay ends the run; before it the rate holds at its peak (none of that without a decay given).
         d = max(1, _steps(decay, num_train_steps, rest, "decay"))
+        stable = max(rest - d, 0)
         if lr_schedule == "linear":
             main = optax.linear_schedule(learning_rate, lo, d)
         elif lr_schedule == "inv":
@@ -91,6 +94,8 @@ def lr_schedule_fn(
             main = _inverse_decay(learning_rate, lo, (1.0 / min_lr_ratio - 1.0) / d)
         else:
             main = optax.cosine_decay_schedule(learning_rate, d, alpha=min_lr_ratio)
+        if stable > 0:
+            main = optax.join_schedules([optax.constant_schedule(learning_rate), main], [stable])
     if warm == 0:
         return main
     return optax.join_schedules([optax.linear_schedule(0.0, learning_rate, warm), main], [warm])
@@ -98,7 +103,8 @@ def lr_schedule_fn(
 
 def _inverse_decay(peak: float, floor: float, k: float):
     def schedule(count):
-        return jnp.maximum(peak / (1.0 + k * count), floor)
+        # optax.join_schedules also evaluates it before its start (negative counts): clamp those to 0.
+        return jnp.maximum(peak / (1.0 + k * jnp.maximum(jnp.asarray(count, jnp.float32), 0.0)), floor)
 
     return schedule
 
@@ -151,7 +157,8 @@ class OptimizerConfig(draccus.ChoiceRegistry, abc.ABC):
     min_lr_ratio: float = 0.1
     # Warmup from 0 to learning_rate: a fraction of num_train_steps if below 1, else a number of steps.
     warmup: float = 0.01
-    # Steps of the decay (fraction if below 1); null: all steps after warmup (wsd: the last 20 %).
+    # Steps of the decay, which ends the run (fraction if below 1); null: all steps after warmup (wsd: the
+    # last 20 %).
     decay: Optional[float] = None
     # Shape after warmup: constant, linear, cosine, inv (1 / (1 + k t), down to the minimum), or wsd /
     # warmup-stable-decay (constant, then linear).
