@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from levanter.config import ConfigError, parse_config
+from levanter.config_doc import check_refused
 from levanter.ingest.build import CacheOptions
 from levanter.main import train_lm
 from levanter.optim import AdamConfig
@@ -149,9 +150,10 @@ def test_the_inv_schedule_decays_hyperbolically_to_the_minimum():
 
 def test_upstream_default_reference_checkpoint_is_accepted_and_others_refused(tmp_path):
     model = "model:\n  type: llama\n  reference_checkpoint: {}\n"
-    parse(tmp_path, DATA + model.format("NousResearch/Llama-2-7b-hf"))
-    with pytest.raises(ConfigError, match=r"model\.reference_checkpoint='meta-llama/x' is not supported"):
-        parse(tmp_path, DATA + model.format("meta-llama/x"))
+    check_refused(parse(tmp_path, DATA + model.format("NousResearch/Llama-2-7b-hf")))
+    cfg = parse(tmp_path, DATA + model.format("meta-llama/x"))
+    with pytest.raises(ValueError, match=r"model\.reference_checkpoint='meta-llama/x' is not supported"):
+        check_refused(cfg)
 
 
 def test_ray_start_workers_false_is_what_happens(tmp_path):

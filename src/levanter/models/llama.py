@@ -107,9 +107,12 @@ class LlamaConfig(LmConfig):
     rope_theta: float = 10000.0
     # Upstream's nested rotary settings; overrides rope_theta when given.
     rope: Optional[RopeConfig] = None
-    # Upstream's Hugging Face checkpoint that the model converts from and to: accepted when null or upstream's
-    # default (NousResearch/Llama-2-7b-hf, which its exported configs write out), refused otherwise.
-    reference_checkpoint: Optional[str] = None
+    # Upstream's Hugging Face checkpoint that the model converts from and to; refused if set, except to
+    # upstream's default (NousResearch/Llama-2-7b-hf), which its exported configs write out.
+    reference_checkpoint: Optional[str] = refused(
+        "Hugging Face checkpoints are not read through the model config here; use initialize_from_hf to start "
+        "from one, or remove the key", default=None, also=(UPSTREAM_REFERENCE_CHECKPOINT,)
+    )
     # Upstream's tokenizer for Hugging Face exports; refused if set (data.tokenizer is the one used).
     tokenizer: Optional[str] = refused("the tokenizer is data.tokenizer; remove model.tokenizer")
 
@@ -119,12 +122,6 @@ class LlamaConfig(LmConfig):
             self, "seq_len", "hidden_dim", "intermediate_dim", "num_layers", "num_heads", "num_kv_heads"
         )
         check_epsilon(self.layer_norm_epsilon)
-        if self.reference_checkpoint not in (None, UPSTREAM_REFERENCE_CHECKPOINT):
-            raise ValueError(
-                f"model.reference_checkpoint={self.reference_checkpoint!r} is not supported: Hugging Face "
-                "checkpoints are not read through the model config here; use initialize_from_hf to start from "
-                "one, or remove the key"
-            )
         if self.hidden_dim % self.num_heads != 0:
             raise ValueError(
                 f"model.hidden_dim ({self.hidden_dim}) must be divisible by "
