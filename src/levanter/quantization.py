@@ -32,11 +32,6 @@ from jax.tree_util import GetAttrKey
 import haliax.nn as hnn
 import haliax.quantization as hq
 
-# Platforms (``jax.default_backend()``) whose matrix units multiply int8 natively; elsewhere int8 runs
-# as an emulation (correct, slower). Only used for the log line, never to refuse.
-_NATIVE_INT8 = ("tpu", "gpu", "cuda", "rocm")
-
-
 @dataclasses.dataclass(frozen=True)
 class QuantizationConfig:
     """int8 training: the model's linear layers compute their products in int8, forward and backward; the
@@ -122,9 +117,4 @@ def quantize(model, config: Optional[QuantizationConfig]):
     return quantized
 
 
-def native_int8(platform: str) -> bool:
-    """Whether ``platform`` multiplies int8 natively (else int8 training is an emulation)."""
-    return platform in _NATIVE_INT8
-
-
-__all__ = ["QuantizationConfig", "native_int8", "quantize", "quantized_layer_paths"]
+__all__ = ["QuantizationConfig", "quantize", "quantized_layer_paths"]
