@@ -1,16 +1,21 @@
 """Upstream Levanter's spellings that its shipped configs use: ``data.cache_options`` build keys (accepted,
-no effect on what is written), ``trainer.wandb`` (the wandb tracker) and ``optimizer.skip_bad_steps``
-(refused naming the key, with what to do instead)."""
+no effect on what is written), ``trainer.wandb`` (the wandb tracker), optimizer types and schedule keys
+(built, or refused naming the key with what to do instead), the top-level ``tokenizer``, and configs of
+upstream's other entry points (refused as such). ``optimizer.skip_bad_steps`` and ``trainer.quantization``
+have their own tests (test_skip_bad_steps.py, test_quantization.py)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from levanter.config import parse_config
+from levanter.config import ConfigError, parse_config
+from levanter.config_doc import check_refused
 from levanter.ingest.build import CacheOptions
 from levanter.main import train_lm
+from levanter.optim import AdamConfig
 from levanter.tracker import TensorboardConfig, WandbConfig
 
 DATA = """data:
@@ -80,12 +85,106 @@ def test_trainer_wandb_and_a_wandb_tracker_together_are_refused(tmp_path):
         tcfg.validate()
 
 
-@pytest.mark.parametrize("value", ["true", "128", "{rolling_interval_length: 64, sigma_factor: 4.0}"])
-def test_skip_bad_steps_is_refused_naming_the_key_and_the_alternative(tmp_path, value):
-    with pytest.raises(ValueError, match=r"optimizer\.skip_bad_steps=.*crash_on_nan: false"):
-        parse(tmp_path, DATA + f"optimizer:\n  type: adam\n  skip_bad_steps: {value}\n")
-
-
 def test_skip_bad_steps_false_parses(tmp_path):
     cfg = parse(tmp_path, DATA + "optimizer:\n  skip_bad_steps: false\n")
     assert cfg.optimizer.skip_bad_steps is False
+
+
+@pytest.mark.parametrize("kind, fragment", [
+    ("sophia-h", r"optimizer\.type=sophia-h is not supported: .*use type: adam"),
+    ("muon", r"optimizer\.type=muon is not supported: .*use type: adam"),
+])
+def test_optimizers_not_built_here_are_refused_naming_the_type_and_the_alternative(tmp_path, kind, fragment):
+    # Their own keys (gamma, momentum) parse, so the refusal is what the user sees, not an unknown key.
+    extra = "  gamma: 0.01\n" if kind == "sophia-h" else "  momentum: 0.9\n  adam_lr: 1e-3\n"
+    with pytest.raises(ConfigError, match=fragment):
+        parse(tmp_path, DATA + f"optimizer:\n  type: {kind}\n  learning_rate: 1e-3\n" + extra)
+
+
+def test_top_level_tokenizer_sets_data_tokenizer(tmp_path):
+    cfg = parse(tmp_path, "tokenizer: byte\ndata:\n  train_urls: [memory://corpus/train.jsonl]\n")
+    assert cfg.data.tokenizer == "byte"
+    cfg = parse(tmp_path, DATA + "tokenizer: gpt2\n")  # the same one twice: fine
+    assert cfg.data.tokenizer == "gpt2"
+
+
+def test_top_level_tokenizer_disagreeing_with_data_tokenizer_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"tokenizer='byte' and data\.tokenizer='passthrough' disagree"):
+        parse(tmp_path, "tokenizer: byte\ndata:\n  train_urls: [memory://c/t.jsonl]\n  tokenizer: passthrough\n")
+
+
+@pytest.mark.parametrize("keys, fragment", [
+    ("supervised_data: {}\nmax_seq_len: 2048\n", "upstream's supervised fine-tuning entry point"),
+    ("peft_save_path: out/\n", "upstream's LoRA fine-tuning entry point"),
+])
+def test_configs_of_other_upstream_entry_points_are_refused_as_such(tmp_path, keys, fragment):
+    with pytest.raises(ConfigError, match=r"top-level `.*: a config of " + re.escape(fragment)
+                       + r".*is not supported here"):
+        parse(tmp_path, DATA + keys)
+
+
+def test_an_unknown_top_level_key_is_still_an_unknown_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown top-level key `bogus_key`"):
+        parse(tmp_path, DATA + "bogus_key: 1\n")
+
+
+def test_one_cycle_spanning_the_run_is_accepted_and_real_cycles_refused(tmp_path):
+    cfg = parse(tmp_path, DATA + "trainer:\n  num_train_steps: 100\noptimizer:\n  cycle_length: 100\n")
+    cfg.optimizer.lr_scheduler(100)
+    with pytest.raises(ValueError, match=r"optimizer\.cycle_length=100 is not supported: cyclic"):
+        cfg.optimizer.lr_scheduler(200)
+    with pytest.raises(ValueError, match=r"optimizer\.cycles=4 is not supported"):
+        train_lm.validate(parse(tmp_path, DATA + "optimizer:\n  cycles: 4\n"))
+
+
+def test_the_inv_schedule_decays_hyperbolically_to_the_minimum():
+    cfg = AdamConfig(learning_rate=1.0, warmup=0.0, min_lr_ratio=0.1, lr_schedule="inv")
+    lr = cfg.lr_scheduler(100)
+    # 1 / (1 + k t) with k = (1 / 0.1 - 1) / 100: 1 at 0, 1/2 at t = 100/9, 0.1 at the end.
+    assert float(lr(0)) == pytest.approx(1.0)
+    assert float(lr(100 / 9)) == pytest.approx(0.5, rel=1e-2)
+    assert float(lr(100)) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match=r"inv .*needs optimizer\.min_lr_ratio > 0"):
+        AdamConfig(min_lr_ratio=0.0, lr_schedule="inv").lr_scheduler(10)
+
+
+def test_upstream_default_reference_checkpoint_is_accepted_and_others_refused(tmp_path):
+    model = "model:\n  type: llama\n  reference_checkpoint: {}\n"
+    check_refused(parse(tmp_path, DATA + model.format("NousResearch/Llama-2-7b-hf")))
+    cfg = parse(tmp_path, DATA + model.format("meta-llama/x"))
+    with pytest.raises(ValueError, match=r"model\.reference_checkpoint='meta-llama/x' is not supported"):
+        check_refused(cfg)
+
+
+def test_ray_start_workers_false_is_what_happens(tmp_path):
+    tcfg = parse(tmp_path, DATA + "trainer:\n  require_accelerator: false\n  ray:\n    start_workers: false\n").trainer
+    tcfg.validate()
+    tcfg = parse(tmp_path, DATA + "trainer:\n  ray:\n    start_workers: true\n").trainer
+    with pytest.raises(ValueError, match=r"trainer\.ray\.start_workers=True is not supported"):
+        tcfg.validate()
+
+
+def test_model_averaging_is_refused_naming_the_key(tmp_path):
+    tcfg = parse(tmp_path, DATA + "trainer:\n  model_averaging:\n    type: ema\n    beta: 0.995\n").trainer
+    with pytest.raises(ValueError, match=r"trainer\.model_averaging=.* is not supported: no averaged copy"):
+        tcfg.validate()
+
+
+def test_a_list_for_a_string_or_list_key_stays_a_list(tmp_path):
+    # A string field used to take str() of a YAML list, and unions of str and a list shared that decoder.
+    tcfg = parse(tmp_path, DATA + "trainer:\n  fsdp_axis: [embed, mlp]\n").trainer
+    assert tcfg.fsdp_axis == ["embed", "mlp"]
+    assert parse(tmp_path, DATA + "trainer:\n  fsdp_axis: embed\n").trainer.fsdp_axis == "embed"
+    with pytest.raises(ConfigError, match=r"`trainer\.id`: expected str"):
+        parse(tmp_path, DATA + "trainer:\n  id: [a, b]\n")
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine", "inv"])
+def test_a_given_decay_ends_the_run_after_holding_the_peak(schedule):
+    # Upstream's shape: warmup, then the peak held, then the decay over the last `decay` steps.
+    lr = AdamConfig(learning_rate=1.0, warmup=10, min_lr_ratio=0.1, lr_schedule=schedule,
+                    decay=20).lr_scheduler(100)
+    assert float(lr(5)) == pytest.approx(0.5)
+    assert [float(lr(t)) for t in (10, 50, 80)] == pytest.approx([1.0, 1.0, 1.0])
+    assert 0.1 < float(lr(90)) < 1.0
+    assert float(lr(100)) == pytest.approx(0.1)

@@ -46,6 +46,7 @@ import numpy as np
 from levanter.data.dataset import AsyncDataset
 from levanter.data.loader import DataLoader
 from levanter.data.tags import check_tags
+from levanter.quantization import quantize
 
 __all__ = [
     "EvalResult",
@@ -255,10 +256,13 @@ class Evaluator:
     def _sums_fn(self):
         if self._fn is None:
             mp = self.trainer.mp
+            # trainer.quantization: evaluated through the same int8 products as trained (levanter.quantization).
+            quantization = getattr(self.trainer.config, "quantization", None)
 
             def sums(model, batch, byte_lengths):
                 tokens, mask = batch["tokens"], batch["loss_mask"]
-                total, count = mp.cast_to_compute(model).compute_next_token_loss(
+                model = quantize(mp.cast_to_compute(model), quantization)
+                total, count = model.compute_next_token_loss(
                     tokens, mask, batch["segment_ids"], reduction="sum_and_count"
                 )
                 # Position t predicts token t+1 where the mask is set (the last position predicts nothing).

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Dict, Optional, Union
+from typing import ClassVar, Dict, Optional, Union
 
 import jax
 
@@ -77,6 +77,37 @@ class TrainLmConfig:
     eval_harness_steps: int = refused("the lm-eval-harness is not built here; remove the key", default=10000)
     # Upstream logs the entropy of the predictions; refused if set.
     log_entropy: bool = refused("prediction entropy is not logged; remove the key", default=False)
+    # Upstream's top-level tokenizer (its SFT and conversion configs): sets data.tokenizer when that is left
+    # at its default (gpt2); a different data.tokenizer is an error. null: data.tokenizer alone decides.
+    tokenizer: Optional[str] = None
+
+    # Top-level keys of upstream's other entry points' configs: a file carrying them is refused as such
+    # (levanter.config names the entry point) instead of listing unknown keys.
+    OTHER_ENTRY_POINTS: ClassVar[Dict[str, str]] = {
+        **dict.fromkeys(
+            ("supervised_data", "dataset_type", "chat_train_urls", "model_name_or_path", "messages_field",
+             "input_role", "output_role", "max_seq_len", "reinit_tokens", "mixture_weights",
+             "mixture_block_size"),
+            "upstream's supervised fine-tuning entry point (levanter.main.sft / sft_mixture: chat data with "
+            "loss masks)",
+        ),
+        **dict.fromkeys(
+            ("peft_save_path", "peft_hf_upload", "merged_hf_save_path", "merged_hf_upload", "lora",
+             "max_train_length"),
+            "upstream's LoRA fine-tuning entry point (levanter.main.lora_lm)",
+        ),
+    }
+
+    def __post_init__(self):
+        if self.tokenizer is None or self.tokenizer == self.data.tokenizer:
+            return
+        default = next(f.default for f in dataclasses.fields(self.data) if f.name == "tokenizer")
+        if self.data.tokenizer != default:
+            raise ValueError(
+                f"tokenizer={self.tokenizer!r} and data.tokenizer={self.data.tokenizer!r} disagree: the top-level "
+                "tokenizer is upstream's spelling of data.tokenizer; keep one of them"
+            )
+        object.__setattr__(self, "data", dataclasses.replace(self.data, tokenizer=self.tokenizer))
 
 
 # Upstream and PaLM use 1e-4; at 1 the z-loss already outweighs the cross-entropy it regularises.

@@ -16,9 +16,10 @@ from typing import Callable, Optional
 import haliax as hax
 
 from levanter.data.text import causal_lm_columns_jax
+from levanter.quantization import quantize
 
 
-def lm_loss_fn(z_loss_weight: float = 0.0, eos_id: Optional[int] = None) -> Callable:
+def lm_loss_fn(z_loss_weight: float = 0.0, eos_id: Optional[int] = None, quantization=None) -> Callable:
     """``(sum of next-token cross-entropies over loss positions, number of loss positions)``: the model's
     ``compute_next_token_loss`` (:func:`levanter.models.next_token_loss` on the logits, or the blockwise
     loss when ``model.cross_entropy_block_size`` is set), with a z-loss of ``z_loss_weight``.
@@ -26,9 +27,13 @@ def lm_loss_fn(z_loss_weight: float = 0.0, eos_id: Optional[int] = None) -> Call
     A batch of ``{tokens}`` alone (the training set ``train_lm`` reads, ``tokens_only``) gets its loss mask
     and segment ids from the tokens and ``eos_id``, on the device (:func:`causal_lm_columns_jax`: the
     same values the dataset would have shipped); a batch that has them uses its own.
+
+    ``quantization`` (``trainer.quantization``): the model's linear layers compute in int8 inside the loss
+    (:func:`levanter.quantization.quantize`); the evaluator (:mod:`levanter.eval`) quantizes the same way.
     """
 
     def loss(model, batch):
+        model = quantize(model, quantization)
         tokens = batch["tokens"]
         if "loss_mask" in batch:
             mask, seg = batch["loss_mask"], batch["segment_ids"]

@@ -19,16 +19,20 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-# The field metadata key holding the reason a field is refused.
+# The field metadata key holding the reason a field is refused, and the one holding other values accepted.
 REFUSED = "levanter.refused"
+ALSO_ACCEPTED = "levanter.refused.also_accepted"
 
 
-def refused(why: str, default: Any = None, *, default_factory: Any = dataclasses.MISSING):
+def refused(why: str, default: Any = None, *, default_factory: Any = dataclasses.MISSING, also: tuple = ()):
     """A dataclass field accepted so that upstream configs parse, refused by :func:`check_refused` when set
-    to anything but its default; ``why`` says what to do instead (it ends the error message)."""
+    to anything but its default (or one of ``also``: values that change nothing here, such as upstream's
+    own default written out by its exported configs); ``why`` says what to do instead (it ends the error
+    message)."""
+    metadata = {REFUSED: why, ALSO_ACCEPTED: tuple(also)}
     if default_factory is not dataclasses.MISSING:
-        return dataclasses.field(default_factory=default_factory, metadata={REFUSED: why})
-    return dataclasses.field(default=default, metadata={REFUSED: why})
+        return dataclasses.field(default_factory=default_factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def field_default(f: dataclasses.Field) -> Any:
@@ -44,7 +48,7 @@ def check_refused(config: Any, prefix: str = "") -> None:
     """Raise ``ValueError`` naming the first refused field (see :func:`refused`) set in ``config`` to
     anything but its default, searching nested sections, mappings and lists of sections."""
     for key, f, value in _set_fields(config, prefix):
-        if REFUSED in f.metadata and value != field_default(f):
+        if REFUSED in f.metadata and value != field_default(f) and value not in f.metadata.get(ALSO_ACCEPTED, ()):
             raise ValueError(f"{key}={value!r} is not supported: {f.metadata[REFUSED]}")
 
 

@@ -41,6 +41,7 @@ import numpy as np
 import optax
 
 from .data.loader import Batch
+from .optim.skip_steps import spike_skipped
 from .trainer_config import TrainerConfig
 from .utils.fault import fault_point
 
@@ -283,7 +284,10 @@ class Trainer:
             denom = jnp.maximum(count, 1.0)
             grads = jax.tree.map(lambda g: g / denom, grads)
             grad_norm = optax.tree.norm(grads)
-            updates, opt_state = optimizer.update(grads, state.opt_state, params)
+            # The step's mean loss for optimizers that read it (optimizer.skip_bad_steps).
+            extra = {"loss": total / denom} if isinstance(optimizer, optax.GradientTransformationExtraArgs) else {}
+            updates, opt_state = optimizer.update(grads, state.opt_state, params, **extra)
+            spike = spike_skipped(opt_state)  # skipped as an outlier (optimizer.skip_bad_steps); applies zero
             new_params = eqx.apply_updates(params, updates)
             # A finite loss and gradient can still give a non-finite update (a zero epsilon's 0/0, a learning
             # rate beyond float32's range): the new parameters and optimizer state are checked too, so that
@@ -302,7 +306,7 @@ class Trainer:
             model = eqx.combine(new_params, static)
             new_state = TrainerState(state.step + 1, model, opt_state, state.training_key)
             metrics = {"loss": total / denom, "loss_tokens": count, "grad_norm": grad_norm,
-                       "update_finite": update_finite, "skipped": jnp.logical_not(finite)}
+                       "update_finite": update_finite, "skipped": jnp.logical_not(finite) | spike}
             return new_state, metrics
 
         named = hax.named_jit(

@@ -26,6 +26,7 @@ from .checkpoint.resume import ResumePoint, find_resume_point
 from .config import parse_timedelta
 from .refused_keys import check_refused, refused
 from .distributed import DistributedConfig
+from .quantization import QuantizationConfig
 from .schedule import BatchSchedule, ScheduleStep
 from .tracker import JsonConfig, TrackerConfig, WandbConfig
 
@@ -37,8 +38,10 @@ class RayConfig:
     address: Optional[str] = refused(
         "training uses no Ray cluster; remove the key (data.cache_options.ray_address builds caches on Ray)"
     )
-    # Upstream starts Ray workers on each host; training here never does.
-    start_workers: bool = refused("training here starts no Ray workers; remove the key", default=True)
+    # Upstream starts Ray workers on each host; training here starts none (false, as upstream's exported
+    # configs write it, is what happens); refused if true.
+    start_workers: bool = refused("training here starts no Ray workers; remove the key or set it false",
+                                  default=False)
     # Upstream starts a local Ray cluster when none is found; training here never does.
     auto_start_cluster: bool = refused("training here starts no Ray cluster; remove the key", default=False)
 
@@ -139,6 +142,12 @@ class TrainerConfig:
     replica_ici_axis_size: int = refused("replica axes are not built here; leave it at 1", default=1)
     # Upstream's replica axis across slices (hybrid sharding); refused unless 1.
     replica_dcn_axis_size: int = refused("replica axes are not built here; leave it at 1", default=1)
+    # int8 training of the linear layers ({int8: true, targets: ...}; levanter.quantization); null: none.
+    quantization: Optional[QuantizationConfig] = None
+    # Upstream's averaged copy of the weights (EMA) for evaluation; refused if set.
+    model_averaging: Optional[Dict[str, Any]] = refused(
+        "no averaged copy of the weights is kept here; remove the key (evaluation uses the trained weights)"
+    )
 
     # -- derived -------------------------------------------------------------------------------------
     @property
@@ -167,6 +176,8 @@ class TrainerConfig:
     def validate(self) -> None:
         """Cheap checks that need no devices beyond counting them; errors name the config key."""
         check_refused(self, "trainer")  # upstream keys not built here (config_doc.refused)
+        if self.quantization is not None:
+            self.quantization.check(jax.default_backend())
         given = self.tracker if isinstance(self.tracker, tuple) else (self.tracker,)
         if self.wandb is not None and any(isinstance(t, WandbConfig) for t in given):
             raise ValueError(

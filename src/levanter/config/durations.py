@@ -93,3 +93,16 @@ def _decode_timedelta(raw_value: Any, path: Sequence[str] = ()) -> datetime.time
 
 draccus.decode.register(datetime.timedelta, _decode_timedelta)
 draccus.encode.register(datetime.timedelta, lambda td, *_: _format_timedelta(td))
+
+
+def _decode_str(raw_value: Any, path: Sequence[str] = ()) -> str:
+    """A string field takes a YAML scalar (a number becomes its text), never a list or mapping: draccus's
+    default ``str(value)`` turned ``[embed, mlp]`` into the string "['embed', 'mlp']", and since equal
+    unions share one decoder whatever their order, a ``Union[List[str], str]`` field could get that string
+    instead of the list."""
+    if isinstance(raw_value, (list, tuple, dict)):
+        raise draccus.utils.DecodingError(path, f"expected a string, got {raw_value!r}")
+    return str(raw_value)
+
+
+draccus.decode.register(str, _decode_str)

@@ -211,12 +211,26 @@ def _explain(e: Exception, root, raw, depth: int = 0) -> tuple[tuple | None, str
     return _explain_parsing(e, root, raw, None)
 
 
+def _other_entry_point(root, key_path: tuple, unknown: Sequence[str]) -> str | None:
+    """For unknown top-level keys that a config class lists in ``OTHER_ENTRY_POINTS`` (key -> the upstream
+    entry point whose configs carry it): the file is that entry point's config, refused as such."""
+    table = getattr(root, "OTHER_ENTRY_POINTS", None)
+    hits = [k for k in unknown if table and k in table] if not key_path else []
+    if not hits:
+        return None
+    keys = ", ".join(f"`{k}`" for k in hits)
+    return f"top-level {keys}: a config of {table[hits[0]]}, is not supported here: this file is not a config for it"
+
+
 def _explain_decoding(key_path: tuple, message: str, root, raw) -> tuple[tuple | None, str]:
     m = _UNKNOWN_FIELDS.match(message)
     if m is not None:
         declared, value = _at(root, raw, key_path)
         names = [n for n in _fields(_choice(_union_member(declared, value), value)) if n != "type"]
         unknown = re.findall(r"`([^`]+)`", m["fields"])
+        foreign = _other_entry_point(root, key_path, unknown)
+        if foreign is not None:
+            return key_path, foreign
         what = f"unknown {'top-level ' if not key_path else ''}key{'s' if len(unknown) > 1 else ''} "
         what += ", ".join(f"`{u}`" for u in unknown)
         hints = [h for h in (_did_you_mean(u, names) for u in unknown) if h]

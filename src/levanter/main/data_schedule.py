@@ -277,7 +277,9 @@ def _is_data_only(raw: dict) -> bool:
 
     from levanter.lm_config import TrainLmConfig
 
-    return bool(raw) and not set(raw) & {f.name for f in dataclasses.fields(TrainLmConfig)}
+    # ``tokenizer`` is a key of both (train_lm's top-level one is upstream's spelling of data.tokenizer), so
+    # it tells nothing about which kind of file this is.
+    return bool(raw) and not set(raw) & ({f.name for f in dataclasses.fields(TrainLmConfig)} - {"tokenizer"})
 
 
 def load_config(config_path: str, overrides: Sequence[str], *, batch_size=None, num_train_steps=None,

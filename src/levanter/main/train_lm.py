@@ -242,7 +242,8 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
     eos_id = next(iter(eos_ids)) if tokens_only else None
     # The step for the largest batch, compiled ahead of time and checked against the device's memory (it is
     # the run's step then); per_device_parallelism: auto resolved (levanter.memory_fit).
-    compiler = StepCompiler(config.model, tcfg, optimizer, lm_loss_fn(config.z_loss_weight, eos_id), Vocab.size)
+    compiler = StepCompiler(config.model, tcfg, optimizer,
+                            lm_loss_fn(config.z_loss_weight, eos_id, tcfg.quantization), Vocab.size)
     trainer = fit_trainer(compiler, recorded=recorded_pick(tcfg, point))
     picked = {RECORD_KEY: trainer.config.per_device_parallelism} if tcfg.per_device_parallelism == "auto" else {}
     evaluator = make_evaluator(config, trainer, eval_sets, tokenizer, Vocab.size)
@@ -299,11 +300,15 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
                            interval_s=parse_timedelta(tcfg.progress_interval).total_seconds(),
                            enabled=jax.process_index() == 0)
     last_loss = None
+    skipping_spikes = bool(config.optimizer.skip_bad_steps)
 
     class Hooks(TrainHooks):
         def on_step(self, r: StepReport) -> None:
             nonlocal last_loss
             step, batch, dt = r.step, r.batch, r.seconds
+            if r.skipped and skipping_spikes and np.isfinite(r.loss) and np.isfinite(r.grad_norm):
+                logger.warning("step %d: loss %.4g or gradient norm %.4g is a spike against the recent steps: "
+                               "the update was skipped (optimizer.skip_bad_steps)", step, r.loss, r.grad_norm)
             tokens = batch.batch_size * Pos.size
             log = {
                 "train/loss": r.loss,
@@ -395,7 +400,8 @@ def dry_run(config: TrainLmConfig, options, config_path: Optional[str] = None) -
     """Print the memory plan of ``config`` (:mod:`levanter.memory_plan`): nothing is trained or read."""
     config.trainer.distributed.initialize()
     config.trainer.apply_jax_config()
-    print(format_plan(make_plan(config, lm_loss_fn(config.z_loss_weight), options), config_path))
+    loss = lm_loss_fn(config.z_loss_weight, quantization=config.trainer.quantization)
+    print(format_plan(make_plan(config, loss, options), config_path))
 
 
 def cli(argv=None) -> None:

@@ -51,6 +51,10 @@ from .token_dot import linear
 HEAD_SIZE = "head_size"
 
 
+# Upstream LlamaConfig's default reference checkpoint: a config that names it chose nothing.
+UPSTREAM_REFERENCE_CHECKPOINT = "NousResearch/Llama-2-7b-hf"
+
+
 @LmConfig.register_subclass("llama")
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig(LmConfig):
@@ -79,9 +83,11 @@ class LlamaConfig(LmConfig):
     rope_theta: float = 10000.0
     # Upstream's nested rotary settings; overrides rope_theta when given.
     rope: Optional[RopeConfig] = None
-    # Upstream's Hugging Face checkpoint that the model converts from and to; refused if set.
+    # Upstream's Hugging Face checkpoint that the model converts from and to; refused if set, except to
+    # upstream's default (NousResearch/Llama-2-7b-hf), which its exported configs write out.
     reference_checkpoint: Optional[str] = refused(
-        "Hugging Face checkpoints are not read through the model config here; remove the key", default=None
+        "Hugging Face checkpoints are not read through the model config here; use initialize_from_hf to start "
+        "from one, or remove the key", default=None, also=(UPSTREAM_REFERENCE_CHECKPOINT,)
     )
     # Upstream's tokenizer for Hugging Face exports; refused if set (data.tokenizer is the one used).
     tokenizer: Optional[str] = refused("the tokenizer is data.tokenizer; remove model.tokenizer")

@@ -21,6 +21,7 @@ from typing import Sequence
 import haliax as hax
 import haliax.nn as hnn
 from haliax import Axis, NamedArray
+from haliax.quantization import DefaultDotGeneralOp
 
 
 def _as_axes(spec, array: NamedArray) -> tuple[Axis, ...]:
@@ -28,29 +29,38 @@ def _as_axes(spec, array: NamedArray) -> tuple[Axis, ...]:
     return tuple(array.resolve_axis(a.name if isinstance(a, Axis) else a) for a in names)
 
 
-def token_dot(x: NamedArray, weight: NamedArray, axis) -> NamedArray:
+def token_dot(x: NamedArray, weight: NamedArray, axis, dot_general=None) -> NamedArray:
     """``hax.dot(x, weight, axis=axis)`` with x's outer axes merged into one for the product.
 
     Same axes and values as the named dot (up to float rounding); the outer axes of ``x`` (those not
-    contracted) come first in the result, then the weight's remaining axes.
+    contracted) come first in the result, then the weight's remaining axes. ``dot_general``: the product's
+    kernel (a quantized one, :mod:`levanter.quantization`); None: ``jax.lax.dot_general``.
     """
+    kw = {} if dot_general is None else {"dot_general": dot_general}
     contracted = _as_axes(axis, x)
     contracted_names = {a.name for a in contracted}
     outer: Sequence[Axis] = tuple(a for a in x.axes if a.name not in contracted_names)
     weight_names = {a.name for a in weight.axes}
     if len(outer) < 2 or any(a.name in weight_names for a in outer):
-        return hax.dot(x, weight, axis=axis)
+        return hax.dot(x, weight, axis=axis, **kw)
     x = x.rearrange((*outer, *contracted))
     Tokens = Axis(outer[0].name, math.prod(a.size for a in outer))
     flat = x.flatten_axes(tuple(outer), Tokens)
-    out = hax.dot(flat, weight, axis=axis).rearrange((Tokens, ...))
+    out = hax.dot(flat, weight, axis=axis, **kw).rearrange((Tokens, ...))
     return out.unflatten_axis(Tokens, tuple(outer))
 
 
+def _kernel(layer: hnn.Linear):
+    """The layer's ``dot_general``, or None for haliax's default (a plain ``jax.lax.dot_general``)."""
+    op = getattr(layer, "dot_general", None)
+    return None if op is None or isinstance(op, DefaultDotGeneralOp) else op
+
+
 def linear(layer: hnn.Linear, x: NamedArray) -> NamedArray:
-    """``layer(x)`` computed with :func:`token_dot` (same parameters, same result axes)."""
+    """``layer(x)`` computed with :func:`token_dot` (same parameters, same result axes, and the layer's own
+    ``dot_general``, so that a layer quantized by haliax keeps its int8 kernel)."""
     weight = layer.weight * layer.reparam.active_scale
-    out = hax.auto_sharded(token_dot(x, weight, layer.In))
+    out = hax.auto_sharded(token_dot(x, weight, layer.In, dot_general=_kernel(layer)))
     if layer.bias is not None:
         out = hax.auto_sharded(out + layer.bias)
     return out

@@ -8,8 +8,12 @@ Schedules (``lr_schedule``), after ``warmup`` (a fraction of ``num_train_steps``
 linear warm-up from 0:
 
 * ``constant`` -- the peak rate throughout;
-* ``linear`` / ``cosine`` -- decay to ``min_lr_ratio * learning_rate`` over ``decay`` (fraction or steps;
-  default: all remaining steps), then hold;
+* ``linear`` / ``cosine`` -- decay to ``min_lr_ratio * learning_rate`` over the last ``decay`` steps of the
+  run (fraction or steps; default: all steps after the warmup), holding the peak before them, as upstream's
+  schedules do;
+* ``inv`` -- upstream's inverse decay ``learning_rate / (1 + k t)`` over the last ``decay`` steps (default:
+  all steps after the warmup), ``k`` chosen so that it reaches ``min_lr_ratio * learning_rate`` at the end;
+  it needs ``min_lr_ratio > 0``;
 * ``wsd`` (warmup-stable-decay) -- hold the peak, then decay linearly to the minimum over the last
   ``decay`` of training (default 20%).
 
@@ -26,16 +30,19 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-from typing import Dict, Optional, Union
+from typing import Dict, List, Optional, Union
 
 import draccus
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import optax
 
 from ..refused_keys import check_refused, refused
+from .skip_steps import resolve as resolve_skip_bad_steps
+from .skip_steps import skip_bad_steps
 
-SCHEDULES = ("constant", "linear", "cosine", "wsd", "warmup-stable-decay")
+SCHEDULES = ("constant", "linear", "cosine", "inv", "wsd", "warmup-stable-decay")
 
 
 def _steps(value: float | int | None, num_train_steps: int, default: int, name: str) -> int:
@@ -72,14 +79,34 @@ def lr_schedule_fn(
     elif lr_schedule == "constant":
         main = optax.constant_schedule(learning_rate)
     else:
+        # The decay ends the run; before it the rate holds at its peak (none of that without a decay given).
         d = max(1, _steps(decay, num_train_steps, rest, "decay"))
+        stable = max(rest - d, 0)
         if lr_schedule == "linear":
             main = optax.linear_schedule(learning_rate, lo, d)
+        elif lr_schedule == "inv":
+            if min_lr_ratio <= 0:
+                raise ValueError(
+                    "optimizer.lr_schedule: inv decays as learning_rate / (1 + k t) towards the minimum "
+                    "min_lr_ratio x learning_rate, so it needs optimizer.min_lr_ratio > 0 (got 0); use linear or "
+                    "cosine to decay to 0"
+                )
+            main = _inverse_decay(learning_rate, lo, (1.0 / min_lr_ratio - 1.0) / d)
         else:
             main = optax.cosine_decay_schedule(learning_rate, d, alpha=min_lr_ratio)
+        if stable > 0:
+            main = optax.join_schedules([optax.constant_schedule(learning_rate), main], [stable])
     if warm == 0:
         return main
     return optax.join_schedules([optax.linear_schedule(0.0, learning_rate, warm), main], [warm])
+
+
+def _inverse_decay(peak: float, floor: float, k: float):
+    def schedule(count):
+        # optax.join_schedules also evaluates it before its start (negative counts): clamp those to 0.
+        return jnp.maximum(peak / (1.0 + k * jnp.maximum(jnp.asarray(count, jnp.float32), 0.0)), floor)
+
+    return schedule
 
 
 def decay_mask(params):
@@ -113,6 +140,13 @@ def _check_range(config, name: str, lo: float | None, hi: float | None) -> None:
         raise ValueError(f"optimizer.{name} must be {want}, got {v}")
 
 
+_NO_CYCLES = "cyclic learning-rate schedules are not built here: one warmup and one decay span the run"
+_MATRICES_DECAY = (
+    "weight decay applies to every matrix (arrays of two or more dimensions) and to nothing else here; "
+    "remove the key"
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig(draccus.ChoiceRegistry, abc.ABC):
     # Peak learning rate (reached at the end of the warmup).
@@ -123,21 +157,35 @@ class OptimizerConfig(draccus.ChoiceRegistry, abc.ABC):
     min_lr_ratio: float = 0.1
     # Warmup from 0 to learning_rate: a fraction of num_train_steps if below 1, else a number of steps.
     warmup: float = 0.01
-    # Steps of the decay (fraction if below 1); null: all steps after warmup (wsd: the last 20 %).
+    # Steps of the decay, which ends the run (fraction if below 1); null: all steps after warmup (wsd: the
+    # last 20 %).
     decay: Optional[float] = None
-    # Shape after warmup: constant, linear, cosine, or wsd / warmup-stable-decay (constant, then linear).
+    # Shape after warmup: constant, linear, cosine, inv (1 / (1 + k t), down to the minimum), or wsd /
+    # warmup-stable-decay (constant, then linear).
     lr_schedule: str = "cosine"
-    # Upstream skips a step whose loss or gradient norm lies over the mean + 6 standard deviations of the
-    # last steps (true, a window length, or {rolling_interval_length, sigma_factor}); refused if set.
-    skip_bad_steps: Union[bool, int, Dict[str, float]] = refused(
-        "steps are not skipped for outlying finite losses or gradient norms here; remove the key. A "
-        "non-finite loss, gradient or update is never applied: set trainer.crash_on_nan: false and "
-        "trainer.crash_on_inf: false to skip such steps and go on instead of stopping",
-        default=False,
-    )
+    # Skip an update whose loss or gradient norm exceeds the mean + sigma_factor standard deviations of the
+    # last steps (levanter.optim.skip_steps): true (128 steps, 6 sigma), a window length, or
+    # {rolling_interval_length, sigma_factor}; false: apply every finite update.
+    skip_bad_steps: Union[bool, int, Dict[str, float]] = False
+    # Upstream's cycle length (steps, or a fraction of the run); accepted when one cycle spans the whole run
+    # (null, 1.0 or >= num_train_steps), refused otherwise: cyclic schedules are not built here.
+    cycle_length: Optional[Union[int, float, List[int]]] = None
+    # Upstream's number of cycles (or their end steps); refused if set: cyclic schedules are not built here.
+    cycles: Optional[Union[int, List[int]]] = refused(_NO_CYCLES)
+    # Upstream's re-warmup at each new cycle; refused unless 0 (there is one cycle).
+    rewarmup: float = refused(_NO_CYCLES, default=0.0)
+    # Upstream's deprecated cycle end steps; refused if set.
+    haps: Optional[List[int]] = refused(_NO_CYCLES)
+    # Upstream's deprecated final cooldown; refused if set (use decay).
+    cooldown: Optional[float] = refused("use decay (steps or a fraction of the run) and min_lr_ratio instead")
+    # Upstream's regex or names of the parameters weight decay applies to; refused if set.
+    weight_decay_modules: Optional[Union[List[str], str]] = refused(_MATRICES_DECAY)
+    # Upstream's switch for its default weight-decay mask; refused if set.
+    default_weight_decay_mask: Optional[bool] = refused(_MATRICES_DECAY)
 
     def __post_init__(self):
         check_refused(self, "optimizer")
+        resolve_skip_bad_steps(self.skip_bad_steps)
         _check_numbers(self)
         _check_range(self, "learning_rate", 0, None)
         _check_range(self, "weight_decay", 0, None)
@@ -150,6 +198,7 @@ class OptimizerConfig(draccus.ChoiceRegistry, abc.ABC):
         return "adam"
 
     def lr_scheduler(self, num_train_steps: int):
+        self._check_one_cycle(num_train_steps)
         return lr_schedule_fn(
             learning_rate=self.learning_rate,
             num_train_steps=num_train_steps,
@@ -159,9 +208,23 @@ class OptimizerConfig(draccus.ChoiceRegistry, abc.ABC):
             lr_schedule=self.lr_schedule,
         )
 
+    def _check_one_cycle(self, num_train_steps: int) -> None:
+        c = self.cycle_length
+        if c is None or (not isinstance(c, list) and (c == 1.0 or c >= num_train_steps)):
+            return
+        raise ValueError(
+            f"optimizer.cycle_length={c!r} is not supported: {_NO_CYCLES}. Remove the key, or give a cycle "
+            f"covering the whole run (1.0, or >= trainer.num_train_steps={num_train_steps})"
+        )
+
     @abc.abstractmethod
     def build(self, num_train_steps: int) -> optax.GradientTransformation:
         ...
+
+    def with_step_skipping(self, optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
+        """``optimizer`` wrapped per ``skip_bad_steps`` (unchanged when it is off)."""
+        cfg = resolve_skip_bad_steps(self.skip_bad_steps)
+        return optimizer if cfg is None else skip_bad_steps(optimizer, cfg)
 
 
 @OptimizerConfig.register_subclass("adam")
@@ -203,6 +266,83 @@ class AdamConfig(OptimizerConfig):
         if self.weight_decay > 0:
             parts.append(optax.add_decayed_weights(self.weight_decay, mask=decay_mask))
         parts.append(optax.scale_by_learning_rate(schedule))
-        return optax.chain(*parts)
+        return self.with_step_skipping(optax.chain(*parts))
 
 
+
+
+class _NotBuiltOptimizer(OptimizerConfig):
+    """An upstream optimizer type not built here: its keys parse (so the file reads), then the config is
+    refused naming the type and what to use instead, before any work."""
+
+    INSTEAD = ""
+
+    def __post_init__(self):
+        raise ValueError(f"optimizer.type={self.get_choice_name(type(self))} is not supported: {self.INSTEAD}")
+
+    def build(self, num_train_steps: int) -> optax.GradientTransformation:  # pragma: no cover -- never built
+        raise AssertionError("refused in __post_init__")
+
+
+_SOPHIA = (
+    "Sophia's Hessian estimates are not built here; use type: adam (AdamW), keeping learning_rate, "
+    "weight_decay, warmup and min_lr_ratio and dropping gamma (Sophia's learning rates are of Adam's order)"
+)
+_MUON = (
+    "Muon's orthogonalised updates are not built here; use type: adam (AdamW) with an Adam learning rate "
+    "(adam_lr, about 6e-4 for a small GPT-2, not Muon's lr)"
+)
+
+
+@OptimizerConfig.register_subclass("sophia-h")
+@dataclasses.dataclass(frozen=True)
+class SophiaHConfig(_NotBuiltOptimizer):
+    """Upstream's Sophia-H (a clipped diagonal-Hessian preconditioner); refused: it is not built here."""
+
+    INSTEAD = _SOPHIA
+    # Sophia's first-moment decay (upstream); the type is refused.
+    b1: float = refused(_SOPHIA, default=0.965)
+    # Sophia's Hessian-estimate decay (upstream); the type is refused.
+    b2: float = refused(_SOPHIA, default=0.99)
+    # Sophia's denominator floor (upstream); the type is refused.
+    epsilon: float = refused(_SOPHIA, default=1e-12)
+    # Sophia's Hessian scale (upstream); the type is refused.
+    gamma: float = refused(_SOPHIA, default=0.01)
+    # Sophia's update clip (upstream); the type is refused.
+    clip_threshold: Optional[float] = refused(_SOPHIA, default=1.0)
+    # Seed of Sophia's Hessian probes (upstream); the type is refused.
+    rng_seed: int = refused(_SOPHIA, default=0)
+    # Steps between Hessian estimates (upstream); the type is refused.
+    update_interval: int = refused(_SOPHIA, default=10)
+    # Gradient clip norm (upstream); the type is refused.
+    max_grad_norm: Optional[float] = refused(_SOPHIA, default=1.0)
+
+
+@OptimizerConfig.register_subclass("muon")
+@dataclasses.dataclass(frozen=True)
+class MuonConfig(_NotBuiltOptimizer):
+    """Upstream's Muon (orthogonalised momentum for matrices, Adam for the rest); refused: not built here."""
+
+    INSTEAD = _MUON
+    # Muon's learning rate for matrices (upstream); the type is refused.
+    lr: float = refused(_MUON, default=0.02)
+    # Adam's learning rate for the other parameters (upstream); the type is refused.
+    adam_lr: float = refused(_MUON, default=6e-4)
+    # Muon's momentum (upstream); the type is refused.
+    momentum: float = refused(_MUON, default=0.95)
+    # Nesterov momentum (upstream); the type is refused.
+    nesterov: bool = refused(_MUON, default=True)
+    # Newton-Schulz iterations (upstream); the type is refused.
+    backend_steps: int = refused(_MUON, default=5)
+    # Adam's first-moment decay (upstream); the type is refused.
+    beta1: float = refused(_MUON, default=0.9)
+    # Adam's second-moment decay (upstream); the type is refused.
+    beta2: float = refused(_MUON, default=0.95)
+    # Adam's epsilon (upstream); the type is refused.
+    epsilon: float = refused(_MUON, default=1e-8)
+    # Muon's normalisation epsilon (upstream); the type is refused.
+    muon_epsilon: float = refused(_MUON, default=1e-8)
+    # Gradient clip norm (upstream); the type is refused.
+    max_grad_norm: Optional[float] = refused(_MUON, default=1.0)
+    # Kimi's update scaling (upstream); the type is refused.
+    use_kimi_scaling: bool = refused(_MUON, default=False)

@@ -1,0 +1,51 @@
+"""``scripts/check_upstream_configs.py``: each top-level YAML of a directory read as a train_lm config and
+reported as parsing, refused (the feature named), needing a model family, or an error, with the counts.
+The configs here are small ones written for the test, shaped like upstream's (``!include`` of a file in a
+subdirectory, relative to the including file)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "check_upstream_configs.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("check_upstream_configs", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_each_file_is_classified_and_counted(tmp_path, capsys):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "source.yaml").write_text("train_urls: [gs://bucket/train.jsonl]\ntokenizer: gpt2\n")
+    (tmp_path / "ok.yaml").write_text(
+        "data: !include data/source.yaml\nmodel:\n  type: gpt2\n  hidden_dim: 32\n  num_heads: 4\n"
+        "optimizer:\n  skip_bad_steps: true\n  lr_schedule: inv\n")
+    (tmp_path / "sophia.yaml").write_text("data: !include data/source.yaml\noptimizer:\n  type: sophia-h\n"
+                                          "  gamma: 0.01\n")
+    (tmp_path / "moe.yaml").write_text("model:\n  type: mixtral\n")
+    (tmp_path / "fp8.yaml").write_text("trainer:\n  quantization:\n    fp8: true\n")
+    (tmp_path / "typo.yaml").write_text("trainer:\n  num_train_stepz: 3\n")
+    assert _script().main([str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {}
+    for line in lines:
+        m = re.match(r"(parses|refused|needs family|error) +(\S+) *(.*)$", line)
+        if m is not None:
+            rows[m.group(2)] = (m.group(1), m.group(3))
+    assert rows["ok.yaml"] == ("parses", "")
+    assert rows["sophia.yaml"][0] == "refused" and rows["sophia.yaml"][1].startswith("optimizer.type=sophia-h: ")
+    assert rows["fp8.yaml"][0] == "refused" and rows["fp8.yaml"][1].startswith("trainer.quantization.fp8=true")
+    assert rows["moe.yaml"] == ("needs family", "mixtral")
+    assert rows["typo.yaml"][0] == "error" and "num_train_stepz" in rows["typo.yaml"][1]
+    assert sorted(rows) == ["fp8.yaml", "moe.yaml", "ok.yaml", "sophia.yaml", "typo.yaml"]  # not data/source.yaml
+    assert lines[-1] == "parses: 1, refused: 2, needs family: 1, error: 1 (of 5)"
+
+
+def test_a_directory_without_configs_is_an_error(tmp_path, capsys):
+    assert _script().main([str(tmp_path)]) == 2
+    assert "no *.yaml files directly under" in capsys.readouterr().err
