@@ -494,11 +494,21 @@ class _Precompiled:
         return int(self._ran) + self._jitted._cache_size()
 
 
+def _loss_parts(out) -> tuple:
+    """``(sum, count, extra metric sums)`` of a loss function's result, with or without the metrics."""
+    if len(out) == 3:
+        return out
+    total, count = out
+    return total, count, {}
+
+
 class Trainer:
     """Runs the step loop for a loss ``loss_fn(model, batch) -> (sum_of_losses, num_loss_tokens)``.
 
     ``batch`` is the loader's pytree converted to named arrays by ``to_named(data)``; the loss must be a
-    *sum* (with its token count) so that microbatches combine into the exact step-wide mean.
+    *sum* (with its token count) so that microbatches combine into the exact step-wide mean. A loss may
+    return a third item, a dict of metric sums (e.g. an auxiliary loss times the token count): they are
+    summed over microbatches, divided by the step's count and reported in :attr:`StepReport.extra`.
     """
 
     def __init__(
@@ -620,15 +630,15 @@ class Trainer:
 
         def sum_loss(params, static, micro):
             model = mp.cast_to_compute(eqx.combine(params, static))
-            total, count = loss_fn(model, micro)
-            return total.astype(jnp.float32), count
+            total, count, extra = _loss_parts(loss_fn(model, micro))
+            return total.astype(jnp.float32), (count, extra)
 
         grad_fn = eqx.filter_value_and_grad(sum_loss, has_aux=True)
 
         def step(state: TrainerState, batch):
             params, static = eqx.partition(state.model, eqx.is_inexact_array)
             if n_micro == 1:
-                (total, count), grads = grad_fn(params, static, batch)
+                (total, (count, extra)), grads = grad_fn(params, static, batch)
             else:
                 # Microbatch m takes rows m, m + n_micro, ...: each device keeps contributing its own rows.
                 def split(x):
@@ -642,7 +652,7 @@ class Trainer:
                 stacked = jax.tree.map(split, batch, is_leaf=lambda x: isinstance(x, hax.NamedArray))
 
                 def body(carry, m):
-                    acc_total, acc_count, acc_grads = carry
+                    acc_total, acc_count, acc_extra, acc_grads = carry
                     micro = jax.tree.map(
                         lambda x: hax.shard(x["microbatch", m], compute_mapping)
                         if isinstance(x, hax.NamedArray)
@@ -650,12 +660,21 @@ class Trainer:
                         stacked,
                         is_leaf=lambda x: isinstance(x, hax.NamedArray),
                     )
-                    (t, c), g = grad_fn(params, static, micro)
-                    return (acc_total + t, acc_count + c, jax.tree.map(jnp.add, acc_grads, g)), None
+                    (t, (c, e)), g = grad_fn(params, static, micro)
+                    return (acc_total + t, acc_count + c, jax.tree.map(jnp.add, acc_extra, e),
+                            jax.tree.map(jnp.add, acc_grads, g)), None
 
                 zeros = jax.tree.map(jnp.zeros_like, params)
-                (total, count, grads), _ = jax.lax.scan(
-                    body, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros), jnp.arange(n_micro)
+                first = jax.tree.map(lambda x: x["microbatch", 0] if isinstance(x, hax.NamedArray) else x, stacked,
+                                     is_leaf=lambda x: isinstance(x, hax.NamedArray))
+                # The extra metrics' structure (traced, not run) for the accumulator's zeros.
+                extra_zeros = jax.tree.map(
+                    lambda s: jnp.zeros(s.shape, jnp.float32),
+                    jax.eval_shape(lambda p, b: sum_loss(p, static, b)[1][1], params, first),
+                )
+                (total, count, extra, grads), _ = jax.lax.scan(
+                    body, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), extra_zeros, zeros),
+                    jnp.arange(n_micro),
                 )
             denom = jnp.maximum(count, 1.0)
             grads = jax.tree.map(lambda g: g / denom, grads)
@@ -679,7 +698,8 @@ class Trainer:
             model = eqx.combine(new_params, static)
             new_state = TrainerState(state.step + 1, model, opt_state, state.training_key)
             metrics = {"loss": total / denom, "loss_tokens": count, "grad_norm": grad_norm,
-                       "update_finite": update_finite, "skipped": jnp.logical_not(finite)}
+                       "update_finite": update_finite, "skipped": jnp.logical_not(finite),
+                       "extra": {k: v.astype(jnp.float32) / denom for k, v in extra.items()}}
             return new_state, metrics
 
         named = hax.named_jit(
@@ -718,7 +738,7 @@ class Trainer:
             loss_fn, mp = self.loss_fn, self.mp
 
             def ev(model, batch):
-                total, count = loss_fn(mp.cast_to_compute(model), batch)
+                total, count, _ = _loss_parts(loss_fn(mp.cast_to_compute(model), batch))
                 return total.astype(jnp.float32), count
 
             self._eval_fn = hax.named_jit(ev, axis_resources=self.compute_mapping)
@@ -782,7 +802,8 @@ class Trainer:
                 check_finite(loss, step, self.config, grad_norm=grad_norm, update_finite=update_finite)
                 now = time.perf_counter()
                 dt, t_prev = now - t_prev, now
-                hooks.on_step(StepReport(step, batch, loss, grad_norm, bool(metrics["skipped"]), dt))
+                extra = {k: float(v) for k, v in metrics["extra"].items()}
+                hooks.on_step(StepReport(step, batch, loss, grad_norm, bool(metrics["skipped"]), dt, extra))
 
                 done = step + 1
                 if hooks.is_eval_step(done):
@@ -918,6 +939,8 @@ class StepReport:
     grad_norm: float
     skipped: bool
     seconds: float
+    # The loss function's extra metrics (e.g. a mixture of experts' router_aux_loss), means over the step.
+    extra: Dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class TrainHooks:

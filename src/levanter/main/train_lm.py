@@ -24,7 +24,8 @@ write, training data too short for ``trainer.num_train_steps`` and validation se
 batch; at run time, a step whose loss, gradient norm or update is not finite is never applied, and data
 that still ends early is an error (exit 1), not a short run that exits 0.
 
-Per step it logs ``train/loss``, ``train/learning_rate``, ``train/grad_norm``,
+Per step it logs ``train/loss`` (for a mixture of experts, with the weighted router loss, which is also
+logged alone as ``train/router_aux_loss``), ``train/learning_rate``, ``train/grad_norm``,
 ``throughput/tokens_per_second``, ``throughput/step_seconds``, ``throughput/mfu`` (when the device's peak
 FLOP/s is known), ``data/wait_seconds`` and, for mixtures, ``data/source_counts/<source>``; every
 ``steps_per_eval`` steps, before the first step of each mixture stage and at the end, for the validation
@@ -252,9 +253,10 @@ def check_data_schedule(checkpoint_path: str, record: dict, start_step: int, *, 
 
 
 def lm_loss_fn(z_loss_weight: float = 0.0, eos_id: int | None = None):
-    """``(sum of next-token cross-entropies over loss positions, number of loss positions)``: the model's
-    ``compute_next_token_loss`` (:func:`levanter.models.next_token_loss` on the logits, or the blockwise
-    loss when ``model.cross_entropy_block_size`` is set).
+    """``(sum of next-token cross-entropies over loss positions, number of loss positions, metric sums)``:
+    the model's ``compute_training_loss`` (:func:`levanter.models.next_token_loss` on the logits, or the
+    blockwise loss when ``model.cross_entropy_block_size`` is set, plus the model's weighted auxiliary
+    losses, e.g. Mixtral's router load-balancing loss, which the metric sums carry for logging).
 
     A batch of ``{tokens}`` alone (the training set ``train_lm`` reads, ``tokens_only``) gets its loss mask
     and segment ids from the tokens and ``eos_id``, on the device (:func:`causal_lm_columns_jax`: the
@@ -269,9 +271,8 @@ def lm_loss_fn(z_loss_weight: float = 0.0, eos_id: int | None = None):
             derived = causal_lm_columns_jax(tokens.array, eos_id)
             mask = hax.named(derived["loss_mask"], tokens.axes)
             seg = hax.named(derived["segment_ids"], tokens.axes)
-        return model.compute_next_token_loss(
-            tokens, mask, seg, reduction="sum_and_count", z_loss_weight=z_loss_weight
-        )
+        # (sum, count, metric sums): auxiliary losses (a mixture of experts' router loss) ride along.
+        return model.compute_training_loss(tokens, mask, seg, z_loss_weight=z_loss_weight)
 
     return loss
 
@@ -466,6 +467,8 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str) -> dict:
                 "throughput/examples_per_second": batch.batch_size / dt,
                 "data/wait_seconds": batch.wait_seconds,
             }
+            for name, value in r.extra.items():  # e.g. train/router_aux_loss
+                log[f"train/{name}"] = value
             if peak is not None:
                 log["throughput/mfu"] = flops_per_token * tokens / dt / (peak * jax.device_count())
             # The step's provenance (which source and row each sequence came from), read by the loader.

@@ -1,7 +1,8 @@
-"""Language models: the :class:`LmConfig` registry, the :class:`LmHeadModel` interface, GPT-2 and Llama.
+"""Language models: the :class:`LmConfig` registry, the :class:`LmHeadModel` interface, GPT-2, Llama and
+Mixtral (a Llama with a mixture-of-experts MLP).
 
 Importing this package registers every architecture with :class:`LmConfig`, so a YAML ``model:``
-block with ``type: gpt2`` or ``type: llama`` decodes to the right config class.
+block with ``type: gpt2``, ``type: llama`` or ``type: mixtral`` decodes to the right config class.
 """
 
 from .attention import (
@@ -24,6 +25,7 @@ from .layers import (
     remat_policy,
 )
 from .llama import LlamaConfig, LlamaLMHeadModel, RopeConfig
+from .mixtral import MixtralConfig, MixtralLMHeadModel
 from .lm_model import (
     LmConfig,
     LmHeadModel,
@@ -50,6 +52,8 @@ __all__ = [
     "LlamaLMHeadModel",
     "LmConfig",
     "LmHeadModel",
+    "MixtralConfig",
+    "MixtralLMHeadModel",
     "RopeConfig",
     "blockwise_next_token_loss",
     "causal_attention",
