@@ -24,7 +24,7 @@ import haliax as hax
 
 from accelerator import tol
 from levanter.compat import load_hf_checkpoint, load_hf_config, save_hf_checkpoint
-from levanter.models import Gpt2Config, LlamaConfig
+from levanter.models import Gpt2Config, LlamaConfig, Qwen2Config, Qwen3Config
 from levanter.models.rope import Llama3RopeConfig, YarnRopeConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -59,7 +59,22 @@ def hf_configs():
             vocab_size=VOCAB, max_position_embeddings=256, rope_parameters={
                 "rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0,
                 "original_max_position_embeddings": 64}, **quiet),
+        "qwen2": transformers.Qwen2Config(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=VOCAB, rope_theta=1e6, max_position_embeddings=64, rms_norm_eps=1e-6, **quiet),
+        # head_dim 16 is not hidden_size / heads (8), as in released Qwen3 models; tied head.
+        "qwen3": transformers.Qwen3Config(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=True, **quiet),
+        "qwen3-bias": transformers.Qwen3Config(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+            head_dim=8, vocab_size=VOCAB, max_position_embeddings=64, attention_bias=True, **quiet),
     }
+
+
+# transformers initialises biases to zero and norm scales to one; a mapping that swapped or dropped them
+# would go unseen, so these models get every parameter perturbed.
+PERTURBED = ("qwen2", "qwen3", "qwen3-bias")
 
 
 def torch_logits(model) -> np.ndarray:
@@ -81,6 +96,10 @@ def hf_dirs(tmp_path_factory):
     out = {}
     for name, cfg in hf_configs().items():
         model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        if name in PERTURBED:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.05 * torch.randn_like(p))
         model.save_pretrained(root / name)
         out[name] = (str(root / name), torch_logits(model))
     return out
@@ -91,10 +110,23 @@ def imported(hf_dirs):
     return {name: load_hf_checkpoint(d) for name, (d, _) in hf_dirs.items()}
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-gqa-untied", "llama-tied", "llama-rope-llama3", "llama-rope-yarn"])
+CLASSES = {"gpt2": Gpt2Config, "llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa-untied", "llama-tied", "llama-rope-llama3", "llama-rope-yarn",
+                                  "qwen2", "qwen3", "qwen3-bias"])
 def test_import_gives_transformers_logits(name, hf_dirs, imported):
     config, model = imported[name]
-    assert isinstance(config, Gpt2Config if name == "gpt2" else LlamaConfig)
+    assert type(config) is CLASSES[name.split("-")[0]]
+    if name == "qwen2":
+        assert model.layers.stacked.self_attn.q_proj.bias is not None and model.layers.stacked.self_attn.o_proj.bias is None
+        assert config.rope_theta == 1e6 and config.layer_norm_epsilon == 1e-6
+    if name == "qwen3":
+        assert config.head_dim == 16 and config.HeadSize.size == 16 and model.lm_head is None
+        assert model.layers.stacked.self_attn.q_norm is not None and model.layers.stacked.self_attn.q_proj.bias is None
+    if name == "qwen3-bias":
+        assert config.attention_bias and config.head_dim is None
+        assert model.layers.stacked.self_attn.o_proj.bias is not None
     if name == "llama-gqa-untied":
         assert (config.num_kv_heads, config.rope_theta, config.tie_word_embeddings) == (2, 5000.0, False)
         assert model.lm_head is not None
@@ -112,7 +144,8 @@ def test_import_gives_transformers_logits(name, hf_dirs, imported):
     assert diff < tol(1e-4), diff
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-gqa-untied", "llama-rope-llama3", "llama-rope-yarn"])
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa-untied", "llama-rope-llama3", "llama-rope-yarn", "qwen2",
+                                  "qwen3", "qwen3-bias"])
 def test_export_loads_in_transformers_and_imports_bit_identically(name, hf_dirs, imported, tmp_path):
     config, model = imported[name]
     out = tmp_path / "out"
@@ -163,7 +196,7 @@ def test_export_to_an_object_store_commits_with_config_json_last(imported):
 def test_offline_hub_id_fails_fast_with_one_paragraph(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    from levanter.compat.hf_checkpoints import _hub_unreachable
+    from levanter.compat.hf_checkpoints.hub import _hub_unreachable
 
     if _hub_unreachable() is None:
         pytest.skip("the hub resolves here: this test is about machines without network")
@@ -189,8 +222,13 @@ def test_config_refusals_name_the_field(tmp_path):
         load_hf_config(write({**llama, "rope_parameters": None, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}))
     with pytest.raises(ValueError, match="attention_bias"):
         load_hf_config(write({**llama, "attention_bias": True}))
-    with pytest.raises(ValueError, match="model_type 'mistral'"):
-        load_hf_config(write({**llama, "model_type": "mistral"}))
+    with pytest.raises(ValueError, match="model_type 't5' is not supported.*'qwen3'"):
+        load_hf_config(write({**llama, "model_type": "t5"}))
+    qwen = hf_configs()["qwen2"].to_dict()
+    with pytest.raises(ValueError, match="field 'use_sliding_window' true"):
+        load_hf_config(write({**qwen, "use_sliding_window": True}))
+    with pytest.raises(ValueError, match=r"field 'layer_types' names \['sliding_attention'\]"):
+        load_hf_config(write({**qwen, "layer_types": ["full_attention", "sliding_attention"]}))
     linear = load_hf_config(write({**llama, "rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}))
     assert linear.rope_theta_and_factor == (1e4, 2.0)
     # Older config.json spelling: rope_scaling with "type", theta at the top level, original length omitted
@@ -301,3 +339,16 @@ def test_run_model_keys_that_disagree_with_the_checkpoint_are_refused(hf_dirs):
     with pytest.raises(ValueError, match="exceeds the 64 learned positions"):
         merge_hf_model_config(Gpt2Config(seq_len=128), path)
     assert os.path.isdir(path)
+
+
+def test_qwen_merge_takes_the_shape_and_refuses_another_type(hf_dirs):
+    from levanter.compat import merge_hf_model_config
+
+    run = Qwen3Config(seq_len=32, scan_layers=False)
+    merged, vocab = merge_hf_model_config(run, hf_dirs["qwen3"][0])
+    assert (type(merged), merged.head_dim, merged.hidden_dim, merged.num_kv_heads) == (Qwen3Config, 16, 32, 2)
+    assert (merged.seq_len, merged.scan_layers, vocab) == (32, False, VOCAB)
+    with pytest.raises(ValueError, match="is a qwen3 checkpoint but model.type is llama"):
+        merge_hf_model_config(LlamaConfig(seq_len=32), hf_dirs["qwen3"][0])
+    with pytest.raises(ValueError, match="model.head_dim=8 disagrees"):
+        merge_hf_model_config(Qwen3Config(seq_len=32, head_dim=8), hf_dirs["qwen3"][0])

@@ -96,6 +96,8 @@ class MixtralConfig(LlamaConfig):
     def __post_init__(self):
         super().__post_init__()
         check_positive(self, "num_local_experts", "num_experts_per_tok")
+        if self.use_bias:
+            raise ValueError("model.use_bias true is not supported for mixtral (its projections have no biases)")
         if self.num_experts_per_tok > self.num_local_experts:
             raise ValueError(
                 f"model.num_experts_per_tok ({self.num_experts_per_tok}) must be at most "
@@ -127,14 +129,11 @@ class MixtralConfig(LlamaConfig):
         return {ROUTER_AUX_LOSS: float(self.router_aux_loss_coef)}
 
     def flops_per_token(self, vocab_size: int) -> float:
-        d, s = self.hidden_dim, self.seq_len
-        kv = self.num_kv_heads * self.HeadSize.size
-        proj = 2 * d * (d + 2 * kv) + 2 * d * d  # q, k, v, o
-        router = 2 * d * self.num_local_experts
-        experts = self.num_experts_per_tok * 2 * 3 * d * self.intermediate_dim  # active experts only
-        attn = 2 * 2 * s * d
-        forward = self.num_layers * (proj + router + experts + attn) + 2 * d * vocab_size
-        return 3.0 * forward
+        # Llama's count (attention, head and one gated MLP per layer), plus the router and the other
+        # num_experts_per_tok - 1 active experts.
+        d, mlp = self.hidden_dim, 2 * 3 * self.hidden_dim * self.intermediate_dim
+        extra = 2 * d * self.num_local_experts + (self.num_experts_per_tok - 1) * mlp
+        return super().flops_per_token(vocab_size) + 3.0 * self.num_layers * extra
 
 
 class MixtralSparseMoe(eqx.Module):
