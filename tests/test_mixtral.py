@@ -260,3 +260,109 @@ def test_the_nano_config_trains_with_falling_loss_and_logs_the_router_loss(tmp_p
     assert all(1.99 < a < 3.0 for a in aux), aux  # k = 2 when balanced
     assert any("eval/loss" in r for r in rows)
     assert os.path.isdir(tmp_path / "ckpt" / "mixtral-nano" / "step-40")
+
+
+# -- Hugging Face import and export, against transformers' MixtralForCausalLM ---------------------------------
+
+HF_VOCAB = 260
+HF_TOKENS = np.random.RandomState(0).randint(0, HF_VOCAB, (2, 12))
+
+
+def _hf_config(**kw):
+    transformers = pytest.importorskip("transformers")
+    base = dict(hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                num_local_experts=4, num_experts_per_tok=2, vocab_size=HF_VOCAB, rope_theta=5000.0,
+                max_position_embeddings=64, rms_norm_eps=1e-5, router_aux_loss_coef=0.01, bos_token_id=0,
+                eos_token_id=0)
+    return transformers.MixtralConfig(**{**base, **kw})
+
+
+def _our_logits(model, tokens=HF_TOKENS):
+    Bt, Pt = hax.Axis("batch", tokens.shape[0]), hax.Axis("position", tokens.shape[1])
+    out = model(hax.named(jnp.asarray(tokens), (Bt, Pt)))
+    return np.asarray(out.rearrange((Bt, Pt, out.resolve_axis("vocab"))).array)
+
+
+@pytest.fixture(scope="module")
+def hf_mixtral(tmp_path_factory):
+    """(directory of a saved random transformers Mixtral, the model itself). Every parameter is perturbed,
+    norm scales included (transformers initialises them to one, which would hide a swapped mapping)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_hf_config()).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("hf") / "mixtral"
+    model.save_pretrained(path)
+    return str(path), model
+
+
+def _torch_logits(model, tokens=HF_TOKENS):
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.numpy()
+
+
+@pytest.mark.parametrize("dispatch", ["dense", "grouped"])
+def test_hf_import_gives_transformers_logits_and_router_loss(hf_mixtral, dispatch):
+    import torch
+
+    from levanter.compat import load_hf_checkpoint, load_hf_config
+
+    path, hf = hf_mixtral
+    config = dataclasses.replace(load_hf_config(path), moe_dispatch=dispatch)
+    assert type(config) is MixtralConfig
+    assert (config.num_local_experts, config.num_experts_per_tok, config.router_aux_loss_coef) == (4, 2, 0.01)
+    assert (config.num_kv_heads, config.rope_theta, config.layer_norm_epsilon) == (2, 5000.0, 1e-5)
+    _, model = load_hf_checkpoint(path, config)
+    np.testing.assert_allclose(_our_logits(model), _torch_logits(hf), atol=1e-4, rtol=0)
+    # transformers' load_balancing_loss_func over the same tokens (no padding mask) is our router loss.
+    with torch.no_grad():
+        want = float(hf(torch.tensor(HF_TOKENS), output_router_logits=True).aux_loss)
+    Bt, Pt = hax.Axis("batch", 2), hax.Axis("position", 12)
+    _, aux = model.activations_and_aux(hax.named(jnp.asarray(HF_TOKENS), (Bt, Pt)))
+    assert float(aux[ROUTER_AUX_LOSS]) == pytest.approx(want, rel=1e-4)
+
+
+def test_hf_export_is_the_published_layout_loads_in_transformers_and_reimports_bit_identically(hf_mixtral, tmp_path):
+    import torch
+    import transformers
+
+    from levanter.compat import load_hf_checkpoint, save_hf_checkpoint
+    from levanter.compat.hf_checkpoints import read_safetensors
+
+    path, hf = hf_mixtral
+    config, model = load_hf_checkpoint(path)
+    out = save_hf_checkpoint(model, config, str(tmp_path / "export"))
+    names = set(read_safetensors(os.path.join(out, "model.safetensors")))
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in names
+    assert "model.layers.0.block_sparse_moe.gate.weight" in names and not any(".mlp." in n for n in names)
+    assert len(names) == len(set(read_safetensors(os.path.join(path, "model.safetensors"))))  # same tensors
+    doc = json.load(open(os.path.join(out, "config.json")))
+    assert doc["model_type"] == "mixtral" and doc["num_local_experts"] == 4 and doc["num_experts_per_tok"] == 2
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    np.testing.assert_allclose(_torch_logits(reloaded), _torch_logits(hf), atol=1e-5, rtol=0)
+    config2, again = load_hf_checkpoint(out)
+    assert config2 == config
+    for a, b in zip(jax.tree.leaves(eqx.filter(model, eqx.is_array)), jax.tree.leaves(eqx.filter(again, eqx.is_array))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_hf_config_refusals_name_the_field(tmp_path):
+    from levanter.compat.hf_checkpoints import hf_config_to_lm, lm_to_hf_config
+
+    doc = _hf_config().to_dict()
+    cfg, vocab = hf_config_to_lm(doc)
+    assert type(cfg) is MixtralConfig and vocab == HF_VOCAB
+    # A round trip through config.json keeps every field that describes the model.
+    assert hf_config_to_lm(lm_to_hf_config(cfg, vocab))[0] == cfg
+    with pytest.raises(ValueError, match="'sliding_window'"):
+        hf_config_to_lm({**doc, "sliding_window": 16})
+    assert hf_config_to_lm({**doc, "sliding_window": 4096})[0].sliding_window == 4096  # wider than the sequence
+    with pytest.raises(ValueError, match="'router_jitter_noise'"):
+        hf_config_to_lm({**doc, "router_jitter_noise": 0.1})
+    bare = {k: v for k, v in doc.items() if k not in ("rope_theta", "rope_parameters", "rope_scaling")}
+    assert hf_config_to_lm(bare)[0].rope_theta == 1e6  # transformers' Mixtral default, not Llama's
