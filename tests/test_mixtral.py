@@ -366,3 +366,26 @@ def test_hf_config_refusals_name_the_field(tmp_path):
         hf_config_to_lm({**doc, "router_jitter_noise": 0.1})
     bare = {k: v for k, v in doc.items() if k not in ("rope_theta", "rope_parameters", "rope_scaling")}
     assert hf_config_to_lm(bare)[0].rope_theta == 1e6  # transformers' Mixtral default, not Llama's
+
+
+@pytest.mark.devices(8)
+def test_dry_run_plans_the_nano_config_with_active_expert_flops(tmp_path, capsys, monkeypatch):
+    """``train_lm --dry_run`` compiles the Mixtral step (router loss included) without data or parameters,
+    and its FLOPs per token are model.flops_per_token: the active experts', not every expert's."""
+    import re
+
+    from levanter.config import parse_config
+    from levanter.main import train_lm
+
+    monkeypatch.chdir(tmp_path)
+    path = str(REPO / "config" / "mixtral_nano.yaml")
+    argv = ["--config_path", path, "--dry_run", "--device_memory", "1GiB", "--model.num_layers", "1"]
+    train_lm.cli(argv)
+    out = capsys.readouterr().out
+    assert "8 cpu devices" in out and "fits" in out
+    flops = float(re.search(r"FLOPs per token\s+([\d.e+]+)", out).group(1))
+    cfg = parse_config(train_lm.TrainLmConfig, path, ["--model.num_layers", "1"]).model
+    assert flops == pytest.approx(cfg.flops_per_token(257), rel=1e-3)
+    every = dataclasses.replace(cfg, num_experts_per_tok=cfg.num_local_experts)
+    assert flops < 0.8 * every.flops_per_token(257)
+    assert not os.listdir(tmp_path)
