@@ -79,8 +79,8 @@ def test_moe_layer_matches_a_numpy_reference():
 def test_grouped_dispatch_equals_dense(k):
     """moe_dispatch: grouped (sorted assignments, jax.lax.ragged_dot) gives the dense path's logits, loss,
     router loss and gradients; a token routed to every expert (k = E) and to one (k = 1) included."""
-    dense = tiny(num_experts_per_tok=k).build(Vocab, key=jax.random.PRNGKey(0))
-    grouped = tiny(num_experts_per_tok=k, moe_dispatch="grouped").build(Vocab, key=jax.random.PRNGKey(0))
+    dense = tiny(num_experts_per_tok=k, num_layers=1).build(Vocab, key=jax.random.PRNGKey(0))
+    grouped = tiny(num_experts_per_tok=k, num_layers=1, moe_dispatch="grouped").build(Vocab, key=jax.random.PRNGKey(0))
     x = ids(1)
     np.testing.assert_allclose(grouped(x).array, dense(x).array, atol=tol(1e-5), rtol=tol(1e-5))
 
