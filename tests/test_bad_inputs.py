@@ -531,6 +531,16 @@ CASES: list[Case] = [
          ["model.num_heads (6)", "model.num_kv_heads (4)"],
          yaml=edit(BASE, "{type: gpt2, hidden_dim: 32, num_heads: 4,",
                    "{type: llama, hidden_dim: 48, intermediate_dim: 64, num_heads: 6, num_kv_heads: 4,")),
+    Case("moe-top-k-above-experts", "model", "a Mixtral with `num_experts_per_tok: 4` but `num_local_experts: 2`", 2,
+         ["model.num_experts_per_tok (4)", "model.num_local_experts (2)"],
+         yaml=edit(BASE, "{type: gpt2, hidden_dim: 32, num_heads: 4,",
+                   "{type: mixtral, hidden_dim: 32, intermediate_dim: 16, num_heads: 4, num_kv_heads: 2, "
+                   "num_local_experts: 2, num_experts_per_tok: 4,")),
+    Case("moe-unknown-dispatch", "model", "`moe_dispatch: sparse` on a Mixtral", 2,
+         ["model.moe_dispatch 'sparse'", "dense", "grouped"],
+         yaml=edit(BASE, "{type: gpt2, hidden_dim: 32, num_heads: 4,",
+                   "{type: mixtral, hidden_dim: 32, intermediate_dim: 16, num_heads: 4, num_kv_heads: 2, "
+                   "moe_dispatch: sparse,")),
     Case("seq-len-beyond-positions", "model", "`seq_len: 2048` with `n_positions: 1024`", 2,
          ["model.seq_len (2048)", "model.n_positions", "1024"],
          args=["--model.seq_len", "2048", "--model.n_positions", "1024"]),

@@ -1,4 +1,4 @@
-"""GPT-2, Llama, Qwen2 and Qwen3 on tiny configs: shapes, causality, segment isolation, GQA, training, loss, configs."""
+"""GPT-2, Llama, Qwen2, Qwen3 and Mixtral on tiny configs: shapes, causality, segment isolation, GQA, training, loss, configs."""
 
 import draccus
 import equinox as eqx
@@ -15,6 +15,7 @@ from levanter.models import (
     LlamaConfig,
     LmConfig,
     LmHeadModel,
+    MixtralConfig,
     Qwen2Config,
     Qwen3Config,
     causal_attention,
@@ -48,7 +49,14 @@ def tiny_qwen3(**kw):
     return Qwen3Config(**{**base, "seq_len": 16, **kw})
 
 
-CONFIGS = {"gpt2": tiny_gpt2, "llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3}
+def tiny_mixtral(**kw):
+    base = {"hidden_dim": 32, "intermediate_dim": 24, "num_heads": 4, "num_kv_heads": 2, "num_layers": 2,
+            "num_local_experts": 4, "num_experts_per_tok": 2}
+    return MixtralConfig(**{**base, "seq_len": 16, **kw})
+
+
+CONFIGS = {"gpt2": tiny_gpt2, "llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3,
+           "mixtral": tiny_mixtral}
 
 
 @eqx.filter_jit
@@ -443,6 +451,11 @@ def test_flops_per_token(name):
     config = CONFIGS[name](num_layers=2, seq_len=64)
     model = config.build(Vocab, key=jax.random.PRNGKey(0))
     n = _matmul_weights(model) + (config.hidden_dim * Vocab.size if name == "gpt2" else 0)  # gpt2: tied head
+    if name == "mixtral":  # only the experts a token is routed to do work: the others' weights do not count
+        experts = sum(x.size for x in (model.layers.stacked.block_sparse_moe.w1.weight,
+                                       model.layers.stacked.block_sparse_moe.w2.weight,
+                                       model.layers.stacked.block_sparse_moe.w3.weight))
+        n -= experts * (1 - config.num_experts_per_tok / config.num_local_experts)
     width = config.num_heads * config.HeadSize.size
     assert (width != config.hidden_dim) == (name == "qwen3")
     expected = 6 * n + 3 * 4 * config.seq_len * width * config.num_layers

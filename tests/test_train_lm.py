@@ -572,7 +572,7 @@ def test_sigterm_checkpoints_and_exits_with_the_preemption_status(tmp_path):
 
 
 def test_initial_parameters_are_bit_identical_on_every_mesh():
-    """The one-off init program (compiled with its own CPU options, see trainer._init_compile_options)
+    """The one-off init program (compiled with its own CPU options, see step_dispatch.init_compile_options)
     gives the same parameters, bit for bit, however the mesh shards them, and the same on a second call."""
     if jax.device_count() < 8:
         pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
@@ -638,7 +638,7 @@ def test_tokens_only_batches_give_the_same_loss_and_gradients(eos):
 
 @pytest.mark.parametrize("model_axis_size,tp", [(1, None), (2, ["mlp", "heads"])])
 def test_flat_dispatch_step_equals_named_jit(model_axis_size, tp):
-    """The train step is called through _FlatStep (a jax.jit over flat leaves, built once per structure).
+    """The train step is called through FlatStep (a jax.jit over flat leaves, built once per structure).
     Three steps through it give the same state and metrics, bit for bit, with the same shardings, as the
     named_jit it replaces, and it compiles once."""
     if jax.device_count() < 8:
@@ -646,7 +646,8 @@ def test_flat_dispatch_step_equals_named_jit(model_axis_size, tp):
     import equinox as eqx
     import haliax as hax
 
-    from levanter.trainer import Trainer, _FlatStep
+    from levanter.step_dispatch import FlatStep
+    from levanter.trainer import Trainer
 
     model_cfg = Gpt2Config(hidden_dim=32, num_heads=2, num_layers=2, seq_len=16)
     vocab = hax.Axis("vocab", 61)
@@ -659,7 +660,7 @@ def test_flat_dispatch_step_equals_named_jit(model_axis_size, tp):
         trainer = Trainer(tcfg, AdamConfig(learning_rate=1e-2).build(10), lm_loss_fn(0.0, 60))
         state = trainer.initial_state(lambda k: model_cfg.build(vocab, key=k), key=jax.random.PRNGKey(3))
         step_fn = trainer._make_step(8)
-        assert isinstance(step_fn, _FlatStep)
+        assert isinstance(step_fn, FlatStep)
         call = step_fn if use_flat else step_fn._named
         for data in batches:
             named = named_batch(data, model_cfg.Pos, "batch")

@@ -20,9 +20,11 @@ from levanter.quantization import quantize
 
 
 def lm_loss_fn(z_loss_weight: float = 0.0, eos_id: Optional[int] = None, quantization=None) -> Callable:
-    """``(sum of next-token cross-entropies over loss positions, number of loss positions)``: the model's
-    ``compute_next_token_loss`` (:func:`levanter.models.next_token_loss` on the logits, or the blockwise
-    loss when ``model.cross_entropy_block_size`` is set), with a z-loss of ``z_loss_weight``.
+    """``(sum of next-token cross-entropies over loss positions, number of loss positions, metric sums)``:
+    the model's ``compute_training_loss`` (:func:`levanter.models.next_token_loss` on the logits, or the
+    blockwise loss when ``model.cross_entropy_block_size`` is set, with a z-loss of ``z_loss_weight``, plus
+    the model's weighted auxiliary losses, e.g. Mixtral's router load-balancing loss, which the metric sums
+    carry for logging).
 
     A batch of ``{tokens}`` alone (the training set ``train_lm`` reads, ``tokens_only``) gets its loss mask
     and segment ids from the tokens and ``eos_id``, on the device (:func:`causal_lm_columns_jax`: the
@@ -41,9 +43,8 @@ def lm_loss_fn(z_loss_weight: float = 0.0, eos_id: Optional[int] = None, quantiz
             derived = causal_lm_columns_jax(tokens.array, eos_id)
             mask = hax.named(derived["loss_mask"], tokens.axes)
             seg = hax.named(derived["segment_ids"], tokens.axes)
-        return model.compute_next_token_loss(
-            tokens, mask, seg, reduction="sum_and_count", z_loss_weight=z_loss_weight
-        )
+        # (sum, count, metric sums): auxiliary losses (a mixture of experts' router loss) ride along.
+        return model.compute_training_loss(tokens, mask, seg, z_loss_weight=z_loss_weight)
 
     return loss
 

@@ -37,11 +37,11 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 import jmp
-import numpy as np
 import optax
 
 from .data.loader import Batch
 from .optim.skip_steps import spike_skipped
+from .step_dispatch import FlatStep, init_compile_options
 from .trainer_config import TrainerConfig
 from .utils.fault import fault_point
 
@@ -63,140 +63,21 @@ class StepMismatchError(RuntimeError):
     """The loader handed the trainer a batch for a step other than the state's."""
 
 
-def _init_compile_options(mesh) -> dict:
-    """Compiler options for the one-off parameter-initialisation program.
-
-    On CPU, XLA's LLVM pipeline spends seconds optimising the random-number code of a small model's init
-    (threefry rounds and the normal transform for every parameter), to run it once in milliseconds; at
-    backend optimisation level 0 it compiles several times faster (docs/performance.md). The values are
-    deterministic either way, but not bit-identical between the two levels (LLVM compiles the float
-    code of the normal transform differently), so the level is fixed here for every CPU run.
-    Accelerators keep their defaults: their init is not this slow to compile, and large models' init is
-    worth optimising.
-    """
-    if all(d.platform == "cpu" for d in np.asarray(mesh.devices).flat):
-        return {"compiler_options": {"xla_backend_optimization_level": 0}}
-    return {}
-
-
-class _FlatStep:
-    """The train step called as a ``jax.jit`` over the flat leaves of ``(state, batch)``.
-
-    ``haliax.named_jit`` re-derives, on every call, which leaves are arrays, their shardings and the
-    output's shardings: milliseconds of Python per call for a small model's state (docs/performance.md),
-    during which the device waits (the loop fetches each step's loss before it dispatches the next).
-    Those are fixed for a given structure of ``(state, batch)``, so they are worked out once per
-    structure (the output shardings by the same ``infer_resource_partitions`` named_jit uses, from
-    ``param_mapping``; inputs keep the shardings they have, as with named_jit) and a call is then a
-    pytree flatten plus jax's C++ dispatch. A structure with a leaf that is not a ``jax.Array`` (or
-    anything unusual) takes the named_jit path, which handles it.
-    """
-
-    def __init__(self, step: Callable, named: Callable, param_mapping):
-        self._step = step
-        self._named = named
-        self._param_mapping = param_mapping
-        self._by_structure: Dict[Any, Optional[Tuple[Callable, int, Any]]] = {}
-
-    def __call__(self, state: TrainerState, batch):
-        leaves, treedef = jax.tree_util.tree_flatten((state, batch))
-        entry = self._by_structure.get(treedef, False)
-        if entry is False:
-            entry = self._by_structure[treedef] = self._build(state, batch, leaves)
-        if entry is None:
-            return self._named(state, batch)
-        jitted, n_state, out_treedef = entry
-        out = jitted(tuple(leaves[:n_state]), tuple(leaves[n_state:]))
-        return jax.tree_util.tree_unflatten(out_treedef, out)
-
-    def lower(self, state: TrainerState, batch) -> jax.stages.Lowered:
-        """The step lowered for ``(state, batch)`` without running it; the leaves may be abstract
-        (``jax.ShapeDtypeStruct`` with shardings), so nothing needs to be allocated."""
-        leaves, _ = jax.tree_util.tree_flatten((state, batch))
-        entry = self._build(state, batch, leaves, abstract=True)
-        if entry is None:
-            raise ValueError("the train step's outputs lack shardings: it cannot be lowered ahead of time")
-        jitted, n_state, _ = entry
-        return jitted.lower(tuple(leaves[:n_state]), tuple(leaves[n_state:]))
-
-    def adopt(self, state: TrainerState, batch, compiled: jax.stages.Compiled) -> None:
-        """Call ``compiled`` (this step compiled ahead of time for arguments like ``state`` and ``batch``)
-        for arguments of their structure instead of compiling the jit for them."""
-        leaves, treedef = jax.tree_util.tree_flatten((state, batch))
-        entry = self._build(state, batch, leaves, abstract=True)
-        if entry is not None:
-            jitted, n_state, out_treedef = entry
-            self._by_structure[treedef] = (_Precompiled(compiled, jitted), n_state, out_treedef)
-
-    def _build(self, state, batch, leaves, abstract: bool = False):
-        if not abstract and not all(isinstance(x, jax.Array) for x in leaves):
-            return None
-        n_state = len(jax.tree_util.tree_leaves(state))
-        state_def = jax.tree_util.tree_structure(state)
-        batch_def = jax.tree_util.tree_structure(batch)
-        step = self._step
-        traced_out = []
-
-        def flat(state_leaves, batch_leaves):
-            out = step(
-                jax.tree_util.tree_unflatten(state_def, state_leaves),
-                jax.tree_util.tree_unflatten(batch_def, batch_leaves),
-            )
-            traced_out.append(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), out))
-            return tuple(jax.tree_util.tree_leaves(out))
-
-        # One trace gives the output's structure and named axes; jax reuses it when `flat` is jitted
-        # below with the same arguments.
-        jax.eval_shape(flat, tuple(leaves[:n_state]), tuple(leaves[n_state:]))
-        out_shape = traced_out[-1]
-        out_treedef = jax.tree_util.tree_structure(out_shape)
-        shardings = hax.partitioning.infer_resource_partitions(
-            out_shape, self._param_mapping, preserve_existing_shardings=False
-        )
-        is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)  # noqa: E731
-        out_shardings = jax.tree_util.tree_leaves(shardings, is_leaf=is_sharding)
-        if len(out_shardings) != out_treedef.num_leaves or not all(map(is_sharding, out_shardings)):
-            return None
-        jitted = jax.jit(flat, out_shardings=tuple(out_shardings), donate_argnums=(0,))
-        return jitted, n_state, out_treedef
-
-    def _cache_size(self) -> int:
-        """Compiled executables so far (named_jit fallbacks count as one each)."""
-        total = 0
-        for entry in self._by_structure.values():
-            total += 1 if entry is None else entry[0]._cache_size()
-        return total
-
-
-class _Precompiled:
-    """An ahead-of-time compiled step standing in for its jit; arguments it was not compiled for (another
-    sharding, shape or dtype, which the executable refuses before running) go to the jit."""
-
-    def __init__(self, compiled, jitted):
-        self._compiled = compiled
-        self._jitted = jitted
-        self._ran = False
-
-    def __call__(self, *args):
-        if self._compiled is not None:
-            try:
-                out = self._compiled(*args)
-                self._ran = True
-                return out
-            except (TypeError, ValueError) as e:
-                logger.debug("the ahead-of-time compiled step does not take these arguments (%s): jit compiles", e)
-                self._compiled = None
-        return self._jitted(*args)
-
-    def _cache_size(self) -> int:
-        return int(self._ran) + self._jitted._cache_size()
+def _loss_parts(out) -> tuple:
+    """``(sum, count, extra metric sums)`` of a loss function's result, with or without the metrics."""
+    if len(out) == 3:
+        return out
+    total, count = out
+    return total, count, {}
 
 
 class Trainer:
     """Runs the step loop for a loss ``loss_fn(model, batch) -> (sum_of_losses, num_loss_tokens)``.
 
     ``batch`` is the loader's pytree converted to named arrays by ``to_named(data)``; the loss must be a
-    *sum* (with its token count) so that microbatches combine into the exact step-wide mean.
+    *sum* (with its token count) so that microbatches combine into the exact step-wide mean. A loss may
+    return a third item, a dict of metric sums (e.g. an auxiliary loss times the token count): they are
+    summed over microbatches, divided by the step's count and reported in :attr:`StepReport.extra`.
     """
 
     def __init__(
@@ -226,7 +107,7 @@ class Trainer:
             return TrainerState(jnp.zeros((), jnp.int32), model, opt_state, train_key)
 
         with hax.partitioning.set_mesh(self.mesh), hax.axis_mapping(self.param_mapping):
-            options = _init_compile_options(self.mesh)
+            options = init_compile_options(self.mesh)
             return hax.named_jit(init, axis_resources=self.param_mapping, **options)()
 
     # -- compiled functions --------------------------------------------------------------------------
@@ -244,15 +125,15 @@ class Trainer:
 
         def sum_loss(params, static, micro):
             model = mp.cast_to_compute(eqx.combine(params, static))
-            total, count = loss_fn(model, micro)
-            return total.astype(jnp.float32), count
+            total, count, extra = _loss_parts(loss_fn(model, micro))
+            return total.astype(jnp.float32), (count, extra)
 
         grad_fn = eqx.filter_value_and_grad(sum_loss, has_aux=True)
 
         def step(state: TrainerState, batch):
             params, static = eqx.partition(state.model, eqx.is_inexact_array)
             if n_micro == 1:
-                (total, count), grads = grad_fn(params, static, batch)
+                (total, (count, extra)), grads = grad_fn(params, static, batch)
             else:
                 # Microbatch m takes rows m, m + n_micro, ...: each device keeps contributing its own rows.
                 def split(x):
@@ -266,7 +147,7 @@ class Trainer:
                 stacked = jax.tree.map(split, batch, is_leaf=lambda x: isinstance(x, hax.NamedArray))
 
                 def body(carry, m):
-                    acc_total, acc_count, acc_grads = carry
+                    acc_total, acc_count, acc_extra, acc_grads = carry
                     micro = jax.tree.map(
                         lambda x: hax.shard(x["microbatch", m], compute_mapping)
                         if isinstance(x, hax.NamedArray)
@@ -274,19 +155,28 @@ class Trainer:
                         stacked,
                         is_leaf=lambda x: isinstance(x, hax.NamedArray),
                     )
-                    (t, c), g = grad_fn(params, static, micro)
-                    return (acc_total + t, acc_count + c, jax.tree.map(jnp.add, acc_grads, g)), None
+                    (t, (c, e)), g = grad_fn(params, static, micro)
+                    return (acc_total + t, acc_count + c, jax.tree.map(jnp.add, acc_extra, e),
+                            jax.tree.map(jnp.add, acc_grads, g)), None
 
                 zeros = jax.tree.map(jnp.zeros_like, params)
-                (total, count, grads), _ = jax.lax.scan(
-                    body, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), zeros), jnp.arange(n_micro)
+                first = jax.tree.map(lambda x: x["microbatch", 0] if isinstance(x, hax.NamedArray) else x, stacked,
+                                     is_leaf=lambda x: isinstance(x, hax.NamedArray))
+                # The extra metrics' structure (traced, not run) for the accumulator's zeros.
+                extra_zeros = jax.tree.map(
+                    lambda s: jnp.zeros(s.shape, jnp.float32),
+                    jax.eval_shape(lambda p, b: sum_loss(p, static, b)[1][1], params, first),
+                )
+                (total, count, extra, grads), _ = jax.lax.scan(
+                    body, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), extra_zeros, zeros),
+                    jnp.arange(n_micro),
                 )
             denom = jnp.maximum(count, 1.0)
             grads = jax.tree.map(lambda g: g / denom, grads)
             grad_norm = optax.tree.norm(grads)
             # The step's mean loss for optimizers that read it (optimizer.skip_bad_steps).
-            extra = {"loss": total / denom} if isinstance(optimizer, optax.GradientTransformationExtraArgs) else {}
-            updates, opt_state = optimizer.update(grads, state.opt_state, params, **extra)
+            opt_args = {"loss": total / denom} if isinstance(optimizer, optax.GradientTransformationExtraArgs) else {}
+            updates, opt_state = optimizer.update(grads, state.opt_state, params, **opt_args)
             spike = spike_skipped(opt_state)  # skipped as an outlier (optimizer.skip_bad_steps); applies zero
             new_params = eqx.apply_updates(params, updates)
             # A finite loss and gradient can still give a non-finite update (a zero epsilon's 0/0, a learning
@@ -306,13 +196,14 @@ class Trainer:
             model = eqx.combine(new_params, static)
             new_state = TrainerState(state.step + 1, model, opt_state, state.training_key)
             metrics = {"loss": total / denom, "loss_tokens": count, "grad_norm": grad_norm,
-                       "update_finite": update_finite, "skipped": jnp.logical_not(finite) | spike}
+                       "update_finite": update_finite, "skipped": jnp.logical_not(finite) | spike,
+                       "extra": {k: v.astype(jnp.float32) / denom for k, v in extra.items()}}
             return new_state, metrics
 
         named = hax.named_jit(
             step, axis_resources=self.compute_mapping, out_axis_resources=self.param_mapping, donate_args=(True, False)
         )
-        return _FlatStep(step, named, self.param_mapping)
+        return FlatStep(step, named, self.param_mapping)
 
     def train_step(self, state: TrainerState, batch, batch_size: int):
         fn = self._step_fns.get(batch_size)
@@ -397,7 +288,8 @@ class Trainer:
                 check_finite(loss, step, self.config, grad_norm=grad_norm, update_finite=update_finite)
                 now = time.perf_counter()
                 dt, t_prev = now - t_prev, now
-                hooks.on_step(StepReport(step, batch, loss, grad_norm, bool(metrics["skipped"]), dt))
+                extra = {k: float(v) for k, v in metrics["extra"].items()}
+                hooks.on_step(StepReport(step, batch, loss, grad_norm, bool(metrics["skipped"]), dt, extra))
 
                 done = step + 1
                 if hooks.is_eval_step(done):
@@ -503,6 +395,8 @@ class StepReport:
     grad_norm: float
     skipped: bool
     seconds: float
+    # The loss function's extra metrics (e.g. a mixture of experts' router_aux_loss), means over the step.
+    extra: Dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class TrainHooks:

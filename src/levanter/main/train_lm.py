@@ -24,7 +24,8 @@ write, training data too short for ``trainer.num_train_steps`` and validation se
 batch; at run time, a step whose loss, gradient norm or update is not finite is never applied, and data
 that still ends early is an error (exit 1), not a short run that exits 0.
 
-Per step it logs ``train/loss``, ``train/learning_rate``, ``train/grad_norm``,
+Per step it logs ``train/loss`` (for a mixture of experts, with the weighted router loss, which is also
+logged alone as ``train/router_aux_loss``), ``train/learning_rate``, ``train/grad_norm``,
 ``throughput/tokens_per_second``, ``throughput/step_seconds``, ``throughput/mfu`` (when the device's peak
 FLOP/s is known), ``data/wait_seconds`` and, for mixtures, ``data/source_counts/<source>``; every
 ``steps_per_eval`` steps, before the first step of each mixture stage and at the end, for the validation
@@ -320,6 +321,8 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
                 "throughput/examples_per_second": batch.batch_size / dt,
                 "data/wait_seconds": batch.wait_seconds,
             }
+            for name, value in r.extra.items():  # e.g. train/router_aux_loss
+                log[f"train/{name}"] = value
             if peak is not None:
                 log["throughput/mfu"] = flops_per_token * tokens / dt / (peak * jax.device_count())
             # The step's provenance (which source and row each sequence came from), read by the loader.

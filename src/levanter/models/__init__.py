@@ -1,8 +1,8 @@
-"""Language models: the :class:`LmConfig` registry, the :class:`LmHeadModel` interface, GPT-2, Llama, Qwen2
-and Qwen3.
+"""Language models: the :class:`LmConfig` registry, the :class:`LmHeadModel` interface, GPT-2, Llama, Qwen2,
+Qwen3 and Mixtral (a Llama with a mixture-of-experts MLP).
 
 Importing this package registers every architecture with :class:`LmConfig`, so a YAML ``model:``
-block with ``type: gpt2``, ``llama``, ``qwen2`` or ``qwen3`` decodes to the right config class.
+block with ``type: gpt2``, ``llama``, ``qwen2``, ``qwen3`` or ``mixtral`` decodes to the right config class.
 """
 
 from .attention import (
@@ -25,6 +25,7 @@ from .layers import (
     remat_policy,
 )
 from .llama import LlamaConfig, LlamaLMHeadModel, RopeConfig
+from .mixtral import MixtralConfig, MixtralLMHeadModel
 from .lm_model import (
     LmConfig,
     LmHeadModel,
@@ -52,6 +53,8 @@ __all__ = [
     "LlamaLMHeadModel",
     "LmConfig",
     "LmHeadModel",
+    "MixtralConfig",
+    "MixtralLMHeadModel",
     "Qwen2Config",
     "Qwen3Config",
     "RopeConfig",

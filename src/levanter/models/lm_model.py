@@ -154,6 +154,11 @@ class LmConfig(abc.ABC, draccus.ChoiceRegistry):
     def build(self, Vocab: Axis, *, key) -> "LmHeadModel":
         """A freshly initialised model for this config and vocabulary."""
 
+    def aux_loss_weights(self) -> dict[str, float]:
+        """Weight of each auxiliary training loss the model returns (:meth:`LmHeadModel.activations_and_aux`)
+        in the training loss, by name; none by default."""
+        return {}
+
     @abc.abstractmethod
     def flops_per_token(self, vocab_size: int) -> float:
         """Training (forward + backward) FLOPs per token, for MFU: 3 x the forward FLOPs.
@@ -204,6 +209,14 @@ class LmHeadModel(eqx.Module):
         x = self.activations(input_ids, segment_ids, key=key)
         return token_dot(x, self.get_lm_head(), self.Embed)
 
+    def activations_and_aux(
+        self, input_ids: NamedArray, segment_ids: NamedArray | None = None, *, key=None
+    ) -> tuple[NamedArray, dict[str, jax.Array]]:
+        """:meth:`activations` plus the architecture's auxiliary training losses, by name, as unweighted
+        scalars (their weights: ``config.aux_loss_weights()``). None by default; a mixture of experts
+        returns its router load-balancing loss from the same forward pass."""
+        return self.activations(input_ids, segment_ids, key=key), {}
+
     def compute_next_token_loss(
         self,
         input_ids: NamedArray,
@@ -216,13 +229,40 @@ class LmHeadModel(eqx.Module):
     ):
         """Forward pass plus the next-token loss on the same tokens: :func:`next_token_loss` on the full
         logits, or :func:`blockwise_next_token_loss` when ``config.cross_entropy_block_size`` is set."""
+        hidden = self.activations(input_ids, segment_ids, key=key)
+        return self._loss_of_hidden(hidden, input_ids, loss_mask, reduction, z_loss_weight)
+
+    def compute_training_loss(
+        self,
+        input_ids: NamedArray,
+        loss_mask: NamedArray | None = None,
+        segment_ids: NamedArray | None = None,
+        *,
+        key=None,
+        z_loss_weight: float = 0.0,
+    ):
+        """``(sum, count, metric sums)``, what the trainer's loss returns: the summed next-token loss plus
+        ``count x weight x value`` of each auxiliary loss (:meth:`activations_and_aux`), so that
+        ``sum / count`` is the mean cross-entropy plus the weighted auxiliary losses; and each auxiliary
+        loss times ``count`` by name, which the trainer divides by the step's count to log it."""
+        hidden, aux = self.activations_and_aux(input_ids, segment_ids, key=key)
+        total, count = self._loss_of_hidden(hidden, input_ids, loss_mask, "sum_and_count", z_loss_weight)
+        weights = self.config.aux_loss_weights()
+        metrics = {}
+        for name, value in aux.items():
+            value = value.astype(jnp.float32)
+            if weights.get(name, 0.0):
+                total = total + weights[name] * value * count
+            metrics[name] = value * count
+        return total, count, metrics
+
+    def _loss_of_hidden(self, hidden: NamedArray, input_ids, loss_mask, reduction, z_loss_weight: float):
         block = self.config.cross_entropy_block_size
         if block is None:
-            logits = self(input_ids, segment_ids, key=key)
+            logits = token_dot(hidden, self.get_lm_head(), self.Embed)
             return next_token_loss(
                 logits, input_ids, loss_mask, reduction=reduction, z_loss_weight=z_loss_weight
             )
-        hidden = self.activations(input_ids, segment_ids, key=key)
         return blockwise_next_token_loss(
             hidden, self.get_lm_head(), input_ids, loss_mask,
             block_size=block, reduction=reduction, z_loss_weight=z_loss_weight,

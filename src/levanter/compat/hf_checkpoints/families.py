@@ -14,7 +14,7 @@ How to add a family (say ``mistral``):
 
 A layout maps each parameter path of our model (``layers.stacked.self_attn.q_proj.weight``) to the
 Hugging Face tensor name (``model.layers.{i}.self_attn.q_proj.weight``; ``{i}`` marks a per-layer tensor,
-stacked along our ``layers`` axis) and the Hugging Face tensor's axes as groups of our axis names
+stacked along our ``layers`` axis, and ``{e}`` a per-expert one, stacked along ``experts``) and the Hugging Face tensor's axes as groups of our axis names
 (``(("heads", "head_size"), ("embed",))``: a torch ``Linear`` weight is ``[out, in]``). One table drives
 both directions (:mod:`.weights`), so import and export are exact inverses; a parameter missing from the
 table is an error, never a silently dropped tensor.
@@ -33,9 +33,12 @@ from typing import Any, Callable, Iterator, Optional
 from levanter.models import LmConfig
 
 # The family modules of this package, each of which registers one or more families when imported.
-FAMILY_MODULES = ("gpt2", "llama", "qwen")
+FAMILY_MODULES = ("gpt2", "llama", "qwen", "mixtral")
 
 L = "{i}"  # in a layout's tensor name: per-layer tensors, stacked along our `layers` axis
+E = "{e}"  # in a layout's tensor name: per-expert tensors, stacked along our `experts` axis (after {i})
+# Each index of a tensor name and the axis of ours its tensors are stacked along, outermost first.
+STACKED = ((L, "layers"), (E, "experts"))
 
 # Our parameter path -> (Hugging Face tensor name, Hugging Face axes as groups of our axis names).
 Layout = dict[str, tuple[str, tuple[tuple[str, ...], ...]]]

@@ -2,7 +2,7 @@
 
 Our parameters are named arrays (``haliax``); each Hugging Face tensor is described by groups of our axis
 names (``c_attn.weight`` of GPT-2 is ``[embed, (qkv, heads, head_size)]``), and per-layer tensors are
-stacked along our ``layers`` axis (:mod:`.families` explains the table). The same table drives export
+stacked along our ``layers`` axis, per-expert ones along ``experts`` (:mod:`.families` explains the table). The same table drives export
 (:func:`to_state_dict`) and import (:func:`weights_like`), so the two are exact inverses: an export then an
 import is bit-identical. Import is strict both ways: a parameter without a tensor, a tensor of the wrong
 shape, and a tensor the model has no place for are each an error naming the tensor.
@@ -10,13 +10,14 @@ shape, and a tensor the model has no place for are each an error naming the tens
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from typing import Any
 
 import numpy as np
 
-from .families import L, family_name, family_of
+from .families import STACKED, family_name, family_of
 
 # Tensors some checkpoints carry that are not weights (causal-mask and rotary buffers of older versions).
 _IGNORED = re.compile(r"(^|\.)attn\.(bias|masked_bias)$|rotary_emb\.inv_freq$")
@@ -43,6 +44,20 @@ def _hf_shape(axes_by_name: dict[str, int], groups) -> tuple[int, ...]:
     return tuple(math.prod(axes_by_name[a] for a in g) for g in groups)
 
 
+def _stacked_axes(name: str) -> tuple[str, ...]:
+    """Our axes that the tensors named by ``name`` are stacked along (``layers`` for ``{i}``, ...)."""
+    return tuple(axis for mark, axis in STACKED if mark in name)
+
+
+def _names(name: str, stacked: tuple[str, ...], sizes: dict[str, int]) -> list[tuple[tuple[int, ...], str]]:
+    """``(index along each stacked axis, tensor name)`` of every tensor ``name`` stands for, in row-major order."""
+    keys = {"layers": "i", "experts": "e"}
+    out = []
+    for index in itertools.product(*(range(sizes[a]) for a in stacked)):
+        out.append((index, name.format(**{keys[a]: j for a, j in zip(stacked, index)})))
+    return out
+
+
 def to_state_dict(model) -> dict[str, np.ndarray]:
     """Our model's weights as Hugging Face tensors (numpy, the parameters' dtype); tied heads omitted."""
     import jax
@@ -56,10 +71,8 @@ def to_state_dict(model) -> dict[str, np.ndarray]:
             raise ValueError(f"parameter {path} has no Hugging Face name (use_bias or another unexported option?)")
         name, groups = layout[path]
         sizes = {a.name: a.size for a in arr.axes}
-        order = tuple(a for g in groups for a in g)
-        per_layer = L in name
-        if per_layer:
-            order = ("layers", *order)
+        stacked = _stacked_axes(name)
+        order = (*stacked, *(a for g in groups for a in g))
         host = arr.rearrange(order).array
         if not getattr(host, "is_fully_addressable", True):
             from jax.experimental import multihost_utils
@@ -67,11 +80,8 @@ def to_state_dict(model) -> dict[str, np.ndarray]:
             host = multihost_utils.process_allgather(host, tiled=True)
         host = np.asarray(jax.device_get(host))
         shape = _hf_shape(sizes, groups)
-        if per_layer:
-            for i in range(sizes["layers"]):
-                out[prefix + name.format(i=i)] = host[i].reshape(shape)
-        else:
-            out[prefix + name] = host.reshape(shape)
+        for index, tensor in _names(name, stacked, sizes):
+            out[prefix + tensor] = host[index].reshape(shape)
     return out
 
 
@@ -104,13 +114,10 @@ def weights_like(template, state_dict: dict[str, np.ndarray], *, where: str = "c
         name, groups = layout[path]
         sizes = {a.name: a.size for a in leaf.axes}
         shape = _hf_shape(sizes, groups)
-        hf_axes = tuple(hax.Axis(a, sizes[a]) for g in groups for a in g)
-        if L in name:
-            stacked = np.stack([fetch(prefix + name.format(i=i), shape) for i in range(sizes["layers"])])
-            data = stacked.reshape((sizes["layers"], *(a.size for a in hf_axes)))
-            hf_axes = (hax.Axis("layers", sizes["layers"]), *hf_axes)
-        else:
-            data = fetch(prefix + name, shape).reshape(tuple(a.size for a in hf_axes))
+        stacked = _stacked_axes(name)
+        hf_axes = tuple(hax.Axis(a, sizes[a]) for a in (*stacked, *(a for g in groups for a in g)))
+        tensors = [fetch(prefix + tensor, shape) for _, tensor in _names(name, stacked, sizes)]
+        data = np.stack(tensors).reshape(tuple(a.size for a in hf_axes))
         arr = hax.named(jnp.asarray(data), hf_axes).rearrange(tuple(a.name for a in leaf.axes))
         value = arr.array.astype(leaf.array.dtype)
         sharding = getattr(leaf.array, "sharding", None)

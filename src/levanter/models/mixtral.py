@@ -1,0 +1,310 @@
+"""Mixtral: a Llama decoder whose MLP is a mixture of experts with top-k routing.
+
+Registered as ``type: mixtral``. Field names follow upstream Levanter's ``MixtralConfig``
+(``num_local_experts``, ``num_experts_per_tok``, ``router_aux_loss_coef``, ``sliding_window``); the
+attention, norms, rotary positions and every Llama key are :class:`~levanter.models.llama.LlamaConfig`'s,
+which this config extends.
+
+Routing (as ``transformers``' Mixtral): a linear router ``gate [embed -> experts]`` scores every token; the
+``num_experts_per_tok`` experts with the highest scores are chosen and weighted by the softmax over the
+selected logits alone (softmax over all experts, then renormalised over the chosen, which is the same
+thing), computed in float32. Each expert is a gated MLP ``w2(act(w1 x) * w3 x)``.
+
+Two ways to compute the experts (``moe_dispatch``), the same function up to float rounding:
+
+* ``dense`` (default): every expert runs on every token and the outputs are summed with the routing
+  weights, which are zero for the experts a token did not choose. Plain matmuls that shard like Llama's
+  MLP and run anywhere, but ``num_local_experts / num_experts_per_tok`` times the useful MLP work and an
+  ``[tokens, experts, mlp]`` activation.
+* ``grouped``: each token's ``num_experts_per_tok`` assignments are sorted by expert and the experts run
+  as grouped matmuls over their contiguous groups (``jax.lax.ragged_dot``), so only the chosen experts'
+  work is done. The sort, gather and scatter run over all tokens of the (micro)batch, so under data
+  parallelism XLA gathers the batch's tokens onto every device for them (``config/mixtral_nano.yaml``
+  on 8 CPU devices: 324 MiB of compiled temporaries per device against the dense path's 67 MiB). It is
+  the path for one device, or for experts so wide that the dense path's extra work dominates; a per-device
+  dispatch (``shard_map`` over the data axis) would remove the gather.
+
+The router load-balancing loss (Switch Transformer's, as ``transformers``' ``load_balancing_loss_func``):
+``num_local_experts * sum_e f_e * p_e``, where ``f_e`` is the share of all top-k assignments that went to
+expert ``e`` and ``p_e`` its mean router probability, both pooled over every layer and every position of
+the batch (padding is not special-cased: training rows are packed). It is ``num_experts_per_tok`` when
+the routing is uniform and grows as it concentrates. :meth:`MixtralLMHeadModel.activations_and_aux` returns it as
+``router_aux_loss``; training adds ``router_aux_loss_coef`` times it to the loss (the trainer logs it as
+``train/router_aux_loss``), evaluation reports the cross-entropy alone.
+
+Parameter axes (for sharding), besides Llama's attention and norms: ``gate [embed -> experts]``,
+``w1``/``w3 [embed -> experts, mlp]``, ``w2 [experts, mlp -> embed]``, all with ``layers``. Hugging Face
+names: ``block_sparse_moe.gate`` and ``block_sparse_moe.experts.<e>.w1/w2/w3`` (the layout Mixtral
+checkpoints are published in, and what ``transformers`` writes).
+
+``flops_per_token`` counts the active experts only (``num_experts_per_tok`` gated MLPs per token) plus
+the router, whichever dispatch runs: MFU measures useful work, so the dense path's extra experts show as
+lower MFU, not as more work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+import haliax as hax
+import haliax.nn as hnn
+from haliax import Axis, NamedArray
+
+from .attention import AttentionMask, plan_attention
+from .layers import ACTIVATIONS, check_positive, named, normal_embedding, normal_linear, remat_policy
+from .llama import LlamaAttention, LlamaConfig
+from .lm_model import LAYERS, LmConfig, LmHeadModel, check_input_length
+from .rope import rotary_tables
+from .token_dot import linear
+
+EXPERTS = "experts"
+TOP_EXPERTS = "top_experts"
+MOE_DISPATCHES = ("dense", "grouped")
+ROUTER_AUX_LOSS = "router_aux_loss"
+
+
+@LmConfig.register_subclass("mixtral")
+@dataclasses.dataclass(frozen=True)
+class MixtralConfig(LlamaConfig):
+    """A Llama decoder whose MLP is a mixture of ``num_local_experts`` experts, ``num_experts_per_tok`` per token."""
+
+    # Tokens per training sequence (the context length).
+    seq_len: int = 4096
+    # Width of the residual stream (the token embedding's size).
+    hidden_dim: int = 4096
+    # Width of each expert's gated MLP hidden layer.
+    intermediate_dim: int = 14336
+    # Key/value heads (grouped-query attention): num_heads must be a multiple of it.
+    num_kv_heads: int = 8
+    # Experts per MLP layer.
+    num_local_experts: int = 8
+    # Experts each token is routed to (top-k), at most num_local_experts.
+    num_experts_per_tok: int = 2
+    # Weight of the router load-balancing loss added to the training loss (0 turns it off). Upstream's
+    # default; Hugging Face's is 0.001.
+    router_aux_loss_coef: float = 0.02
+    # How the experts are computed: dense (every expert on every token, weighted by the router; runs and
+    # shards anywhere) or grouped (tokens sorted by expert, grouped matmuls: only the chosen experts' work).
+    moe_dispatch: str = "dense"
+    # Upstream's sliding-window attention width: not implemented, so only null or a width of at least
+    # seq_len (no effect) is accepted.
+    sliding_window: Optional[int] = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_positive(self, "num_local_experts", "num_experts_per_tok")
+        if self.use_bias:
+            raise ValueError("model.use_bias true is not supported for mixtral (its projections have no biases)")
+        if self.num_experts_per_tok > self.num_local_experts:
+            raise ValueError(
+                f"model.num_experts_per_tok ({self.num_experts_per_tok}) must be at most "
+                f"model.num_local_experts ({self.num_local_experts})"
+            )
+        coef = self.router_aux_loss_coef
+        if not (isinstance(coef, (int, float)) and not isinstance(coef, bool) and 0.0 <= coef < float("inf")):
+            raise ValueError(f"model.router_aux_loss_coef must be a finite number >= 0, got {coef!r}")
+        if self.moe_dispatch not in MOE_DISPATCHES:
+            raise ValueError(f"model.moe_dispatch {self.moe_dispatch!r} is not one of {list(MOE_DISPATCHES)}")
+        if self.sliding_window is not None and self.sliding_window < self.seq_len:
+            raise ValueError(
+                f"model.sliding_window={self.sliding_window} is below model.seq_len={self.seq_len}: sliding-window "
+                "attention is not implemented; remove the key (or set null) for full causal attention"
+            )
+
+    @property
+    def Experts(self) -> Axis:
+        return Axis(EXPERTS, self.num_local_experts)
+
+    @property
+    def TopExperts(self) -> Axis:
+        return Axis(TOP_EXPERTS, self.num_experts_per_tok)
+
+    def build(self, Vocab: Axis, *, key) -> "MixtralLMHeadModel":
+        return MixtralLMHeadModel.init(Vocab, self, key=key)
+
+    def aux_loss_weights(self) -> dict[str, float]:
+        return {ROUTER_AUX_LOSS: float(self.router_aux_loss_coef)}
+
+    def flops_per_token(self, vocab_size: int) -> float:
+        # Llama's count (attention, head and one gated MLP per layer), plus the router and the other
+        # num_experts_per_tok - 1 active experts.
+        d, mlp = self.hidden_dim, 2 * 3 * self.hidden_dim * self.intermediate_dim
+        extra = 2 * d * self.num_local_experts + (self.num_experts_per_tok - 1) * mlp
+        return super().flops_per_token(vocab_size) + 3.0 * self.num_layers * extra
+
+
+class MixtralSparseMoe(eqx.Module):
+    """The router and the stacked experts of one layer."""
+
+    gate: hnn.Linear  # embed -> experts (the router)
+    w1: hnn.Linear  # embed -> (experts, mlp): the gate projection of every expert
+    w2: hnn.Linear  # (experts, mlp) -> embed: the down projection (contracts mlp per expert, see below)
+    w3: hnn.Linear  # embed -> (experts, mlp): the up projection
+    config: MixtralConfig = eqx.field(static=True)
+
+    @staticmethod
+    def init(config: MixtralConfig, *, key) -> "MixtralSparseMoe":
+        k_gate, k1, k2, k3 = jax.random.split(key, 4)
+        c, std = config, config.initializer_range
+        gate = normal_linear(c.Embed, c.Experts, std=std, use_bias=False, key=k_gate)
+        w1 = normal_linear(c.Embed, (c.Experts, c.Mlp), std=std, use_bias=False, key=k1)
+        w3 = normal_linear(c.Embed, (c.Experts, c.Mlp), std=std, use_bias=False, key=k3)
+        w2 = normal_linear((c.Experts, c.Mlp), c.Embed, std=std, use_bias=False, key=k2)
+        return MixtralSparseMoe(gate, w1, w2, w3, config)
+
+    def route(self, x: NamedArray) -> tuple[NamedArray, NamedArray, NamedArray]:
+        """``(probs [.., experts], top weights [.., top_experts], top indices [.., top_experts])``, float32."""
+        logits = linear(self.gate, x).astype(jnp.float32)
+        probs = hnn.softmax(logits, axis=EXPERTS)
+        top_p, top_i = hax.top_k(probs, EXPERTS, self.config.num_experts_per_tok, new_axis=TOP_EXPERTS)
+        return probs, top_p / hax.sum(top_p, axis=TOP_EXPERTS), top_i
+
+    def __call__(self, x: NamedArray) -> tuple[NamedArray, NamedArray, NamedArray]:
+        """``(output like x, assignments per expert [experts], router probability summed per expert [experts])``;
+        the last two over every token of ``x``, for the load-balancing loss."""
+        probs, weights, chosen = self.route(x)
+        Experts = self.config.Experts
+        one_hot = hnn.one_hot(chosen, Experts, dtype=jnp.float32)  # [.., top_experts, experts]
+        assigned = hax.sum(one_hot, axis=tuple(a for a in one_hot.axes if a.name != EXPERTS))
+        prob_sum = hax.sum(probs, axis=tuple(a for a in probs.axes if a.name != EXPERTS))
+        if self.config.moe_dispatch == "grouped":
+            out = self._grouped(x, weights, chosen)
+        else:
+            out = self._dense(x, hax.sum(one_hot * weights, axis=TOP_EXPERTS))
+        return named(out, "mlpwo"), assigned, prob_sum
+
+    def _dense(self, x: NamedArray, combine: NamedArray) -> NamedArray:
+        """Every expert on every token; ``combine [.., experts]`` (zero for unchosen experts) weights them."""
+        act = ACTIVATIONS[self.config.activation_function]
+        gate = act(named(linear(self.w1, x), "mlpwi_0"))  # [.., experts, mlp]
+        h = gate * named(linear(self.w3, x), "mlpwi_1")
+        # Weighting before the down projection makes it one matmul contracting (experts, mlp).
+        h = h * combine.astype(h.dtype)
+        return linear(self.w2, h)
+
+    def _grouped(self, x: NamedArray, weights: NamedArray, chosen: NamedArray) -> NamedArray:
+        """The chosen experts only: assignments sorted by expert, grouped matmuls, then summed back per token."""
+        c = self.config
+        Embed, Experts, Mlp = c.Embed, c.Experts, c.Mlp
+        outer = tuple(a for a in x.axes if a.name != Embed.name)
+        tokens = x.rearrange((*outer, Embed)).array.reshape(-1, Embed.size)  # [T, D]
+        k = c.num_experts_per_tok
+        expert_of = chosen.rearrange((*outer, TOP_EXPERTS)).array.reshape(-1)  # [T*k]
+        weight_of = weights.rearrange((*outer, TOP_EXPERTS)).array.reshape(-1)
+        order = jnp.argsort(expert_of, stable=True)
+        rows = tokens[order // k]  # [T*k, D], grouped by expert
+        group_sizes = jnp.bincount(expert_of, length=Experts.size).astype(jnp.int32)
+
+        def expert_weights(layer: hnn.Linear, axes) -> jax.Array:
+            return (layer.weight * layer.reparam.active_scale).rearrange(axes).array
+
+        w1 = expert_weights(self.w1, (Experts, Embed, Mlp))
+        w3 = expert_weights(self.w3, (Experts, Embed, Mlp))
+        w2 = expert_weights(self.w2, (Experts, Mlp, Embed))
+        act = ACTIVATIONS[c.activation_function]
+        Rows = Axis("rows", rows.shape[0])
+        gate = act(hax.named(jax.lax.ragged_dot(rows, w1, group_sizes), (Rows, Mlp)))
+        h = gate.array * jax.lax.ragged_dot(rows, w3, group_sizes)
+        y = jax.lax.ragged_dot(h, w2, group_sizes)  # [T*k, D]
+        y = y * weight_of[order][:, None].astype(y.dtype)
+        # Back to token order (the inverse permutation), then the k assignments of each token summed.
+        y = jnp.zeros_like(y).at[order].set(y).reshape(-1, k, Embed.size).sum(axis=1)
+        out = hax.named(y.reshape(*(a.size for a in outer), Embed.size), (*outer, Embed))
+        return out.rearrange(x.axes)
+
+
+def _rms_norm(config: MixtralConfig) -> hnn.RmsNorm:
+    # As Llama's: float32 statistics whatever the activation dtype; no bias (Mixtral has none).
+    return hnn.RmsNorm.init(
+        config.Embed, eps=config.layer_norm_epsilon, use_weight=config.use_layer_norm_weight, use_bias=False,
+        dtype=jnp.float32,
+    )
+
+
+class MixtralDecoderLayer(eqx.Module):
+    input_layernorm: hnn.RmsNorm
+    self_attn: LlamaAttention
+    post_attention_layernorm: hnn.RmsNorm
+    block_sparse_moe: MixtralSparseMoe
+
+    @staticmethod
+    def init(config: MixtralConfig, *, key) -> "MixtralDecoderLayer":
+        k_attn, k_moe = jax.random.split(key)
+        attn, moe = LlamaAttention.init(config, key=k_attn), MixtralSparseMoe.init(config, key=k_moe)
+        return MixtralDecoderLayer(_rms_norm(config), attn, _rms_norm(config), moe)
+
+    def __call__(
+        self, x: NamedArray, mask: AttentionMask, cos: NamedArray, sin: NamedArray, *, key=None
+    ) -> tuple[NamedArray, tuple[NamedArray, NamedArray]]:
+        del key  # no dropout
+        x = x + self.self_attn(self.input_layernorm(x), mask, cos, sin)
+        out, assigned, prob_sum = self.block_sparse_moe(self.post_attention_layernorm(x))
+        return x + out, (assigned, prob_sum)
+
+
+class MixtralLMHeadModel(LmHeadModel):
+    embed_tokens: hnn.Embedding  # [vocab, embed]
+    layers: hnn.Stacked[MixtralDecoderLayer]
+    norm: hnn.RmsNorm
+    lm_head: Optional[hnn.Linear]  # embed -> vocab; None when tie_word_embeddings
+    config: MixtralConfig = eqx.field(static=True)
+    Vocab: Axis = eqx.field(static=True)
+
+    @staticmethod
+    def init(Vocab: Axis, config: MixtralConfig, *, key) -> "MixtralLMHeadModel":
+        k_embed, k_layers, k_head = jax.random.split(key, 3)
+        std = config.initializer_range
+        embed_tokens = normal_embedding(Vocab, config.Embed, std=std, key=k_embed)
+        layers = hnn.Stacked.init(
+            config.Layers, MixtralDecoderLayer, gradient_checkpointing=remat_policy(config.gradient_checkpointing)
+        )(config, key=jax.random.split(k_layers, config.num_layers))
+        lm_head = None
+        if not config.tie_word_embeddings:
+            lm_head = normal_linear(config.Embed, Vocab, std=std, use_bias=False, key=k_head)
+        return MixtralLMHeadModel(
+            embed_tokens=embed_tokens, layers=layers, norm=_rms_norm(config), lm_head=lm_head, config=config,
+            Vocab=Vocab,
+        )
+
+    def get_lm_head(self) -> NamedArray:
+        if self.lm_head is None:
+            return self.embed_tokens.weight  # tied
+        return self.lm_head.weight * self.lm_head.reparam.active_scale
+
+    def activations(
+        self, input_ids: NamedArray, segment_ids: NamedArray | None = None, *, key=None
+    ) -> NamedArray:
+        return self.activations_and_aux(input_ids, segment_ids, key=key)[0]
+
+    def activations_and_aux(
+        self, input_ids: NamedArray, segment_ids: NamedArray | None = None, *, key=None
+    ) -> tuple[NamedArray, dict[str, jax.Array]]:
+        del key  # no dropout
+        Pos = check_input_length(self.config, input_ids)
+        x = self.embed_tokens.embed(input_ids)
+        c = self.config
+        mask = plan_attention(
+            c.attention_backend,
+            Pos,
+            segment_ids,
+            block_size=c.flash_attention_block_size,
+            dtype=jnp.float32 if c.upcast_attn else x.dtype,
+            head_size=c.HeadSize.size,
+        )
+        cos, sin = rotary_tables(Pos, c.HeadSize, c.rope_config)
+        x, (assigned, prob_sum) = self.layers.scan(x, mask, cos, sin, unroll=not c.scan_layers)
+        return self.norm(x), {ROUTER_AUX_LOSS: load_balancing_loss(assigned, prob_sum, input_ids.size, c)}
+
+
+def load_balancing_loss(assigned: NamedArray, prob_sum: NamedArray, tokens: int, config: MixtralConfig) -> jax.Array:
+    """``E * sum_e f_e * p_e`` from the per-layer sums ``[layers, experts]`` of top-k assignments and router
+    probabilities over ``tokens`` positions, pooled over the layers (``transformers``' definition)."""
+    rows = tokens * config.num_layers
+    f = hax.sum(assigned, axis=LAYERS) / rows
+    p = hax.sum(prob_sum, axis=LAYERS) / rows
+    return config.num_local_experts * hax.sum(f * p).scalar()
