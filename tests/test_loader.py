@@ -297,11 +297,11 @@ def test_a_slow_consumer_is_refilled_without_waking_the_producer(monkeypatch):
     """A consumer slower than the producer never has to wake it up (a wake-up from ``next()`` costs the
     consumer the GIL while the producer fetches): the producer finds the room by itself and the consumer
     keeps finding its steps ready, in order."""
-    import levanter.data.loader as loader_module
+    from levanter.data.prefetch import Prefetcher
 
     woken = []
-    real_nudge = loader_module._Prefetcher._nudge
-    monkeypatch.setattr(loader_module._Prefetcher, "_nudge", lambda self: woken.append(1) or real_nudge(self))
+    real_nudge = Prefetcher._nudge
+    monkeypatch.setattr(Prefetcher, "_nudge", lambda self: woken.append(1) or real_nudge(self))
     loader = DataLoader(RecordingDataset(identity_dataset()), 8, prefetch_depth=8)
     with loader.iter_from_step(0) as it:
         steps = []

@@ -69,7 +69,7 @@ def test_block_none_makes_every_batch_exact(sched_name):
     mix = MixtureDataset(sources(), weights, batch_schedule=schedule, block_size=None, key=1)
     stage_totals = {}
     for step, b in zip(range(45), batches(mix, schedule, range(45))):
-        stage = mix.stage_at_step(step)
+        stage = mix.layout.stage_at_step(step)
         src, _ = decode(b)
         got = np.bincount(src, minlength=3)
         fr = [Fraction(weights[stage][1].get(n, 0)) for n in NAMES]
@@ -80,7 +80,7 @@ def test_block_none_makes_every_batch_exact(sched_name):
     for stage, tot in stage_totals.items():
         fr = np.array([float(weights[stage][1].get(n, 0)) for n in NAMES])
         fr /= fr.sum()
-        block = min(schedule.batch_size_at_step(s) for s in range(45) if mix.stage_at_step(s) == stage)
+        block = min(schedule.batch_size_at_step(s) for s in range(45) if mix.layout.stage_at_step(s) == stage)
         assert np.all(np.abs(tot / tot.sum() - fr) <= 1 / block)
 
 
@@ -113,7 +113,7 @@ def test_sources_are_consumed_in_order_without_gap_or_repeat(sched_name, block_s
     for s in range(3):
         positions = np.flatnonzero(src == s)
         for n in range(0, len(positions), max(1, len(positions) // 25)):
-            assert mix.global_index_of_draw(s, n) == positions[n]
+            assert mix.layout.global_index_of_draw(s, n) == positions[n]
 
 
 def test_restart_wraps_finite_sources():
@@ -131,7 +131,7 @@ def brute_force_unwrapped(mix, schedule, n_steps):
     src, idx = [], []
     for step in range(n_steps):
         first, end = schedule.step_range(step)
-        s, i = mix.unwrapped_source_indices(step, list(range(first, end)))
+        s, i = mix.layout.unwrapped_source_indices(step, list(range(first, end)))
         src.append(s)
         idx.append(i)
     return np.concatenate(src), np.concatenate(idx)
@@ -287,7 +287,7 @@ def test_combined_read_equals_reading_each_source(tmp_path, monkeypatch, names):
     from levanter.data.dataset import StackedBatch
     from levanter.store.jagged_array import JaggedArrayStore
 
-    import levanter.data.mixture as mixture_module
+    import levanter.data.dataset as dataset_module
     import levanter.data.text as text_module
 
     finishes = []
@@ -299,11 +299,18 @@ def test_combined_read_equals_reading_each_source(tmp_path, monkeypatch, names):
     reads = []
     real_read = JaggedArrayStore._read
     monkeypatch.setattr(JaggedArrayStore, "_read", lambda self, view: reads.append(1) or real_read(self, view))
+    from levanter.data import FeistelPermutation
+
+    # Passes that evaluate permutations (a slice's or epochs' map below a shuffle is a second level: not one).
     permuted = []
-    real_many = mixture_module.permute_many
-    monkeypatch.setattr(
-        mixture_module, "permute_many", lambda reqs: permuted.append(sum(len(i) for _, i in reqs)) or real_many(reqs)
-    )
+    real_many = dataset_module.permute_many
+
+    def counting(reqs):
+        if any(isinstance(p, FeistelPermutation) for p, _ in reqs):
+            permuted.append(sum(len(i) for _, i in reqs))
+        return real_many(reqs)
+
+    monkeypatch.setattr(dataset_module, "permute_many", counting)
 
     def columns(batch):
         if isinstance(batch, StackedBatch):
@@ -340,8 +347,6 @@ def test_combined_read_equals_reading_each_source(tmp_path, monkeypatch, names):
         return planned
 
     planned = asyncio.run(check())
-    from levanter.data import FeistelPermutation
-
     assert len(permuted) == 20  # the shuffled sources' permutations: one pass per step
     if "mapped" in names:
         assert planned == 0 and max(mixture_reads) > 1  # per-source reads
@@ -528,6 +533,8 @@ def test_coalesced_reads_never_change_what_is_read(tmp_path, monkeypatch, block_
                 if got is MISS:
                     got = await mix.get_batch(step, idx)
                 else:
+                    got, provenance = got
+                    assert provenance is None  # not asked for
                     served += 1
                 mix_reads += len(reads) - before
                 assert isinstance(got, StackedBatch) and isinstance(expect, StackedBatch)
@@ -593,8 +600,7 @@ def test_groups_read_ahead_stay_bounded_and_a_failed_one_is_read_again(tmp_path,
             idx = np.arange(step * 4, step * 4 + 4)
             try:
                 got = await ahead.read(step)
-                if got is MISS:
-                    got = await mix.get_batch(step, idx)
+                got = await mix.get_batch(step, idx) if got is MISS else got[0]
             except OSError:
                 failed.append(step)
                 assert await ahead.read(step) is MISS  # what the loader's retry does: read afresh
@@ -655,8 +661,7 @@ def test_read_ahead_bookkeeping_stays_bounded_over_a_long_run(rows, steps):
         most = 0
         for step in range(1, steps + 1):
             got = await ahead.read(step)
-            if got is MISS:
-                got = await mix.get_batch(step, indices(step))
+            got = await mix.get_batch(step, indices(step)) if got is MISS else got[0]
             assert len(got) == rows
             most = max(most, ahead.groups_held())
         ahead.close()

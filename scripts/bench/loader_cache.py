@@ -92,7 +92,18 @@ def mixture_config(root: str):
     )
 
 
-def make_loader(root: str, batch_size: int, prefetch: int, seq_len: int = syn.SEQ_LEN):
+def single_source_config(root: str, name: str = "web"):
+    """One source of the corpus alone (``data.train_urls``, shuffled): ``train_lm``'s single-source path,
+    ``TokenSeqDataset -> CausalLmDataset -> shuffle`` with no mixture above it."""
+    from levanter.data.config import UrlSingleDatasetLMConfig
+
+    return UrlSingleDatasetLMConfig(
+        tokenizer="byte", cache_dir=os.path.join(root, name), train_urls=[SYNTH_URL.format(name=name)], shuffle=True
+    )
+
+
+def make_loader(root: str, batch_size: int, prefetch: int, seq_len: int = syn.SEQ_LEN, single: bool = False):
+    """A loader over the 3-source mixture, or with ``single`` over the first source alone."""
     import jax
 
     from levanter.data.loader import DataLoader, use_prefetch_switch_interval
@@ -102,7 +113,8 @@ def make_loader(root: str, batch_size: int, prefetch: int, seq_len: int = syn.SE
 
     schedule = BatchSchedule(batch_size)
     # tokens_only, as train_lm reads it: loss mask and segment ids are derived in the train step.
-    ds = mixture_config(root).train_set(seq_len, schedule, key=jax.random.PRNGKey(0), tokens_only=True)
+    config = single_source_config(root) if single else mixture_config(root)
+    ds = config.train_set(seq_len, schedule, key=jax.random.PRNGKey(0), tokens_only=True)
     return DataLoader(ds, schedule, prefetch_depth=prefetch)
 
 
@@ -117,9 +129,11 @@ def _ready(batch) -> None:
     jax.block_until_ready(batch.data)
 
 
-def loader_throughput(root: str, batch_size: int, n: int, prefetch: int = 8, seq_len: int = syn.SEQ_LEN) -> dict:
-    loader = make_loader(root, batch_size, prefetch, seq_len)
-    start = first_step(n)
+def loader_throughput(
+    root: str, batch_size: int, n: int, prefetch: int = 8, seq_len: int = syn.SEQ_LEN, single: bool = False
+) -> dict:
+    loader = make_loader(root, batch_size, prefetch, seq_len, single)
+    start = 0 if single else first_step(n)  # one source alone is finite and has no stage switch
     with loader.iter_from_step(start, start + n + 1) as it:
         _ready(next(it))
         t0 = time.perf_counter()
@@ -397,6 +411,24 @@ def print_checksum_section(res: dict) -> None:
                  ("raw crc32c", 20), ("raw plain", 20), ("raw ratio", 20)], rows)
 
 
+def single_vs_mixture(root: str, shapes: dict, repeats: int) -> dict:
+    """Tokens/s of the loader (prefetch 8 and 0) over one source alone and over the mixture, per ``(batch,
+    seq_len): steps`` of ``shapes``, the four runs rotated between repeats so that drift hits all alike.
+    Returns ``{"<batch>x<seq_len>": {"single_p8": [...], "single_p0": [...], "mixture_p8": [...],
+    "mixture_p0": [...]}}`` (one value per repeat)."""
+    out = {}
+    kinds = [("single", True, 8), ("single", True, 0), ("mixture", False, 8), ("mixture", False, 0)]
+    for (bs, L), n in shapes.items():
+        for _, single, p in kinds[::2]:  # first-use costs (a loader's first build) out of the timed runs
+            loader_throughput(root, bs, 2, p, L, single)
+        runs: dict = {f"{k}_p{p}": [] for k, _, p in kinds}
+        for r in range(repeats):
+            for k, single, p in kinds[r % 4:] + kinds[: r % 4]:
+                runs[f"{k}_p{p}"].append(loader_throughput(root, bs, n, p, L, single)["tokens_per_s"])
+        out[f"{bs}x{L}"] = runs
+    return out
+
+
 def jax_leaves(tree):
     import jax
 
@@ -407,7 +439,21 @@ if __name__ == "__main__":  # the memory probe runs here, in a fresh process, fo
     import json
     import sys
 
-    if sys.argv[1:2] == ["--checksum"]:  # the checksum comparison alone: --checksum [tokens [steps [repeats]]]
+    if sys.argv[1:2] == ["--single"]:  # one source alone against the mixture: --single [tokens [repeats]]
+        # 12M tokens: the first source (half of them) holds the 81 batches of 64 x 1024 read from step 0.
+        import statistics
+        import tempfile
+
+        tokens, repeats = (int(x) for x in (sys.argv[2:] + ["12000000", "3"][len(sys.argv) - 2:])[:2])
+        with tempfile.TemporaryDirectory(prefix="levanter-bench-single-") as work:
+            write_caches(os.path.join(work, "cache"), tokens)
+            res = single_vs_mixture(os.path.join(work, "cache"), {(8, 1024): 300, (64, 1024): 80, (8, 64): 600},
+                                    repeats)
+        for key, runs in res.items():
+            print(key, "  ".join(f"{k} {statistics.median(v) / 1e6:.2f} M tok/s [{min(v) / 1e6:.2f}, "
+                                 f"{max(v) / 1e6:.2f}]" for k, v in runs.items()))
+        print(json.dumps(res))
+    elif sys.argv[1:2] == ["--checksum"]:  # the checksum comparison alone: --checksum [tokens [steps [repeats]]]
         import tempfile
 
         tokens, steps, repeats = (int(x) for x in (sys.argv[2:] + ["4000000", "40", "3"][len(sys.argv) - 2:])[:3])
