@@ -672,3 +672,101 @@ def test_read_ahead_bookkeeping_stays_bounded_over_a_long_run(rows, steps):
     bound = TRIM_GROUPS + PLAN_MAX_STEPS + GROUPS_AHEAD + 1
     assert bound < steps // (16 if rows == 8 else 1)
     assert asyncio.run(run()) <= bound
+
+
+# -- provenance from the read's own pass ------------------------------------------------------------------
+
+
+def _old_second_pass(mix, lengths, step, indices):
+    """What the loader used to compute for every batch in a second pass over the index math: the
+    layout's unwrapped ``(source, source_index)``, the end of the data, then the stop strategy's wrap."""
+    source, src_index = mix.layout.unwrapped_source_indices(step, indices)
+    if mix.stop_strategy != "restart":
+        end = mix._end_from_lengths(lengths)
+        if end is not None and int(np.max(indices)) >= end:
+            raise DatasetExhausted(f"step {step} past the end {end}")
+    src_index = src_index.copy()
+    for s, n in enumerate(lengths):
+        if n is not None:  # an infinite source is never wrapped
+            src_index[source == s] %= n
+    return source, src_index
+
+
+@pytest.mark.parametrize("stop_strategy", ["restart", "first_exhausted", "all_exhausted"])
+@pytest.mark.parametrize("block_size", [None, 2, 5])
+def test_provenance_from_the_read_equals_the_old_second_pass(stop_strategy, block_size):
+    """Exhaustively over a small domain -- every step of a two-stage, two-batch-size run until the data
+    ends, every non-empty subset of each step's rows read (a process reading part of the batch) -- the
+    provenance ``read_with_provenance`` returns with the read equals the old second pass, value and dtype,
+    the rows read equal ``get_batch``'s, and a step past the end fails alike."""
+    lengths = [9, 12, 8]
+    sources = {
+        "a": ListAsyncDataset(np.arange(9) * 10).shuffle(key=1),
+        "b": ListAsyncDataset(np.arange(12) * 10 + 1).block_shuffle(5, key=2),
+        "c": ListAsyncDataset(np.arange(9) * 10 + 2).slice_dataset(1),  # 8 rows
+    }
+    schedule = BatchSchedule([ScheduleStep(0, 3), ScheduleStep(4, 4)])
+    weights = [(0, {"a": 0.5, "b": 0.3, "c": 0.2}), (3, {"a": 0.2, "b": 0.3, "c": 0.5})]
+    mix = MixtureDataset(sources, weights, batch_schedule=schedule, block_size=block_size, key=9,
+                         stop_strategy=stop_strategy)
+    checked = ended = 0
+
+    async def run():
+        nonlocal checked, ended
+        for step in range(40):
+            first, end = schedule.step_range(step)
+            where = np.arange(first, end)
+            try:
+                source, src_index = _old_second_pass(mix, lengths, step, where)
+            except DatasetExhausted:
+                with pytest.raises(DatasetExhausted):
+                    await mix.read_with_provenance(step, where, where)
+                ended += 1
+                continue
+            for mask in range(1, 2**where.size):
+                idx = where[[k for k in range(where.size) if mask >> k & 1]]
+                rows, prov = await mix.read_with_provenance(step, idx, where)
+                assert set(prov) == {"source", "source_index"}
+                for key, expect in (("source", source), ("source_index", src_index)):
+                    assert prov[key].dtype == expect.dtype
+                    np.testing.assert_array_equal(prov[key], expect, err_msg=f"step {step} rows {idx} {key}")
+                np.testing.assert_array_equal(np.asarray(rows), np.asarray(await mix.get_batch(step, idx)))
+                checked += 1
+
+    asyncio.run(run())
+    assert checked >= 5 * 7  # at least five steps, with all their subsets
+    assert (ended > 0) == mix.is_finite()  # restart never ends, nor all_exhausted with a source left undrawn
+
+
+@pytest.mark.parametrize("block_size", [None, 3])
+def test_planned_provenance_equals_the_old_second_pass(tmp_path, block_size):
+    """The read-ahead's way in: ``plan_read_groups(..., where=...)`` over store-backed sources attaches to
+    each group's plan the provenance of its steps' whole batches, back to back -- for every step of the
+    run, in groups of every size up to 5, reading the whole batch or its second half -- equal to the old
+    second pass."""
+    srcs = _token_sources(tmp_path)
+    sources = {n: srcs[n] for n in ("shuffled", "blocks", "epochs")}
+    weights = [(0, {"shuffled": 0.5, "blocks": 0.3, "epochs": 0.2}), (9, {"shuffled": 0.1, "blocks": 0.2, "epochs": 0.7})]
+    mix = MixtureDataset(sources, weights, batch_schedule=PLAN_SCHEDULE, block_size=block_size, key=3)
+    lengths = [asyncio.run(d.async_len()) if d.is_finite() else None for d in mix.datasets]
+    steps = list(range(24))
+    wheres = [np.arange(*PLAN_SCHEDULE.step_range(s)) for s in steps]
+    expect = [_old_second_pass(mix, lengths, s, w) for s, w in zip(steps, wheres)]
+
+    async def run():
+        for size in range(1, 6):
+            groups = [size] * (len(steps) // size) + ([len(steps) % size] if len(steps) % size else [])
+            for part in ("whole", "half"):
+                idxs = wheres if part == "whole" else [w[w.size // 2:] for w in wheres]
+                plans = await mix.plan_read_groups(steps, idxs, groups, wheres)
+                at = 0
+                for g, plan in zip(groups, plans):
+                    assert plan is not None and set(plan.provenance) == {"source", "source_index"}
+                    for k, key in enumerate(("source", "source_index")):
+                        want = np.concatenate([expect[s][k] for s in range(at, at + g)])
+                        np.testing.assert_array_equal(plan.provenance[key], want, err_msg=f"group {at} {key}")
+                        assert plan.provenance[key].dtype == want.dtype
+                    assert plan.num_rows == sum(idxs[s].size for s in range(at, at + g))
+                    at += g
+
+    asyncio.run(run())
