@@ -136,14 +136,15 @@ def loader_throughput(
     start = 0 if single else first_step(n)  # one source alone is finite and has no stage switch
     with loader.iter_from_step(start, start + n + 1) as it:
         _ready(next(it))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         got = 0
         for batch in it:
             _ready(batch)
             got += 1
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     assert got == n, (got, n)
-    return {"tokens_per_s": n * batch_size * seq_len / dt, "seconds": dt, "batches": n}
+    # CPU seconds (all of the process's threads) per batch: steadier than the wall clock on a shared machine.
+    return {"tokens_per_s": n * batch_size * seq_len / dt, "seconds": dt, "batches": n, "cpu_ms_per_batch": 1e3 * cpu / n}
 
 
 def _raw_plan(root: str, batch_size: int, n: int, seq_len: int = syn.SEQ_LEN) -> list:
@@ -415,16 +416,19 @@ def single_vs_mixture(root: str, shapes: dict, repeats: int) -> dict:
     """Tokens/s of the loader (prefetch 8 and 0) over one source alone and over the mixture, per ``(batch,
     seq_len): steps`` of ``shapes``, the four runs rotated between repeats so that drift hits all alike.
     Returns ``{"<batch>x<seq_len>": {"single_p8": [...], "single_p0": [...], "mixture_p8": [...],
-    "mixture_p0": [...]}}`` (one value per repeat)."""
+    "mixture_p0": [...], "single_p8_cpu_ms": [...], ...}}`` (one value per repeat; ``*_cpu_ms``: the
+    process's CPU milliseconds per batch, steadier than tokens/s where other work shares the cores)."""
     out = {}
     kinds = [("single", True, 8), ("single", True, 0), ("mixture", False, 8), ("mixture", False, 0)]
     for (bs, L), n in shapes.items():
         for _, single, p in kinds[::2]:  # first-use costs (a loader's first build) out of the timed runs
             loader_throughput(root, bs, 2, p, L, single)
-        runs: dict = {f"{k}_p{p}": [] for k, _, p in kinds}
+        runs: dict = {f"{k}_p{p}{cpu}": [] for k, _, p in kinds for cpu in ("", "_cpu_ms")}
         for r in range(repeats):
             for k, single, p in kinds[r % 4:] + kinds[: r % 4]:
-                runs[f"{k}_p{p}"].append(loader_throughput(root, bs, n, p, L, single)["tokens_per_s"])
+                res = loader_throughput(root, bs, n, p, L, single)
+                runs[f"{k}_p{p}"].append(res["tokens_per_s"])
+                runs[f"{k}_p{p}_cpu_ms"].append(res["cpu_ms_per_batch"])
         out[f"{bs}x{L}"] = runs
     return out
 
@@ -451,7 +455,9 @@ if __name__ == "__main__":  # the memory probe runs here, in a fresh process, fo
                                     repeats)
         for key, runs in res.items():
             print(key, "  ".join(f"{k} {statistics.median(v) / 1e6:.2f} M tok/s [{min(v) / 1e6:.2f}, "
-                                 f"{max(v) / 1e6:.2f}]" for k, v in runs.items()))
+                                 f"{max(v) / 1e6:.2f}]" for k, v in runs.items() if not k.endswith("_cpu_ms")))
+            print(key, "  ".join(f"{k} {statistics.median(v):.3f} ms/batch" for k, v in runs.items()
+                                 if k.endswith("_cpu_ms")))
         print(json.dumps(res))
     elif sys.argv[1:2] == ["--checksum"]:  # the checksum comparison alone: --checksum [tokens [steps [repeats]]]
         import tempfile
