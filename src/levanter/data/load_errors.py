@@ -90,10 +90,12 @@ class DataLoadError(RuntimeError):
 
 
 async def read_with_retries(
-    read: Callable[[int], Awaitable[Any]], step: int, indices: np.ndarray, *, retries: int, backoff: float
+    read: Callable[[int], Awaitable[Any]], step: int, indices: np.ndarray, *, retries: int, backoff: float,
+    log: logging.Logger = logger,
 ) -> Any:
     """``await read(attempt)`` for attempts ``0, 1, ...``: a transient failure is retried (exponential
-    backoff from ``backoff`` seconds, up to ``retries`` times); what is not transient, or outlasts the
+    backoff from ``backoff`` seconds, up to ``retries`` times, each retry a warning on ``log``: the
+    loader passes its own logger, so its warnings keep its name); what is not transient, or outlasts the
     retries, becomes a :class:`DataLoadError` naming ``step`` and ``indices``. ``DatasetExhausted`` (the
     end of the data) passes through."""
     delay = backoff
@@ -106,7 +108,7 @@ async def read_with_retries(
         except Exception as e:  # noqa: BLE001 -- classified: retried, or one error naming the step
             if not is_transient(e) or attempt == retries:
                 raise DataLoadError(step, indices, e, attempts=attempt + 1, seconds=time.monotonic() - t0) from e
-            logger.warning("transient error reading step %d (attempt %d of %d): %s; retrying in %.2f s", step,
+            log.warning("transient error reading step %d (attempt %d of %d): %s; retrying in %.2f s", step,
                            attempt + 1, retries + 1, e, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 30.0)

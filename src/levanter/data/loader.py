@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -45,6 +46,8 @@ from .dataset import AsyncDataset, DatasetExhausted, StackedBatch
 from .load_errors import DataLoadError, TransientDataError, is_transient, read_with_retries  # noqa: F401
 from .prefetch import Prefetcher
 from .read_ahead import MISS, ReadAhead
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -273,7 +276,7 @@ class DataLoader(Generic[T]):
             return await self.dataset.read_with_provenance(step, indices, where)
 
         examples, extra = await read_with_retries(
-            read, step, indices, retries=self.retries, backoff=self.retry_backoff
+            read, step, indices, retries=self.retries, backoff=self.retry_backoff, log=logger
         )
         if len(examples) != len(rows):
             raise ValueError(f"dataset returned {len(examples)} examples for {len(rows)} indices at step {step}")
