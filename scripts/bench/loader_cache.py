@@ -102,8 +102,10 @@ def single_source_config(root: str, name: str = "web"):
     )
 
 
-def make_loader(root: str, batch_size: int, prefetch: int, seq_len: int = syn.SEQ_LEN, single: bool = False):
-    """A loader over the 3-source mixture, or with ``single`` over the first source alone."""
+def make_loader(root: str, batch_size: int, prefetch: int, seq_len: int = syn.SEQ_LEN, single: bool = False,
+                provenance: bool = False):
+    """A loader over the 3-source mixture, or with ``single`` over the first source alone; ``provenance``:
+    each batch carries it, as ``train_lm``'s loader does."""
     import jax
 
     from levanter.data.loader import DataLoader, use_prefetch_switch_interval
@@ -115,7 +117,7 @@ def make_loader(root: str, batch_size: int, prefetch: int, seq_len: int = syn.SE
     # tokens_only, as train_lm reads it: loss mask and segment ids are derived in the train step.
     config = single_source_config(root) if single else mixture_config(root)
     ds = config.train_set(seq_len, schedule, key=jax.random.PRNGKey(0), tokens_only=True)
-    return DataLoader(ds, schedule, prefetch_depth=prefetch)
+    return DataLoader(ds, schedule, prefetch_depth=prefetch, provenance=provenance)
 
 
 def first_step(n: int) -> int:
@@ -130,9 +132,10 @@ def _ready(batch) -> None:
 
 
 def loader_throughput(
-    root: str, batch_size: int, n: int, prefetch: int = 8, seq_len: int = syn.SEQ_LEN, single: bool = False
+    root: str, batch_size: int, n: int, prefetch: int = 8, seq_len: int = syn.SEQ_LEN, single: bool = False,
+    provenance: bool = False,
 ) -> dict:
-    loader = make_loader(root, batch_size, prefetch, seq_len, single)
+    loader = make_loader(root, batch_size, prefetch, seq_len, single, provenance)
     start = 0 if single else first_step(n)  # one source alone is finite and has no stage switch
     with loader.iter_from_step(start, start + n + 1) as it:
         _ready(next(it))
@@ -413,22 +416,28 @@ def print_checksum_section(res: dict) -> None:
 
 
 def single_vs_mixture(root: str, shapes: dict, repeats: int) -> dict:
-    """Tokens/s of the loader (prefetch 8 and 0) over one source alone and over the mixture, per ``(batch,
-    seq_len): steps`` of ``shapes``, the four runs rotated between repeats so that drift hits all alike.
+    """Tokens/s of the loader (prefetch 8 and 0; and prefetch 8 with provenance, as ``train_lm`` reads) over
+    one source alone and over the mixture, per ``(batch, seq_len): steps`` of ``shapes``, the runs rotated
+    between repeats so that drift hits all alike.
     Returns ``{"<batch>x<seq_len>": {"single_p8": [...], "single_p0": [...], "mixture_p8": [...],
     "mixture_p0": [...], "single_p8_cpu_ms": [...], ...}}`` (one value per repeat; ``*_cpu_ms``: the
     process's CPU milliseconds per batch, steadier than tokens/s where other work shares the cores)."""
     out = {}
-    kinds = [("single", True, 8), ("single", True, 0), ("mixture", False, 8), ("mixture", False, 0)]
+    kinds = [("single", True, 8, False), ("single", True, 0, False), ("single", True, 8, True),
+             ("mixture", False, 8, False), ("mixture", False, 0, False), ("mixture", False, 8, True)]
+
+    def name(k, p, prov):
+        return f"{k}_p{p}" + ("_prov" if prov else "")
+
     for (bs, L), n in shapes.items():
-        for _, single, p in kinds[::2]:  # first-use costs (a loader's first build) out of the timed runs
+        for _, single, p, _ in kinds[::3]:  # first-use costs (a loader's first build) out of the timed runs
             loader_throughput(root, bs, 2, p, L, single)
-        runs: dict = {f"{k}_p{p}{cpu}": [] for k, _, p in kinds for cpu in ("", "_cpu_ms")}
+        runs: dict = {name(k, p, prov) + cpu: [] for k, _, p, prov in kinds for cpu in ("", "_cpu_ms")}
         for r in range(repeats):
-            for k, single, p in kinds[r % 4:] + kinds[: r % 4]:
-                res = loader_throughput(root, bs, n, p, L, single)
-                runs[f"{k}_p{p}"].append(res["tokens_per_s"])
-                runs[f"{k}_p{p}_cpu_ms"].append(res["cpu_ms_per_batch"])
+            for k, single, p, prov in kinds[r % 6:] + kinds[: r % 6]:
+                res = loader_throughput(root, bs, n, p, L, single, prov)
+                runs[name(k, p, prov)].append(res["tokens_per_s"])
+                runs[name(k, p, prov) + "_cpu_ms"].append(res["cpu_ms_per_batch"])
         out[f"{bs}x{L}"] = runs
     return out
 
