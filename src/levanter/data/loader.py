@@ -237,8 +237,8 @@ class DataLoader(Generic[T]):
 
     # -- fetching ------------------------------------------------------------------------------------
     def where_for_step(self, step: int) -> np.ndarray:
-        """The global indices whose provenance ``step``'s batch carries: the whole global batch. Where this
-        process reads all of it, the very array it reads (so the dataset sees nothing to pick out)."""
+        """The global indices whose provenance ``step``'s batch carries: the whole global batch (where this
+        process reads all of it, the indices it reads)."""
         rows = self.indices_for_step(step)
         bs = self.schedule.batch_size_at_step(step)
         if rows.size == bs:

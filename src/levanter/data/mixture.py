@@ -421,7 +421,11 @@ class MixtureDataset(AsyncDataset[T]):
             cuts = np.cumsum([w.size for w in located])[:-1]
             src_w, idx_w = np.split(source, cuts), np.split(src_index, cuts)
             provenance = [{"source": a, "source_index": b} for a, b in zip(src_w, idx_w)]
-            if any(w is not r for w, r in zip(located, requests)):  # the requests: a part of each step's batch
+            same = all(w is r for w, r in zip(located, requests)) or (
+                sum(w.size for w in located) == sum(sizes)
+                and np.array_equal(np.concatenate(located), np.concatenate(requests))
+            )  # one comparison for all the steps: a process that reads its steps' whole batches
+            if not same:  # the requests: a part of each step's batch
                 picks = []
                 for w, r in zip(located, requests):
                     pos = np.searchsorted(w, r)
@@ -573,8 +577,7 @@ class MixtureDataset(AsyncDataset[T]):
         step = as_int(step)
         idx = as_index_array(indices)
         where = as_index_array(where)
-        # The same array object when a process reads its step's whole batch: nothing to pick out.
-        (draws,) = await self._draws([step], [idx], [idx if np.array_equal(where, idx) else where])
+        (draws,) = await self._draws([step], [idx], [where])
         return await self._read(step, draws), draws.provenance
 
     async def _read(self, step: int, draws: "_StepDraws") -> Sequence[T]:
