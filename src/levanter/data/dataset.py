@@ -155,8 +155,8 @@ class IndexMap:
     ``inner``, read for the same step.
 
     ``fn`` is pure and vectorised (an int64 array in, an int64 array out, order kept; None: the identity);
-    indices outside ``[0, length)`` (``length`` None: negative ones) raise :class:`DatasetExhausted`
-    naming ``what``. ``rewrites`` says whether the examples change on the way (``map``, causal-LM columns)
+    indices outside ``[0, length)`` raise :class:`DatasetExhausted` naming ``what`` (with ``length`` None,
+    a negative index raises ``IndexError``). ``rewrites`` says whether the examples change on the way (``map``, causal-LM columns)
     or are ``inner``'s as they are (shuffles, slices, epochs): only in the second case may a reader read
     ``inner`` at ``fn(i)`` itself, as a mixture does to evaluate all its sources' maps in one pass.
     """
