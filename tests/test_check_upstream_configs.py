@@ -27,7 +27,7 @@ def test_each_file_is_classified_and_counted(tmp_path, capsys):
         "optimizer:\n  skip_bad_steps: true\n  lr_schedule: inv\n")
     (tmp_path / "sophia.yaml").write_text("data: !include data/source.yaml\noptimizer:\n  type: sophia-h\n"
                                           "  gamma: 0.01\n")
-    (tmp_path / "moe.yaml").write_text("model:\n  type: mixtral\n")
+    (tmp_path / "moe.yaml").write_text("model:\n  type: whisper\n")
     (tmp_path / "fp8.yaml").write_text("trainer:\n  quantization:\n    fp8: true\n")
     (tmp_path / "typo.yaml").write_text("trainer:\n  num_train_stepz: 3\n")
     assert _script().main([str(tmp_path)]) == 0
@@ -40,7 +40,7 @@ def test_each_file_is_classified_and_counted(tmp_path, capsys):
     assert rows["ok.yaml"] == ("parses", "")
     assert rows["sophia.yaml"][0] == "refused" and rows["sophia.yaml"][1].startswith("optimizer.type=sophia-h: ")
     assert rows["fp8.yaml"][0] == "refused" and rows["fp8.yaml"][1].startswith("trainer.quantization.fp8=true")
-    assert rows["moe.yaml"] == ("needs family", "mixtral")
+    assert rows["moe.yaml"] == ("needs family", "whisper")
     assert rows["typo.yaml"][0] == "error" and "num_train_stepz" in rows["typo.yaml"][1]
     assert sorted(rows) == ["fp8.yaml", "moe.yaml", "ok.yaml", "sophia.yaml", "typo.yaml"]  # not data/source.yaml
     assert lines[-1] == "parses: 1, refused: 2, needs family: 1, error: 1 (of 5)"

@@ -120,3 +120,38 @@ def test_reported_experiment_first_difference_is_exactly_the_80_percent_step(tmp
         assert res["first_loss_diff"] == res["first_fingerprint_diff"] == res["first_counts_diff"] == s
         assert res["first_stage2_batch_a"] == s
         assert s in res["eval_steps_a"]  # an eval exactly at the switch
+
+
+def test_compare_runs_script_finds_the_first_difference_and_ignores_timing(tmp_path):
+    """``scripts/compare_runs.py`` (the bit-for-bit check of two runs' metrics): runs that differ only in
+    what measures time are identical; a loss differing in its last bit is found at its step and key;
+    an unreadable file is one ``error:`` paragraph with status 2 (docs/reference/errors.md)."""
+    import math
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "compare_runs.py")
+
+    def write(name, rows):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(path)
+
+    base = [{"step": s, "train/loss": 1.0 / (s + 1), "data/fingerprint": f"f{s}", "data/source_counts/a": s,
+             "throughput/step_seconds": 0.1, "data/wait_seconds": 0.01} for s in range(5)]
+    base.append({"step": 4, "eval/loss": 0.5})
+    slower = [dict(r, **{"throughput/step_seconds": 9.0}) if "train/loss" in r else r for r in base]
+    off = [dict(r) for r in base]
+    off[3]["train/loss"] = math.nextafter(off[3]["train/loss"], 1.0)  # one ulp more
+
+    def run(a, b):
+        return subprocess.run([sys.executable, script, a, b], capture_output=True, text=True)
+
+    same = run(write("a.jsonl", base), write("b.jsonl", slower))
+    assert same.returncode == 0 and "identical" in same.stdout and "eval 1" in same.stdout
+    diff = run(write("a.jsonl", base), write("c.jsonl", off))
+    assert diff.returncode == 1 and "first at step 3, train/loss" in diff.stdout
+    missing = run(str(tmp_path / "nowhere.jsonl"), write("a.jsonl", base))
+    assert missing.returncode == 2 and missing.stderr.startswith("error: cannot read the metrics file")
+    assert "Traceback" not in missing.stderr and missing.stderr.count("\n") == 1

@@ -152,3 +152,39 @@ def test_map_batches_is_vectorised_and_length_checked():
     assert read(base.map_batches(lambda xs: np.asarray(xs) * 2), 0, [1, 2]) == [2, 4]
     with pytest.raises(ValueError, match="returned 1 examples"):
         read(base.map_batches(lambda xs: xs[:1]), 0, [1, 2])
+
+
+def test_every_wrapper_exposes_the_index_map_it_reads_through():
+    """Each wrapper's public ``index_map`` says which rows of which dataset it reads: reading the inner
+    dataset at the mapped indices gives the wrapper's own rows (for every index of a small domain, and
+    chained through several wrappers); shuffles, slices and epochs pass examples through (``rewrites``
+    False), ``map`` rewrites them; a leaf has no map; an index past the end fails as a read does."""
+    base = ListAsyncDataset(np.arange(30) * 7)
+    wrappers = {
+        "shuffle": base.shuffle(key=3),
+        "block_shuffle": base.block_shuffle(4, key=5),
+        "era_shuffle": base.era_shuffle(8, key=6),
+        "slice": base.slice_dataset(4, 25),
+        "epochs": base.slice_dataset(3, 14).epochs(max_epochs=3),
+        "chain": base.shuffle(key=1).slice_dataset(2, 20).block_shuffle(5, key=2),
+        "map": base.map(lambda x: x + 1),
+    }
+
+    async def check():
+        assert await base.index_map() is None
+        for name, ds in wrappers.items():
+            n = await ds.async_len()
+            idx = np.arange(n)
+            d, mapped, rewrote = ds, idx, False
+            while (m := await d.index_map()) is not None:
+                d, mapped, rewrote = m.inner, m(mapped), rewrote or m.rewrites
+            assert d is base, name
+            assert rewrote == (name == "map"), name
+            own = np.asarray(await ds.get_batch(0, idx))
+            through = np.asarray(await base.get_batch(0, mapped))
+            np.testing.assert_array_equal(own, through + (1 if name == "map" else 0), err_msg=name)
+            if name != "map":
+                with pytest.raises(DatasetExhausted):
+                    (await ds.index_map())(np.array([n]))
+
+    asyncio.run(check())

@@ -661,14 +661,14 @@ def test_non_finite_steps_are_skipped_when_allowed(tmp_path, monkeypatch):
     poison = {2: NAN_MARK, 4: INF_MARK}
     original_loss, original_fetch = train_lm.lm_loss_fn, DataLoader.fetch
 
-    def poisoned_loss_fn(z_loss_weight=0.0, eos_id=None):
-        inner = original_loss(z_loss_weight, eos_id)
+    def poisoned_loss_fn(z_loss_weight=0.0, eos_id=None, quantization=None):
+        inner = original_loss(z_loss_weight, eos_id, quantization)
 
         def loss(model, batch):
             marks = batch["poison"].array[0, 0]
             scale = jnp.where(marks == NAN_MARK, jnp.nan, jnp.where(marks == INF_MARK, jnp.inf, 1.0))
-            total, count = inner(model, {k: v for k, v in batch.items() if k != "poison"})
-            return total * scale, count
+            total, count, extra = inner(model, {k: v for k, v in batch.items() if k != "poison"})
+            return total * scale, count, extra
 
         return loss
 

@@ -297,11 +297,11 @@ def test_a_slow_consumer_is_refilled_without_waking_the_producer(monkeypatch):
     """A consumer slower than the producer never has to wake it up (a wake-up from ``next()`` costs the
     consumer the GIL while the producer fetches): the producer finds the room by itself and the consumer
     keeps finding its steps ready, in order."""
-    import levanter.data.loader as loader_module
+    from levanter.data.prefetch import Prefetcher
 
     woken = []
-    real_nudge = loader_module._Prefetcher._nudge
-    monkeypatch.setattr(loader_module._Prefetcher, "_nudge", lambda self: woken.append(1) or real_nudge(self))
+    real_nudge = Prefetcher._nudge
+    monkeypatch.setattr(Prefetcher, "_nudge", lambda self: woken.append(1) or real_nudge(self))
     loader = DataLoader(RecordingDataset(identity_dataset()), 8, prefetch_depth=8)
     with loader.iter_from_step(0) as it:
         steps = []
@@ -838,3 +838,60 @@ def test_read_ahead_from_any_step_equals_the_uninterrupted_run(tmp_path, monkeyp
             np.testing.assert_array_equal(tokens, whole[start + k], err_msg=f"from {start}, step {start + k}")
         if 100 - start > 20:
             assert len(reads) - before < (100 - start) / 4
+
+
+# ---------------------------------------------------------------------------------------------------
+# a single source (no mixture above it) is read ahead too
+# ---------------------------------------------------------------------------------------------------
+def _store_source(tmp_path):
+    """One shuffled source of token windows on a real store: ``train_lm``'s single-source data."""
+    from levanter.data.text import CausalLmDataset, TokenSeqDataset
+    from levanter.store.jagged_array import JaggedArrayStore
+
+    path = tmp_path / "single"
+    if not path.exists():
+        flat = np.random.default_rng(7).integers(0, 50, 700 * 8).astype(np.int32)
+        store = JaggedArrayStore.open(path, mode="w", data_chunk=64)
+        store.append_flat(flat, np.array([flat.size]))
+        store.finalize()
+    tokens = TokenSeqDataset(JaggedArrayStore.open(path, mode="r"), 8)
+    return CausalLmDataset(tokens, eos_id=49, tokens_only=True).shuffle(key=3)
+
+
+@pytest.mark.parametrize("prefetch_depth", [0, 8])
+def test_a_single_source_is_read_ahead(tmp_path, monkeypatch, prefetch_depth):
+    """One source alone, no mixture: the loader plans its upcoming steps in groups and reads each group in
+    one tensorstore operation (far fewer reads than steps, nearly every step served by the read-ahead),
+    across a batch-size change; every batch equals the source's own ``get_batch`` of the step, and its
+    provenance (from the read's own pass) is the step's global indices."""
+    from levanter.data.read_ahead import MISS, ReadAhead
+    from levanter.store import batched_reads
+
+    src = _store_source(tmp_path)
+    schedule = schedule_of([(0, 4), (30, 8)])
+    reads, served = [], []
+    real_read = batched_reads.read_view
+    monkeypatch.setattr(batched_reads, "read_view", lambda v: reads.append(1) or real_read(v))
+    real_ahead = ReadAhead.read
+
+    async def counting(self, step):
+        got = await real_ahead(self, step)
+        if got is not MISS:
+            served.append(step)
+        return got
+
+    monkeypatch.setattr(ReadAhead, "read", counting)
+    loader = DataLoader(src, schedule, prefetch_depth=prefetch_depth, provenance=True)
+    with loader.iter_from_step(0, 60) as it:
+        batches = list(it)
+    assert [b.step for b in batches] == list(range(60))
+    assert len(reads) < 60 / 4, len(reads)  # groups of up to 16 steps, one read each
+    assert len(served) >= 50 and 0 not in served  # the first step is read alone
+    for b in batches:
+        first, end = schedule.step_range(b.step)
+        expect = asyncio.run(src.get_batch(b.step, np.arange(first, end))).tree["tokens"]
+        np.testing.assert_array_equal(np.asarray(b.data["tokens"]), expect, err_msg=f"step {b.step}")
+        assert set(b.provenance) == {"global_index"}
+        np.testing.assert_array_equal(b.provenance["global_index"], np.arange(first, end))
+    # A wrapper that cannot plan (a per-example map) is read step by step, as before.
+    assert DataLoader(src.map(lambda x: x), schedule).read_ahead(0, 60) is None

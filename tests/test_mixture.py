@@ -69,7 +69,7 @@ def test_block_none_makes_every_batch_exact(sched_name):
     mix = MixtureDataset(sources(), weights, batch_schedule=schedule, block_size=None, key=1)
     stage_totals = {}
     for step, b in zip(range(45), batches(mix, schedule, range(45))):
-        stage = mix.stage_at_step(step)
+        stage = mix.layout.stage_at_step(step)
         src, _ = decode(b)
         got = np.bincount(src, minlength=3)
         fr = [Fraction(weights[stage][1].get(n, 0)) for n in NAMES]
@@ -80,7 +80,7 @@ def test_block_none_makes_every_batch_exact(sched_name):
     for stage, tot in stage_totals.items():
         fr = np.array([float(weights[stage][1].get(n, 0)) for n in NAMES])
         fr /= fr.sum()
-        block = min(schedule.batch_size_at_step(s) for s in range(45) if mix.stage_at_step(s) == stage)
+        block = min(schedule.batch_size_at_step(s) for s in range(45) if mix.layout.stage_at_step(s) == stage)
         assert np.all(np.abs(tot / tot.sum() - fr) <= 1 / block)
 
 
@@ -113,7 +113,7 @@ def test_sources_are_consumed_in_order_without_gap_or_repeat(sched_name, block_s
     for s in range(3):
         positions = np.flatnonzero(src == s)
         for n in range(0, len(positions), max(1, len(positions) // 25)):
-            assert mix.global_index_of_draw(s, n) == positions[n]
+            assert mix.layout.global_index_of_draw(s, n) == positions[n]
 
 
 def test_restart_wraps_finite_sources():
@@ -131,7 +131,7 @@ def brute_force_unwrapped(mix, schedule, n_steps):
     src, idx = [], []
     for step in range(n_steps):
         first, end = schedule.step_range(step)
-        s, i = mix.unwrapped_source_indices(step, list(range(first, end)))
+        s, i = mix.layout.unwrapped_source_indices(step, list(range(first, end)))
         src.append(s)
         idx.append(i)
     return np.concatenate(src), np.concatenate(idx)
@@ -287,7 +287,7 @@ def test_combined_read_equals_reading_each_source(tmp_path, monkeypatch, names):
     from levanter.data.dataset import StackedBatch
     from levanter.store import batched_reads
 
-    import levanter.data.mixture as mixture_module
+    import levanter.data.dataset as dataset_module
     import levanter.data.text as text_module
 
     finishes = []
@@ -299,11 +299,18 @@ def test_combined_read_equals_reading_each_source(tmp_path, monkeypatch, names):
     reads = []
     real_read = batched_reads.read_view
     monkeypatch.setattr(batched_reads, "read_view", lambda view: reads.append(1) or real_read(view))
+    from levanter.data import FeistelPermutation
+
+    # Passes that evaluate permutations (a slice's or epochs' map below a shuffle is a second level: not one).
     permuted = []
-    real_many = mixture_module.permute_many
-    monkeypatch.setattr(
-        mixture_module, "permute_many", lambda reqs: permuted.append(sum(len(i) for _, i in reqs)) or real_many(reqs)
-    )
+    real_many = dataset_module.permute_many
+
+    def counting(reqs):
+        if any(isinstance(p, FeistelPermutation) for p, _ in reqs):
+            permuted.append(sum(len(i) for _, i in reqs))
+        return real_many(reqs)
+
+    monkeypatch.setattr(dataset_module, "permute_many", counting)
 
     def columns(batch):
         if isinstance(batch, StackedBatch):
@@ -340,8 +347,6 @@ def test_combined_read_equals_reading_each_source(tmp_path, monkeypatch, names):
         return planned
 
     planned = asyncio.run(check())
-    from levanter.data import FeistelPermutation
-
     assert len(permuted) == 20  # the shuffled sources' permutations: one pass per step
     if "mapped" in names:
         assert planned == 0 and max(mixture_reads) > 1  # per-source reads
@@ -528,6 +533,8 @@ def test_coalesced_reads_never_change_what_is_read(tmp_path, monkeypatch, block_
                 if got is MISS:
                     got = await mix.get_batch(step, idx)
                 else:
+                    got, provenance = got
+                    assert provenance is None  # not asked for
                     served += 1
                 mix_reads += len(reads) - before
                 assert isinstance(got, StackedBatch) and isinstance(expect, StackedBatch)
@@ -593,8 +600,7 @@ def test_groups_read_ahead_stay_bounded_and_a_failed_one_is_read_again(tmp_path,
             idx = np.arange(step * 4, step * 4 + 4)
             try:
                 got = await ahead.read(step)
-                if got is MISS:
-                    got = await mix.get_batch(step, idx)
+                got = await mix.get_batch(step, idx) if got is MISS else got[0]
             except OSError:
                 failed.append(step)
                 assert await ahead.read(step) is MISS  # what the loader's retry does: read afresh
@@ -655,8 +661,7 @@ def test_read_ahead_bookkeeping_stays_bounded_over_a_long_run(rows, steps):
         most = 0
         for step in range(1, steps + 1):
             got = await ahead.read(step)
-            if got is MISS:
-                got = await mix.get_batch(step, indices(step))
+            got = await mix.get_batch(step, indices(step)) if got is MISS else got[0]
             assert len(got) == rows
             most = max(most, ahead.groups_held())
         ahead.close()
@@ -667,3 +672,101 @@ def test_read_ahead_bookkeeping_stays_bounded_over_a_long_run(rows, steps):
     bound = TRIM_GROUPS + PLAN_MAX_STEPS + GROUPS_AHEAD + 1
     assert bound < steps // (16 if rows == 8 else 1)
     assert asyncio.run(run()) <= bound
+
+
+# -- provenance from the read's own pass ------------------------------------------------------------------
+
+
+def _old_second_pass(mix, lengths, step, indices):
+    """What the loader used to compute for every batch in a second pass over the index math: the
+    layout's unwrapped ``(source, source_index)``, the end of the data, then the stop strategy's wrap."""
+    source, src_index = mix.layout.unwrapped_source_indices(step, indices)
+    if mix.stop_strategy != "restart":
+        end = mix._end_from_lengths(lengths)
+        if end is not None and int(np.max(indices)) >= end:
+            raise DatasetExhausted(f"step {step} past the end {end}")
+    src_index = src_index.copy()
+    for s, n in enumerate(lengths):
+        if n is not None:  # an infinite source is never wrapped
+            src_index[source == s] %= n
+    return source, src_index
+
+
+@pytest.mark.parametrize("stop_strategy", ["restart", "first_exhausted", "all_exhausted"])
+@pytest.mark.parametrize("block_size", [None, 2, 5])
+def test_provenance_from_the_read_equals_the_old_second_pass(stop_strategy, block_size):
+    """Exhaustively over a small domain -- every step of a two-stage, two-batch-size run until the data
+    ends, every non-empty subset of each step's rows read (a process reading part of the batch) -- the
+    provenance ``read_with_provenance`` returns with the read equals the old second pass, value and dtype,
+    the rows read equal ``get_batch``'s, and a step past the end fails alike."""
+    lengths = [9, 12, 8]
+    sources = {
+        "a": ListAsyncDataset(np.arange(9) * 10).shuffle(key=1),
+        "b": ListAsyncDataset(np.arange(12) * 10 + 1).block_shuffle(5, key=2),
+        "c": ListAsyncDataset(np.arange(9) * 10 + 2).slice_dataset(1),  # 8 rows
+    }
+    schedule = BatchSchedule([ScheduleStep(0, 3), ScheduleStep(4, 4)])
+    weights = [(0, {"a": 0.5, "b": 0.3, "c": 0.2}), (3, {"a": 0.2, "b": 0.3, "c": 0.5})]
+    mix = MixtureDataset(sources, weights, batch_schedule=schedule, block_size=block_size, key=9,
+                         stop_strategy=stop_strategy)
+    checked = ended = 0
+
+    async def run():
+        nonlocal checked, ended
+        for step in range(40):
+            first, end = schedule.step_range(step)
+            where = np.arange(first, end)
+            try:
+                source, src_index = _old_second_pass(mix, lengths, step, where)
+            except DatasetExhausted:
+                with pytest.raises(DatasetExhausted):
+                    await mix.read_with_provenance(step, where, where)
+                ended += 1
+                continue
+            for mask in range(1, 2**where.size):
+                idx = where[[k for k in range(where.size) if mask >> k & 1]]
+                rows, prov = await mix.read_with_provenance(step, idx, where)
+                assert set(prov) == {"source", "source_index"}
+                for key, expect in (("source", source), ("source_index", src_index)):
+                    assert prov[key].dtype == expect.dtype
+                    np.testing.assert_array_equal(prov[key], expect, err_msg=f"step {step} rows {idx} {key}")
+                np.testing.assert_array_equal(np.asarray(rows), np.asarray(await mix.get_batch(step, idx)))
+                checked += 1
+
+    asyncio.run(run())
+    assert checked >= 5 * 7  # at least five steps, with all their subsets
+    assert (ended > 0) == mix.is_finite()  # restart never ends, nor all_exhausted with a source left undrawn
+
+
+@pytest.mark.parametrize("block_size", [None, 3])
+def test_planned_provenance_equals_the_old_second_pass(tmp_path, block_size):
+    """The read-ahead's way in: ``plan_read_groups(..., where=...)`` over store-backed sources attaches to
+    each group's plan the provenance of its steps' whole batches, back to back -- for every step of the
+    run, in groups of every size up to 5, reading the whole batch or its second half -- equal to the old
+    second pass."""
+    srcs = _token_sources(tmp_path)
+    sources = {n: srcs[n] for n in ("shuffled", "blocks", "epochs")}
+    weights = [(0, {"shuffled": 0.5, "blocks": 0.3, "epochs": 0.2}), (9, {"shuffled": 0.1, "blocks": 0.2, "epochs": 0.7})]
+    mix = MixtureDataset(sources, weights, batch_schedule=PLAN_SCHEDULE, block_size=block_size, key=3)
+    lengths = [asyncio.run(d.async_len()) if d.is_finite() else None for d in mix.datasets]
+    steps = list(range(24))
+    wheres = [np.arange(*PLAN_SCHEDULE.step_range(s)) for s in steps]
+    expect = [_old_second_pass(mix, lengths, s, w) for s, w in zip(steps, wheres)]
+
+    async def run():
+        for size in range(1, 6):
+            groups = [size] * (len(steps) // size) + ([len(steps) % size] if len(steps) % size else [])
+            for part in ("whole", "half"):
+                idxs = wheres if part == "whole" else [w[w.size // 2:] for w in wheres]
+                plans = await mix.plan_read_groups(steps, idxs, groups, wheres)
+                at = 0
+                for g, plan in zip(groups, plans):
+                    assert plan is not None and set(plan.provenance) == {"source", "source_index"}
+                    for k, key in enumerate(("source", "source_index")):
+                        want = np.concatenate([expect[s][k] for s in range(at, at + g)])
+                        np.testing.assert_array_equal(plan.provenance[key], want, err_msg=f"group {at} {key}")
+                        assert plan.provenance[key].dtype == want.dtype
+                    assert plan.num_rows == sum(idxs[s].size for s in range(at, at + g))
+                    at += g
+
+    asyncio.run(run())

@@ -92,7 +92,20 @@ def mixture_config(root: str):
     )
 
 
-def make_loader(root: str, batch_size: int, prefetch: int, seq_len: int = syn.SEQ_LEN):
+def single_source_config(root: str, name: str = "web"):
+    """One source of the corpus alone (``data.train_urls``, shuffled): ``train_lm``'s single-source path,
+    ``TokenSeqDataset -> CausalLmDataset -> shuffle`` with no mixture above it."""
+    from levanter.data.config import UrlSingleDatasetLMConfig
+
+    return UrlSingleDatasetLMConfig(
+        tokenizer="byte", cache_dir=os.path.join(root, name), train_urls=[SYNTH_URL.format(name=name)], shuffle=True
+    )
+
+
+def make_loader(root: str, batch_size: int, prefetch: int, seq_len: int = syn.SEQ_LEN, single: bool = False,
+                provenance: bool = False):
+    """A loader over the 3-source mixture, or with ``single`` over the first source alone; ``provenance``:
+    each batch carries it, as ``train_lm``'s loader does."""
     import jax
 
     from levanter.data.loader import DataLoader, use_prefetch_switch_interval
@@ -102,8 +115,9 @@ def make_loader(root: str, batch_size: int, prefetch: int, seq_len: int = syn.SE
 
     schedule = BatchSchedule(batch_size)
     # tokens_only, as train_lm reads it: loss mask and segment ids are derived in the train step.
-    ds = mixture_config(root).train_set(seq_len, schedule, key=jax.random.PRNGKey(0), tokens_only=True)
-    return DataLoader(ds, schedule, prefetch_depth=prefetch)
+    config = single_source_config(root) if single else mixture_config(root)
+    ds = config.train_set(seq_len, schedule, key=jax.random.PRNGKey(0), tokens_only=True)
+    return DataLoader(ds, schedule, prefetch_depth=prefetch, provenance=provenance)
 
 
 def first_step(n: int) -> int:
@@ -117,19 +131,23 @@ def _ready(batch) -> None:
     jax.block_until_ready(batch.data)
 
 
-def loader_throughput(root: str, batch_size: int, n: int, prefetch: int = 8, seq_len: int = syn.SEQ_LEN) -> dict:
-    loader = make_loader(root, batch_size, prefetch, seq_len)
-    start = first_step(n)
+def loader_throughput(
+    root: str, batch_size: int, n: int, prefetch: int = 8, seq_len: int = syn.SEQ_LEN, single: bool = False,
+    provenance: bool = False,
+) -> dict:
+    loader = make_loader(root, batch_size, prefetch, seq_len, single, provenance)
+    start = 0 if single else first_step(n)  # one source alone is finite and has no stage switch
     with loader.iter_from_step(start, start + n + 1) as it:
         _ready(next(it))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         got = 0
         for batch in it:
             _ready(batch)
             got += 1
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     assert got == n, (got, n)
-    return {"tokens_per_s": n * batch_size * seq_len / dt, "seconds": dt, "batches": n}
+    # CPU seconds (all of the process's threads) per batch: steadier than the wall clock on a shared machine.
+    return {"tokens_per_s": n * batch_size * seq_len / dt, "seconds": dt, "batches": n, "cpu_ms_per_batch": 1e3 * cpu / n}
 
 
 def _raw_plan(root: str, batch_size: int, n: int, seq_len: int = syn.SEQ_LEN) -> list:
@@ -397,6 +415,33 @@ def print_checksum_section(res: dict) -> None:
                  ("raw crc32c", 20), ("raw plain", 20), ("raw ratio", 20)], rows)
 
 
+def single_vs_mixture(root: str, shapes: dict, repeats: int) -> dict:
+    """Tokens/s of the loader (prefetch 8 and 0; and prefetch 8 with provenance, as ``train_lm`` reads) over
+    one source alone and over the mixture, per ``(batch, seq_len): steps`` of ``shapes``, the runs rotated
+    between repeats so that drift hits all alike.
+    Returns ``{"<batch>x<seq_len>": {"single_p8": [...], "single_p0": [...], "mixture_p8": [...],
+    "mixture_p0": [...], "single_p8_cpu_ms": [...], ...}}`` (one value per repeat; ``*_cpu_ms``: the
+    process's CPU milliseconds per batch, steadier than tokens/s where other work shares the cores)."""
+    out = {}
+    kinds = [("single", True, 8, False), ("single", True, 0, False), ("single", True, 8, True),
+             ("mixture", False, 8, False), ("mixture", False, 0, False), ("mixture", False, 8, True)]
+
+    def name(k, p, prov):
+        return f"{k}_p{p}" + ("_prov" if prov else "")
+
+    for (bs, L), n in shapes.items():
+        for _, single, p, _ in kinds[::3]:  # first-use costs (a loader's first build) out of the timed runs
+            loader_throughput(root, bs, 2, p, L, single)
+        runs: dict = {name(k, p, prov) + cpu: [] for k, _, p, prov in kinds for cpu in ("", "_cpu_ms")}
+        for r in range(repeats):
+            for k, single, p, prov in kinds[r % 6:] + kinds[: r % 6]:
+                res = loader_throughput(root, bs, n, p, L, single, prov)
+                runs[name(k, p, prov)].append(res["tokens_per_s"])
+                runs[name(k, p, prov) + "_cpu_ms"].append(res["cpu_ms_per_batch"])
+        out[f"{bs}x{L}"] = runs
+    return out
+
+
 def jax_leaves(tree):
     import jax
 
@@ -407,7 +452,23 @@ if __name__ == "__main__":  # the memory probe runs here, in a fresh process, fo
     import json
     import sys
 
-    if sys.argv[1:2] == ["--checksum"]:  # the checksum comparison alone: --checksum [tokens [steps [repeats]]]
+    if sys.argv[1:2] == ["--single"]:  # one source alone against the mixture: --single [tokens [repeats]]
+        # 12M tokens: the first source (half of them) holds the 81 batches of 64 x 1024 read from step 0.
+        import statistics
+        import tempfile
+
+        tokens, repeats = (int(x) for x in (sys.argv[2:] + ["12000000", "3"][len(sys.argv) - 2:])[:2])
+        with tempfile.TemporaryDirectory(prefix="levanter-bench-single-") as work:
+            write_caches(os.path.join(work, "cache"), tokens)
+            res = single_vs_mixture(os.path.join(work, "cache"), {(8, 1024): 300, (64, 1024): 80, (8, 64): 600},
+                                    repeats)
+        for key, runs in res.items():
+            print(key, "  ".join(f"{k} {statistics.median(v) / 1e6:.2f} M tok/s [{min(v) / 1e6:.2f}, "
+                                 f"{max(v) / 1e6:.2f}]" for k, v in runs.items() if not k.endswith("_cpu_ms")))
+            print(key, "  ".join(f"{k} {statistics.median(v):.3f} ms/batch" for k, v in runs.items()
+                                 if k.endswith("_cpu_ms")))
+        print(json.dumps(res))
+    elif sys.argv[1:2] == ["--checksum"]:  # the checksum comparison alone: --checksum [tokens [steps [repeats]]]
         import tempfile
 
         tokens, steps, repeats = (int(x) for x in (sys.argv[2:] + ["4000000", "40", "3"][len(sys.argv) - 2:])[:3])

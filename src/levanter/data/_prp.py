@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Callable
 
 import numpy as np
 
@@ -141,13 +142,23 @@ class FeistelPermutation:
         return int(y[0]) if scalar else y
 
 
-def permute_many(requests: "list[tuple[FeistelPermutation, np.ndarray]]") -> list[np.ndarray]:
-    """``[perm(idx) for perm, idx in requests]``, evaluated in one vectorised pass.
+def permute_many(requests: "list[tuple[Callable | None, np.ndarray]]") -> list[np.ndarray]:
+    """``[perm(idx) for perm, idx in requests]``, the :class:`FeistelPermutation` s among them evaluated
+    in one vectorised pass; any other function is applied on its own, and None stands for the identity.
 
     A mixture permutes a few indices of each of its sources every step; one numpy pass with per-element
     round keys, widths and lengths costs what one source's pass costs (~70 numpy calls per Feistel
     round trip, whatever the array size), instead of one pass per source. Same function, same results.
     """
+    if not all(isinstance(p, FeistelPermutation) for p, _ in requests):
+        out: list = [None] * len(requests)
+        at = [k for k, (p, _) in enumerate(requests) if isinstance(p, FeistelPermutation)]
+        for k, (p, idx) in enumerate(requests):
+            if not isinstance(p, FeistelPermutation):
+                out[k] = np.asarray(idx, dtype=np.int64).reshape(-1) if p is None else p(idx)
+        for k, y in zip(at, permute_many([requests[k] for k in at])):
+            out[k] = y
+        return out
     arrays = [np.asarray(idx, dtype=np.int64).reshape(-1) for _, idx in requests]
     total = sum(a.size for a in arrays)
     if len(requests) < 2 or total <= FeistelPermutation.SMALL:

@@ -28,19 +28,33 @@ tensorstore thread and an event-loop wake-up each (docs/performance.md). Dataset
 return None and are read with ``get_batch``; both ways return the same data. ``plan_reads(steps,
 indices)`` plans several steps' reads at once: the loader reads a group of upcoming steps ahead with
 one plan (:mod:`levanter.data.read_ahead`), and a mixture asks each source once for all of them.
+``plan_read_groups`` plans several consecutive groups of steps with the index math of all of them in one
+pass; any dataset that :meth:`~AsyncDataset.can_plan_reads` is read ahead by the loader, a single source
+as much as a mixture.
+
+Provenance: ``read_with_provenance(step, indices, where)`` is ``get_batch`` that also says where the rows
+at ``where`` (the step's whole global batch; ``indices`` are among them) come from -- a mixture answers
+``source`` and ``source_index`` -- from the same index-math pass as the read; ``plan_read_groups(...,
+where=...)`` attaches the same to each plan (:attr:`ReadPlan.provenance`). A dataset that adds nothing
+answers ``{}``; wrappers forward both.
+
+Index maps: a wrapper tells which rows of another dataset it reads (:meth:`AsyncDataset.index_map`, an
+:class:`IndexMap`), so a reader holding several wrapped sources (a mixture) or walking a source down to
+its store (the data planner) uses each wrapper's own map without knowing its type.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 import jax
 import numpy as np
 
-from ._prp import FeistelPermutation, derive_seed, seed_from_key
+from ._prp import FeistelPermutation, derive_seed, permute_many, seed_from_key
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -105,6 +119,9 @@ class ReadPlan:
     finish: Callable[[np.ndarray], Any]
     row_key: Any = None
     block: Any = None
+    # From ``plan_read_groups(..., where=...)``: per-row arrays over the steps' ``where`` indices, back to
+    # back ({} for a dataset that adds nothing to the global index); None when not asked for.
+    provenance: Any = None
 
     @property
     def num_rows(self) -> int:
@@ -115,7 +132,7 @@ class ReadPlan:
         for equal functions) only if ``fn`` is row-wise too; the result keeps a key only if both have one."""
         inner = self.finish
         key = None if row_key is None or self.row_key is None else (self.row_key, row_key)
-        return ReadPlan(self.views, lambda rows: fn(inner(rows)), key, self.block)
+        return ReadPlan(self.views, lambda rows: fn(inner(rows)), key, self.block, self.provenance)
 
 
 def check_range(idx: np.ndarray, length: int, what: str) -> None:
@@ -130,6 +147,46 @@ def check_range(idx: np.ndarray, length: int, what: str) -> None:
     if lo < 0 or hi >= length:
         bad = int(idx[(idx < 0) | (idx >= length)][0])
         raise DatasetExhausted(f"{what}: index {bad} out of range [0, {length})")
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexMap:
+    """Which rows of another dataset a wrapper reads: this dataset's index ``i`` is index ``fn(i)`` of
+    ``inner``, read for the same step.
+
+    ``fn`` is pure and vectorised (an int64 array in, an int64 array out, order kept; None: the identity);
+    indices outside ``[0, length)`` raise :class:`DatasetExhausted` naming ``what`` (with ``length`` None,
+    a negative index raises ``IndexError``). ``rewrites`` says whether the examples change on the way (``map``, causal-LM columns)
+    or are ``inner``'s as they are (shuffles, slices, epochs): only in the second case may a reader read
+    ``inner`` at ``fn(i)`` itself, as a mixture does to evaluate all its sources' maps in one pass.
+    """
+
+    inner: "AsyncDataset"
+    fn: Callable[[np.ndarray], np.ndarray] | None = None
+    length: int | None = None
+    what: str = ""
+    rewrites: bool = False
+
+    def check(self, idx: np.ndarray) -> None:
+        if self.length is not None:
+            check_range(idx, self.length, self.what)
+        elif idx.size and idx.min() < 0:
+            raise IndexError(f"{self.what}: negative index {int(idx.min())}")
+
+    def __call__(self, indices: Sequence[int]) -> np.ndarray:
+        idx = as_index_array(indices)
+        self.check(idx)
+        return idx if self.fn is None else self.fn(idx)
+
+
+def apply_index_maps(maps: Sequence[IndexMap], indices: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """``[m(i) for m, i in zip(maps, indices)]``, the Feistel permutations among them evaluated in one
+    vectorised pass (:func:`~levanter.data._prp.permute_many`): what a mixture pays per step is then one
+    pass whatever the number of shuffled sources."""
+    arrays = [as_index_array(i) for i in indices]
+    for m, a in zip(maps, arrays):
+        m.check(a)
+    return permute_many([(m.fn, a) for m, a in zip(maps, arrays)])
 
 
 class AsyncDataset(abc.ABC, Generic[T]):
@@ -167,6 +224,49 @@ class AsyncDataset(abc.ABC, Generic[T]):
         if key is None or any(p is None or p.block is not None or p.row_key != key for p in plans):
             return None
         return ReadPlan([v for p in plans for v in p.views], plans[0].finish, plans[0].row_key)
+
+    def can_plan_reads(self) -> bool:
+        """Whether :meth:`plan_read_groups` may answer with plans (token windows of a store, through any
+        wrappers that pass plans on): the loader reads such a dataset ahead (:mod:`.read_ahead`). The
+        default: no."""
+        return False
+
+    async def plan_read_groups(
+        self,
+        steps: Sequence[int],
+        indices: Sequence[Sequence[int]],
+        group_sizes: Sequence[int],
+        where: Sequence[np.ndarray] | None = None,
+    ) -> list[ReadPlan | None]:
+        """:meth:`plan_reads` of consecutive groups of ``steps`` (``group_sizes[g]`` steps each), one plan
+        (or None) per group. With ``where`` (per step: the indices whose provenance is wanted, ``indices``
+        among them), each plan carries :attr:`ReadPlan.provenance` over them, from the same pass.
+
+        The default plans each group on its own and adds no provenance (``{}``). Index-mapping wrappers
+        map all the groups' indices in one pass and pass the call on; a mixture does all its index math
+        for all the groups in one pass.
+        """
+        plans, at = [], 0
+        for size in group_sizes:
+            plan = await self.plan_reads(steps[at : at + size], indices[at : at + size])
+            if plan is not None and where is not None:
+                plan.provenance = {}
+            plans.append(plan)
+            at += size
+        return plans
+
+    async def read_with_provenance(
+        self, step: int, indices: Sequence[int], where: np.ndarray
+    ) -> tuple[Sequence[T], dict[str, np.ndarray]]:
+        """``get_batch(step, indices)`` and where the rows at ``where`` (this dataset's indices of ``step``,
+        ``indices`` among them) come from, per row, from the same pass: ``{}`` by default (the global
+        index says it all); a mixture adds ``source`` and ``source_index``; wrappers forward."""
+        return await self.get_batch(step, indices), {}
+
+    async def index_map(self) -> IndexMap | None:
+        """The rows of another dataset this one reads (an :class:`IndexMap`), or None: a dataset that reads
+        its own rows (a store, a list, a mixture)."""
+        return None
 
     # -- combinators ---------------------------------------------------------------------------------
     def map(self, fn: Callable[[T], U]) -> "MappedAsyncDataset[T, U]":
@@ -213,6 +313,9 @@ class ListAsyncDataset(AsyncDataset[T]):
 
 
 class _Wrapper(AsyncDataset[T]):
+    """A dataset over ``dataset`` that changes its examples, row for row (``map``, ``map_batches``):
+    provenance passes through, and its :meth:`index_map` is the identity, rewriting."""
+
     def __init__(self, dataset: AsyncDataset):
         self.dataset = dataset
 
@@ -222,26 +325,74 @@ class _Wrapper(AsyncDataset[T]):
     def is_finite(self) -> bool:
         return self.dataset.is_finite()
 
+    async def index_map(self) -> IndexMap | None:
+        return IndexMap(self.dataset, rewrites=True)
 
-class _IndexMapWrapper(_Wrapper[T]):
-    """A wrapper that only translates indices (:meth:`_inner_indices`): reads and plans pass through."""
-
-    async def _inner_indices(self, indices: Sequence[int]) -> np.ndarray:
+    def _rewrite(self, examples: Sequence, n: int) -> Sequence:
         raise NotImplementedError
 
+    async def get_batch(self, step: int, indices: Sequence[int]) -> Sequence[U]:
+        return self._rewrite(await self.dataset.get_batch(step, indices), len(indices))
+
+    async def read_with_provenance(self, step: int, indices: Sequence[int], where: np.ndarray):
+        examples, provenance = await self.dataset.read_with_provenance(step, indices, where)
+        return self._rewrite(examples, len(indices)), provenance
+
+
+def _split_like(flat: np.ndarray, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+    return np.split(flat, np.cumsum([a.size for a in arrays])[:-1])
+
+
+class _IndexMapWrapper(_Wrapper[T]):
+    """A wrapper that only translates indices (its :class:`IndexMap`, built once by
+    :meth:`_build_index_map`): reads, plans and provenance pass through to the inner dataset."""
+
+    def __init__(self, dataset: AsyncDataset):
+        super().__init__(dataset)
+        # A fact about the inner dataset, built on first use; racing builds agree, and it is replaced
+        # whole, never mutated.
+        self._map: IndexMap | None = None
+
+    async def _build_index_map(self) -> IndexMap:
+        raise NotImplementedError
+
+    async def index_map(self) -> IndexMap:
+        if self._map is None:
+            self._map = await self._build_index_map()
+        return self._map
+
     async def get_batch(self, step: int, indices: Sequence[int]) -> Sequence[T]:
-        return await self.dataset.get_batch(step, await self._inner_indices(indices))
+        return await self.dataset.get_batch(step, (await self.index_map())(indices))
+
+    async def read_with_provenance(self, step: int, indices: Sequence[int], where: np.ndarray):
+        m = await self.index_map()
+        return await self.dataset.read_with_provenance(step, m(indices), m(where))
 
     async def plan_read(self, step: int, indices: Sequence[int]) -> ReadPlan | None:
-        return await self.dataset.plan_read(step, await self._inner_indices(indices))
+        return await self.dataset.plan_read(step, (await self.index_map())(indices))
 
     async def plan_reads(self, steps: Sequence[int], indices: Sequence[Sequence[int]]) -> ReadPlan | None:
         # An index map does not depend on the step: all the steps' indices are mapped in one pass.
         arrays = [as_index_array(i) for i in indices]
         if not arrays:
             return None
-        inner = await self._inner_indices(np.concatenate(arrays))
-        return await self.dataset.plan_reads(steps, np.split(inner, np.cumsum([a.size for a in arrays])[:-1]))
+        inner = (await self.index_map())(np.concatenate(arrays))
+        return await self.dataset.plan_reads(steps, _split_like(inner, arrays))
+
+    def can_plan_reads(self) -> bool:
+        return self.dataset.can_plan_reads()
+
+    async def plan_read_groups(self, steps, indices, group_sizes, where=None) -> list[ReadPlan | None]:
+        # All the groups' indices (and the provenance's) mapped in one pass.
+        m = await self.index_map()
+        arrays = [as_index_array(i) for i in indices]
+        if not arrays:
+            return []
+        inner = _split_like(m(np.concatenate(arrays)), arrays)
+        if where is not None:
+            wheres = [as_index_array(w) for w in where]
+            where = _split_like(m(np.concatenate(wheres)), wheres)
+        return await self.dataset.plan_read_groups(steps, inner, group_sizes, where)
 
 
 class MappedAsyncDataset(_Wrapper[U], Generic[T, U]):
@@ -251,8 +402,8 @@ class MappedAsyncDataset(_Wrapper[U], Generic[T, U]):
         super().__init__(dataset)
         self.fn = fn
 
-    async def get_batch(self, step: int, indices: Sequence[int]) -> Sequence[U]:
-        return [self.fn(x) for x in await self.dataset.get_batch(step, indices)]
+    def _rewrite(self, examples: Sequence[T], n: int) -> Sequence[U]:
+        return [self.fn(x) for x in examples]
 
 
 class BatchMappedAsyncDataset(_Wrapper[U], Generic[T, U]):
@@ -263,10 +414,10 @@ class BatchMappedAsyncDataset(_Wrapper[U], Generic[T, U]):
         super().__init__(dataset)
         self.fn = fn
 
-    async def get_batch(self, step: int, indices: Sequence[int]) -> Sequence[U]:
-        out = self.fn(await self.dataset.get_batch(step, indices))
-        if len(out) != len(indices):
-            raise ValueError(f"batch map returned {len(out)} examples for {len(indices)} indices")
+    def _rewrite(self, examples: Sequence[T], n: int) -> Sequence[U]:
+        out = self.fn(examples)
+        if len(out) != n:
+            raise ValueError(f"batch map returned {len(out)} examples for {n} indices")
         return out
 
 
@@ -279,13 +430,9 @@ class SlicedAsyncDataset(_IndexMapWrapper[T]):
             raise ValueError(f"invalid slice [{start}, {end})")
         self.start, self.end = start, end
 
-    async def _inner_indices(self, indices: Sequence[int]) -> np.ndarray:
-        idx = as_index_array(indices)
-        if self.end is not None:
-            check_range(idx, self.end - self.start, "SlicedAsyncDataset")
-        elif idx.size and idx.min() < 0:
-            raise IndexError(f"SlicedAsyncDataset: negative index {int(idx.min())}")
-        return idx + self.start
+    async def _build_index_map(self) -> IndexMap:
+        length = None if self.end is None else self.end - self.start
+        return IndexMap(self.dataset, functools.partial(np.add, self.start), length, "SlicedAsyncDataset")
 
     async def async_len(self) -> int:
         inner = await self.dataset.async_len()
@@ -311,16 +458,13 @@ class EpochDataset(_IndexMapWrapper[T]):
             raise ValueError(f"max_epochs must be >= 1, got {max_epochs}")
         self.max_epochs = max_epochs
 
-    async def _inner_indices(self, indices: Sequence[int]) -> np.ndarray:
-        idx = as_index_array(indices)
+    async def index_map(self) -> IndexMap:
+        # Not kept: an empty inner dataset must fail every read, and its length is read each time.
         n = await self.dataset.async_len()
         if n == 0:
             raise DatasetExhausted("EpochDataset: the inner dataset is empty")
-        if self.max_epochs is not None:
-            check_range(idx, n * self.max_epochs, "EpochDataset")
-        elif idx.size and idx.min() < 0:
-            raise IndexError(f"EpochDataset: negative index {int(idx.min())}")
-        return idx % n
+        length = None if self.max_epochs is None else n * self.max_epochs
+        return IndexMap(self.dataset, functools.partial(_mod, n=n), length, "EpochDataset")
 
     async def async_len(self) -> int:
         if self.max_epochs is None:
@@ -350,17 +494,11 @@ class PermutationDataset(_IndexMapWrapper[T]):
             self._perm = FeistelPermutation(await self.dataset.async_len(), self.seed)
         return self._perm
 
-    async def _inner_indices(self, indices: Sequence[int]) -> np.ndarray:
-        perm, idx = await self.permutation_request(indices)
-        return perm(idx)
-
-    async def permutation_request(self, indices: Sequence[int]) -> tuple[FeistelPermutation, np.ndarray]:
-        """``(perm, idx)`` with ``perm(idx)`` the inner indices: lets a caller holding several sources
-        evaluate all their permutations in one pass (:func:`~levanter.data._prp.permute_many`)."""
+    async def _build_index_map(self) -> IndexMap:
+        # The permutation itself is the map, so a caller holding several sources evaluates all their
+        # permutations in one pass (apply_index_maps).
         perm = await self.permutation()
-        idx = as_index_array(indices)
-        check_range(idx, perm.n, "PermutationDataset")
-        return perm, idx
+        return IndexMap(self.dataset, perm, perm.n, "PermutationDataset")
 
 
 class BlockShufflingDataset(_IndexMapWrapper[T]):
@@ -383,15 +521,10 @@ class BlockShufflingDataset(_IndexMapWrapper[T]):
         self.block_size = block_size
         self.shuffle_blocks = shuffle_blocks
         self.seed = seed_from_key(key)
-        self._len: int | None = None
 
-    async def _inner_indices(self, indices: Sequence[int]) -> np.ndarray:
-        if self._len is None:
-            self._len = await self.dataset.async_len()
-        n = self._len
-        idx = as_index_array(indices)
-        check_range(idx, n, "BlockShufflingDataset")
-        return self.inner_indices(idx, n)
+    async def _build_index_map(self) -> IndexMap:
+        n = await self.dataset.async_len()
+        return IndexMap(self.dataset, functools.partial(self.inner_indices, n=n), n, "BlockShufflingDataset")
 
     def inner_indices(self, idx: np.ndarray, n: int) -> np.ndarray:
         k = self.block_size
@@ -408,3 +541,7 @@ class BlockShufflingDataset(_IndexMapWrapper[T]):
             perm = FeistelPermutation(size, derive_seed(self.seed, 1, b))
             out[sel] = b * k + perm(within[sel])
         return out
+
+
+def _mod(idx: np.ndarray, n: int) -> np.ndarray:
+    return idx % n

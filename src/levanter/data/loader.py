@@ -10,21 +10,17 @@ Index spaces: **step**; **global index** (``offset(s) + row``); **row** -- a pos
 global batch, ``0 <= row < B(s)``. A process's rows are the union of the rows its addressable devices
 hold (model-parallel replicas that share rows are read once).
 
-Prefetch: with ``prefetch_depth = d > 0`` a background thread runs an asyncio loop that keeps up to
-``d`` steps in flight or waiting to be consumed, so at most ``d`` batches are held at once whatever the
-dataset size or step. Fetches run concurrently and may finish in any order; a reorder buffer hands
-them out as ``s, s+1, s+2, ...``. Slots freed by the consumer are refilled in halves; the producer
-looks for them itself, and ``next()`` wakes it only when few steps are left ahead (a wake-up costs the
-consumer the GIL while the producer works). ``d = 0`` fetches each step on demand in the caller's thread.
-Everything the background work needs (mesh, sharding, process index) is captured explicitly at
-construction; nothing reads thread-local context.
+The loader's parts, one concept each: this module (rows, assembly into global arrays, iteration in
+order); :mod:`.prefetch` (``prefetch_depth = d > 0``: a background thread keeps up to ``d`` steps in
+flight, handed out in order; ``d = 0`` fetches each step on demand in the caller's thread);
+:mod:`.read_ahead` (upcoming steps of any dataset that plans its reads, read in groups ahead of need);
+:mod:`.load_errors` (retries of transient storage failures, and the one :class:`DataLoadError` that
+names the step). Everything the background work needs (mesh, sharding, process index) is captured
+explicitly at construction; nothing reads thread-local context.
 
-Failed reads: a storage failure that may pass (a chunk missing, corrupt or unreadable for a moment, an
-unavailable or slow store: :func:`~levanter.store.jagged_array.storage_fault` reads tensorstore's status,
-``OSError`` s count too) is retried with exponential backoff, the same indices for the same step. One that
-outlasts the retries, or any other error (a bug, a bad request), becomes one :class:`DataLoadError` that
-names the step, and for a storage failure the chunk, the cache and what to do. A read never returns fill
-values for missing data (the stores refuse to), so a failure never turns into a batch of token 0.
+Provenance (``provenance=True``): each batch says where every row of the global batch comes from, from
+the index-math pass of the step's own read (``read_with_provenance``, or the read-ahead group's plan):
+there is no second pass per step.
 
 End of data: for a finite dataset the last step is the last one whose whole range fits in
 ``async_len()`` (the same on every process); a trailing partial batch is not yielded. A dataset that
@@ -36,10 +32,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import jax
@@ -47,9 +42,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..schedule import BatchSchedule, as_int
-from ..store.jagged_array import StorageFault, storage_fault
 from .dataset import AsyncDataset, DatasetExhausted, StackedBatch
-from .read_ahead import MISS, ReadAhead, can_read_ahead
+from .load_errors import DataLoadError, TransientDataError, is_transient, read_with_retries  # noqa: F401
+from .prefetch import Prefetcher
+from .read_ahead import MISS, ReadAhead
 
 logger = logging.getLogger(__name__)
 
@@ -78,66 +74,6 @@ try:  # jax's own host -> device transfer of per-device pieces (what make_array_
     from jax._src.interpreters.pxla import batched_device_put as _batched_device_put
 except ImportError:  # another jax: every array goes through make_array_from_callback (same arrays, slower)
     _batched_device_put = None
-
-
-class TransientDataError(OSError):
-    """Raise (or subclass) this from a dataset for a failure worth retrying (a flaky read)."""
-
-
-# Failures of storage and networks: worth retrying. Anything else is a bug or bad data: not retried.
-# tensorstore reports storage failures as ``ValueError`` with a status code: see ``is_transient``.
-TRANSIENT_ERRORS = (TransientDataError, TimeoutError, ConnectionError, OSError)
-
-
-def is_transient(err: BaseException) -> bool:
-    """Whether retrying the read that raised ``err`` may succeed: an error of :data:`TRANSIENT_ERRORS`, or
-    a tensorstore storage status (missing, corrupt or unreadable chunk, unavailable store). On object
-    storage even a missing chunk or a checksum mismatch can be a read that raced a write or a replica
-    that lagged; what stays wrong is reported once the retries are spent."""
-    if isinstance(err, TRANSIENT_ERRORS):
-        return True
-    return isinstance(err, ValueError) and storage_fault(err) is not None
-
-
-def _describe_indices(indices: np.ndarray) -> str:
-    idx = np.asarray(indices)
-    if idx.size and (np.diff(idx) == 1).all():
-        return f"global indices {int(idx[0])}..{int(idx[-1])} ({idx.size} rows)"
-    shown = ", ".join(map(str, idx[:8].tolist())) + (", ..." if idx.size > 8 else "")
-    return f"global indices [{shown}] ({idx.size} rows)"
-
-
-class DataLoadError(RuntimeError):
-    """Reading a step's batch failed for good: names the step and the indices, and for a storage failure
-    (:attr:`fault`) the chunk, the cache it belongs to and what to do."""
-
-    def __init__(
-        self, step: int, indices: np.ndarray, cause: BaseException, *, attempts: int, seconds: float = 0.0
-    ):
-        self.step = step
-        self.indices = np.asarray(indices)
-        self.seconds = seconds
-        fault = storage_fault(cause) if is_transient(cause) else None
-        if fault is not None and fault.chunk is None and not isinstance(cause, ValueError):
-            fault = None  # an OSError that names no file: its own text says more than a guess would
-        self.fault: StorageFault | None = fault
-        tries = f"{attempts} attempt{'s' if attempts > 1 else ''}"
-        if self.fault is not None:
-            f = self.fault
-            chunk = f"chunk {f.chunk}" if f.chunk else "a chunk"
-            if f.cache:
-                chunk += f" of the cache at {f.cache}"
-            what = f.what().replace(f"chunk {f.chunk}" if f.chunk else "a chunk", chunk, 1)
-            message = (
-                f"data loading failed at step {step} for {_describe_indices(indices)}: {what}, still after "
-                f"{tries} over {seconds:.1f} s. {f.advice()[0].upper()}{f.advice()[1:]}."
-            )
-        else:
-            message = (
-                f"data loading failed at step {step} for {_describe_indices(indices)} after {tries}: "
-                f"{type(cause).__name__}: {cause}"
-            )
-        super().__init__(message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,8 +151,8 @@ class DataLoader(Generic[T]):
         prefetch_depth: steps fetched ahead (0: fetch on demand, no background thread).
         process_index: this process's index (defaults to ``jax.process_index()``), passed explicitly
             so that the background thread never consults global state.
-        provenance: attach each batch's :attr:`Batch.provenance` (the dataset's ``provenance`` of the
-            whole global batch, computed in the loader's thread with the step's reads).
+        provenance: attach each batch's :attr:`Batch.provenance` (the dataset's provenance of the whole
+            global batch, from the pass of the step's own read).
     """
 
     def __init__(
@@ -300,61 +236,57 @@ class DataLoader(Generic[T]):
         return self._end_step
 
     # -- fetching ------------------------------------------------------------------------------------
-    async def _read_with_retries(self, step: int, indices: np.ndarray, read_ahead: ReadAhead | None = None):
-        """``get_batch`` with retries (exponential backoff) for transient storage errors; the first attempt
-        takes the step's rows from ``read_ahead`` where it holds them.
-
-        A retried read asks for exactly the same indices with the same step, so retries never change the
-        data. Errors that are not transient, and transient ones that outlast the retries, become a
-        :class:`DataLoadError` naming the step and the indices.
-        """
-        delay = self.retry_backoff
-        t0 = time.monotonic()
-        for attempt in range(self.retries + 1):
-            try:
-                if read_ahead is not None and attempt == 0:
-                    rows = await read_ahead.read(step)
-                    if rows is not MISS:
-                        return rows
-                return await self.dataset.get_batch(step, indices)
-            except DatasetExhausted:
-                raise
-            except Exception as e:  # noqa: BLE001 -- classified: retried, or one error naming the step
-                if not is_transient(e) or attempt == self.retries:
-                    raise DataLoadError(
-                        step, indices, e, attempts=attempt + 1, seconds=time.monotonic() - t0
-                    ) from e
-                logger.warning("transient error reading step %d (attempt %d of %d): %s; retrying in %.2f s", step,
-                               attempt + 1, self.retries + 1, e, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 30.0)
+    def where_for_step(self, step: int) -> np.ndarray:
+        """The global indices whose provenance ``step``'s batch carries: the whole global batch (where this
+        process reads all of it, the indices it reads)."""
+        rows = self.indices_for_step(step)
+        bs = self.schedule.batch_size_at_step(step)
+        if rows.size == bs:
+            return rows
+        first = self.schedule.global_data_offset_by_step(step)
+        return np.arange(first, first + bs, dtype=np.int64)
 
     def read_ahead(self, start: int, bound: int | None) -> ReadAhead | None:
-        """Read-ahead for an iterator over steps ``[start, bound)``, or None if the dataset cannot plan
-        groups of steps (see :mod:`levanter.data.read_ahead`)."""
-        if not can_read_ahead(self.dataset):
+        """Read-ahead for an iterator over steps ``[start, bound)``, or None if the dataset cannot plan its
+        reads (see :mod:`levanter.data.read_ahead`)."""
+        if not self.dataset.can_plan_reads():
             return None
-        return ReadAhead(self.dataset, self.indices_for_step, start, bound)
+        where = self.where_for_step if self.provenance else None
+        return ReadAhead(self.dataset, self.indices_for_step, start, bound, where)
 
     async def fetch(self, step: int, read_ahead: ReadAhead | None = None) -> Batch[T]:
-        """Read and assemble one step's batch (no ordering guarantees; used by the iterators)."""
+        """Read and assemble one step's batch (no ordering guarantees; used by the iterators).
+
+        The first attempt takes the step's rows from ``read_ahead`` where it holds them; otherwise, and on
+        a retry (:func:`~levanter.data.load_errors.read_with_retries`: the same indices for the same step,
+        so retries never change the data), the dataset is read for the step."""
         bs = self.schedule.batch_size_at_step(step)
         first = self.schedule.global_data_offset_by_step(step)
         rows = self.local_rows(bs)
-        examples = await self._read_with_retries(step, first + rows, read_ahead)
+        indices = first + rows
+        where = self.where_for_step(step) if self.provenance else None
+
+        async def read(attempt: int):
+            if read_ahead is not None and attempt == 0:
+                got = await read_ahead.read(step)
+                if got is not MISS:
+                    return got
+            if where is None:
+                return await self.dataset.get_batch(step, indices), None
+            return await self.dataset.read_with_provenance(step, indices, where)
+
+        examples, extra = await read_with_retries(
+            read, step, indices, retries=self.retries, backoff=self.retry_backoff, log=logger
+        )
         if len(examples) != len(rows):
             raise ValueError(f"dataset returned {len(examples)} examples for {len(rows)} indices at step {step}")
         # Inline, not in a worker thread: building the arrays costs less than a thread hop and back
         # (docs/performance.md); the loop is blocked only that long.
         data = self._assemble(examples, rows, bs)
-        provenance = await self._provenance(step, first, bs) if self.provenance else None
+        provenance = None
+        if where is not None:
+            provenance = {"global_index": np.arange(first, first + bs, dtype=np.int64), **extra}
         return Batch(step=step, global_offset=first, batch_size=bs, data=data, provenance=provenance)
-
-    async def _provenance(self, step: int, first: int, batch_size: int) -> dict[str, np.ndarray]:
-        indices = np.arange(first, first + batch_size, dtype=np.int64)
-        where = getattr(self.dataset, "provenance", None)
-        extra = await where(step, indices) if where is not None else None
-        return {"global_index": indices, **(extra or {})}
 
     def _assemble(self, examples, rows: np.ndarray, batch_size: int):
         local = _stack(examples)
@@ -405,176 +337,6 @@ class DataLoader(Generic[T]):
         return self.iter_from_step(0)
 
 
-class _Prefetcher:
-    """The background half of a prefetching iterator: a thread running an asyncio loop that keeps up
-    to ``depth`` steps in flight or waiting, and posts results by step into ``ready``.
-
-    It holds no reference to the iterator, so an iterator dropped without ``close()`` is collected and
-    its finalizer stops this thread.
-    """
-
-    def __init__(self, loader: "DataLoader", start: int, limit: int | None):
-        self.loader = loader
-        self.depth = loader.prefetch_depth
-        self.limit = limit
-        self.cond = threading.Condition()
-        self.ready: dict[int, tuple[str, Any]] = {}
-        self.taken = start  # the next step the consumer will take; written by the consumer only
-        self.closed = False
-        self.loop = asyncio.new_event_loop()
-        self.wake: asyncio.Event | None = None
-        self.waiting = False  # the producer is (about to be) blocked on ``wake``
-        self.launched = start  # one past the last step launched; written by the producer only
-        self.poll = _ROOM_POLL_SECONDS[0]  # the producer's next look for room, if nothing wakes it first
-        self._start = start
-        self.thread = threading.Thread(target=self._run, name="levanter-data-prefetch", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_until_complete(self._produce())
-        finally:
-            self.loop.close()
-
-    def _post(self, step: int, kind: str, value: Any) -> None:
-        self._post_many([(step, (kind, value))])
-
-    def _post_many(self, items: list[tuple[int, tuple[str, Any]]]) -> None:
-        # One lock and one wake-up of the consumer for all the steps that are ready: a wake-up is a
-        # syscall and a thread switch, paid per step when every step was posted alone.
-        with self.cond:
-            self.ready.update(items)
-            self.cond.notify_all()
-
-    async def _produce(self) -> None:
-        wake = self.wake = asyncio.Event()
-        tasks: dict[int, asyncio.Task] = {}
-        launch = deliver = self._start
-        read_ahead = None
-        try:
-            end = await self.loader.end_step()
-            bound = self.limit if end is None else (end if self.limit is None else min(end, self.limit))
-            # Fed by this window: the steps launched are the steps the read-ahead groups and reads.
-            read_ahead = self.loader.read_ahead(self._start, bound)
-            while not self.closed:
-                # The first step is fetched alone so that it does not compete with the read-ahead: time
-                # to first batch is one fetch, whatever the depth.
-                window = 1 if deliver == self._start else self.depth
-                while (bound is None or launch < bound) and launch - self.taken < window:
-                    task = tasks[launch] = asyncio.create_task(self.loader.fetch(launch, read_ahead))
-                    task.add_done_callback(_set_event(wake))
-                    launch += 1
-                    self.poll = _ROOM_POLL_SECONDS[0]
-                self.launched = launch
-                # Clear before re-checking so that a wake-up between the check and the wait is kept.
-                wake.clear()
-                if deliver not in tasks:
-                    if bound is not None and deliver >= bound:
-                        self._post(deliver, "end", None)
-                        return
-                    # Everything launched was delivered: wait until the consumer has freed half the slots.
-                    await self._wait_unless(wake, lambda: self._room(launch, self.depth))
-                    continue
-                task = tasks[deliver]
-                if not task.done():
-                    # Wake on any fetch finishing, or on the consumer freeing half the slots (launch more).
-                    await self._wait_unless(
-                        wake, lambda: (bound is None or launch < bound) and self._room(launch, window)
-                    )
-                    continue
-                # Hand over every step finished in order so far, together.
-                ready: list[tuple[int, tuple[str, Any]]] = []
-                last: tuple[str, Any] | None = None
-                while task is not None and task.done():
-                    del tasks[deliver]
-                    exc = task.exception()
-                    if isinstance(exc, DatasetExhausted):
-                        last = ("end", None)
-                    elif exc is not None:
-                        last = ("error", exc)
-                    if last is not None:
-                        ready.append((deliver, last))
-                        break
-                    ready.append((deliver, ("ok", task.result())))
-                    deliver += 1
-                    task = tasks.get(deliver)
-                self._post_many(ready)
-                if last is not None:
-                    return
-        except BaseException as e:  # noqa: BLE001 -- surfaced to the consumer
-            self._post(deliver, "error", e)
-        finally:
-            for t in tasks.values():
-                t.cancel()
-            pending = list(tasks.values()) + (read_ahead.close() if read_ahead is not None else [])
-            if pending:
-                await asyncio.gather(*pending, return_exceptions=True)
-
-    def _room(self, launch: int, window: int) -> bool:
-        """Whether the producer should launch more: half of ``window`` is free. Launching (and waking the
-        producer) per freed slot costs a cross-thread wake-up per step -- the largest cost left in a
-        small batch's step once its reads are coalesced; in halves, one per ``window / 2`` steps, while
-        the other half stays fetched ahead."""
-        return launch - self.taken <= window // 2
-
-    async def _wait_unless(self, wake: asyncio.Event, can_go_on: Callable[[], bool]) -> None:
-        """Wait for ``wake``, or at most ``self.poll`` (doubled after each wait, down to the least of
-        ``_ROOM_POLL_SECONDS`` after each launch), unless ``can_go_on()`` (re-checked after announcing the
-        wait, so a consumer that leaves few steps ahead in between either is seen here or sees
-        ``waiting`` and nudges)."""
-        self.waiting = True
-        try:
-            if not can_go_on() and not self.closed:
-                timer = self.loop.call_later(self.poll, wake.set)
-                self.poll = min(2 * self.poll, _ROOM_POLL_SECONDS[1])
-                try:
-                    await wake.wait()
-                finally:
-                    timer.cancel()
-        finally:
-            self.waiting = False
-
-    def take(self, step: int) -> tuple[str, Any]:
-        with self.cond:
-            while step not in self.ready:
-                self.cond.wait()
-            item = self.ready.pop(step)
-        self.taken = step + 1
-        # Wake the producer only if it waits and few steps are left ahead (``launched`` read after
-        # ``waiting``, both published before the producer re-checks ``taken``); with room for half the
-        # window it finds out by itself (``_ROOM_POLL_SECONDS``). A wake-up from here is a syscall
-        # after which this thread needs the GIL back while the producer, just woken, fetches a burst of
-        # steps: that wait was the tail of the consumer's data wait (docs/performance.md).
-        if self.waiting and self.launched - self.taken <= self.depth // 4:
-            self._nudge()
-        return item
-
-    def _nudge(self) -> None:
-        if self.wake is not None:
-            try:
-                self.loop.call_soon_threadsafe(self.wake.set)
-            except RuntimeError:  # the loop has already closed
-                pass
-
-    def close(self) -> None:
-        self.closed = True
-        self._nudge()
-        if threading.current_thread() is not self.thread:
-            self.thread.join(timeout=10)
-
-
-# How often a waiting producer looks for room by itself (the consumer wakes it only when few steps are
-# left ahead; see ``_Prefetcher.take``): 1 ms after a launch, then twice as long after each look, up to
-# 16 ms. A look costs a loop iteration: an idle producer beside slow steps looks some 60 times a
-# second, not 1,000; and room is seen at most about as late as it has been waited for so far, while a
-# quarter of the window is still fetched ahead.
-_ROOM_POLL_SECONDS = (0.001, 0.016)
-
-
-def _set_event(event: asyncio.Event) -> Callable[[Any], None]:
-    return lambda _: event.set()
-
 
 def _close_loop(loop: asyncio.AbstractEventLoop, read_ahead: list) -> None:
     """Close an on-demand iterator's loop, after cancelling the reads its read-ahead still has pending."""
@@ -599,12 +361,12 @@ class DataLoaderIterator(Iterator[Batch[T]]):
         self._finished = False
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._prefetcher: _Prefetcher | None = None
+        self._prefetcher: Prefetcher | None = None
         # The on-demand iterator's read-ahead, made at the first step (once the end is known); in a list
         # that the finalizer holds, so that it does not hold the iterator.
         self._read_ahead: list[ReadAhead | None] = []
         if loader.prefetch_depth > 0:
-            self._prefetcher = _Prefetcher(loader, start, end)
+            self._prefetcher = Prefetcher(loader, start, end)
             self._finalizer = weakref.finalize(self, self._prefetcher.close)
         else:
             self._loop = asyncio.new_event_loop()

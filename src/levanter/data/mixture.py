@@ -56,8 +56,8 @@ import jax
 import numpy as np
 
 from ..schedule import BatchSchedule, StepSchedule, as_int
-from ._prp import permute_many, seed_from_key
-from .dataset import AsyncDataset, DatasetExhausted, PermutationDataset, ReadPlan, StackedBatch, as_index_array
+from ._prp import seed_from_key
+from .dataset import AsyncDataset, DatasetExhausted, ReadPlan, StackedBatch, apply_index_maps, as_index_array
 from .mixture_layout import MixtureLayout, largest_remainder_counts
 
 __all__ = ["STOP_STRATEGIES", "MixtureDataset", "largest_remainder_counts", "stage_schedule"]
@@ -142,8 +142,9 @@ class _StepDraws:
     indices: np.ndarray  # the global indices asked for
     sources: list  # present source ids, ascending
     selections: list  # per present source: positions in ``indices`` it fills, ascending
-    datasets: list  # per present source: the dataset read (a shuffle's inner one: see ``inner``)
+    datasets: list  # per present source: the dataset read (below the source's shuffle: see ``inner``)
     inner: list  # per present source: indices into that dataset
+    provenance: dict | None = None  # ``source`` and ``source_index`` of the ``where`` indices, if asked
 
 
 def _gather_rows(gather: np.ndarray, finish: Callable, rows: np.ndarray):
@@ -217,6 +218,7 @@ class MixtureDataset(AsyncDataset[T]):
         # Facts about the sources, not the callers: computed once (any racing computations agree) and
         # replaced whole, never mutated.
         self._lengths: list[int | None] | None = None
+        self._chains: list[tuple[AsyncDataset, list]] | None = None
         self._warn_never_drawn()
 
     def _warn_never_drawn(self) -> None:
@@ -228,7 +230,7 @@ class MixtureDataset(AsyncDataset[T]):
             else:
                 sizes = {bs for _, _, bs in self.schedule.constant_segments(start, self.stages.end_of(j))}
             for s, f in enumerate(fractions):
-                if f > 0 and all(self.counts_per_block(j, k)[s] == 0 for k in sizes):
+                if f > 0 and all(self.layout.counts_per_block(j, k)[s] == 0 for k in sizes):
                     per = "block_size" if self.block_size is not None else "batch size"
                     logger.warning(
                         "mixture: source %r has weight %.4g (of all weights summing to 1) from step %d, but "
@@ -236,30 +238,6 @@ class MixtureDataset(AsyncDataset[T]):
                         "weight, or use a block size (mixture_block_size) in which it gets at least one example",
                         self.names[s], float(f), start, per, "/".join(str(k) for k in sorted(sizes)),
                     )
-
-    # -- pure index maps ----------------------------------------------------------------------------
-    def stage_at_step(self, step: int) -> int:
-        """Index of the stage in force at ``step``."""
-        return self.stages.index_at(step)
-
-    def counts_per_block(self, stage: int, block_len: int) -> np.ndarray:
-        return self.layout.counts_per_block(stage, block_len)
-
-    def drawn_in_stage(self, stage: int, until_step: int) -> np.ndarray:
-        """Examples of each source drawn by stage ``stage`` in steps ``[start, until_step)`` (exact)."""
-        return self.layout.drawn_in_stage(stage, until_step)
-
-    def check_indices_belong_to_step(self, step: int, idx: np.ndarray) -> None:
-        self.layout.check_indices_belong_to_step(step, idx)
-
-    def unwrapped_source_indices(self, step: int, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """``(source_id, source_index)`` for each global index of ``step``, before any stop strategy."""
-        return self.layout.unwrapped_source_indices(step, indices)
-
-    def global_index_of_draw(self, source: int, n: int) -> int | None:
-        """The global index at which ``source`` draws its ``n``-th example (0-based, unwrapped), or
-        None if it never does (its weight falls to zero first)."""
-        return self.layout.global_index_of_draw(source, n)
 
     # -- lengths and stop strategies -----------------------------------------------------------------
     async def _source_lengths(self) -> list[int | None]:
@@ -300,11 +278,11 @@ class MixtureDataset(AsyncDataset[T]):
                     return None
                 continue
             if self.stop_strategy == "first_exhausted":
-                g = self.global_index_of_draw(s, n)
+                g = self.layout.global_index_of_draw(s, n)
                 if g is not None:
                     ends.append(g)
             elif self._ever_drawn(s):
-                g = self.global_index_of_draw(s, n - 1)
+                g = self.layout.global_index_of_draw(s, n - 1)
                 if g is None:
                     return None
                 ends.append(g + 1)
@@ -322,7 +300,7 @@ class MixtureDataset(AsyncDataset[T]):
             k = self.block_size
         else:  # one block per step: the batch size from the last stage's final segment on
             k = self.schedule.constant_segments(self.stage_start_steps[last], None)[-1][2]
-        return bool(self.counts_per_block(last, k)[source] > 0)
+        return bool(self.layout.counts_per_block(last, k)[source] > 0)
 
     def is_finite(self) -> bool:
         """Whether the mixture ends, i.e. whether :meth:`async_len` is defined.
@@ -367,33 +345,17 @@ class MixtureDataset(AsyncDataset[T]):
 
     async def source_indices(self, step: int, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """``(source_id, source_index)`` actually read for each global index of ``step``, after the stop
-        strategy (wrapping). Raises :class:`DatasetExhausted` past the end."""
+        strategy (wrapping): a query for tools (the data planner); a read computes the same in its own
+        pass (``read_with_provenance``). Raises :class:`DatasetExhausted` past the end."""
         step = as_int(step)
-        source, src_index = self.unwrapped_source_indices(step, indices)
-        await self._check_end(step, as_index_array(indices))
-        lengths = await self._source_lengths()
-        for s, n in enumerate(lengths):
-            if n is not None:
-                sel = source == s
-                src_index[sel] %= n
-        return source, src_index
+        return await self._locate([step], [as_index_array(indices)])
 
-    async def provenance(self, step: int, indices: Sequence[int]) -> dict[str, np.ndarray]:
-        """Where each global index of ``step`` comes from: ``source`` (id) and ``source_index`` (after the
-        stop strategy), what :func:`~levanter.data.fingerprint.batch_fingerprint` hashes."""
-        source, src_index = await self.source_indices(step, indices)
-        return {"source": source, "source_index": src_index}
-
-    # -- draws: what a request reads -------------------------------------------------------------------
-    async def _draws(self, steps: Sequence[int], requests: Sequence[np.ndarray]) -> list[_StepDraws]:
-        """What ``get_batch(steps[k], requests[k])`` reads, for each ``k``, computed in one pass: each
-        present source, the positions it fills and the indices to read from it (a shuffled source's
-        permutation already applied). The index math (layout lookups, stop strategy, permutations) costs
-        ~30 numpy calls per pass whatever the number of indices -- most of a small batch's CPU -- so a
-        reader that plans many steps at once pays it once. Raises past the end, as ``get_batch`` does."""
-        steps = [as_int(s) for s in steps]
+    async def _locate(self, steps: list[int], requests: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """``(source, source_index)`` of every index of ``requests`` (one array per step of ``steps``),
+        concatenated: the layout's lookups, then the stop strategy's wrap, in one pass. Raises past the
+        end, as ``get_batch`` does."""
         for step, idx in zip(steps, requests):
-            self.check_indices_belong_to_step(step, idx)
+            self.layout.check_indices_belong_to_step(step, idx)
             await self._check_end(step, idx)
         sizes = [r.size for r in requests]
         flat = np.concatenate(requests) if requests else np.zeros(0, dtype=np.int64)
@@ -402,9 +364,9 @@ class MixtureDataset(AsyncDataset[T]):
         starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
         i = 0
         while i < len(steps):  # runs of steps in one stage: one pass each when the layout is per block
-            stage = self.stage_at_step(steps[i])
+            stage = self.layout.stage_at_step(steps[i])
             j = i + 1
-            while j < len(steps) and self.stage_at_step(steps[j]) == stage:
+            while j < len(steps) and self.layout.stage_at_step(steps[j]) == stage:
                 j += 1
             if self.block_size is not None:
                 a, b = starts[i], starts[j]
@@ -419,28 +381,84 @@ class MixtureDataset(AsyncDataset[T]):
             if n is not None:
                 sel = source == s
                 src_index[sel] %= n
-        # Shuffled sources (the config's default): their permutations are evaluated here, all in one
-        # vectorised pass, and their inner datasets are read -- what each PermutationDataset would do.
+        return source, src_index
+
+    async def _read_maps(self) -> list[tuple[AsyncDataset, list]]:
+        """Per source: the dataset actually read and the index maps that lead to it -- the source's
+        wrappers that pass examples through unchanged (its shuffle), followed down by their public
+        :meth:`~levanter.data.dataset.AsyncDataset.index_map`. The mixture evaluates those maps itself,
+        all sources at once (one Feistel pass per level), and reads the dataset below them."""
+        if self._chains is None:
+            chains = []
+            for d in self.datasets:
+                maps = []
+                m = await d.index_map()
+                while m is not None and not m.rewrites:
+                    maps.append(m)
+                    d = m.inner
+                    m = await d.index_map()
+                chains.append((d, maps))
+            self._chains = chains
+        return self._chains
+
+    # -- draws: what a request reads -------------------------------------------------------------------
+    async def _draws(
+        self, steps: Sequence[int], requests: Sequence[np.ndarray], wheres: Sequence[np.ndarray] | None = None
+    ) -> list[_StepDraws]:
+        """What ``get_batch(steps[k], requests[k])`` reads, for each ``k``, computed in one pass: each
+        present source, the positions it fills and the indices to read from it (the source's index maps
+        -- its shuffle -- already applied). The index math (layout lookups, stop strategy, permutations)
+        costs ~30 numpy calls per pass whatever the number of indices -- most of a small batch's CPU -- so a
+        reader that plans many steps at once pays it once. With ``wheres`` (per step, ascending, holding
+        the step's request) the pass covers them, and each step's draws carry their provenance. Raises
+        past the end, as ``get_batch`` does."""
+        steps = [as_int(s) for s in steps]
+        located = requests if wheres is None else [as_index_array(w) for w in wheres]
+        source, src_index = await self._locate(steps, located)
+        sizes = [r.size for r in requests]
+        provenance: list = [None] * len(steps)
+        if wheres is not None:
+            cuts = np.cumsum([w.size for w in located])[:-1]
+            src_w, idx_w = np.split(source, cuts), np.split(src_index, cuts)
+            provenance = [{"source": a, "source_index": b} for a, b in zip(src_w, idx_w)]
+            same = all(w is r for w, r in zip(located, requests)) or (
+                sum(w.size for w in located) == sum(sizes)
+                and np.array_equal(np.concatenate(located), np.concatenate(requests))
+            )  # one comparison for all the steps: a process that reads its steps' whole batches
+            if not same:  # the requests: a part of each step's batch
+                picks = []
+                for w, r in zip(located, requests):
+                    pos = np.searchsorted(w, r)
+                    if pos.size and (pos.max() >= w.size or not np.array_equal(w[pos], r)):
+                        raise ValueError("read_with_provenance: the indices read are not among those of `where`")
+                    picks.append(pos)
+                source = np.concatenate([a[p] for a, p in zip(src_w, picks)]) if picks else source[:0]
+                src_index = np.concatenate([a[p] for a, p in zip(idx_w, picks)]) if picks else src_index[:0]
+        starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
+        # The sources' own index maps (their shuffles, the config's default), evaluated here level by
+        # level, all sources at once: what each wrapper would do, in one vectorised pass.
+        chains = await self._read_maps()
         inner = src_index
-        read_from = list(self.datasets)
-        perm_requests, perm_positions = [], []
-        for s, d in enumerate(self.datasets):
-            if type(d) is PermutationDataset:
-                read_from[s] = d.dataset
-                at = np.flatnonzero(source == s)
-                if at.size:
-                    perm_requests.append(await d.permutation_request(src_index[at]))
-                    perm_positions.append(at)
-        if perm_requests:
+        depth = max((len(maps) for _, maps in chains), default=0)
+        if depth:
             inner = src_index.copy()
-            for at, mapped in zip(perm_positions, permute_many(perm_requests)):
-                inner[at] = mapped
+        for level in range(depth):
+            maps, at = [], []
+            for s, (_, chain) in enumerate(chains):
+                if level < len(chain):
+                    sel = np.flatnonzero(source == s)
+                    if sel.size:
+                        maps.append(chain[level])
+                        at.append(sel)
+            for sel, mapped in zip(at, apply_index_maps(maps, [inner[sel] for sel in at])):
+                inner[sel] = mapped
         # Split by (step, source): one stable sort keeps each source's positions ascending within a step.
         n_sources = len(self.datasets)
+        flat_size = int(sum(sizes))
         key = np.repeat(np.arange(len(steps), dtype=np.int64), sizes) * n_sources + source
         order = np.argsort(key, kind="stable")
         cuts = np.searchsorted(key[order], np.arange(len(steps) * n_sources + 1)).tolist()
-        position = (np.arange(flat.size) - np.repeat(starts[:-1], sizes))[order]
+        position = (np.arange(flat_size) - np.repeat(starts[:-1], sizes))[order]
         inner = inner[order]
         out = []
         for k, request in enumerate(requests):
@@ -450,9 +468,9 @@ class MixtureDataset(AsyncDataset[T]):
                 if hi > lo:
                     present.append(s)
                     selections.append(position[lo:hi])
-                    datasets.append(read_from[s])
+                    datasets.append(chains[s][0])
                     indices.append(inner[lo:hi])
-            out.append(_StepDraws(request, present, selections, datasets, indices))
+            out.append(_StepDraws(request, present, selections, datasets, indices, provenance[k]))
         return out
 
     # -- plans -----------------------------------------------------------------------------------------
@@ -467,26 +485,45 @@ class MixtureDataset(AsyncDataset[T]):
         """
         return (await self.plan_read_groups(steps, indices, [len(steps)]))[0]
 
+    def can_plan_reads(self) -> bool:
+        return all(d.can_plan_reads() for d in self.datasets)
+
     async def plan_read_groups(
-        self, steps: Sequence[int], indices: Sequence[Sequence[int]], group_sizes: Sequence[int]
+        self,
+        steps: Sequence[int],
+        indices: Sequence[Sequence[int]],
+        group_sizes: Sequence[int],
+        where: Sequence[np.ndarray] | None = None,
     ) -> list[ReadPlan | None]:
         """``plan_reads`` of consecutive groups of ``steps`` (``group_sizes[g]`` steps each), with the
-        index math of all of them done in one pass: a plan's cost is mostly per pass, not per index. A
-        group that reaches past the end of the mixture gets None (its steps' ``get_batch`` says so)."""
+        index math of all of them (and of ``where``'s provenance) done in one pass: a plan's cost is mostly
+        per pass, not per index. A group that reaches past the end of the mixture gets None (its steps'
+        ``get_batch`` says so)."""
         steps = [as_int(s) for s in steps]
         requests = [as_index_array(i) for i in indices]
+        wheres = None if where is None else [as_index_array(w) for w in where]
+        located = requests if wheres is None else wheres
         end = await self._end_index()
         groups, at = [], 0
         for size in group_sizes:
-            inside = end is None or all(not r.size or r.max() < end for r in requests[at : at + size])
+            inside = end is None or all(not r.size or r.max() < end for r in located[at : at + size])
             groups.append((at, size, inside))
             at += size
         kept = [k for at, size, inside in groups if inside for k in range(at, at + size)]
-        draws = dict(zip(kept, await self._draws([steps[k] for k in kept], [requests[k] for k in kept])))
+        draws = dict(zip(kept, await self._draws(
+            [steps[k] for k in kept], [requests[k] for k in kept],
+            None if wheres is None else [wheres[k] for k in kept],
+        )))
         plans = []
         for at, size, inside in groups:
             group = [(steps[k], draws[k]) for k in range(at, at + size)] if inside else None
-            plans.append(await self._group_plan(group) if group else None)
+            plan = await self._group_plan(group) if group else None
+            if plan is not None and wheres is not None:
+                plan.provenance = {
+                    key: np.concatenate([draws[k].provenance[key] for k in range(at, at + size)])
+                    for key in ("source", "source_index")
+                }
+            plans.append(plan)
         return plans
 
     async def _group_plan(self, group: list) -> ReadPlan | None:
@@ -532,6 +569,18 @@ class MixtureDataset(AsyncDataset[T]):
     async def get_batch(self, step: int, indices: Sequence[int]) -> Sequence[T]:
         step = as_int(step)
         (draws,) = await self._draws([step], [as_index_array(indices)])
+        return await self._read(step, draws)
+
+    async def read_with_provenance(self, step: int, indices: Sequence[int], where: np.ndarray):
+        """``get_batch`` and each ``where`` index's ``source`` and ``source_index`` (after the stop
+        strategy), from the read's own pass."""
+        step = as_int(step)
+        idx = as_index_array(indices)
+        where = as_index_array(where)
+        (draws,) = await self._draws([step], [idx], [where])
+        return await self._read(step, draws), draws.provenance
+
+    async def _read(self, step: int, draws: "_StepDraws") -> Sequence[T]:
         selections = draws.selections
         whole, results = await self._read_sources(step, draws)
         if whole is not None:

@@ -13,11 +13,12 @@ answers, without reading any data and without iterating batches:
 * and, for a range of steps, every position's global index, source, source index and *store row* (the
   token window of the source's cache that is actually read) -- :func:`dump_rows`.
 
-Everything is computed from the index maps the datasets themselves use: the mixture's per-stage
-counts (``drawn_in_stage``), ``global_index_of_draw`` and ``source_indices``; the schedule's
-``find_step_containing_offset``; and each shuffle wrapper's own map (a ``PermutationDataset``'s Feistel
-permutation, ``BlockShufflingDataset.inner_indices``). Nothing is re-derived here, so the plan cannot
-drift from what training reads. The summary costs O(#stages x #schedule segments x #sources) whatever
+Everything is computed from the index maps the datasets themselves use: the mixture layout's per-stage
+counts (``drawn_in_stage``), ``global_index_of_draw`` and the mixture's ``source_indices``; the
+schedule's ``find_step_containing_offset``; and each wrapper's own public index map
+(:meth:`~levanter.data.dataset.AsyncDataset.index_map`: a shuffle's permutation, a causal-LM wrapper's
+identity), whatever the wrapper's type. Nothing is re-derived here, so the plan cannot drift from what
+training reads. The summary costs O(#stages x #schedule segments x #sources) whatever
 the number of steps (a million steps plan in milliseconds); a dump costs O(rows dumped).
 
 Trade-offs:
@@ -42,15 +43,9 @@ from typing import Optional
 import numpy as np
 
 from ..schedule import BatchSchedule
-from .dataset import (
-    AsyncDataset,
-    BatchMappedAsyncDataset,
-    BlockShufflingDataset,
-    MappedAsyncDataset,
-    PermutationDataset,
-)
+from .dataset import AsyncDataset
 from .mixture import MixtureDataset
-from .text import CausalLmDataset, TokenSeqDataset
+from .text import TokenSeqDataset
 
 # The name a single-source config's one source gets in plans and dumps (as ``cache_dataset`` prints it).
 SINGLE_SOURCE_NAME = "data"
@@ -186,7 +181,7 @@ def plan_data(train_set: AsyncDataset, schedule: BatchSchedule, num_steps: int, 
             drawn = [0] * len(names)
             last = None
         elif mixture is not None:
-            drawn = [int(x) for x in mixture.drawn_in_stage(j, hi)]
+            drawn = [int(x) for x in mixture.layout.drawn_in_stage(j, hi)]
             last = hi - 1
         else:
             drawn = [schedule.global_data_offset_by_step(hi)]
@@ -235,13 +230,13 @@ def plan_data(train_set: AsyncDataset, schedule: BatchSchedule, num_steps: int, 
                 exhausted_index = n
                 wrap_index = None
             else:
-                past_end = mixture.global_index_of_draw(s, n)  # draws its (n+1)-th example
+                past_end = mixture.layout.global_index_of_draw(s, n)  # draws its (n+1)-th example
                 if stop == "restart":
                     wrap_index, exhausted_index = past_end, None
                 elif stop == "first_exhausted":
                     wrap_index, exhausted_index = None, past_end
                 else:  # all_exhausted: wraps meanwhile; exhausted when its last example is drawn
-                    wrap_index, exhausted_index = past_end, mixture.global_index_of_draw(s, n - 1)
+                    wrap_index, exhausted_index = past_end, mixture.layout.global_index_of_draw(s, n - 1)
             wrap = _event_step(schedule, wrap_index, end_index, steps, inclusive=False)
             # Under first_exhausted (and for a single source) the exhausting draw is the end itself.
             inclusive = stop in (None, "first_exhausted")
@@ -314,34 +309,27 @@ def composition_segments(
             break
         for lo, hi, bs in schedule.constant_segments(lo_stage, hi_stage):
             if m.block_size is None:
-                counts = [float(c) for c in m.counts_per_block(j, bs)]
+                counts = [float(c) for c in m.layout.counts_per_block(j, bs)]
             else:
                 k = m.block_size
-                counts = [bs * float(Fraction(int(c), k)) for c in m.counts_per_block(j, k)]
+                counts = [bs * float(Fraction(int(c), k)) for c in m.layout.counts_per_block(j, k)]
             out.append((lo, hi, dict(zip(names, counts))))
     return out
 
 
 # -- store rows and dumps -----------------------------------------------------------------------------
-# Wrappers whose index map is the identity (they change examples, not which one is read).
-_IDENTITY_WRAPPERS = (CausalLmDataset, MappedAsyncDataset, BatchMappedAsyncDataset)
-
-
 async def _store_rows(dataset: AsyncDataset, indices: np.ndarray) -> tuple[TokenSeqDataset, np.ndarray]:
     """Walk ``dataset``'s wrapper chain down to its :class:`TokenSeqDataset`, mapping ``indices`` with
-    each wrapper's own index map (no data is read)."""
+    each wrapper's own public index map (no data is read)."""
     ds, idx = dataset, np.asarray(indices, dtype=np.int64)
     while not isinstance(ds, TokenSeqDataset):
-        if isinstance(ds, PermutationDataset):
-            idx = (await ds.permutation())(idx)
-        elif isinstance(ds, BlockShufflingDataset):
-            idx = ds.inner_indices(idx, await ds.dataset.async_len())
-        elif not isinstance(ds, _IDENTITY_WRAPPERS):
+        m = await ds.index_map()
+        if m is None:
             raise TypeError(
-                f"cannot map indices through {type(ds).__name__}: the planner knows the shuffles and "
-                "causal-LM wrappers that data configs build"
+                f"cannot map indices through {type(ds).__name__}: it reads no token windows of a store "
+                "through index maps"
             )
-        ds = ds.dataset
+        ds, idx = m.inner, m(idx)
     return ds, idx
 
 

@@ -6,7 +6,9 @@ into consecutive *groups* (up to :data:`COALESCE_ROWS` rows and :data:`COALESCE_
 batch size). A group is read in one tensorstore operation, planned by the dataset's stateless
 ``plan_read_groups`` (one plan per group; the index math of the groups of up to :data:`PLAN_INDICES`
 indices and :data:`PLAN_MAX_STEPS` steps in one pass), and
-finished once; each step then takes its share of the rows. When a step is asked for, its group and the
+finished once; each step then takes its share of the rows -- and, for a loader that records provenance,
+its share of the plan's provenance, computed by the same pass. Any dataset that
+:meth:`~levanter.data.dataset.AsyncDataset.can_plan_reads` is read ahead: one source as much as a mixture. When a step is asked for, its group and the
 :data:`GROUPS_AHEAD` groups after it are being read, so a group is read while the ones before it are
 served.
 
@@ -50,11 +52,6 @@ TRIM_GROUPS = 256
 MISS = object()
 
 
-def can_read_ahead(dataset: AsyncDataset) -> bool:
-    """Whether ``dataset`` plans groups of steps (``plan_read_groups``): a mixture does."""
-    return callable(getattr(dataset, "plan_read_groups", None))
-
-
 def start_read(plan: ReadPlan):
     """The tensorstore read of ``plan``'s rows (a future of ``array[plan.num_rows, ...]``)."""
     from ..store.jagged_array import read_blocks, read_stacked
@@ -81,18 +78,21 @@ class ReadAhead:
     """Read-ahead for one iterator's steps from ``start`` (exclusive: it is read alone) up to ``bound``.
 
     Args:
-        dataset: the dataset (one that :func:`can_read_ahead`).
+        dataset: the dataset (one that ``can_plan_reads``).
         indices_for_step: the global indices the iterator asks for at a step (this process's rows).
         start: the iterator's first step.
         bound: one past the last step the iterator will ask for, or None.
+        where_for_step: the global indices whose provenance a step needs (its whole batch), or None
+            when no provenance is wanted.
 
     Lives on the event loop that reads: its state is touched from that loop's thread only.
     """
 
     def __init__(self, dataset: AsyncDataset, indices_for_step: Callable[[int], np.ndarray], start: int,
-                 bound: int | None):
+                 bound: int | None, where_for_step: Callable[[int], np.ndarray] | None = None):
         self.dataset = dataset
         self.indices_for_step = indices_for_step
+        self.where_for_step = where_for_step
         self.start = as_int(start, what="start")
         self.bound = None if bound is None else as_int(bound, what="bound")
         start = self.start
@@ -147,7 +147,8 @@ class ReadAhead:
 
     # -- reads ---------------------------------------------------------------------------------------
     async def read(self, step: int):
-        """``step``'s rows from its group's read, or :data:`MISS`: read it with ``get_batch``."""
+        """``(rows, provenance)`` of ``step`` from its group's read (provenance None unless asked for at
+        construction), or :data:`MISS`: read it with ``get_batch``."""
         if step <= self.start or step in self._taken:
             return MISS
         g = self._group_of(step)
@@ -172,9 +173,11 @@ class ReadAhead:
         result = await task
         if result is None:
             return MISS
-        whole, n = result
+        whole, n, provenance, w = result
         lo = (step - first) * n
-        return _rows(whole, lo, lo + n)
+        if provenance is not None:
+            provenance = {k: v[(step - first) * w : (step - first + 1) * w] for k, v in provenance.items()}
+        return _rows(whole, lo, lo + n), provenance
 
     def _start(self, g: int) -> asyncio.Task:
         # Everything the read needs from the bookkeeping is taken now, while group g is surely held: the
@@ -182,8 +185,10 @@ class ReadAhead:
         p = self._pass_of_group(g)
         plans = self._plan_pass(p)
         at = g - self._pass_starts[p]
-        rows_per_step = self.indices_for_step(self._group(g)[0]).size
-        task = self._reads[g] = asyncio.ensure_future(self._read_group(plans, at, rows_per_step))
+        first = self._group(g)[0]
+        rows_per_step = self.indices_for_step(first).size
+        where_per_step = 0 if self.where_for_step is None else self.where_for_step(first).size
+        task = self._reads[g] = asyncio.ensure_future(self._read_group(plans, at, rows_per_step, where_per_step))
         task.add_done_callback(_retrieve)
         return task
 
@@ -217,18 +222,19 @@ class ReadAhead:
         """How many groups' bookkeeping is held (bounded whatever the step: a test checks it)."""
         return len(self._groups)
 
-    async def _read_group(self, plans_task: asyncio.Task, at: int, rows_per_step: int):
-        """``(finished rows of a group's steps back to back, rows per step)``, or None where the dataset
-        cannot plan the group (its steps are then read one by one). ``at``: the group's place among the
-        groups planned by ``plans_task``."""
+    async def _read_group(self, plans_task: asyncio.Task, at: int, rows_per_step: int, where_per_step: int):
+        """``(finished rows of a group's steps back to back, rows per step, provenance of the steps back to
+        back or None, provenance rows per step)``, or None where the dataset cannot plan the group (its
+        steps are then read one by one). ``at``: the group's place among the groups planned by
+        ``plans_task``."""
         plans = await plans_task
         plan = plans[at] if at < len(plans) else None
-        if plan is None:
+        if plan is None or (self.where_for_step is not None and plan.provenance is None):
             return None
         from ..store.jagged_array import awaited
 
         rows = await awaited(start_read(plan))
-        return plan.finish(rows), rows_per_step
+        return plan.finish(rows), rows_per_step, plan.provenance, where_per_step
 
     def _pass_of_group(self, g: int) -> int:
         """The planning pass of group ``g``: passes are cut in order, each from the first group without
@@ -270,8 +276,9 @@ class ReadAhead:
         if not steps:
             return []
         try:
+            where = None if self.where_for_step is None else [self.where_for_step(s) for s in steps]
             plans = await self.dataset.plan_read_groups(
-                steps, [self.indices_for_step(s) for s in steps], [end - first for first, end in groups]
+                steps, [self.indices_for_step(s) for s in steps], [end - first for first, end in groups], where
             )
         except Exception:  # noqa: BLE001 -- e.g. the end of the data: each step's get_batch says so itself
             return [None] * len(groups)

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .dataset import AsyncDataset, ReadPlan, StackedBatch, check_range, as_index_array
+from .dataset import AsyncDataset, IndexMap, ReadPlan, StackedBatch, as_index_array, check_range
 
 
 # Windows of at most this many tokens are planned many at a time as one index-array view
@@ -77,6 +77,9 @@ class TokenSeqDataset(AsyncDataset[np.ndarray]):
         idx = as_index_array(indices)
         check_range(idx, len(self), f"TokenSeqDataset(seq_len={self.seq_len})")
         return ReadPlan(window_views(idx * self.seq_len, self.seq_len), self._finish, row_key=self._row_key)
+
+    def can_plan_reads(self) -> bool:
+        return getattr(self.store, "window_views", None) is not None
 
     async def plan_reads(self, steps: Sequence[int], indices: Sequence[Sequence[int]]) -> ReadPlan | None:
         """One plan for several steps' windows (the step does not change a window): one view per window,
@@ -171,7 +174,10 @@ class CausalLmDataset(AsyncDataset[dict]):
         self.tokens_only = tokens_only
 
     async def get_batch(self, step: int, indices: Sequence[int]) -> StackedBatch:
-        windows = np.asarray(await self.dataset.get_batch(step, indices))
+        return self._columns(await self.dataset.get_batch(step, indices))
+
+    def _columns(self, windows) -> StackedBatch:
+        windows = np.asarray(windows)
         if self.tokens_only:
             return _tokens_column(windows)
         return StackedBatch(causal_lm_columns(windows, self.eos_id))
@@ -181,6 +187,20 @@ class CausalLmDataset(AsyncDataset[dict]):
 
     async def plan_reads(self, steps: Sequence[int], indices: Sequence[Sequence[int]]) -> ReadPlan | None:
         return self._then(await self.dataset.plan_reads(steps, indices))
+
+    def can_plan_reads(self) -> bool:
+        return self.dataset.can_plan_reads()
+
+    async def plan_read_groups(self, steps, indices, group_sizes, where=None) -> list[ReadPlan | None]:
+        return [self._then(p) for p in await self.dataset.plan_read_groups(steps, indices, group_sizes, where)]
+
+    async def read_with_provenance(self, step: int, indices: Sequence[int], where: np.ndarray):
+        # Rows of the inner dataset, rewritten: the provenance is the inner dataset's.
+        examples, provenance = await self.dataset.read_with_provenance(step, indices, where)
+        return self._columns(examples), provenance
+
+    async def index_map(self) -> IndexMap:
+        return IndexMap(self.dataset, rewrites=True)
 
     def _then(self, plan: ReadPlan | None) -> ReadPlan | None:
         if plan is None:
