@@ -1,4 +1,4 @@
-"""GPT-2 and Llama on tiny configs: shapes, causality, segment isolation, GQA, training, loss, configs."""
+"""GPT-2, Llama and Gemma on tiny configs: shapes, causality, segment isolation, GQA, training, loss, configs."""
 
 import draccus
 import equinox as eqx
@@ -11,6 +11,7 @@ import pytest
 import haliax as hax
 from accelerator import tol
 from levanter.models import (
+    GemmaConfig,
     Gpt2Config,
     LlamaConfig,
     LmConfig,
@@ -35,7 +36,14 @@ def tiny_llama(**kw):
     return LlamaConfig(**{**base, "seq_len": 16, **kw})
 
 
-CONFIGS = {"gpt2": tiny_gpt2, "llama": tiny_llama}
+def tiny_gemma(**kw):
+    # Heads of 16 on a 32-wide stream: the attention width (64) differs from hidden_dim; multi-query.
+    base = {"hidden_dim": 32, "intermediate_dim": 64, "num_heads": 4, "head_dim": 16, "num_kv_heads": 1,
+            "num_layers": 2}
+    return GemmaConfig(**{**base, "seq_len": 16, **kw})
+
+
+CONFIGS = {"gpt2": tiny_gpt2, "llama": tiny_llama, "gemma": tiny_gemma}
 
 
 @eqx.filter_jit
@@ -375,6 +383,9 @@ def test_draccus_selects_architecture():
         (tiny_llama, {"num_kv_heads": 3}, "model.num_kv_heads"),
         (tiny_llama, {"num_heads": 3}, "model.num_heads"),
         (tiny_llama, {"intermediate_dim": -1}, "model.intermediate_dim"),
+        (tiny_gemma, {"num_kv_heads": 3}, "model.num_kv_heads"),
+        (tiny_gemma, {"head_dim": 7}, "model.head_dim"),
+        (tiny_gemma, {"layer_norm_epsilon": -1.0}, "model.layer_norm_epsilon"),
     ],
 )
 def test_invalid_sizes_name_the_field(make, kwargs, field):
@@ -420,8 +431,10 @@ def test_flops_per_token(name):
     # equals 6 x (matmul weights, lm head included) + 3 x the attention matmuls (4 * seq * d per layer)
     config = CONFIGS[name](num_layers=2, seq_len=64)
     model = config.build(Vocab, key=jax.random.PRNGKey(0))
-    n = _matmul_weights(model) + (config.hidden_dim * Vocab.size if name == "gpt2" else 0)  # gpt2: tied head
-    expected = 6 * n + 3 * 4 * config.seq_len * config.hidden_dim * config.num_layers
+    tied = name == "gpt2" or getattr(config, "tie_word_embeddings", False)
+    n = _matmul_weights(model) + (config.hidden_dim * Vocab.size if tied else 0)  # a tied head is still a matmul
+    attn_width = config.num_heads * config.HeadSize.size  # hidden_dim except where head_dim is free (gemma)
+    expected = 6 * n + 3 * 4 * config.seq_len * attn_width * config.num_layers
     assert flops[2] == pytest.approx(expected)
 
 

@@ -1,7 +1,7 @@
-"""Language models: the :class:`LmConfig` registry, the :class:`LmHeadModel` interface, GPT-2 and Llama.
+"""Language models: the :class:`LmConfig` registry, the :class:`LmHeadModel` interface, GPT-2, Llama and Gemma.
 
 Importing this package registers every architecture with :class:`LmConfig`, so a YAML ``model:``
-block with ``type: gpt2`` or ``type: llama`` decodes to the right config class.
+block with ``type: gpt2``, ``type: llama`` or ``type: gemma`` decodes to the right config class.
 """
 
 from .attention import (
@@ -13,6 +13,7 @@ from .attention import (
     dot_product_attention,
     resolve_attn_backend,
 )
+from .gemma import GemmaConfig, GemmaLMHeadModel
 from .gpt2 import Gpt2Config, Gpt2LMHeadModel
 from .layers import (
     ACTIVATIONS,
@@ -44,6 +45,8 @@ __all__ = [
     "dot_product_attention",
     "remat_policy",
     "resolve_attn_backend",
+    "GemmaConfig",
+    "GemmaLMHeadModel",
     "Gpt2Config",
     "Gpt2LMHeadModel",
     "LlamaConfig",
