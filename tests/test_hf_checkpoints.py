@@ -1,14 +1,16 @@
 """Hugging Face import and export (levanter.compat.hf_checkpoints, train_lm's initialize_from_hf and
 hf_save_path, export_lm_to_hf), against real ``transformers`` models on CPU, offline.
 
-Tiny random GPT-2 and Llama models (grouped-query attention, tied and untied heads, a non-default rope
-theta, llama3 and yarn rope scaling) are made by ``transformers`` once per module; our import must give transformers' logits on the
+Tiny random GPT-2, Llama and Gemma models (grouped-query and multi-query attention, tied and untied heads, a
+non-default rope theta, llama3 and yarn rope scaling, Gemma heads wider and narrower than hidden / heads, its
+norm offsets randomised) are made by ``transformers`` once per module; our import must give transformers' logits on the
 same tokens (float32, max abs difference < 1e-4), an export must load in transformers and give ours, and
 export -> import is bit-identical. One short training run serves several assertions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -24,7 +26,7 @@ import haliax as hax
 
 from accelerator import tol
 from levanter.compat import load_hf_checkpoint, load_hf_config, save_hf_checkpoint
-from levanter.models import Gpt2Config, LlamaConfig
+from levanter.models import GemmaConfig, Gpt2Config, LlamaConfig
 from levanter.models.rope import Llama3RopeConfig, YarnRopeConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -59,7 +61,18 @@ def hf_configs():
             vocab_size=VOCAB, max_position_embeddings=256, rope_parameters={
                 "rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0,
                 "original_max_position_embeddings": 64}, **quiet),
+        # Multi-query, tied (Gemma 2B's shape in miniature): 4 heads of 16 on a 32-wide stream.
+        "gemma-mqa-tied": transformers.GemmaConfig(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+            head_dim=16, vocab_size=VOCAB, max_position_embeddings=64, rms_norm_eps=1e-6, **quiet),
+        # Grouped-query, untied, heads narrower than hidden / heads (4 x 8 on 48), another rope theta.
+        "gemma-gqa-untied": transformers.GemmaConfig(
+            hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=False, rope_theta=5000.0,
+            **quiet),
     }
+
+CONFIG_CLASS = {"gpt2": Gpt2Config, "llama": LlamaConfig, "gemma": GemmaConfig}
 
 
 def torch_logits(model) -> np.ndarray:
@@ -81,6 +94,13 @@ def hf_dirs(tmp_path_factory):
     out = {}
     for name, cfg in hf_configs().items():
         model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        if name.startswith("gemma"):
+            # Gemma's norm weights start at zero (the scale is 1 + weight): random offsets make the test
+            # see whether the offset is added, and added once.
+            with torch.no_grad():
+                for pname, p in model.named_parameters():
+                    if pname.endswith("norm.weight"):
+                        p.copy_(0.3 * torch.randn_like(p))
         model.save_pretrained(root / name)
         out[name] = (str(root / name), torch_logits(model))
     return out
@@ -91,10 +111,19 @@ def imported(hf_dirs):
     return {name: load_hf_checkpoint(d) for name, (d, _) in hf_dirs.items()}
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-gqa-untied", "llama-tied", "llama-rope-llama3", "llama-rope-yarn"])
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa-untied", "llama-tied", "llama-rope-llama3", "llama-rope-yarn",
+                                  "gemma-mqa-tied", "gemma-gqa-untied"])
 def test_import_gives_transformers_logits(name, hf_dirs, imported):
     config, model = imported[name]
-    assert isinstance(config, Gpt2Config if name == "gpt2" else LlamaConfig)
+    assert type(config) is CONFIG_CLASS[name.split("-")[0]]
+    if name == "gemma-mqa-tied":
+        assert (config.num_kv_heads, config.head_dim, config.tie_word_embeddings) == (1, 16, True)
+        assert model.lm_head is None and config.activation_function == "gelu_pytorch_tanh"
+        assert float(np.abs(np.asarray(model.norm.weight.array)).max()) > 0.1  # the offsets came through
+    if name == "gemma-gqa-untied":
+        assert (config.num_kv_heads, config.head_dim, config.rope_theta, config.tie_word_embeddings) == (
+            2, 8, 5000.0, False)
+        assert model.lm_head is not None
     if name == "llama-gqa-untied":
         assert (config.num_kv_heads, config.rope_theta, config.tie_word_embeddings) == (2, 5000.0, False)
         assert model.lm_head is not None
@@ -112,7 +141,8 @@ def test_import_gives_transformers_logits(name, hf_dirs, imported):
     assert diff < tol(1e-4), diff
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-gqa-untied", "llama-rope-llama3", "llama-rope-yarn"])
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa-untied", "llama-rope-llama3", "llama-rope-yarn", "gemma-mqa-tied",
+                                  "gemma-gqa-untied"])
 def test_export_loads_in_transformers_and_imports_bit_identically(name, hf_dirs, imported, tmp_path):
     config, model = imported[name]
     out = tmp_path / "out"
@@ -199,6 +229,47 @@ def test_config_refusals_name_the_field(tmp_path):
                                 "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                  "high_freq_factor": 4.0}}))
     assert old.rope == Llama3RopeConfig(theta=5e5, original_max_position_embeddings=128)
+
+
+def test_gemma_config_json_fields(tmp_path, hf_dirs, imported):
+    """What a Gemma config.json says that a Llama one does not: the legacy activation name, head_dim's own
+    default, the options refused by field; and what our Gemma cannot say in one (refused on export)."""
+    from levanter.compat import hf_config_to_lm, lm_to_hf_config
+
+    gemma = hf_configs()["gemma-mqa-tied"].to_dict()
+    # The original releases wrote hidden_act "gelu", meaning the tanh approximation (transformers rewrites it).
+    assert hf_config_to_lm({**gemma, "hidden_act": "gelu"})[0].activation_function == "gelu_pytorch_tanh"
+    # Older transformers read hidden_activation before hidden_act.
+    assert hf_config_to_lm({**gemma, "hidden_activation": "gelu_new"})[0].activation_function == "gelu_new"
+    # Without head_dim, transformers' default (256) applies, not hidden_size / num_attention_heads.
+    assert hf_config_to_lm({k: v for k, v in gemma.items() if k != "head_dim"})[0].head_dim == 256
+    with pytest.raises(ValueError, match="'attention_bias' true"):
+        hf_config_to_lm({**gemma, "attention_bias": True})
+    with pytest.raises(ValueError, match="'use_bidirectional_attention' true"):
+        hf_config_to_lm({**gemma, "use_bidirectional_attention": True})
+    config, _ = imported["gemma-mqa-tied"]
+    doc = lm_to_hf_config(config, VOCAB)
+    assert (doc["model_type"], doc["head_dim"], doc["hidden_act"], doc["hidden_activation"]) == (
+        "gemma", 16, "gelu_pytorch_tanh", "gelu_pytorch_tanh")
+    assert hf_config_to_lm(doc)[0] == config  # the document maps back to the same config
+    for change, fragment in [({"activation_function": "gelu"}, "'gelu' \\(exact\\)"),
+                             ({"norm_embeddings": False}, "model.norm_embeddings false"),
+                             ({"use_bias": True}, "model.use_bias true")]:
+        with pytest.raises(ValueError, match=fragment):
+            lm_to_hf_config(dataclasses.replace(config, **change), VOCAB)
+
+
+def test_gemma_run_config_takes_the_checkpoint_shape(hf_dirs):
+    from levanter.compat import merge_hf_model_config
+
+    path = hf_dirs["gemma-gqa-untied"][0]
+    merged, vocab = merge_hf_model_config(GemmaConfig(seq_len=16, attn_backend="vanilla"), path)
+    assert (merged.hidden_dim, merged.head_dim, merged.num_kv_heads, merged.tie_word_embeddings) == (48, 8, 2, False)
+    assert (merged.seq_len, merged.attn_backend, vocab) == (16, "vanilla", VOCAB)
+    with pytest.raises(ValueError, match="model.head_dim=32 disagrees"):
+        merge_hf_model_config(GemmaConfig(seq_len=16, head_dim=32), path)
+    with pytest.raises(ValueError, match="is a gemma checkpoint but model.type is llama"):
+        merge_hf_model_config(LlamaConfig(seq_len=16), path)
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar, Optional, Union
+from typing import Optional, Union
 
 import equinox as eqx
 import jax
@@ -81,6 +81,8 @@ class GemmaConfig(LmConfig):
     tie_word_embeddings: bool = True
     # Compute the attention scores and softmax in float32 under a lower-precision policy.
     upcast_attn: bool = False
+    # Give the linear layers biases (Gemma's have none; a model with them cannot be exported to Hugging Face).
+    use_bias: bool = False
     # true/false or a named remat policy (levanter.models.layers.REMAT_POLICIES).
     gradient_checkpointing: Union[bool, str] = True
     # True: the layers run as one lax.scan; False: the same stacked parameters, the loop unrolled when traced.
@@ -103,8 +105,6 @@ class GemmaConfig(LmConfig):
     # Upstream's tokenizer for Hugging Face exports; refused if set (data.tokenizer is the one used).
     tokenizer: Optional[str] = refused("the tokenizer is data.tokenizer; remove model.tokenizer")
 
-    # Gemma's projections have no biases (read by the shared Llama attention and MLP modules).
-    use_bias: ClassVar[bool] = False
 
     def __post_init__(self):
         super().__post_init__()

@@ -1,0 +1,98 @@
+"""Gemma in the Hugging Face layout (``model_type: gemma``, ``GemmaForCausalLM``).
+
+The tensors have Llama's names and axes (:func:`.llama.llama_layout`); the norm weights are stored, here
+and there, as the offset from 1 (the norm scales by ``1 + weight``), so they map unchanged. What the
+``config.json`` says that Llama's does not:
+
+* ``head_dim`` is a size of its own (transformers' default when absent is 256, not
+  ``hidden_size / num_attention_heads``), read into ``model.head_dim``;
+* the activation: ``hidden_activation`` (older transformers read it first) or ``hidden_act``; the value
+  ``gelu`` of the original releases means the tanh approximation (transformers rewrites it to
+  ``gelu_pytorch_tanh``), so it is read as that. For the same reason an exact-GELU model
+  (``activation_function: gelu``) cannot be exported: transformers would run it with the approximation.
+* ``attention_bias`` and ``use_bidirectional_attention`` true are refused (not implemented here), as are
+  our ``use_bias: true`` and ``norm_embeddings: false`` on export (Hugging Face Gemma has no such options).
+"""
+
+from __future__ import annotations
+
+from levanter.models import GemmaConfig, LmConfig
+from levanter.models.rope import rope_from_hf
+
+from .families import HfFamily, hf_field, hf_int, refuse_true, register_family
+from .llama import llama_fields_to_hf, llama_layout
+
+# transformers' GemmaConfig defaults for fields a config.json may leave out.
+HF_DEFAULT_HEAD_DIM = 256
+HF_DEFAULT_ACTIVATION = "gelu_pytorch_tanh"
+
+LAYOUT = llama_layout()
+
+
+def _activation(doc: dict, where: str) -> str:
+    name = hf_field(doc, where, "hidden_activation", "hidden_act", default=HF_DEFAULT_ACTIVATION)
+    if not isinstance(name, str):
+        raise ValueError(f"{where}: field 'hidden_act' must be an activation name, got {name!r}")
+    return HF_DEFAULT_ACTIVATION if name == "gelu" else name
+
+
+def from_hf(doc: dict, where: str) -> tuple[LmConfig, int]:
+    refuse_true(doc, where, ("attention_bias",), "Gemma here has no biases")
+    refuse_true(doc, where, ("use_bidirectional_attention",), "attention here is causal")
+    heads = hf_int(doc, where, "num_attention_heads")
+    theta, rope = rope_from_hf(doc, where)
+    max_pos = hf_int(doc, where, "max_position_embeddings", default=8192)
+    cfg = GemmaConfig(
+        seq_len=min(max_pos, GemmaConfig.seq_len),
+        hidden_dim=hf_int(doc, where, "hidden_size"),
+        intermediate_dim=hf_int(doc, where, "intermediate_size"),
+        num_layers=hf_int(doc, where, "num_hidden_layers"),
+        num_heads=heads,
+        head_dim=hf_int(doc, where, "head_dim", default=HF_DEFAULT_HEAD_DIM),
+        num_kv_heads=hf_int(doc, where, "num_key_value_heads", default=heads),
+        activation_function=_activation(doc, where),
+        initializer_range=float(doc.get("initializer_range", 0.02)),
+        layer_norm_epsilon=float(doc.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(doc.get("tie_word_embeddings", True)),
+        rope_theta=theta,
+        rope=rope,
+    )
+    return cfg, hf_int(doc, where, "vocab_size")
+
+
+def to_hf(config: LmConfig, vocab_size: int) -> dict:
+    assert isinstance(config, GemmaConfig)
+    if config.use_bias:
+        raise ValueError("model.use_bias true cannot be exported: Hugging Face Gemma has no biases")
+    if not config.norm_embeddings:
+        raise ValueError(
+            "model.norm_embeddings false cannot be exported: Hugging Face Gemma always scales the embeddings "
+            "by sqrt(hidden_size)"
+        )
+    if config.activation_function == "gelu":
+        raise ValueError(
+            "model.activation_function 'gelu' (exact) cannot be exported as Gemma: transformers reads a Gemma "
+            "config's 'gelu' as the tanh approximation; train with gelu_new (Gemma's own) to export"
+        )
+    fields = llama_fields_to_hf(config, vocab_size)
+    return {
+        "architectures": ["GemmaForCausalLM"],
+        "model_type": "gemma",
+        **fields,
+        # Both spellings: older transformers read hidden_activation and ignore hidden_act.
+        "hidden_activation": fields["hidden_act"],
+        "attention_bias": False,
+    }
+
+
+register_family(HfFamily(
+    name="gemma",
+    config_class=GemmaConfig,
+    model_types=("gemma",),
+    from_hf=from_hf,
+    to_hf=to_hf,
+    layout=lambda config: LAYOUT,
+    shape_fields=("hidden_dim", "intermediate_dim", "num_layers", "num_heads", "head_dim", "num_kv_heads",
+                  "activation_function", "layer_norm_epsilon", "tie_word_embeddings", "norm_embeddings",
+                  "use_bias", "rope_theta", "rope"),
+))
