@@ -26,7 +26,7 @@ import haliax as hax
 
 from accelerator import tol
 from levanter.compat import load_hf_checkpoint, load_hf_config, save_hf_checkpoint
-from levanter.models import GemmaConfig, Gpt2Config, LlamaConfig
+from levanter.models import GemmaConfig, Gpt2Config, LlamaConfig, Qwen2Config, Qwen3Config
 from levanter.models.rope import Llama3RopeConfig, YarnRopeConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -70,9 +70,22 @@ def hf_configs():
             hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=False, rope_theta=5000.0,
             **quiet),
+        "qwen2": transformers.Qwen2Config(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=VOCAB, rope_theta=1e6, max_position_embeddings=64, rms_norm_eps=1e-6, **quiet),
+        # head_dim 16 is not hidden_size / heads (8), as in released Qwen3 models; tied head.
+        "qwen3": transformers.Qwen3Config(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=True, **quiet),
+        "qwen3-bias": transformers.Qwen3Config(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+            head_dim=8, vocab_size=VOCAB, max_position_embeddings=64, attention_bias=True, **quiet),
     }
 
-CONFIG_CLASS = {"gpt2": Gpt2Config, "llama": LlamaConfig, "gemma": GemmaConfig}
+
+# transformers initialises biases to zero and norm scales to one; a mapping that swapped or dropped them
+# would go unseen, so these models get every parameter perturbed.
+PERTURBED = ("qwen2", "qwen3", "qwen3-bias")
 
 
 def torch_logits(model) -> np.ndarray:
@@ -94,7 +107,11 @@ def hf_dirs(tmp_path_factory):
     out = {}
     for name, cfg in hf_configs().items():
         model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-        if name.startswith("gemma"):
+        if name in PERTURBED:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.05 * torch.randn_like(p))
+        elif name.startswith("gemma"):
             # Gemma's norm weights start at zero (the scale is 1 + weight): random offsets make the test
             # see whether the offset is added, and added once.
             with torch.no_grad():
@@ -111,11 +128,24 @@ def imported(hf_dirs):
     return {name: load_hf_checkpoint(d) for name, (d, _) in hf_dirs.items()}
 
 
+CLASSES = {"gpt2": Gpt2Config, "llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+           "gemma": GemmaConfig}
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa-untied", "llama-tied", "llama-rope-llama3", "llama-rope-yarn",
-                                  "gemma-mqa-tied", "gemma-gqa-untied"])
+                                  "qwen2", "qwen3", "qwen3-bias", "gemma-mqa-tied", "gemma-gqa-untied"])
 def test_import_gives_transformers_logits(name, hf_dirs, imported):
     config, model = imported[name]
-    assert type(config) is CONFIG_CLASS[name.split("-")[0]]
+    assert type(config) is CLASSES[name.split("-")[0]]
+    if name == "qwen2":
+        assert model.layers.stacked.self_attn.q_proj.bias is not None and model.layers.stacked.self_attn.o_proj.bias is None
+        assert config.rope_theta == 1e6 and config.layer_norm_epsilon == 1e-6
+    if name == "qwen3":
+        assert config.head_dim == 16 and config.HeadSize.size == 16 and model.lm_head is None
+        assert model.layers.stacked.self_attn.q_norm is not None and model.layers.stacked.self_attn.q_proj.bias is None
+    if name == "qwen3-bias":
+        assert config.attention_bias and config.head_dim is None
+        assert model.layers.stacked.self_attn.o_proj.bias is not None
     if name == "gemma-mqa-tied":
         assert (config.num_kv_heads, config.head_dim, config.tie_word_embeddings) == (1, 16, True)
         assert model.lm_head is None and config.activation_function == "gelu_pytorch_tanh"
@@ -141,8 +171,8 @@ def test_import_gives_transformers_logits(name, hf_dirs, imported):
     assert diff < tol(1e-4), diff
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama-gqa-untied", "llama-rope-llama3", "llama-rope-yarn", "gemma-mqa-tied",
-                                  "gemma-gqa-untied"])
+@pytest.mark.parametrize("name", ["gpt2", "llama-gqa-untied", "llama-rope-llama3", "llama-rope-yarn", "qwen2",
+                                  "qwen3", "qwen3-bias", "gemma-mqa-tied", "gemma-gqa-untied"])
 def test_export_loads_in_transformers_and_imports_bit_identically(name, hf_dirs, imported, tmp_path):
     config, model = imported[name]
     out = tmp_path / "out"
@@ -219,8 +249,13 @@ def test_config_refusals_name_the_field(tmp_path):
         load_hf_config(write({**llama, "rope_parameters": None, "rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}))
     with pytest.raises(ValueError, match="attention_bias"):
         load_hf_config(write({**llama, "attention_bias": True}))
-    with pytest.raises(ValueError, match="model_type 'mistral'"):
-        load_hf_config(write({**llama, "model_type": "mistral"}))
+    with pytest.raises(ValueError, match="model_type 't5' is not supported.*'qwen3'"):
+        load_hf_config(write({**llama, "model_type": "t5"}))
+    qwen = hf_configs()["qwen2"].to_dict()
+    with pytest.raises(ValueError, match="field 'use_sliding_window' true"):
+        load_hf_config(write({**qwen, "use_sliding_window": True}))
+    with pytest.raises(ValueError, match=r"field 'layer_types' names \['sliding_attention'\]"):
+        load_hf_config(write({**qwen, "layer_types": ["full_attention", "sliding_attention"]}))
     linear = load_hf_config(write({**llama, "rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}}))
     assert linear.rope_theta_and_factor == (1e4, 2.0)
     # Older config.json spelling: rope_scaling with "type", theta at the top level, original length omitted
@@ -372,3 +407,16 @@ def test_run_model_keys_that_disagree_with_the_checkpoint_are_refused(hf_dirs):
     with pytest.raises(ValueError, match="exceeds the 64 learned positions"):
         merge_hf_model_config(Gpt2Config(seq_len=128), path)
     assert os.path.isdir(path)
+
+
+def test_qwen_merge_takes_the_shape_and_refuses_another_type(hf_dirs):
+    from levanter.compat import merge_hf_model_config
+
+    run = Qwen3Config(seq_len=32, scan_layers=False)
+    merged, vocab = merge_hf_model_config(run, hf_dirs["qwen3"][0])
+    assert (type(merged), merged.head_dim, merged.hidden_dim, merged.num_kv_heads) == (Qwen3Config, 16, 32, 2)
+    assert (merged.seq_len, merged.scan_layers, vocab) == (32, False, VOCAB)
+    with pytest.raises(ValueError, match="is a qwen3 checkpoint but model.type is llama"):
+        merge_hf_model_config(LlamaConfig(seq_len=32), hf_dirs["qwen3"][0])
+    with pytest.raises(ValueError, match="model.head_dim=8 disagrees"):
+        merge_hf_model_config(Qwen3Config(seq_len=32, head_dim=8), hf_dirs["qwen3"][0])

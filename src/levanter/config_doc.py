@@ -132,10 +132,14 @@ def _docstring_below(lines: list, i: int, indent: int) -> str:
 
 
 def description(cls: type, name: str) -> str:
-    """The comment above field ``name`` in the class (of ``cls``'s MRO) that declares it; "" if none."""
+    """The comment above field ``name`` in the nearest class (of ``cls``'s MRO) that declares it with a
+    comment; "" if none. A subclass that redeclares a field only to change its default (``num_layers: int =
+    12``) keeps the base class's description; one that comments its redeclaration replaces it."""
     for klass in cls.__mro__:
         if name in klass.__dict__.get("__annotations__", {}):
-            return _class_comments(klass).get(name, "")
+            text = _class_comments(klass).get(name, "")
+            if text:
+                return text
     return ""
 
 

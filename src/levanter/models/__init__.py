@@ -1,7 +1,8 @@
-"""Language models: the :class:`LmConfig` registry, the :class:`LmHeadModel` interface, GPT-2, Llama and Gemma.
+"""Language models: the :class:`LmConfig` registry, the :class:`LmHeadModel` interface, GPT-2, Llama, Qwen2,
+Qwen3 and Gemma.
 
 Importing this package registers every architecture with :class:`LmConfig`, so a YAML ``model:``
-block with ``type: gpt2``, ``type: llama`` or ``type: gemma`` decodes to the right config class.
+block with ``type: gpt2``, ``llama``, ``qwen2``, ``qwen3`` or ``gemma`` decodes to the right config class.
 """
 
 from .attention import (
@@ -35,6 +36,7 @@ from .lm_model import (
     split_key,
     tree_nbytes,
 )
+from .qwen import Qwen2Config, Qwen3Config
 
 __all__ = [
     "ACTIVATIONS",
@@ -53,6 +55,8 @@ __all__ = [
     "LlamaLMHeadModel",
     "LmConfig",
     "LmHeadModel",
+    "Qwen2Config",
+    "Qwen3Config",
     "RopeConfig",
     "blockwise_next_token_loss",
     "causal_attention",

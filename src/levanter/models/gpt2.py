@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional, Union
+from typing import Optional
 
 import equinox as eqx
 import jax
@@ -30,13 +30,10 @@ import haliax as hax
 import haliax.nn as hnn
 from haliax import Axis, NamedArray
 
-from .attention import AttentionMask, check_attn_config, check_backend_platform, dot_product_attention, plan_attention
+from .attention import AttentionMask, dot_product_attention, plan_attention
 from .layers import (
     ACTIVATIONS,
-    check_activation,
-    check_epsilon,
     check_positive,
-    check_remat,
     named,
     normal_embedding,
     normal_linear,
@@ -52,45 +49,23 @@ class Gpt2Config(LmConfig):
 
     # Tokens per training sequence (the context length; at most n_positions).
     seq_len: int = 1024
-    # Width of the residual stream (the token embedding's size).
     hidden_dim: int = 768
-    # Transformer blocks.
     num_layers: int = 12
     # Attention heads; hidden_dim must be a multiple of it.
     num_heads: int = 12
+    activation_function: str = "gelu_new"
+    upcast_attn: bool = True
+    use_bias: bool = True
     # The MLP's hidden layer is mlp_scale x hidden_dim wide.
     mlp_scale: int = 4
-    # Standard deviation of the normal initialisation of the weights.
-    initializer_range: float = 0.02
     # Dropout rate on the embeddings (0: none).
     embed_pdrop: float = 0.0
     # Dropout rate on each block's residual branches (0: none).
     resid_pdrop: float = 0.0
     # Dropout rate on the attention weights (0: none).
     attn_pdrop: float = 0.0
-    # Epsilon of the layer norms, in (0, 1].
-    layer_norm_epsilon: float = 1e-5
-    # Activation of the MLP (gelu_new, gelu, relu, silu, ...).
-    activation_function: str = "gelu_new"
     # Scale each layer's attention scores by 1 / (layer index + 1), as GPT-2's option does.
     scale_attn_by_inverse_layer_idx: bool = False
-    # Compute the attention scores and softmax in float32 under a lower-precision policy.
-    upcast_attn: bool = True
-    # Give the linear layers biases.
-    use_bias: bool = True
-    # true/false or a named remat policy (levanter.models.layers.REMAT_POLICIES).
-    gradient_checkpointing: Union[bool, str] = True
-    # True: the layers run as one lax.scan (compile time independent of depth). False: the same stacked
-    # parameters, but the loop is unrolled when traced, which lets XLA fuse across layers: faster steps
-    # and compiles for small models (docs/performance.md). Large models keep True.
-    scan_layers: bool = True
-    # Which attention kernel runs (levanter.models.attention.ATTN_BACKENDS); None means "default", or what
-    # upstream's use_flash_attention says when only that is given (true: jax_flash, false: vanilla).
-    attn_backend: Optional[str] = None
-    # Upstream's switch for the attention kernel: true runs jax_flash, false vanilla (attn_backend wins).
-    use_flash_attention: Optional[bool] = None
-    # Query/key block of jax_flash and splash; None means 512 (or the whole sequence when shorter).
-    flash_attention_block_size: Optional[int] = None
     # Rows of the learned position table (HF's n_positions); None means seq_len. Training on longer
     # sequences than the table has is refused up front.
     n_positions: Optional[int] = None
@@ -103,7 +78,7 @@ class Gpt2Config(LmConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        check_positive(self, "seq_len", "hidden_dim", "num_layers", "num_heads", "mlp_scale")
+        check_positive(self, "mlp_scale")
         if self.n_positions is not None and self.seq_len > self.n_positions:
             raise ValueError(
                 f"model.seq_len ({self.seq_len}) exceeds the model's {self.n_positions} learned positions "
@@ -118,29 +93,12 @@ class Gpt2Config(LmConfig):
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"model.{name} must be in [0, 1), got {p}")
-        check_activation(self.activation_function)
-        check_epsilon(self.layer_norm_epsilon)
-        check_remat(self.gradient_checkpointing)
         backend = self.attention_backend
-        if self.attention_backend == "cudnn" and self.upcast_attn:
-            raise ValueError(
-                "model.attn_backend 'cudnn' needs model.upcast_attn: false (cuDNN takes bfloat16/float16 queries "
-                "and keys; the scores and softmax are float32 inside it either way)"
-            )
         if self.attn_pdrop > 0.0 and backend not in ("default", "vanilla"):
             raise ValueError(
                 f"model.attn_pdrop={self.attn_pdrop} needs model.attn_backend: vanilla (or default); "
                 f"{backend!r} has no attention dropout"
             )
-
-    @property
-    def attention_backend(self) -> str:
-        """The requested backend (``default`` until resolved for a platform); validates the keys."""
-        return check_attn_config(self.attn_backend, self.use_flash_attention, self.flash_attention_block_size)
-
-    def check_platform(self, platform: str) -> None:
-        """Refuse an ``attn_backend`` that ``platform`` (``jax.default_backend()``) cannot run."""
-        check_backend_platform(self.attention_backend, platform)
 
     @property
     def Heads(self) -> Axis:

@@ -24,9 +24,8 @@ nested form (``rope: {type: default | linear | llama3 | yarn, theta: ..., ...}``
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+from typing import Optional
 
-import draccus
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -35,13 +34,10 @@ import haliax as hax
 import haliax.nn as hnn
 from haliax import Axis, NamedArray
 
-from .attention import AttentionMask, check_attn_config, check_backend_platform, dot_product_attention, plan_attention
+from .attention import AttentionMask, dot_product_attention, plan_attention
 from .layers import (
     ACTIVATIONS,
-    check_activation,
-    check_epsilon,
     check_positive,
-    check_remat,
     named,
     normal_embedding,
     normal_linear,
@@ -60,45 +56,25 @@ HEAD_SIZE = "head_size"
 class LlamaConfig(LmConfig):
     """A Llama decoder: RMS norms, rotary positions, a gated MLP, grouped-query attention."""
 
-    # Tokens per training sequence (the context length).
     seq_len: int = 2048
-    # Width of the residual stream (the token embedding's size).
     hidden_dim: int = 4096
-    # Width of the gated MLP's hidden layer.
-    intermediate_dim: int = 11008
-    # Transformer blocks.
     num_layers: int = 32
-    # Attention (query) heads; hidden_dim / num_heads is the head size, which must be even.
+    # Attention (query) heads; the head size (head_dim) must be even.
     num_heads: int = 32
-    # Key/value heads (grouped-query attention): num_heads must be a multiple of it.
-    num_kv_heads: int = 32
     # Activation of the MLP's gate (silu, gelu, gelu_new, relu, ...).
     activation_function: str = "silu"
-    # Standard deviation of the normal initialisation of the weights.
-    initializer_range: float = 0.02
-    # Epsilon of the RMS norms, in (0, 1].
-    layer_norm_epsilon: float = 1e-5
+    upcast_attn: bool = False
+    use_bias: bool = False
+    # Width of the gated MLP's hidden layer.
+    intermediate_dim: int = 11008
+    # Key/value heads (grouped-query attention): num_heads must be a multiple of it.
+    num_kv_heads: int = 32
+    # Size of each attention head; null means hidden_dim / num_heads (which must then divide evenly).
+    head_dim: Optional[int] = None
     # The output head reuses the token-embedding matrix instead of a matrix of its own.
     tie_word_embeddings: bool = False
-    # Compute the attention scores and softmax in float32 under a lower-precision policy.
-    upcast_attn: bool = False
-    # Give the linear layers biases.
-    use_bias: bool = False
     # Give the RMS norms a learned scale.
     use_layer_norm_weight: bool = True
-    # true/false or a named remat policy (levanter.models.layers.REMAT_POLICIES).
-    gradient_checkpointing: Union[bool, str] = True
-    # True: the layers run as one lax.scan (compile time independent of depth). False: the same stacked
-    # parameters, but the loop is unrolled when traced, which lets XLA fuse across layers: faster steps
-    # and compiles for small models (docs/performance.md). Large models keep True.
-    scan_layers: bool = True
-    # Which attention kernel runs (levanter.models.attention.ATTN_BACKENDS); None means "default", or what
-    # upstream's use_flash_attention says when only that is given (true: jax_flash, false: vanilla).
-    attn_backend: Optional[str] = None
-    # Upstream's switch for the attention kernel: true runs jax_flash, false vanilla (attn_backend wins).
-    use_flash_attention: Optional[bool] = None
-    # Query/key block of jax_flash and splash; None means 512 (or the whole sequence when shorter).
-    flash_attention_block_size: Optional[int] = None
     # Base of the rotary frequencies (rope.theta, when the rope section is given, takes precedence).
     rope_theta: float = 10000.0
     # Upstream's nested rotary settings; overrides rope_theta when given.
@@ -112,45 +88,42 @@ class LlamaConfig(LmConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        check_positive(
-            self, "seq_len", "hidden_dim", "intermediate_dim", "num_layers", "num_heads", "num_kv_heads"
-        )
-        check_epsilon(self.layer_norm_epsilon)
-        if self.hidden_dim % self.num_heads != 0:
+        check_positive(self, "intermediate_dim", "num_kv_heads")
+        if self.head_dim is not None:
+            check_positive(self, "head_dim")
+        elif self.hidden_dim % self.num_heads != 0:
             raise ValueError(
-                f"model.hidden_dim ({self.hidden_dim}) must be divisible by "
-                f"model.num_heads ({self.num_heads})"
+                f"model.hidden_dim ({self.hidden_dim}) must be divisible by model.num_heads ({self.num_heads}), "
+                "or set model.head_dim"
             )
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"model.num_heads ({self.num_heads}) must be divisible by "
                 f"model.num_kv_heads ({self.num_kv_heads})"
             )
-        if (self.hidden_dim // self.num_heads) % 2 != 0:
+        if self.HeadSize.size % 2 != 0:
             raise ValueError(
-                f"model.hidden_dim / model.num_heads = {self.hidden_dim // self.num_heads} "
-                "must be even for RoPE"
+                f"the head size ({self.HeadSize.size}: model.head_dim, or hidden_dim / num_heads) must be even for RoPE"
             )
         if self.rope_theta <= 0:
             raise ValueError(f"model.rope_theta must be positive, got {self.rope_theta}")
         self.rope_config.check()
-        check_activation(self.activation_function)
-        check_remat(self.gradient_checkpointing)
-        self.attention_backend  # validates attn_backend, use_flash_attention, flash_attention_block_size
-        if self.attention_backend == "cudnn" and self.upcast_attn:
-            raise ValueError(
-                "model.attn_backend 'cudnn' needs model.upcast_attn: false (cuDNN takes bfloat16/float16 queries "
-                "and keys; the scores and softmax are float32 inside it either way)"
-            )
+
+    # Variants built on Llama (levanter.models.qwen) switch these; Llama itself follows use_bias throughout.
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the query, key and value projections have biases."""
+        return self.use_bias
 
     @property
-    def attention_backend(self) -> str:
-        """The requested backend (``default`` until resolved for a platform); validates the keys."""
-        return check_attn_config(self.attn_backend, self.use_flash_attention, self.flash_attention_block_size)
+    def o_bias(self) -> bool:
+        """Whether the attention output projection has a bias."""
+        return self.use_bias
 
-    def check_platform(self, platform: str) -> None:
-        """Refuse an ``attn_backend`` that ``platform`` (``jax.default_backend()``) cannot run."""
-        check_backend_platform(self.attention_backend, platform)
+    @property
+    def qk_norm(self) -> bool:
+        """Whether queries and keys pass through an RMS norm over each head (before the rotary encoding)."""
+        return False
 
     @property
     def rope_config(self) -> RopeConfig:
@@ -172,7 +145,7 @@ class LlamaConfig(LmConfig):
 
     @property
     def HeadSize(self) -> Axis:
-        return Axis(HEAD_SIZE, self.hidden_dim // self.num_heads)
+        return Axis(HEAD_SIZE, self.head_dim if self.head_dim is not None else self.hidden_dim // self.num_heads)
 
     @property
     def Mlp(self) -> Axis:
@@ -187,10 +160,11 @@ class LlamaConfig(LmConfig):
 
     def flops_per_token(self, vocab_size: int) -> float:
         d, s = self.hidden_dim, self.seq_len
+        q = self.num_heads * self.HeadSize.size  # query (and attention output) width
         kv = self.num_kv_heads * self.HeadSize.size
-        proj = 2 * d * (d + 2 * kv) + 2 * d * d  # q, k, v, o
+        proj = 2 * d * (q + 2 * kv) + 2 * q * d  # q, k, v, o
         mlp = 2 * 3 * d * self.intermediate_dim  # gate, up, down
-        attn = 2 * 2 * s * d  # scores + weighted sum over the full map
+        attn = 2 * 2 * s * q  # scores + weighted sum over the full map
         forward = self.num_layers * (proj + mlp + attn) + 2 * d * vocab_size
         return 3.0 * forward
 
@@ -210,21 +184,28 @@ class LlamaAttention(eqx.Module):
     k_proj: hnn.Linear  # embed -> (kv_heads, head_size)
     v_proj: hnn.Linear  # embed -> (kv_heads, head_size)
     o_proj: hnn.Linear  # (heads, head_size) -> embed
+    q_norm: Optional[hnn.RmsNorm]  # over head_size, when config.qk_norm
+    k_norm: Optional[hnn.RmsNorm]
     config: LlamaConfig = eqx.field(static=True)
 
     @staticmethod
     def init(config: LlamaConfig, *, key) -> "LlamaAttention":
         k_q, k_k, k_v, k_o = jax.random.split(key, 4)
         c, std = config, config.initializer_range
-        q_proj = normal_linear(c.Embed, (c.Heads, c.HeadSize), std=std, use_bias=c.use_bias, key=k_q)
-        k_proj = normal_linear(c.Embed, (c.KVHeads, c.HeadSize), std=std, use_bias=c.use_bias, key=k_k)
-        v_proj = normal_linear(c.Embed, (c.KVHeads, c.HeadSize), std=std, use_bias=c.use_bias, key=k_v)
-        o_proj = normal_linear((c.Heads, c.HeadSize), c.Embed, std=std, use_bias=c.use_bias, key=k_o)
-        return LlamaAttention(q_proj, k_proj, v_proj, o_proj, config)
+        q_proj = normal_linear(c.Embed, (c.Heads, c.HeadSize), std=std, use_bias=c.qkv_bias, key=k_q)
+        k_proj = normal_linear(c.Embed, (c.KVHeads, c.HeadSize), std=std, use_bias=c.qkv_bias, key=k_k)
+        v_proj = normal_linear(c.Embed, (c.KVHeads, c.HeadSize), std=std, use_bias=c.qkv_bias, key=k_v)
+        o_proj = normal_linear((c.Heads, c.HeadSize), c.Embed, std=std, use_bias=c.o_bias, key=k_o)
+        q_norm = _rms_norm(c, c.HeadSize) if c.qk_norm else None
+        k_norm = _rms_norm(c, c.HeadSize) if c.qk_norm else None
+        return LlamaAttention(q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, config)
 
     def __call__(self, x: NamedArray, mask: AttentionMask, cos: NamedArray, sin: NamedArray) -> NamedArray:
-        q = apply_rotary(named(linear(self.q_proj, x), "query_proj"), cos, sin)
-        k = apply_rotary(named(linear(self.k_proj, x), "key_proj"), cos, sin)
+        q = named(linear(self.q_proj, x), "query_proj")
+        k = named(linear(self.k_proj, x), "key_proj")
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q).astype(q.dtype), self.k_norm(k).astype(k.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = named(linear(self.v_proj, x), "value_proj")
         attn = named(dot_product_attention(q, k, v, mask, upcast=self.config.upcast_attn), "context")
         return named(linear(self.o_proj, attn), "out_proj")
@@ -252,13 +233,13 @@ class LlamaMlp(eqx.Module):
         return named(linear(self.down_proj, gate * named(linear(self.up_proj, x), "mlpwi_1")), "mlpwo")
 
 
-def _rms_norm(config: LlamaConfig) -> hnn.RmsNorm:
+def _rms_norm(config: LlamaConfig, axis: Optional[Axis] = None) -> hnn.RmsNorm:
     # Normalise in float32 whatever the activation dtype (the statistic is a mean of squares).
     return hnn.RmsNorm.init(
-        config.Embed,
+        axis if axis is not None else config.Embed,
         eps=config.layer_norm_epsilon,
         use_weight=config.use_layer_norm_weight,
-        use_bias=config.use_bias,
+        use_bias=config.use_bias and axis is None,
         dtype=jnp.float32,
     )
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, Union
 
 import draccus
 import equinox as eqx
@@ -35,6 +35,8 @@ import jax.numpy as jnp
 import haliax as hax
 from haliax import Axis, NamedArray
 
+from .attention import check_attn_config, check_backend_platform
+from .layers import check_activation, check_epsilon, check_positive, check_remat
 from .loss import blockwise_logsumexp
 from .token_dot import token_dot
 
@@ -49,9 +51,11 @@ LAYERS = "layers"
 class LmConfig(abc.ABC, draccus.ChoiceRegistry):
     """Abstract base of model configs. Subclasses are frozen dataclasses registered by name.
 
-    Subclasses must give the dataclass fields ``seq_len`` and ``hidden_dim`` (upstream names) defaults,
-    implement :meth:`build` and :meth:`flops_per_token`, and call ``super().__post_init__()`` from their
-    own ``__post_init__``.
+    The fields every architecture shares, with the same meaning, are declared here (upstream's names).
+    Subclasses must give the ones without a default here (``seq_len``, ``hidden_dim``, ``num_layers``,
+    ``num_heads``, ``activation_function``, ``upcast_attn``, ``use_bias``) their own defaults (a
+    redeclaration without a comment keeps the description here), implement :meth:`build` and
+    :meth:`flops_per_token`, and call ``super().__post_init__()`` from their own ``__post_init__``.
 
     Every architecture has ``cross_entropy_block_size`` (upstream's name): ``null`` computes the loss from
     the full ``[tokens, vocab]`` float32 logits; a positive number computes it over blocks of that many
@@ -62,18 +66,63 @@ class LmConfig(abc.ABC, draccus.ChoiceRegistry):
 
     # Tokens per training sequence (the context length).
     seq_len: int
-    # Width of the residual stream.
+    # Width of the residual stream (the token embedding's size).
     hidden_dim: int
+    # Transformer blocks.
+    num_layers: int
+    # Attention (query) heads.
+    num_heads: int
+    # Activation of the MLP (gelu_new, gelu, relu, silu, ...).
+    activation_function: str
+    # Compute the attention scores and softmax in float32 under a lower-precision policy.
+    upcast_attn: bool
+    # Give the linear layers biases.
+    use_bias: bool
+    # Standard deviation of the normal initialisation of the weights.
+    initializer_range: float = 0.02
+    # Epsilon of the layer (or RMS) norms, in (0, 1].
+    layer_norm_epsilon: float = 1e-5
+    # true/false or a named remat policy (levanter.models.layers.REMAT_POLICIES).
+    gradient_checkpointing: Union[bool, str] = True
+    # True: the layers run as one lax.scan (compile time independent of depth). False: the same stacked
+    # parameters, but the loop is unrolled when traced, which lets XLA fuse across layers: faster steps
+    # and compiles for small models (docs/performance.md). Large models keep True.
+    scan_layers: bool = True
+    # Which attention kernel runs (levanter.models.attention.ATTN_BACKENDS); None means "default", or what
+    # upstream's use_flash_attention says when only that is given (true: jax_flash, false: vanilla).
+    attn_backend: Optional[str] = None
+    # Upstream's switch for the attention kernel: true runs jax_flash, false vanilla (attn_backend wins).
+    use_flash_attention: Optional[bool] = None
+    # Query/key block of jax_flash and splash; None means 512 (or the whole sequence when shorter).
+    flash_attention_block_size: Optional[int] = None
     # Compute the loss over blocks of this many vocabulary entries (less memory); null: all logits at once.
     cross_entropy_block_size: Optional[int] = None
 
     def __post_init__(self):
+        check_positive(self, "seq_len", "hidden_dim", "num_layers", "num_heads")
+        check_epsilon(self.layer_norm_epsilon)
+        check_activation(self.activation_function)
+        check_remat(self.gradient_checkpointing)
         b = self.cross_entropy_block_size
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b <= 0):
             raise ValueError(
                 f"model.cross_entropy_block_size must be a positive number of vocabulary entries per block, "
                 f"or null for the full loss, got {b!r}"
             )
+        if self.attention_backend == "cudnn" and self.upcast_attn:  # also validates the attention keys
+            raise ValueError(
+                "model.attn_backend 'cudnn' needs model.upcast_attn: false (cuDNN takes bfloat16/float16 queries "
+                "and keys; the scores and softmax are float32 inside it either way)"
+            )
+
+    @property
+    def attention_backend(self) -> str:
+        """The requested backend (``default`` until resolved for a platform); validates the keys."""
+        return check_attn_config(self.attn_backend, self.use_flash_attention, self.flash_attention_block_size)
+
+    def check_platform(self, platform: str) -> None:
+        """Refuse an ``attn_backend`` that ``platform`` (``jax.default_backend()``) cannot run."""
+        check_backend_platform(self.attention_backend, platform)
 
     def loss_logit_entries(self, vocab_size: int) -> int:
         """Vocabulary entries per token whose float32 logits the loss holds at once: the whole vocabulary

@@ -1,8 +1,9 @@
 """Gemma in the Hugging Face layout (``model_type: gemma``, ``GemmaForCausalLM``).
 
-The tensors have Llama's names and axes (:func:`.llama.llama_layout`); the norm weights are stored, here
-and there, as the offset from 1 (the norm scales by ``1 + weight``), so they map unchanged. What the
-``config.json`` says that Llama's does not:
+The tensors have Llama's names and axes (:func:`.llama.llama_layout`) and the ``config.json`` has Llama's
+fields (:func:`.llama.llama_fields_from_hf`), with Gemma's defaults where a field is absent. The norm weights
+are stored, here and there, as the offset from 1 (the norm scales by ``1 + weight``), so they map unchanged.
+What differs from Llama's ``config.json``:
 
 * ``head_dim`` is a size of its own (transformers' default when absent is 256, not
   ``hidden_size / num_attention_heads``), read into ``model.head_dim``;
@@ -17,10 +18,9 @@ and there, as the offset from 1 (the norm scales by ``1 + weight``), so they map
 from __future__ import annotations
 
 from levanter.models import GemmaConfig, LmConfig
-from levanter.models.rope import rope_from_hf
 
 from .families import HfFamily, hf_field, hf_int, refuse_true, register_family
-from .llama import llama_fields_to_hf, llama_layout
+from .llama import LLAMA_SHAPE_FIELDS, llama_fields_from_hf, llama_fields_to_hf, llama_layout
 
 # transformers' GemmaConfig defaults for fields a config.json may leave out.
 HF_DEFAULT_HEAD_DIM = 256
@@ -39,25 +39,15 @@ def _activation(doc: dict, where: str) -> str:
 def from_hf(doc: dict, where: str) -> tuple[LmConfig, int]:
     refuse_true(doc, where, ("attention_bias",), "Gemma here has no biases")
     refuse_true(doc, where, ("use_bidirectional_attention",), "attention here is causal")
-    heads = hf_int(doc, where, "num_attention_heads")
-    theta, rope = rope_from_hf(doc, where)
-    max_pos = hf_int(doc, where, "max_position_embeddings", default=8192)
-    cfg = GemmaConfig(
-        seq_len=min(max_pos, GemmaConfig.seq_len),
-        hidden_dim=hf_int(doc, where, "hidden_size"),
-        intermediate_dim=hf_int(doc, where, "intermediate_size"),
-        num_layers=hf_int(doc, where, "num_hidden_layers"),
-        num_heads=heads,
+    fields = llama_fields_from_hf(doc, where)
+    fields.update(
+        seq_len=min(hf_int(doc, where, "max_position_embeddings", default=8192), GemmaConfig.seq_len),
+        # Always explicit: Gemma's head size is its own (the default is 256 whatever hidden_size says).
         head_dim=hf_int(doc, where, "head_dim", default=HF_DEFAULT_HEAD_DIM),
-        num_kv_heads=hf_int(doc, where, "num_key_value_heads", default=heads),
         activation_function=_activation(doc, where),
-        initializer_range=float(doc.get("initializer_range", 0.02)),
-        layer_norm_epsilon=float(doc.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(doc.get("tie_word_embeddings", True)),
-        rope_theta=theta,
-        rope=rope,
     )
-    return cfg, hf_int(doc, where, "vocab_size")
+    return GemmaConfig(**fields), hf_int(doc, where, "vocab_size")
 
 
 def to_hf(config: LmConfig, vocab_size: int) -> dict:
@@ -92,7 +82,5 @@ register_family(HfFamily(
     from_hf=from_hf,
     to_hf=to_hf,
     layout=lambda config: LAYOUT,
-    shape_fields=("hidden_dim", "intermediate_dim", "num_layers", "num_heads", "head_dim", "num_kv_heads",
-                  "activation_function", "layer_norm_epsilon", "tie_word_embeddings", "norm_embeddings",
-                  "use_bias", "rope_theta", "rope"),
+    shape_fields=(*LLAMA_SHAPE_FIELDS, "norm_embeddings"),
 ))

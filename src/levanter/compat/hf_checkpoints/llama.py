@@ -40,12 +40,9 @@ def llama_fields_from_hf(doc: dict, where: str) -> dict:
     """The :class:`LlamaConfig` fields a Llama-like ``config.json`` gives (after the common checks)."""
     d = hf_int(doc, where, "hidden_size")
     heads = hf_int(doc, where, "num_attention_heads")
-    head_dim = doc.get("head_dim")
-    if head_dim is not None and head_dim * heads != d:
-        raise ValueError(
-            f"{where}: field 'head_dim' ({head_dim}) x num_attention_heads ({heads}) must equal hidden_size ({d}): "
-            "a separate head size is not implemented"
-        )
+    head_dim = hf_int(doc, where, "head_dim") if doc.get("head_dim") is not None else None
+    if head_dim is not None and head_dim * heads == d:
+        head_dim = None  # the implied size: kept implicit, so our config says what a YAML would
     if doc.get("pretraining_tp", 1) not in (None, 1):
         raise ValueError(f"{where}: field 'pretraining_tp' other than 1 is not supported")
     theta, rope = rope_from_hf(doc, where)
@@ -57,6 +54,7 @@ def llama_fields_from_hf(doc: dict, where: str) -> dict:
         num_layers=hf_int(doc, where, "num_hidden_layers"),
         num_heads=heads,
         num_kv_heads=hf_int(doc, where, "num_key_value_heads", default=heads),
+        head_dim=head_dim,
         activation_function=str(doc.get("hidden_act", "silu")),
         initializer_range=float(doc.get("initializer_range", 0.02)),
         layer_norm_epsilon=float(doc.get("rms_norm_eps", 1e-6)),
@@ -110,7 +108,7 @@ def to_hf(config: LmConfig, vocab_size: int) -> dict:
 
 # The LlamaConfig fields that describe the weights; families built on Llama extend this tuple.
 LLAMA_SHAPE_FIELDS = ("hidden_dim", "intermediate_dim", "num_layers", "num_heads", "num_kv_heads",
-                      "activation_function", "layer_norm_epsilon", "tie_word_embeddings", "use_bias",
+                      "head_dim", "activation_function", "layer_norm_epsilon", "tie_word_embeddings", "use_bias",
                       "use_layer_norm_weight", "rope_theta", "rope")
 
 register_family(HfFamily(
