@@ -1,11 +1,12 @@
-"""Gemma's own pieces (levanter.models.gemma): ``type: gemma`` in YAML, the (1 + weight) RMS norm, the
+"""Gemma's own pieces (levanter.models.gemma): ``type: gemma`` / ``gemma2`` in YAML, the (1 + weight) RMS norm, the
 sqrt(hidden_dim) embedding scale, a head size independent of hidden_dim / num_heads, FLOPs per token from the
-attention width, ``--dry_run`` on the shipped nano config, and that config training with falling loss.
+attention width, Gemma 2's window, caps and refusals, ``--dry_run`` on the shipped nano config, and that config training with falling loss.
 The shared model tests (causality, segments, GQA/MQA, remat/scan equivalence, shapes) run Gemma through
 tests/test_models.py; logits against transformers are in tests/test_hf_checkpoints.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -22,7 +23,7 @@ import haliax as hax
 from accelerator import tol
 from levanter.config import parse_config
 from levanter.main import train_lm
-from levanter.models import GemmaConfig, LmConfig, parameter_shapes
+from levanter.models import Gemma2Config, GemmaConfig, LmConfig, parameter_shapes
 from levanter.models.gemma import GemmaRmsNorm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,6 +104,48 @@ def test_flops_per_token_counts_the_attention_width():
     d, q, kv, m, s, v = 32, 64, 16, 64, 8, 100
     per_layer = 2 * (d * q + 2 * d * kv + q * d) + 2 * 3 * d * m + 2 * 2 * s * q
     assert c.flops_per_token(v) == 3 * (per_layer + 2 * d * v)
+
+
+def tiny2(**kw):
+    base = dict(hidden_dim=32, intermediate_dim=64, num_heads=4, head_dim=16, num_kv_heads=2, num_layers=2,
+                seq_len=16, sliding_window=4, attn_logit_softcapping=1.0, final_logit_softcapping=0.5)
+    return Gemma2Config(**{**base, **kw})
+
+
+def test_gemma2_decodes_and_refuses_what_it_cannot_run():
+    cfg = draccus.decode(LmConfig, {"type": "gemma2", "hidden_dim": 64, "num_heads": 4, "head_dim": 32,
+                                    "sliding_window": 8, "final_logit_softcapping": None})
+    assert type(cfg) is Gemma2Config and isinstance(cfg, GemmaConfig)
+    assert (cfg.sliding_window, cfg.final_logit_softcapping, cfg.attn_logit_softcapping) == (8, None, 50.0)
+    assert tiny2(num_layers=5).sliding_layers() == [True, False, True, False, True]
+    assert tiny2(sliding_window=None).sliding_layers() == [False, False]
+    with pytest.raises(ValueError, match="model.attn_backend 'jax_flash' cannot run Gemma 2"):
+        tiny2(attn_backend="jax_flash")
+    with pytest.raises(ValueError, match="model.attn_backend 'jax_flash' cannot run Gemma 2"):
+        tiny2(use_flash_attention=True)
+    with pytest.raises(ValueError, match="model.cross_entropy_block_size cannot be combined"):
+        tiny2(cross_entropy_block_size=64)
+    assert tiny2(cross_entropy_block_size=64, final_logit_softcapping=None).cross_entropy_block_size == 64
+    with pytest.raises(ValueError, match="model.sliding_window must be positive"):
+        tiny2(sliding_window=0)
+
+
+def test_gemma2_logits_are_capped_and_the_window_limits_what_a_sliding_layer_sees():
+    model = tiny2(final_logit_softcapping=0.5).build(Vocab, key=jax.random.PRNGKey(0))
+    model = jax.tree.map(lambda a: a * 20 if eqx.is_inexact_array(a) else a, model)  # scores and logits large
+    tokens = ids(5)
+    logits = np.asarray(model(tokens).array)
+    assert np.abs(logits).max() <= 0.5 and np.abs(logits).max() > 0.4  # near the cap, never past it
+    # A one-layer model whose only layer slides: position 10 sees 7..10, so tokens before 7 do not matter
+    # to it; with the window off, they do.
+    one = tiny2(num_layers=1, final_logit_softcapping=None)
+    m = one.build(Vocab, key=jax.random.PRNGKey(1))
+    changed = hax.named(tokens.array.at[:, :7].set((tokens.array[:, :7] + 3) % Vocab.size), tokens.axes)
+    a, b = np.asarray(m(tokens).array), np.asarray(m(changed).array)
+    np.testing.assert_allclose(a[:, 10:], b[:, 10:], atol=tol(1e-5))
+    assert not np.allclose(a[:, 6], b[:, 6], atol=1e-4)
+    full = dataclasses.replace(m, config=dataclasses.replace(one, sliding_window=None))
+    assert not np.allclose(np.asarray(full(tokens).array)[:, 10:], np.asarray(full(changed).array)[:, 10:], atol=1e-4)
 
 
 @pytest.mark.devices(8)  # the plan is 8 simulated CPU devices'

@@ -26,7 +26,7 @@ import haliax as hax
 
 from accelerator import tol
 from levanter.compat import load_hf_checkpoint, load_hf_config, save_hf_checkpoint
-from levanter.models import GemmaConfig, Gpt2Config, LlamaConfig, Qwen2Config, Qwen3Config
+from levanter.models import Gemma2Config, GemmaConfig, Gpt2Config, LlamaConfig, Qwen2Config, Qwen3Config
 from levanter.models.rope import Llama3RopeConfig, YarnRopeConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -70,6 +70,12 @@ def hf_configs():
             hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=False, rope_theta=5000.0,
             **quiet),
+        # Gemma 2: three layers (sliding, full, sliding) with a window of 4 of the 12 positions, a score scale
+        # other than head_dim's, and caps small enough to bend the scores and logits.
+        "gemma2": transformers.Gemma2Config(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=VOCAB, max_position_embeddings=64, query_pre_attn_scalar=24, sliding_window=4,
+            attn_logit_softcapping=2.0, final_logit_softcapping=0.5, **quiet),
         "qwen2": transformers.Qwen2Config(
             hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=VOCAB, rope_theta=1e6, max_position_embeddings=64, rms_norm_eps=1e-6, **quiet),
@@ -113,11 +119,12 @@ def hf_dirs(tmp_path_factory):
                     p.add_(0.05 * torch.randn_like(p))
         elif name.startswith("gemma"):
             # Gemma's norm weights start at zero (the scale is 1 + weight): random offsets make the test
-            # see whether the offset is added, and added once.
+            # see whether the offset is added, and added once. Gemma 2 gets every weight enlarged, so that
+            # its scores and logits reach the soft caps (at transformers' 0.02 init the caps change nothing).
             with torch.no_grad():
                 for pname, p in model.named_parameters():
-                    if pname.endswith("norm.weight"):
-                        p.copy_(0.3 * torch.randn_like(p))
+                    if pname.endswith("norm.weight") or name == "gemma2":
+                        p.add_(0.3 * torch.randn_like(p))
         model.save_pretrained(root / name)
         out[name] = (str(root / name), torch_logits(model))
     return out
@@ -129,11 +136,12 @@ def imported(hf_dirs):
 
 
 CLASSES = {"gpt2": Gpt2Config, "llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-           "gemma": GemmaConfig}
+           "gemma": GemmaConfig, "gemma2": Gemma2Config}
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa-untied", "llama-tied", "llama-rope-llama3", "llama-rope-yarn",
-                                  "qwen2", "qwen3", "qwen3-bias", "gemma-mqa-tied", "gemma-gqa-untied"])
+                                  "qwen2", "qwen3", "qwen3-bias", "gemma-mqa-tied", "gemma-gqa-untied",
+                                  "gemma2"])
 def test_import_gives_transformers_logits(name, hf_dirs, imported):
     config, model = imported[name]
     assert type(config) is CLASSES[name.split("-")[0]]
@@ -154,6 +162,10 @@ def test_import_gives_transformers_logits(name, hf_dirs, imported):
         assert (config.num_kv_heads, config.head_dim, config.rope_theta, config.tie_word_embeddings) == (
             2, 8, 5000.0, False)
         assert model.lm_head is not None
+    if name == "gemma2":
+        assert (config.query_pre_attn_scalar, config.sliding_window, config.attn_logit_softcapping,
+                config.final_logit_softcapping) == (24, 4, 2.0, 0.5)
+        assert float(np.abs(np.asarray(model.layers.stacked.post_feedforward_layernorm.weight.array)).max()) > 0.1
     if name == "llama-gqa-untied":
         assert (config.num_kv_heads, config.rope_theta, config.tie_word_embeddings) == (2, 5000.0, False)
         assert model.lm_head is not None
@@ -172,7 +184,8 @@ def test_import_gives_transformers_logits(name, hf_dirs, imported):
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa-untied", "llama-rope-llama3", "llama-rope-yarn", "qwen2",
-                                  "qwen3", "qwen3-bias", "gemma-mqa-tied", "gemma-gqa-untied"])
+                                  "qwen3", "qwen3-bias", "gemma-mqa-tied", "gemma-gqa-untied",
+                                  "gemma2"])
 def test_export_loads_in_transformers_and_imports_bit_identically(name, hf_dirs, imported, tmp_path):
     config, model = imported[name]
     out = tmp_path / "out"

@@ -1,4 +1,4 @@
-"""GPT-2, Llama and Gemma on tiny configs: shapes, causality, segment isolation, GQA, training, loss, configs."""
+"""GPT-2, Llama, Gemma and Gemma 2 on tiny configs: shapes, causality, segment isolation, GQA, training, loss, configs."""
 
 import draccus
 import equinox as eqx
@@ -11,6 +11,7 @@ import pytest
 import haliax as hax
 from accelerator import tol
 from levanter.models import (
+    Gemma2Config,
     GemmaConfig,
     Gpt2Config,
     LlamaConfig,
@@ -43,7 +44,14 @@ def tiny_gemma(**kw):
     return GemmaConfig(**{**base, "seq_len": 16, **kw})
 
 
-CONFIGS = {"gpt2": tiny_gpt2, "llama": tiny_llama, "gemma": tiny_gemma}
+def tiny_gemma2(**kw):
+    # A window of 4 on layers 0, 2, ...; a score scale other than head_dim's; both soft caps on.
+    base = {"hidden_dim": 32, "intermediate_dim": 64, "num_heads": 4, "head_dim": 16, "num_kv_heads": 2,
+            "num_layers": 2, "sliding_window": 4, "query_pre_attn_scalar": 24}
+    return Gemma2Config(**{**base, "seq_len": 16, **kw})
+
+
+CONFIGS = {"gpt2": tiny_gpt2, "llama": tiny_llama, "gemma": tiny_gemma, "gemma2": tiny_gemma2}
 
 
 @eqx.filter_jit

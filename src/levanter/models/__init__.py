@@ -1,8 +1,9 @@
 """Language models: the :class:`LmConfig` registry, the :class:`LmHeadModel` interface, GPT-2, Llama, Qwen2,
-Qwen3 and Gemma.
+Qwen3, Gemma and Gemma 2.
 
 Importing this package registers every architecture with :class:`LmConfig`, so a YAML ``model:``
-block with ``type: gpt2``, ``llama``, ``qwen2``, ``qwen3`` or ``gemma`` decodes to the right config class.
+block with ``type: gpt2``, ``llama``, ``qwen2``, ``qwen3``, ``gemma`` or ``gemma2`` decodes to the right
+config class.
 """
 
 from .attention import (
@@ -14,7 +15,7 @@ from .attention import (
     dot_product_attention,
     resolve_attn_backend,
 )
-from .gemma import GemmaConfig, GemmaLMHeadModel
+from .gemma import Gemma2Config, GemmaConfig, GemmaLMHeadModel
 from .gpt2 import Gpt2Config, Gpt2LMHeadModel
 from .layers import (
     ACTIVATIONS,
@@ -47,6 +48,7 @@ __all__ = [
     "dot_product_attention",
     "remat_policy",
     "resolve_attn_backend",
+    "Gemma2Config",
     "GemmaConfig",
     "GemmaLMHeadModel",
     "Gpt2Config",

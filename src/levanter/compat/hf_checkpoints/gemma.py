@@ -1,4 +1,5 @@
-"""Gemma in the Hugging Face layout (``model_type: gemma``, ``GemmaForCausalLM``).
+"""Gemma and Gemma 2 in the Hugging Face layout (``model_type: gemma`` / ``gemma2``, ``GemmaForCausalLM`` /
+``Gemma2ForCausalLM``).
 
 The tensors have Llama's names and axes (:func:`.llama.llama_layout`) and the ``config.json`` has Llama's
 fields (:func:`.llama.llama_fields_from_hf`), with Gemma's defaults where a field is absent. The norm weights
@@ -13,13 +14,20 @@ What differs from Llama's ``config.json``:
   (``activation_function: gelu``) cannot be exported: transformers would run it with the approximation.
 * ``attention_bias`` and ``use_bidirectional_attention`` true are refused (not implemented here), as are
   our ``use_bias: true`` and ``norm_embeddings: false`` on export (Hugging Face Gemma has no such options).
+
+Gemma 2 adds two norms per layer (``pre_feedforward_layernorm``, ``post_feedforward_layernorm``) and the
+fields ``query_pre_attn_scalar``, ``attn_logit_softcapping``, ``final_logit_softcapping`` and
+``sliding_window``, which map to our fields of the same names. ``layer_types`` must be transformers' default
+pattern (sliding window on layers 0, 2, 4, ...), the only one implemented; another is refused by name.
 """
 
 from __future__ import annotations
 
-from levanter.models import GemmaConfig, LmConfig
+import dataclasses
 
-from .families import HfFamily, hf_field, hf_int, refuse_true, register_family
+from levanter.models import Gemma2Config, GemmaConfig, LmConfig
+
+from .families import L, HfFamily, hf_field, hf_int, refuse_true, register_family
 from .llama import LLAMA_SHAPE_FIELDS, llama_fields_from_hf, llama_fields_to_hf, llama_layout
 
 # transformers' GemmaConfig defaults for fields a config.json may leave out.
@@ -75,6 +83,59 @@ def to_hf(config: LmConfig, vocab_size: int) -> dict:
     }
 
 
+def _default_layer_types(n: int) -> list[str]:
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+
+
+def _optional_positive(doc: dict, where: str, name: str, default):
+    value = doc.get(name, default)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        raise ValueError(f"{where}: field {name!r} must be a positive number or null, got {value!r}")
+    return value
+
+
+def gemma2_from_hf(doc: dict, where: str) -> tuple[LmConfig, int]:
+    base, vocab = from_hf(doc, where)
+    layers = base.num_layers
+    layer_types = doc.get("layer_types")
+    if layer_types is not None and list(layer_types) != _default_layer_types(layers):
+        raise ValueError(
+            f"{where}: field 'layer_types' {layer_types!r} is not supported: only the alternating pattern "
+            "(sliding_attention on layers 0, 2, 4, ...) is implemented"
+        )
+    cfg = Gemma2Config(
+        **{f.name: getattr(base, f.name) for f in dataclasses.fields(GemmaConfig) if f.init},
+        query_pre_attn_scalar=hf_int(doc, where, "query_pre_attn_scalar", default=256),
+        attn_logit_softcapping=_optional_positive(doc, where, "attn_logit_softcapping", 50.0),
+        final_logit_softcapping=_optional_positive(doc, where, "final_logit_softcapping", 30.0),
+        sliding_window=_optional_positive(doc, where, "sliding_window", 4096),
+    )
+    return cfg, vocab
+
+
+def gemma2_to_hf(config: LmConfig, vocab_size: int) -> dict:
+    assert isinstance(config, Gemma2Config)
+    doc = to_hf(config, vocab_size)
+    doc.update(
+        architectures=["Gemma2ForCausalLM"],
+        model_type="gemma2",
+        query_pre_attn_scalar=config.query_pre_attn_scalar,
+        attn_logit_softcapping=config.attn_logit_softcapping,
+        final_logit_softcapping=config.final_logit_softcapping,
+        sliding_window=config.sliding_window,
+        layer_types=_default_layer_types(config.num_layers),
+    )
+    return doc
+
+
+GEMMA2_LAYOUT = {
+    **LAYOUT,
+    "layers.stacked.pre_feedforward_layernorm.weight": (
+        f"model.layers.{L}.pre_feedforward_layernorm.weight", (("embed",),)),
+    "layers.stacked.post_feedforward_layernorm.weight": (
+        f"model.layers.{L}.post_feedforward_layernorm.weight", (("embed",),)),
+}
+
 register_family(HfFamily(
     name="gemma",
     config_class=GemmaConfig,
@@ -83,4 +144,15 @@ register_family(HfFamily(
     to_hf=to_hf,
     layout=lambda config: LAYOUT,
     shape_fields=(*LLAMA_SHAPE_FIELDS, "norm_embeddings"),
+))
+
+register_family(HfFamily(
+    name="gemma2",
+    config_class=Gemma2Config,
+    model_types=("gemma2",),
+    from_hf=gemma2_from_hf,
+    to_hf=gemma2_to_hf,
+    layout=lambda config: GEMMA2_LAYOUT,
+    shape_fields=(*LLAMA_SHAPE_FIELDS, "norm_embeddings", "query_pre_attn_scalar", "attn_logit_softcapping",
+                  "final_logit_softcapping", "sliding_window"),
 ))
