@@ -536,6 +536,17 @@ CASES: list[Case] = [
          ["model.use_layer_norm_weight false", "Gemma"],
          yaml=edit(BASE, "{type: gpt2, hidden_dim: 32, num_heads: 4,",
                    "{type: gemma, use_layer_norm_weight: false, hidden_dim: 32, intermediate_dim: 64, num_heads: 4,")),
+    Case("gemma2-attn-backend", "model", "a Gemma 2 with `attn_backend: jax_flash` (no soft-capping there)", 2,
+         ["model.attn_backend 'jax_flash'", "Gemma 2", "vanilla"],
+         yaml=edit(BASE, "{type: gpt2, hidden_dim: 32, num_heads: 4,",
+                   "{type: gemma2, attn_backend: jax_flash, hidden_dim: 32, intermediate_dim: 64, head_dim: 8, "
+                   "num_kv_heads: 1, num_heads: 4,")),
+    Case("gemma2-blockwise-loss-with-logit-cap", "model",
+         "a Gemma 2 with `cross_entropy_block_size` and its logit cap", 2,
+         ["model.cross_entropy_block_size", "model.final_logit_softcapping"],
+         yaml=edit(BASE, "{type: gpt2, hidden_dim: 32, num_heads: 4,",
+                   "{type: gemma2, cross_entropy_block_size: 64, hidden_dim: 32, intermediate_dim: 64, head_dim: 8, "
+                   "num_kv_heads: 1, num_heads: 4,")),
     Case("seq-len-beyond-positions", "model", "`seq_len: 2048` with `n_positions: 1024`", 2,
          ["model.seq_len (2048)", "model.n_positions", "1024"],
          args=["--model.seq_len", "2048", "--model.n_positions", "1024"]),

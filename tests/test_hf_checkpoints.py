@@ -1,10 +1,10 @@
 """Hugging Face import and export (levanter.compat.hf_checkpoints, train_lm's initialize_from_hf and
 hf_save_path, export_lm_to_hf), against real ``transformers`` models on CPU, offline.
 
-Tiny random GPT-2, Llama and Gemma models (grouped-query and multi-query attention, tied and untied heads, a
-non-default rope theta, llama3 and yarn rope scaling, Gemma heads wider and narrower than hidden / heads, its
-norm offsets randomised) are made by ``transformers`` once per module; our import must give transformers' logits on the
-same tokens (float32, max abs difference < 1e-4), an export must load in transformers and give ours, and
+Tiny random GPT-2, Llama, Qwen, Gemma and Gemma 2 models (grouped-query and multi-query attention, tied and
+untied heads, a non-default rope theta, llama3 and yarn rope scaling, Gemma heads wider and narrower than
+hidden / heads, its norm offsets randomised, Gemma 2's window and soft caps in play) are made by
+``transformers`` once per module; our import must give transformers' logits on the same tokens (float32, max abs difference < 1e-4), an export must load in transformers and give ours, and
 export -> import is bit-identical. One short training run serves several assertions.
 """
 
@@ -305,6 +305,23 @@ def test_gemma_config_json_fields(tmp_path, hf_dirs, imported):
                              ({"use_bias": True}, "model.use_bias true")]:
         with pytest.raises(ValueError, match=fragment):
             lm_to_hf_config(dataclasses.replace(config, **change), VOCAB)
+
+
+def test_gemma2_config_json_fields(imported):
+    from levanter.compat import hf_config_to_lm, lm_to_hf_config
+
+    config, _ = imported["gemma2"]
+    doc = lm_to_hf_config(config, VOCAB)
+    assert (doc["model_type"], doc["architectures"], doc["layer_types"]) == (
+        "gemma2", ["Gemma2ForCausalLM"], ["sliding_attention", "full_attention", "sliding_attention"])
+    assert hf_config_to_lm(doc)[0] == config
+    # null caps and window are transformers' "off"
+    off = hf_config_to_lm({**doc, "sliding_window": None, "attn_logit_softcapping": None})[0]
+    assert off.sliding_window is None and off.attn_logit_softcapping is None
+    with pytest.raises(ValueError, match="'layer_types'"):
+        hf_config_to_lm({**doc, "layer_types": ["full_attention", "sliding_attention", "full_attention"]})
+    with pytest.raises(ValueError, match="'sliding_window' must be a positive number"):
+        hf_config_to_lm({**doc, "sliding_window": 0})
 
 
 def test_gemma_run_config_takes_the_checkpoint_shape(hf_dirs):
