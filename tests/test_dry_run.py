@@ -57,6 +57,27 @@ def test_dry_run_gpt2_nano_prints_the_plan(tmp_path, capsys, monkeypatch):
     assert not os.listdir(tmp_path)
 
 
+@pytest.mark.devices(8)
+def test_dry_run_qwen3_nano_counts_its_wider_queries(tmp_path, capsys, monkeypatch):
+    """config/qwen3_nano.yaml has a head size (64) apart from hidden_dim / num_heads (32): its queries are
+    4 x 64 = 256 wide over a 128-wide residual stream. The plan's parameter count and FLOPs per token are
+    checked against a count by hand from the YAML's numbers (one layer, to keep the compile short)."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["--config_path", str(REPO / "config/qwen3_nano.yaml"), "--dry_run", "--device_memory", "1GiB",
+            "--peak_flops", "1e12", "--model.num_layers", "1"]
+    train_lm.cli(argv)
+    out = capsys.readouterr().out
+    d, q, kv, mlp, vocab, seq, head = 128, 4 * 64, 2 * 64, 384, 257, 128, 64
+    layer_matmuls = d * q + 2 * d * kv + q * d + 3 * d * mlp  # q, k, v, o; gate, up, down
+    norms = 2 * d + 2 * head + d  # two per block, q_norm and k_norm over a head, the final one
+    count = int(re.search(r"\(([\d,]+) in all, float32\)", out).group(1).replace(",", ""))
+    assert count == 2 * vocab * d + layer_matmuls + norms  # embedding and untied head
+    forward = 2 * layer_matmuls + 2 * 2 * seq * q + 2 * d * vocab  # + scores and weighted sum, the head
+    flops = float(re.search(r"FLOPs per token\s+([\d,.e+]+)", out).group(1).replace(",", ""))
+    assert flops == pytest.approx(3 * forward, rel=1e-3)  # printed to 4 significant digits
+    assert not os.listdir(tmp_path)
+
+
 def test_plan_flags():
     assert parse_bytes("16GiB") == 16 * 2**30 and parse_bytes("80GB") == 80 * 10**9
     assert parse_bytes("1e9") == 10**9

@@ -1,4 +1,5 @@
-"""GPT-2, Llama, Gemma and Gemma 2 on tiny configs: shapes, causality, segment isolation, GQA, training, loss, configs."""
+"""GPT-2, Llama, Qwen2, Qwen3, Gemma and Gemma 2 on tiny configs: shapes, causality, segment isolation, GQA,
+training, loss, configs."""
 
 import draccus
 import equinox as eqx
@@ -17,6 +18,8 @@ from levanter.models import (
     LlamaConfig,
     LmConfig,
     LmHeadModel,
+    Qwen2Config,
+    Qwen3Config,
     causal_attention,
     causal_segment_mask,
     next_token_loss,
@@ -37,6 +40,17 @@ def tiny_llama(**kw):
     return LlamaConfig(**{**base, "seq_len": 16, **kw})
 
 
+def tiny_qwen2(**kw):
+    base = {"hidden_dim": 32, "intermediate_dim": 64, "num_heads": 4, "num_kv_heads": 2, "num_layers": 2}
+    return Qwen2Config(**{**base, "seq_len": 16, **kw})
+
+
+def tiny_qwen3(**kw):
+    # A head size (16) apart from hidden_dim / num_heads (8), as released Qwen3 models have.
+    base = {"hidden_dim": 32, "intermediate_dim": 64, "num_heads": 4, "num_kv_heads": 2, "num_layers": 2, "head_dim": 16}
+    return Qwen3Config(**{**base, "seq_len": 16, **kw})
+
+
 def tiny_gemma(**kw):
     # Heads of 16 on a 32-wide stream: the attention width (64) differs from hidden_dim; multi-query.
     base = {"hidden_dim": 32, "intermediate_dim": 64, "num_heads": 4, "head_dim": 16, "num_kv_heads": 1,
@@ -51,7 +65,8 @@ def tiny_gemma2(**kw):
     return Gemma2Config(**{**base, "seq_len": 16, **kw})
 
 
-CONFIGS = {"gpt2": tiny_gpt2, "llama": tiny_llama, "gemma": tiny_gemma, "gemma2": tiny_gemma2}
+CONFIGS = {"gpt2": tiny_gpt2, "llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3, "gemma": tiny_gemma,
+           "gemma2": tiny_gemma2}
 
 
 @eqx.filter_jit
@@ -376,6 +391,12 @@ def test_draccus_selects_architecture():
                                        mscale=0.7, mscale_all_dim=0.7)
     assert yarn.rope.attention_scaling() == 1.0  # equal mscales cancel, as in transformers
 
+    qwen3 = draccus.decode(LmConfig, {"type": "qwen3", "hidden_dim": 32, "num_heads": 4, "num_kv_heads": 2,
+                                      "head_dim": 16, "attention_bias": True})
+    assert type(qwen3) is Qwen3Config and qwen3.HeadSize.size == 16 and qwen3.qk_norm and qwen3.o_bias
+    qwen2 = draccus.decode(LmConfig, {"type": "qwen2", "rope_theta": 1e6})
+    assert type(qwen2) is Qwen2Config and qwen2.qkv_bias and not qwen2.o_bias and not qwen2.qk_norm
+
     with pytest.raises(draccus.utils.DecodingError, match="hidden_size"):
         draccus.decode(LmConfig, {"type": "gpt2", "hidden_size": 32})
     with pytest.raises(draccus.utils.DecodingError):
@@ -394,6 +415,8 @@ def test_draccus_selects_architecture():
         (tiny_gemma, {"num_kv_heads": 3}, "model.num_kv_heads"),
         (tiny_gemma, {"head_dim": 7}, "model.head_dim"),
         (tiny_gemma, {"layer_norm_epsilon": -1.0}, "model.layer_norm_epsilon"),
+        (tiny_qwen3, {"head_dim": 0}, "model.head_dim"),
+        (tiny_qwen3, {"head_dim": 7}, "model.head_dim"),
     ],
 )
 def test_invalid_sizes_name_the_field(make, kwargs, field):
@@ -436,13 +459,15 @@ def test_flops_per_token(name):
     per_layer = flops[2] - flops[1]
     assert flops[4] - flops[2] == pytest.approx(2 * per_layer)
     assert flops[8] - flops[4] == pytest.approx(4 * per_layer)
-    # equals 6 x (matmul weights, lm head included) + 3 x the attention matmuls (4 * seq * d per layer)
+    # equals 6 x (matmul weights, lm head included) + 3 x the attention matmuls (4 * seq * query width per
+    # layer; the query width is hidden_dim except where head_dim is set apart, as in the Qwen3 config here)
     config = CONFIGS[name](num_layers=2, seq_len=64)
     model = config.build(Vocab, key=jax.random.PRNGKey(0))
     tied = name == "gpt2" or getattr(config, "tie_word_embeddings", False)
     n = _matmul_weights(model) + (config.hidden_dim * Vocab.size if tied else 0)  # a tied head is still a matmul
-    attn_width = config.num_heads * config.HeadSize.size  # hidden_dim except where head_dim is free (gemma)
-    expected = 6 * n + 3 * 4 * config.seq_len * attn_width * config.num_layers
+    width = config.num_heads * config.HeadSize.size
+    assert (width != config.hidden_dim) == (name in ("qwen3", "gemma", "gemma2"))
+    expected = 6 * n + 3 * 4 * config.seq_len * width * config.num_layers
     assert flops[2] == pytest.approx(expected)
 
 
@@ -513,3 +538,20 @@ def test_parameter_shapes_match_a_real_build_without_allocating(name):
     huge = parameter_shapes(cfg, 10**9)
     assert tree_nbytes(huge) >= 10**9 * cfg.hidden_dim * 4
     assert time.perf_counter() - t0 < 10
+
+
+def test_qwen_attention_parameters():
+    """Qwen2: biases on q/k/v only; Qwen3: a [head_size] RMS scale for queries and keys, no biases unless
+    attention_bias; the q/k norm changes the output (it is applied, not just stored)."""
+    attn2 = tiny_qwen2().build(Vocab, key=jax.random.PRNGKey(0)).layers.stacked.self_attn
+    assert [getattr(attn2, p).bias is not None for p in ("q_proj", "k_proj", "v_proj", "o_proj")] == [True] * 3 + [False]
+    assert attn2.q_norm is None and attn2.k_norm is None
+    model3 = tiny_qwen3().build(Vocab, key=jax.random.PRNGKey(0))
+    attn3 = model3.layers.stacked.self_attn
+    assert attn3.q_proj.bias is None and attn3.o_proj.bias is None
+    assert attn3.q_norm.weight.axes == (hax.Axis("layers", 2), hax.Axis("head_size", 16))
+    ids = random_ids(4, model3.Pos)
+    scaled = eqx.tree_at(lambda m: m.layers.stacked.self_attn.q_norm.weight, model3, attn3.q_norm.weight * 3.0)
+    assert not np.allclose(forward(model3, ids).array, forward(scaled, ids).array, atol=1e-4)
+    biased = tiny_qwen3(attention_bias=True).build(Vocab, key=jax.random.PRNGKey(0)).layers.stacked.self_attn
+    assert all(getattr(biased, p).bias is not None for p in ("q_proj", "k_proj", "v_proj", "o_proj"))

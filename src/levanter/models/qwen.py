@@ -10,7 +10,8 @@ RMS norms, rotary positions, a gated MLP, grouped-query attention) and switch th
   the projection and before the rotary encoding. Qwen3 checkpoints often set ``head_dim`` apart from
   ``hidden_dim / num_heads`` (``model.head_dim``).
 
-Every other field, and its default, is Llama's. Hugging Face's sliding-window attention
+Every other field, and its default, is Llama's, except the norms' epsilon (1e-6) and the rotary base (1e6),
+which are Qwen's. Hugging Face's sliding-window attention
 (``use_sliding_window``) is not implemented; importing a checkpoint that enables it is refused
 (:mod:`levanter.compat.hf_checkpoints.qwen`). Trade-off of building on Llama rather than beside it: a
 Qwen model is a ``LlamaLMHeadModel`` whose config is a ``Qwen2Config`` / ``Qwen3Config``, so code that
@@ -30,6 +31,11 @@ from .lm_model import LmConfig
 class Qwen2Config(LlamaConfig):
     """A Qwen2 decoder: Llama with biases on the query, key and value projections."""
 
+    # Epsilon of the RMS norms, in (0, 1] (Hugging Face Qwen's default).
+    layer_norm_epsilon: float = 1e-6
+    # Base of the rotary frequencies (released Qwen models' value; rope.theta, when given, takes precedence).
+    rope_theta: float = 1e6
+
     @property
     def qkv_bias(self) -> bool:
         return True
@@ -39,6 +45,11 @@ class Qwen2Config(LlamaConfig):
 @dataclasses.dataclass(frozen=True)
 class Qwen3Config(LlamaConfig):
     """A Qwen3 decoder: Llama with an RMS norm over each query and key head."""
+
+    # Epsilon of the RMS norms, in (0, 1] (Hugging Face Qwen's default).
+    layer_norm_epsilon: float = 1e-6
+    # Base of the rotary frequencies (released Qwen models' value; rope.theta, when given, takes precedence).
+    rope_theta: float = 1e6
 
     # Give the query, key, value and output projections biases (Hugging Face's attention_bias).
     attention_bias: bool = False
