@@ -130,6 +130,18 @@ def test_gemma2_decodes_and_refuses_what_it_cannot_run():
         tiny2(sliding_window=0)
 
 
+def test_memory_suggestions_leave_out_what_gemma2_refuses():
+    """A step that does not fit is answered with keys that lower it; for Gemma 2 those are only the ones its
+    config accepts (no blockwise loss under the logit cap), never a config that would fail its own check."""
+    from levanter.memory_fit import model_alternatives
+
+    keys = [k for k, _, _ in model_alternatives(tiny2(seq_len=512, gradient_checkpointing=False), 50_000)]
+    assert keys == ["model.gradient_checkpointing"]
+    uncapped = tiny2(seq_len=512, gradient_checkpointing=False, final_logit_softcapping=None)
+    assert [k for k, _, _ in model_alternatives(uncapped, 50_000)] == [
+        "model.gradient_checkpointing", "model.cross_entropy_block_size"]
+
+
 def test_gemma2_logits_are_capped_and_the_window_limits_what_a_sliding_layer_sees():
     model = tiny2(final_logit_softcapping=0.5).build(Vocab, key=jax.random.PRNGKey(0))
     model = jax.tree.map(lambda a: a * 20 if eqx.is_inexact_array(a) else a, model)  # scores and logits large
