@@ -225,7 +225,7 @@ def test_a_branch_run_records_its_origin_and_resumes_from_its_own_checkpoints(or
     assert meta["initialized_from"]["path"] == origin_step
 
 
-@pytest.mark.parametrize("name", ["gpt2_nano.yaml", "llama_nano.yaml", "gpt2_nano_curriculum.yaml"])
+@pytest.mark.parametrize("name", ["gpt2_nano.yaml", "llama_nano.yaml", "gemma_nano.yaml", "gpt2_nano_curriculum.yaml"])
 def test_the_shipped_nano_configs_evaluate_every_validation_source(name, tmp_path):
     """An eval reads the first ``trainer.max_eval_batches`` batches of each validation source, in file order,
     so a source of several validation files would leave the later ones unread (the README job once read

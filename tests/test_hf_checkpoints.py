@@ -1,14 +1,16 @@
 """Hugging Face import and export (levanter.compat.hf_checkpoints, train_lm's initialize_from_hf and
 hf_save_path, export_lm_to_hf), against real ``transformers`` models on CPU, offline.
 
-Tiny random GPT-2 and Llama models (grouped-query attention, tied and untied heads, a non-default rope
-theta, llama3 and yarn rope scaling) are made by ``transformers`` once per module; our import must give transformers' logits on the
-same tokens (float32, max abs difference < 1e-4), an export must load in transformers and give ours, and
+Tiny random GPT-2, Llama, Qwen, Gemma and Gemma 2 models (grouped-query and multi-query attention, tied and
+untied heads, a non-default rope theta, llama3 and yarn rope scaling, Gemma heads wider and narrower than
+hidden / heads, its norm offsets randomised, Gemma 2's window and soft caps in play) are made by
+``transformers`` once per module; our import must give transformers' logits on the same tokens (float32, max abs difference < 1e-4), an export must load in transformers and give ours, and
 export -> import is bit-identical. One short training run serves several assertions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -24,7 +26,7 @@ import haliax as hax
 
 from accelerator import tol
 from levanter.compat import load_hf_checkpoint, load_hf_config, save_hf_checkpoint
-from levanter.models import Gpt2Config, LlamaConfig, Qwen2Config, Qwen3Config
+from levanter.models import Gemma2Config, GemmaConfig, Gpt2Config, LlamaConfig, Qwen2Config, Qwen3Config
 from levanter.models.rope import Llama3RopeConfig, YarnRopeConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -59,6 +61,21 @@ def hf_configs():
             vocab_size=VOCAB, max_position_embeddings=256, rope_parameters={
                 "rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0,
                 "original_max_position_embeddings": 64}, **quiet),
+        # Multi-query, tied (Gemma 2B's shape in miniature): 4 heads of 16 on a 32-wide stream.
+        "gemma-mqa-tied": transformers.GemmaConfig(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+            head_dim=16, vocab_size=VOCAB, max_position_embeddings=64, rms_norm_eps=1e-6, **quiet),
+        # Grouped-query, untied, heads narrower than hidden / heads (4 x 8 on 48), another rope theta.
+        "gemma-gqa-untied": transformers.GemmaConfig(
+            hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=False, rope_theta=5000.0,
+            **quiet),
+        # Gemma 2: three layers (sliding, full, sliding) with a window of 4 of the 12 positions, a score scale
+        # other than head_dim's, and caps small enough to bend the scores and logits.
+        "gemma2": transformers.Gemma2Config(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=VOCAB, max_position_embeddings=64, query_pre_attn_scalar=24, sliding_window=4,
+            attn_logit_softcapping=2.0, final_logit_softcapping=0.5, **quiet),
         "qwen2": transformers.Qwen2Config(
             hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=VOCAB, rope_theta=1e6, max_position_embeddings=64, rms_norm_eps=1e-6, **quiet),
@@ -100,6 +117,14 @@ def hf_dirs(tmp_path_factory):
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(0.05 * torch.randn_like(p))
+        elif name.startswith("gemma"):
+            # Gemma's norm weights start at zero (the scale is 1 + weight): random offsets make the test
+            # see whether the offset is added, and added once. Gemma 2 gets every weight enlarged, so that
+            # its scores and logits reach the soft caps (at transformers' 0.02 init the caps change nothing).
+            with torch.no_grad():
+                for pname, p in model.named_parameters():
+                    if pname.endswith("norm.weight") or name == "gemma2":
+                        p.add_(0.3 * torch.randn_like(p))
         model.save_pretrained(root / name)
         out[name] = (str(root / name), torch_logits(model))
     return out
@@ -110,11 +135,13 @@ def imported(hf_dirs):
     return {name: load_hf_checkpoint(d) for name, (d, _) in hf_dirs.items()}
 
 
-CLASSES = {"gpt2": Gpt2Config, "llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+CLASSES = {"gpt2": Gpt2Config, "llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+           "gemma": GemmaConfig, "gemma2": Gemma2Config}
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa-untied", "llama-tied", "llama-rope-llama3", "llama-rope-yarn",
-                                  "qwen2", "qwen3", "qwen3-bias"])
+                                  "qwen2", "qwen3", "qwen3-bias", "gemma-mqa-tied", "gemma-gqa-untied",
+                                  "gemma2"])
 def test_import_gives_transformers_logits(name, hf_dirs, imported):
     config, model = imported[name]
     assert type(config) is CLASSES[name.split("-")[0]]
@@ -127,6 +154,18 @@ def test_import_gives_transformers_logits(name, hf_dirs, imported):
     if name == "qwen3-bias":
         assert config.attention_bias and config.head_dim is None
         assert model.layers.stacked.self_attn.o_proj.bias is not None
+    if name == "gemma-mqa-tied":
+        assert (config.num_kv_heads, config.head_dim, config.tie_word_embeddings) == (1, 16, True)
+        assert model.lm_head is None and config.activation_function == "gelu_pytorch_tanh"
+        assert float(np.abs(np.asarray(model.norm.weight.array)).max()) > 0.1  # the offsets came through
+    if name == "gemma-gqa-untied":
+        assert (config.num_kv_heads, config.head_dim, config.rope_theta, config.tie_word_embeddings) == (
+            2, 8, 5000.0, False)
+        assert model.lm_head is not None
+    if name == "gemma2":
+        assert (config.query_pre_attn_scalar, config.sliding_window, config.attn_logit_softcapping,
+                config.final_logit_softcapping) == (24, 4, 2.0, 0.5)
+        assert float(np.abs(np.asarray(model.layers.stacked.post_feedforward_layernorm.weight.array)).max()) > 0.1
     if name == "llama-gqa-untied":
         assert (config.num_kv_heads, config.rope_theta, config.tie_word_embeddings) == (2, 5000.0, False)
         assert model.lm_head is not None
@@ -145,7 +184,8 @@ def test_import_gives_transformers_logits(name, hf_dirs, imported):
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa-untied", "llama-rope-llama3", "llama-rope-yarn", "qwen2",
-                                  "qwen3", "qwen3-bias"])
+                                  "qwen3", "qwen3-bias", "gemma-mqa-tied", "gemma-gqa-untied",
+                                  "gemma2"])
 def test_export_loads_in_transformers_and_imports_bit_identically(name, hf_dirs, imported, tmp_path):
     config, model = imported[name]
     out = tmp_path / "out"
@@ -237,6 +277,64 @@ def test_config_refusals_name_the_field(tmp_path):
                                 "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                  "high_freq_factor": 4.0}}))
     assert old.rope == Llama3RopeConfig(theta=5e5, original_max_position_embeddings=128)
+
+
+def test_gemma_config_json_fields(tmp_path, hf_dirs, imported):
+    """What a Gemma config.json says that a Llama one does not: the legacy activation name, head_dim's own
+    default, the options refused by field; and what our Gemma cannot say in one (refused on export)."""
+    from levanter.compat import hf_config_to_lm, lm_to_hf_config
+
+    gemma = hf_configs()["gemma-mqa-tied"].to_dict()
+    # The original releases wrote hidden_act "gelu", meaning the tanh approximation (transformers rewrites it).
+    assert hf_config_to_lm({**gemma, "hidden_act": "gelu"})[0].activation_function == "gelu_pytorch_tanh"
+    # Older transformers read hidden_activation before hidden_act.
+    assert hf_config_to_lm({**gemma, "hidden_activation": "gelu_new"})[0].activation_function == "gelu_new"
+    # Without head_dim, transformers' default (256) applies, not hidden_size / num_attention_heads.
+    assert hf_config_to_lm({k: v for k, v in gemma.items() if k != "head_dim"})[0].head_dim == 256
+    with pytest.raises(ValueError, match="'attention_bias' true"):
+        hf_config_to_lm({**gemma, "attention_bias": True})
+    with pytest.raises(ValueError, match="'use_bidirectional_attention' true"):
+        hf_config_to_lm({**gemma, "use_bidirectional_attention": True})
+    config, _ = imported["gemma-mqa-tied"]
+    doc = lm_to_hf_config(config, VOCAB)
+    assert (doc["model_type"], doc["head_dim"], doc["hidden_act"], doc["hidden_activation"]) == (
+        "gemma", 16, "gelu_pytorch_tanh", "gelu_pytorch_tanh")
+    assert hf_config_to_lm(doc)[0] == config  # the document maps back to the same config
+    for change, fragment in [({"activation_function": "gelu"}, "'gelu' \\(exact\\)"),
+                             ({"norm_embeddings": False}, "model.norm_embeddings false"),
+                             ({"use_bias": True}, "model.use_bias true")]:
+        with pytest.raises(ValueError, match=fragment):
+            lm_to_hf_config(dataclasses.replace(config, **change), VOCAB)
+
+
+def test_gemma2_config_json_fields(imported):
+    from levanter.compat import hf_config_to_lm, lm_to_hf_config
+
+    config, _ = imported["gemma2"]
+    doc = lm_to_hf_config(config, VOCAB)
+    assert (doc["model_type"], doc["architectures"], doc["layer_types"]) == (
+        "gemma2", ["Gemma2ForCausalLM"], ["sliding_attention", "full_attention", "sliding_attention"])
+    assert hf_config_to_lm(doc)[0] == config
+    # null caps and window are transformers' "off"
+    off = hf_config_to_lm({**doc, "sliding_window": None, "attn_logit_softcapping": None})[0]
+    assert off.sliding_window is None and off.attn_logit_softcapping is None
+    with pytest.raises(ValueError, match="'layer_types'"):
+        hf_config_to_lm({**doc, "layer_types": ["full_attention", "sliding_attention", "full_attention"]})
+    with pytest.raises(ValueError, match="'sliding_window' must be a positive number"):
+        hf_config_to_lm({**doc, "sliding_window": 0})
+
+
+def test_gemma_run_config_takes_the_checkpoint_shape(hf_dirs):
+    from levanter.compat import merge_hf_model_config
+
+    path = hf_dirs["gemma-gqa-untied"][0]
+    merged, vocab = merge_hf_model_config(GemmaConfig(seq_len=16, attn_backend="vanilla"), path)
+    assert (merged.hidden_dim, merged.head_dim, merged.num_kv_heads, merged.tie_word_embeddings) == (48, 8, 2, False)
+    assert (merged.seq_len, merged.attn_backend, vocab) == (16, "vanilla", VOCAB)
+    with pytest.raises(ValueError, match="model.head_dim=32 disagrees"):
+        merge_hf_model_config(GemmaConfig(seq_len=16, head_dim=32), path)
+    with pytest.raises(ValueError, match="is a gemma checkpoint but model.type is llama"):
+        merge_hf_model_config(LlamaConfig(seq_len=16), path)
 
 
 @pytest.fixture(scope="module")

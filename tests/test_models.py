@@ -1,4 +1,5 @@
-"""GPT-2, Llama, Qwen2, Qwen3 and Mixtral on tiny configs: shapes, causality, segment isolation, GQA, training, loss, configs."""
+"""GPT-2, Llama, Qwen2, Qwen3, Mixtral, Gemma and Gemma 2 on tiny configs: shapes, causality, segment isolation,
+GQA, training, loss, configs."""
 
 import draccus
 import equinox as eqx
@@ -11,6 +12,8 @@ import pytest
 import haliax as hax
 from accelerator import tol
 from levanter.models import (
+    Gemma2Config,
+    GemmaConfig,
     Gpt2Config,
     LlamaConfig,
     LmConfig,
@@ -55,8 +58,22 @@ def tiny_mixtral(**kw):
     return MixtralConfig(**{**base, "seq_len": 16, **kw})
 
 
+def tiny_gemma(**kw):
+    # Heads of 16 on a 32-wide stream: the attention width (64) differs from hidden_dim; multi-query.
+    base = {"hidden_dim": 32, "intermediate_dim": 64, "num_heads": 4, "head_dim": 16, "num_kv_heads": 1,
+            "num_layers": 2}
+    return GemmaConfig(**{**base, "seq_len": 16, **kw})
+
+
+def tiny_gemma2(**kw):
+    # A window of 4 on layers 0, 2, ...; a score scale other than head_dim's; both soft caps on.
+    base = {"hidden_dim": 32, "intermediate_dim": 64, "num_heads": 4, "head_dim": 16, "num_kv_heads": 2,
+            "num_layers": 2, "sliding_window": 4, "query_pre_attn_scalar": 24}
+    return Gemma2Config(**{**base, "seq_len": 16, **kw})
+
+
 CONFIGS = {"gpt2": tiny_gpt2, "llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3,
-           "mixtral": tiny_mixtral}
+           "mixtral": tiny_mixtral, "gemma": tiny_gemma, "gemma2": tiny_gemma2}
 
 
 @eqx.filter_jit
@@ -402,6 +419,9 @@ def test_draccus_selects_architecture():
         (tiny_llama, {"num_kv_heads": 3}, "model.num_kv_heads"),
         (tiny_llama, {"num_heads": 3}, "model.num_heads"),
         (tiny_llama, {"intermediate_dim": -1}, "model.intermediate_dim"),
+        (tiny_gemma, {"num_kv_heads": 3}, "model.num_kv_heads"),
+        (tiny_gemma, {"head_dim": 7}, "model.head_dim"),
+        (tiny_gemma, {"layer_norm_epsilon": -1.0}, "model.layer_norm_epsilon"),
         (tiny_qwen3, {"head_dim": 0}, "model.head_dim"),
         (tiny_qwen3, {"head_dim": 7}, "model.head_dim"),
     ],
@@ -450,14 +470,15 @@ def test_flops_per_token(name):
     # layer; the query width is hidden_dim except where head_dim is set apart, as in the Qwen3 config here)
     config = CONFIGS[name](num_layers=2, seq_len=64)
     model = config.build(Vocab, key=jax.random.PRNGKey(0))
-    n = _matmul_weights(model) + (config.hidden_dim * Vocab.size if name == "gpt2" else 0)  # gpt2: tied head
+    tied = name == "gpt2" or getattr(config, "tie_word_embeddings", False)
+    n = _matmul_weights(model) + (config.hidden_dim * Vocab.size if tied else 0)  # a tied head is still a matmul
     if name == "mixtral":  # only the experts a token is routed to do work: the others' weights do not count
         experts = sum(x.size for x in (model.layers.stacked.block_sparse_moe.w1.weight,
                                        model.layers.stacked.block_sparse_moe.w2.weight,
                                        model.layers.stacked.block_sparse_moe.w3.weight))
         n -= experts * (1 - config.num_experts_per_tok / config.num_local_experts)
     width = config.num_heads * config.HeadSize.size
-    assert (width != config.hidden_dim) == (name == "qwen3")
+    assert (width != config.hidden_dim) == (name in ("qwen3", "gemma", "gemma2"))
     expected = 6 * n + 3 * 4 * config.seq_len * width * config.num_layers
     assert flops[2] == pytest.approx(expected)
 

@@ -320,15 +320,21 @@ class Suggestion:
 
 def model_alternatives(model_config, vocab_size: int) -> list[tuple[str, Any, Any]]:
     """``(key, value, model config)`` for each model key that lowers the step's memory and that the model
-    does not use yet: remat, the blockwise loss, blockwise attention."""
+    does not use yet: remat, the blockwise loss, blockwise attention. A change the architecture refuses
+    (Gemma 2 has no blockwise attention, and no blockwise loss with its logit cap) is not suggested."""
     out = []
+
+    def offer(key: str, value: Any, **changes) -> None:
+        try:
+            out.append((key, value, dataclasses.replace(model_config, **changes)))
+        except ValueError:
+            pass  # the model's own check refuses this key; suggesting it would only lead to that error
+
     if getattr(model_config, "gradient_checkpointing", True) is False:
-        out.append(("model.gradient_checkpointing", True,
-                     dataclasses.replace(model_config, gradient_checkpointing=True)))
+        offer("model.gradient_checkpointing", True, gradient_checkpointing=True)
     if getattr(model_config, "cross_entropy_block_size", 0) is None and vocab_size >= 4096:
         block = min(8192, 1 << int(math.log2(vocab_size // 4)))
-        out.append(("model.cross_entropy_block_size", block,
-                    dataclasses.replace(model_config, cross_entropy_block_size=block)))
+        offer("model.cross_entropy_block_size", block, cross_entropy_block_size=block)
     requested = getattr(model_config, "attention_backend", None)
     if requested is not None:
         from levanter.models import resolve_attn_backend
@@ -340,7 +346,7 @@ def model_alternatives(model_config, vocab_size: int) -> list[tuple[str, Any, An
             changes = {"attn_backend": "jax_flash"}
             if getattr(model_config, "use_flash_attention", None) is not None:
                 changes["use_flash_attention"] = None
-            out.append(("model.attn_backend", "jax_flash", dataclasses.replace(model_config, **changes)))
+            offer("model.attn_backend", "jax_flash", **changes)
     return out
 
 

@@ -1,8 +1,9 @@
 """Language models: the :class:`LmConfig` registry, the :class:`LmHeadModel` interface, GPT-2, Llama, Qwen2,
-Qwen3 and Mixtral (a Llama with a mixture-of-experts MLP).
+Qwen3, Mixtral (a Llama with a mixture-of-experts MLP), Gemma and Gemma 2.
 
 Importing this package registers every architecture with :class:`LmConfig`, so a YAML ``model:``
-block with ``type: gpt2``, ``llama``, ``qwen2``, ``qwen3`` or ``mixtral`` decodes to the right config class.
+block with ``type: gpt2``, ``llama``, ``qwen2``, ``qwen3``, ``mixtral``, ``gemma`` or ``gemma2`` decodes to the
+right config class.
 """
 
 from .attention import (
@@ -14,6 +15,7 @@ from .attention import (
     dot_product_attention,
     resolve_attn_backend,
 )
+from .gemma import Gemma2Config, GemmaConfig, GemmaLMHeadModel
 from .gpt2 import Gpt2Config, Gpt2LMHeadModel
 from .layers import (
     ACTIVATIONS,
@@ -47,6 +49,9 @@ __all__ = [
     "dot_product_attention",
     "remat_policy",
     "resolve_attn_backend",
+    "Gemma2Config",
+    "GemmaConfig",
+    "GemmaLMHeadModel",
     "Gpt2Config",
     "Gpt2LMHeadModel",
     "LlamaConfig",

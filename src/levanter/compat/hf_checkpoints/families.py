@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Optional
 from levanter.models import LmConfig
 
 # The family modules of this package, each of which registers one or more families when imported.
-FAMILY_MODULES = ("gpt2", "llama", "qwen", "mixtral")
+FAMILY_MODULES = ("gpt2", "llama", "qwen", "mixtral", "gemma")
 
 L = "{i}"  # in a layout's tensor name: per-layer tensors, stacked along our `layers` axis
 E = "{e}"  # in a layout's tensor name: per-expert tensors, stacked along our `experts` axis (after {i})
