@@ -278,7 +278,7 @@ def test_finished_cache_serves_without_raw_files_and_embedded_sources_build(tmp_
         os.remove(s)
     again = build_or_load_cache(shards, d, ByteTokenizer(), options=CacheOptions(1, 16), progress=False)
     assert again.ledger.total_tokens == first.ledger.total_tokens
-    from levanter.ingest.embedded import iter_documents
+    from levanter.ingest.embedded import iter_embedded_documents as iter_documents
 
     url = "embedded://python-docs/validation"
     emb = build_or_load_cache([url], str(tmp_path / "e"), ByteTokenizer(), embedded_dir=str(tmp_path / "raw"),

@@ -24,6 +24,8 @@ from typing import List, Optional
 
 import levanter.config
 
+__all__ = ["TrainTokenizerConfig", "check", "main", "cli_main", "cli"]
+
 logger = logging.getLogger(__name__)
 
 
@@ -50,7 +52,7 @@ def _documents(config: TrainTokenizerConfig) -> Iterator[str]:
         if url.startswith(sources.EMBEDDED_SCHEME):
             sources.check_embedded_url(url)
             name, split = embedded.parse_embedded_url(url)
-            for doc in embedded.iter_documents(name, split):
+            for doc in embedded.iter_embedded_documents(name, split):
                 yield doc["text"]
             continue
         for path in sources.expand_urls([url]):

@@ -12,6 +12,8 @@ import importlib
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
+__all__ = ["lazy_exports"]
+
 
 def lazy_exports(
     package: str, exports: Mapping[str, Sequence[str]]
