@@ -448,10 +448,31 @@ def test_facades_offer_their_modules_names():
 
 
 def entry_point_import_violations(module: str, source: str, modules: dict[str, pathlib.Path]) -> list[str]:
-    """Imports in entry point ``module`` of another part's name that is not in the ``__all__`` it comes from
-    (a module imported by name is fine; a private one is caught by ``violations``)."""
+    """Names of another part that entry point ``module`` takes without the ``__all__`` they come from
+    listing them: imported (``from m import name``) or reached through a module imported by name
+    (``from levanter.utils import fs`` then ``fs.name``). A private module is caught by ``violations``."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    aliases: dict[str, str] = {}  # local name -> the module of another part it stands for
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname and part_of(alias.name) not in (None, "main") and alias.name in modules:
+                    aliases[alias.asname] = alias.name
+        elif isinstance(node, ast.ImportFrom) and not node.level and part_of(node.module or "") not in (None, "main"):
+            for alias in node.names:
+                if f"{node.module}.{alias.name}" in modules:
+                    aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            target = aliases[node.value.id]
+            public = static_all(target, modules)
+            if public is None and target in NOT_YET_LISTED:
+                continue
+            if f"{target}.{node.attr}" not in modules and (public is None or node.attr not in public):
+                found.append(f"{module}:{node.lineno} uses {node.value.id}.{node.attr}, "
+                             f"which {target} does not list in __all__")
+    for node in ast.walk(tree):
         if not isinstance(node, ast.ImportFrom):
             continue
         base = node.module or ""
@@ -482,8 +503,10 @@ def test_entry_points_import_only_public_names():
 
 def test_entry_point_checker_catches_a_name_outside_all():
     modules = all_modules()
-    bad = "from levanter.checkpoint.layout import _STEP_DIR\nfrom levanter.progress import logger\n"
+    bad = ("from levanter.checkpoint.layout import _STEP_DIR\nfrom levanter.progress import logger\n"
+           "from levanter.ingest import sources\nsources.FORMATS\n")
     found = entry_point_import_violations("levanter.main.train_lm", bad, modules)
-    assert len(found) == 2, found
-    good = "from levanter.checkpoint import Checkpointer\nfrom levanter.utils import fs\nfrom ..progress import RunProgress\n"
+    assert len(found) == 3, found
+    good = ("from levanter.checkpoint import Checkpointer\nfrom levanter.utils import fs\nfrom ..progress import RunProgress\n"
+            "fs.join('a', 'b')\n")
     assert entry_point_import_violations("levanter.main.train_lm", good, modules) == []
