@@ -20,36 +20,36 @@ in an eager facade, both offer the same object: one module re-exports the other'
 
 from __future__ import annotations
 
-import ast
 import importlib
-import importlib.util
+import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 
 __all__ = ["facade", "literal_all"]
 
+# ``__all__ = [...]`` at the start of a line; tests/test_architecture.py checks with ``ast`` that every
+# module's ``__all__`` is such a literal list of strings, so a pattern is enough here and the lazy
+# facades import neither ``ast`` nor the modules they stand for.
+_ALL = re.compile(r"^__all__(?:\s*:[^=\n]*)?\s*=\s*[\[(](.*?)[\])]", re.M | re.S)
+_NAME = re.compile(r"[\"']([A-Za-z_][A-Za-z0-9_]*)[\"']")
+
 
 def literal_all(source: str, where: str) -> list[str]:
     """The names in the module-level ``__all__ = [...]`` of ``source`` (``where`` names it in errors)."""
-    for node in ast.parse(source, where).body:
-        if isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
-                names = ast.literal_eval(node.value)
-                if not all(isinstance(n, str) for n in names):
-                    raise ImportError(f"{where}: __all__ must be a literal list of strings")
-                return list(names)
-    raise ImportError(f"{where}: no module-level __all__ = [...] listing its public names")
+    m = _ALL.search(source)
+    if m is None:
+        raise ImportError(f"{where}: no module-level __all__ = [...] listing its public names")
+    return _NAME.findall(re.sub(r"#[^\n]*", "", m.group(1)))
 
 
 def _names_of(package: str, module: str, *, lazy: bool) -> list[str]:
     if not lazy:
         return list(importlib.import_module(f".{module}", package).__all__)
-    spec = importlib.util.find_spec(f".{module}", package)
-    if spec is None or spec.origin is None:
-        raise ImportError(f"{package}.{module}: no such module")
-    with open(spec.origin, encoding="utf-8") as f:
-        return literal_all(f.read(), spec.origin)
+    base = os.path.join(os.path.dirname(sys.modules[package].__file__), *module.split("."))
+    path = base + ".py" if os.path.exists(base + ".py") else os.path.join(base, "__init__.py")
+    with open(path, encoding="utf-8") as f:
+        return literal_all(f.read(), path)
 
 
 def _same(package: str, first: str, second: str, public: str) -> bool:
