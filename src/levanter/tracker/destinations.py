@@ -1,7 +1,7 @@
 """Where a run's metrics went, one line per tracker, printed at the end of ``train_lm`` and ``eval_lm``.
 
-Apart from the trackers themselves because it reads the configs of several backends (JSON, wandb); it
-runs once per run, so it may import lazily.
+A module of its own because it reads the configs of two backends (JSON, wandb), which import the
+interface in ``tracker.py``, not each other.
 """
 
 from __future__ import annotations
