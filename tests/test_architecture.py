@@ -510,3 +510,48 @@ def test_entry_point_checker_catches_a_name_outside_all():
     good = ("from levanter.checkpoint import Checkpointer\nfrom levanter.utils import fs\nfrom ..progress import RunProgress\n"
             "fs.join('a', 'b')\n")
     assert entry_point_import_violations("levanter.main.train_lm", good, modules) == []
+
+
+SCHEMES = ("gs://", "s3://", "memory://", "gs", "s3", "memory", "gcs")
+
+
+def scheme_branches(module: str, source: str) -> list[str]:
+    """Tests of a storage scheme in ``source``: ``url.startswith("gs://")``, ``"s3://" in url``,
+    ``scheme == "gs"``, ``scheme in ("gs", "s3")``."""
+    found = []
+
+    def scheme_url(node) -> bool:
+        return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith(SCHEMES[:3])
+
+    def scheme_name(node) -> bool:
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(scheme_name(e) for e in node.elts)
+        return isinstance(node, ast.Constant) and node.value in SCHEMES
+
+    for node in ast.walk(ast.parse(source)):
+        hits = []
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            hits = [c for c in operands for c in ast.walk(c) if scheme_url(c)]
+            equality = all(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops)
+            if equality and any(scheme_name(c) for c in node.comparators):
+                hits.append(node.comparators[0])
+            if all(isinstance(op, (ast.Eq, ast.NotEq)) for op in node.ops) and scheme_name(node.left):
+                hits.append(node.left)
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) in ("startswith", "removeprefix", "endswith"):
+            hits = [c for a in node.args for c in ast.walk(a) if scheme_url(c)]
+        if hits:
+            found.append(f"{module}:{node.lineno} branches on a storage scheme: {ast.unparse(node)[:80]}")
+    return found
+
+
+def test_only_the_storage_modules_branch_on_a_url_scheme():
+    problems = []
+    for name, path in all_modules().items():
+        if not name.startswith("levanter.utils."):
+            problems += scheme_branches(name, path.read_text())
+    assert not problems, "branch through levanter.utils.fs (is_object_store, url_scheme...) instead:\n" + "\n".join(problems)
+    assert scheme_branches("m", "def f(p):\n    return p.startswith('gs://')\n")
+    assert scheme_branches("m", "def f(p):\n    return scheme in ('gs', 's3')\n")
+    assert scheme_branches("m", "def f(u):\n    return 's3://' in u or u == 'memory'\n")
+    assert scheme_branches("m", "x = 'see gs://bucket'\nok = 'memory' in line.lower()\n") == []
