@@ -7,7 +7,7 @@ this repository). Every ``*.yaml`` directly under DIR is read the way ``python -
 --config_path X`` reads it (``levanter.config.parse_config`` into ``TrainLmConfig``, ``!include`` files
 resolved relative to the including file, so DIR's subdirectories must be there), then put through the checks
 that need neither data, network nor devices: the upstream keys refused when set
-(``levanter.config_doc.check_refused``), ``trainer.quantization`` on this machine's JAX platform, and the
+(``levanter.refused_keys.check_refused``), ``trainer.quantization`` on this machine's JAX platform, and the
 learning-rate schedule for ``trainer.num_train_steps``. Nothing is trained, tokenized or downloaded.
 
 One line per file, then the counts:
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import jax  # noqa: E402
 
 from levanter.config import parse_config  # noqa: E402
-from levanter.config_doc import check_refused  # noqa: E402
+from levanter.refused_keys import check_refused  # noqa: E402
 from levanter.lm_config import TrainLmConfig  # noqa: E402
 
 PARSES, REFUSED, FAMILY, ERROR = "parses", "refused", "needs family", "error"

@@ -278,12 +278,12 @@ def test_finished_cache_serves_without_raw_files_and_embedded_sources_build(tmp_
         os.remove(s)
     again = build_or_load_cache(shards, d, ByteTokenizer(), options=CacheOptions(1, 16), progress=False)
     assert again.ledger.total_tokens == first.ledger.total_tokens
-    from levanter.ingest.embedded import iter_documents
+    from levanter.ingest.embedded import iter_embedded_documents
 
     url = "embedded://python-docs/validation"
     emb = build_or_load_cache([url], str(tmp_path / "e"), ByteTokenizer(), embedded_dir=str(tmp_path / "raw"),
                               options=CacheOptions(1, 64), progress=False)
-    docs = [d["text"] for d in iter_documents("python-docs", "validation")]
+    docs = [d["text"] for d in iter_embedded_documents("python-docs", "validation")]
     assert emb.ledger.total_rows == len(docs)
     assert emb.ledger.total_tokens == sum(len(t.encode("utf-8")) + 1 for t in docs)
     assert emb.metadata["embedded"][url]  # the corpus fingerprint is recorded

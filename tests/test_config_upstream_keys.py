@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from levanter.config import ConfigError, parse_config
-from levanter.config_doc import check_refused
+from levanter.refused_keys import check_refused
 from levanter.ingest.build import CacheOptions
 from levanter.main import train_lm
 from levanter.optim import AdamConfig

@@ -11,7 +11,7 @@ from levanter.ingest.embedded import (
     EMBEDDED_SOURCES,
     EMBEDDED_SPLITS,
     corpus_fingerprint,
-    iter_documents,
+    iter_embedded_documents,
     materialize,
     resolve_embedded_url,
 )
@@ -36,13 +36,13 @@ UNICODE_SAMPLES = [
 # -- embedded corpus ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def corpus():
-    return {(n, s): list(iter_documents(n, s)) for n in EMBEDDED_SOURCES for s in EMBEDDED_SPLITS}
+    return {(n, s): list(iter_embedded_documents(n, s)) for n in EMBEDDED_SOURCES for s in EMBEDDED_SPLITS}
 
 
 def test_documents_are_deterministic(corpus):
     embedded._corpus.cache_clear()  # rebuild from disk, not from the memo
     for (name, split), docs in corpus.items():
-        assert list(iter_documents(name, split)) == docs, (name, split)
+        assert list(iter_embedded_documents(name, split)) == docs, (name, split)
 
 
 def test_documents_shape_and_sizes(corpus):
@@ -97,7 +97,7 @@ def test_split_threshold_shared_across_sources(corpus):
 
 def test_unknown_name_and_split_errors(tmp_path):
     for call in (
-        lambda: list(iter_documents("wikipedia", "train")),
+        lambda: list(iter_embedded_documents("wikipedia", "train")),
         lambda: corpus_fingerprint("wikipedia"),
         lambda: materialize("wikipedia", "train", str(tmp_path)),
         lambda: resolve_embedded_url("embedded://wikipedia/train", str(tmp_path)),
@@ -105,7 +105,7 @@ def test_unknown_name_and_split_errors(tmp_path):
         with pytest.raises(ValueError, match="python-docs, python-code"):
             call()
     with pytest.raises(ValueError, match="train, validation"):
-        list(iter_documents("python-docs", "test"))
+        list(iter_embedded_documents("python-docs", "test"))
     with pytest.raises(ValueError, match="train, validation"):
         resolve_embedded_url("embedded://python-docs/dev", str(tmp_path))
     with pytest.raises(ValueError, match="malformed"):
@@ -173,7 +173,7 @@ def test_fake_stdlib_extraction_and_fingerprint(tmp_path, monkeypatch):
     embedded._corpus.cache_clear()
     try:
         fp = {n: corpus_fingerprint(n) for n in EMBEDDED_SOURCES}
-        docs = {d["source"]: d["text"] for s in EMBEDDED_SPLITS for d in iter_documents("python-docs", s)}
+        docs = {d["source"]: d["text"] for s in EMBEDDED_SPLITS for d in iter_embedded_documents("python-docs", s)}
         assert docs["topics/with"] == "The with statement"
         assert docs["docstrings/os.py"] == (
             "module os\n\nOperating system stuff.\n\ndef os.getcwd()\n\nReturn the cwd."
@@ -182,12 +182,12 @@ def test_fake_stdlib_extraction_and_fingerprint(tmp_path, monkeypatch):
             "module pkg\n\nasync def pkg.Thing.run(self, x, *, y=1)\n\nRun it."
         )
         assert len(docs) == 3
-        code = {d["source"] for s in EMBEDDED_SPLITS for d in iter_documents("python-code", s)}
+        code = {d["source"] for s in EMBEDDED_SPLITS for d in iter_embedded_documents("python-code", s)}
         assert code == {"os.py", "pkg/__init__.py"}
 
         _write(root, "new.py", "x = 1\n")  # another stdlib: both fingerprints move
         assert all(corpus_fingerprint(n) != fp[n] for n in EMBEDDED_SOURCES)
-        assert "new.py" in {d["source"] for s in EMBEDDED_SPLITS for d in iter_documents("python-code", s)}
+        assert "new.py" in {d["source"] for s in EMBEDDED_SPLITS for d in iter_embedded_documents("python-code", s)}
     finally:
         embedded._corpus.cache_clear()
 

@@ -32,7 +32,7 @@ import draccus
 
 # The refused-key marker lives in its own module, which config dataclasses import without this one;
 # it is re-exported here for code written against this module.
-from .refused_keys import REFUSED, check_refused, field_default, refused
+from .refused_keys import REFUSED, field_default
 
 # -- descriptions --------------------------------------------------------------------------------------------
 _FIELD_LINE = re.compile(r"^\s*(\w+)\s*:")
@@ -517,20 +517,16 @@ def all_fields(entry: EntryPoint) -> list:
 
 
 __all__ = [
-    "REFUSED",
     "EntryPoint",
     "FieldDoc",
     "Section",
     "all_fields",
-    "check_refused",
     "entry_point",
     "entry_sections",
     "default_text",
     "description",
-    "field_default",
     "format_help",
     "format_markdown",
-    "refused",
     "sections",
     "type_text",
 ]

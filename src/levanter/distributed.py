@@ -27,6 +27,15 @@ from typing import List, Optional, Union
 import jax
 import numpy as np
 
+__all__ = [
+    "DistributedStartupError",
+    "detected_cluster",
+    "DistributedConfig",
+    "config_digest",
+    "check_same_config_everywhere",
+    "barrier",
+]
+
 logger = logging.getLogger(__name__)
 
 

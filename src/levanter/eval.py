@@ -45,7 +45,6 @@ import numpy as np
 
 from levanter.data.dataset import AsyncDataset
 from levanter.data.loader import DataLoader
-from levanter.data.tags import check_tags
 from levanter.quantization import quantize
 
 __all__ = [
@@ -54,7 +53,6 @@ __all__ = [
     "Evaluator",
     "SourceTotals",
     "check_eval_set_sizes",
-    "check_tags",
     "make_evaluator",
     "format_table",
     "token_byte_lengths",

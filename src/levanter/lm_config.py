@@ -419,4 +419,4 @@ def data_key(config: TrainLmConfig) -> jax.Array:
     return jax.random.split(jax.random.PRNGKey(config.trainer.seed), 4)[0]
 
 
-__all__ = ["SEED_LIMIT", "BranchOrigin", "check_hf_keys", "hf_exporter", "hf_init_path", "model_record", "model_vocab_size", "with_hf_model", "TrainLmConfig", "branch_origin", "check_branch_model", "check_storage_access", "data_key", "storage_locations", "validate"]
+__all__ = ["SEED_LIMIT", "BranchOrigin", "check_hf_keys", "check_hf_save_path", "hf_exporter", "hf_init_path", "model_record", "model_vocab_size", "with_hf_model", "TrainLmConfig", "branch_origin", "check_branch_model", "check_storage_access", "data_key", "storage_locations", "validate"]

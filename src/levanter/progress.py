@@ -37,6 +37,15 @@ import sys
 import time
 from typing import Any, Dict, Iterator, List, Mapping, Optional, TextIO
 
+__all__ = [
+    "setup_console_logging",
+    "open_debug_log",
+    "open_command_debug_log",
+    "format_eval",
+    "RunProgress",
+    "DEBUG_LOG_NAME",
+]
+
 CONSOLE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 DEBUG_LOG_NAME = "debug.log"
 _BUFFER_CAPACITY = 10_000

@@ -28,6 +28,8 @@ import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Generic, TypeVar, Union
 
+__all__ = ["as_int", "StepSchedule", "ScheduleStep", "BatchSchedule"]
+
 T = TypeVar("T")
 
 def as_int(value, *, what: str = "step") -> int:

@@ -175,7 +175,7 @@ class TrainerConfig:
 
     def validate(self) -> None:
         """Cheap checks that need no devices beyond counting them; errors name the config key."""
-        check_refused(self, "trainer")  # upstream keys not built here (config_doc.refused)
+        check_refused(self, "trainer")  # upstream keys not built here (refused_keys.refused)
         if self.quantization is not None:
             self.quantization.check(jax.default_backend())
         given = self.tracker if isinstance(self.tracker, tuple) else (self.tracker,)

@@ -19,51 +19,18 @@
 Durations in the config (``save_interval: 15m``) are parsed by :func:`levanter.config.parse_timedelta`.
 """
 
-from levanter.checkpoint.errors import CheckpointMismatchError, CheckpointSaveError, CorruptCheckpointError
-from levanter.checkpoint.layout import (
-    CHECKPOINT_FORMAT_VERSION,
-    METADATA_FILENAME,
-    delete_stale_temporaries,
-    discover_latest_checkpoint,
-    read_checkpoint_metadata,
-    unreadable_checkpoints,
-)
-from levanter.checkpoint.policy import CheckpointInterval, Checkpointer, CheckpointerConfig
-from levanter.checkpoint.run_lock import RunLock, RunLockedError, acquire_run_lock, hold_run_lock
-from levanter.checkpoint.restore import load_checkpoint
-from levanter.checkpoint.serialization import save_checkpoint
-from levanter.checkpoint.resume import (
-    ResumePoint,
-    find_resume_point,
-    initialize_from,
-    resolve_checkpoint,
-    restart_schedules,
-    restore,
-)
+from levanter.utils.facade import facade
 
-__all__ = [
-    "CHECKPOINT_FORMAT_VERSION",
-    "METADATA_FILENAME",
-    "CheckpointInterval",
-    "CheckpointMismatchError",
-    "CheckpointSaveError",
-    "Checkpointer",
-    "CheckpointerConfig",
-    "CorruptCheckpointError",
-    "ResumePoint",
-    "RunLock",
-    "RunLockedError",
-    "acquire_run_lock",
-    "delete_stale_temporaries",
-    "discover_latest_checkpoint",
-    "find_resume_point",
-    "hold_run_lock",
-    "initialize_from",
-    "load_checkpoint",
-    "read_checkpoint_metadata",
-    "resolve_checkpoint",
-    "restart_schedules",
-    "restore",
-    "save_checkpoint",
-    "unreadable_checkpoints",
-]
+__all__, __getattr__, __dir__ = facade(
+    __name__,
+    __package__,
+    (
+        "errors",
+        "layout",
+        "policy",
+        "run_lock",
+        "restore",
+        "serialization",
+        "resume",
+    ),
+)

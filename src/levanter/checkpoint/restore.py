@@ -38,6 +38,8 @@ from levanter.checkpoint.tree_format import (
 )
 from levanter.utils import fs
 
+__all__ = ["load_checkpoint"]
+
 # Host memory one process may hold for reads in flight while loading (a soft cap, see _ByteLimiter).
 _READ_BYTES_IN_FLIGHT = 16 * 1024**3
 

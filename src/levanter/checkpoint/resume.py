@@ -32,7 +32,7 @@ from levanter.checkpoint.layout import (
     read_checkpoint_metadata,
     unreadable_checkpoints,
 )
-from levanter.checkpoint.serialization import load_checkpoint
+from levanter.checkpoint.restore import load_checkpoint
 from levanter.utils import fs
 
 logger = logging.getLogger(__name__)

@@ -48,7 +48,7 @@ after :meth:`PreparedSave.copy_to_host` (:mod:`levanter.checkpoint.async_writer`
 
 This module is the save side. What save and load share (leaf names, array specs and chunking, running the
 asynchronous I/O, storage error text) is :mod:`levanter.checkpoint.tree_format`; the load side is
-:mod:`levanter.checkpoint.restore`, whose :func:`load_checkpoint` is re-exported here.
+:mod:`levanter.checkpoint.restore`.
 """
 
 from __future__ import annotations
@@ -83,7 +83,6 @@ from levanter.checkpoint.layout import (
     remove_dir,
     resolve_path,
 )
-from levanter.checkpoint.restore import load_checkpoint
 from levanter.checkpoint.tree_format import (
     chunk_shape,
     finish_all,
@@ -101,7 +100,7 @@ from levanter.errors import is_out_of_space, out_of_space_error
 from levanter.utils import fs
 from levanter.utils.fault import fault_point
 
-__all__ = ["Barrier", "PreparedSave", "io_error_text", "load_checkpoint", "prepare_save", "save_checkpoint",
+__all__ = ["Barrier", "PreparedSave", "prepare_save", "save_checkpoint",
            "write_leaf"]
 
 logger = logging.getLogger(__name__)

@@ -32,6 +32,23 @@ from jax.experimental.array_serialization import serialization as jax_serializat
 from levanter.checkpoint.layout import METADATA_FILENAME
 from levanter.utils import fs
 
+__all__ = [
+    "is_stored_leaf",
+    "is_template_leaf",
+    "is_key_dtype",
+    "leaf_name",
+    "shape_dtype",
+    "run_coroutine",
+    "chunk_shape",
+    "ts_context",
+    "write_spec",
+    "read_spec",
+    "finish_all",
+    "one_line",
+    "io_error_text",
+    "summarise",
+]
+
 # Largest chunk file; shards above this are split so that a single file stays manageable.
 _MAX_CHUNK_BYTES = 2 * 1024**3
 

@@ -18,21 +18,6 @@ Trade-off: importing any of these names imports the whole package (draccus, PyYA
 duration decoder must be registered before any config is parsed.
 """
 
-from .cli import main, print_help, split_config_path
-from .durations import parse_timedelta
-from .explain import ConfigError, describe_error
-from .loading import LOCAL_PATH_KEYS, expand_user_paths, load_yaml, load_yaml_origins, parse_config
+from levanter.utils.facade import facade
 
-__all__ = [
-    "LOCAL_PATH_KEYS",
-    "ConfigError",
-    "describe_error",
-    "expand_user_paths",
-    "load_yaml",
-    "load_yaml_origins",
-    "main",
-    "parse_config",
-    "parse_timedelta",
-    "print_help",
-    "split_config_path",
-]
+__all__, __getattr__, __dir__ = facade(__name__, __package__, ("cli", "durations", "explain", "loading"))

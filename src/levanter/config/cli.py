@@ -22,6 +22,8 @@ from typing import TypeVar
 from .explain import ConfigError
 from .loading import parse_config
 
+__all__ = ["split_config_path", "main", "print_help_for", "print_help"]
+
 T = TypeVar("T")
 
 

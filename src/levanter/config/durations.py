@@ -19,6 +19,8 @@ from typing import Any
 
 import draccus
 
+__all__ = ["parse_timedelta"]
+
 _UNITS = {
     "": 1.0,
     "s": 1.0,

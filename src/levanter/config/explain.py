@@ -25,6 +25,8 @@ from typing import Any, Union
 import draccus
 import yaml
 
+__all__ = ["ConfigError", "describe_error"]
+
 
 class ConfigError(ValueError):
     """A user error in a config file or on the command line."""

@@ -35,6 +35,8 @@ from levanter.utils import fs
 
 from .explain import ConfigError, describe_error
 
+__all__ = ["load_yaml", "load_yaml_origins", "parse_config", "expand_user_paths", "LOCAL_PATH_KEYS"]
+
 T = TypeVar("T")
 
 

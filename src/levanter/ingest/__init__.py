@@ -21,48 +21,19 @@ tensorstore, which only the builder needs.
 
 from __future__ import annotations
 
-from levanter.utils.lazy_exports import lazy_exports
+from levanter.utils.facade import facade
 
-_EXPORTS = {
-    "build": (
-        "CACHE_FORMAT",
-        "CacheMismatchError",
-        "CacheOptions",
-        "build_or_load_cache",
-        "cache_metadata",
-        "check_writable",
-        "verify_inputs",
+__all__, __getattr__, __dir__ = facade(
+    __name__,
+    __package__,
+    (
+        "build",
+        "embedded",
+        "errors",
+        "identity",
+        "hf_sources",
+        "sources",
+        "tokenization",
     ),
-    "embedded": (
-        "EMBEDDED_SOURCES",
-        "EMBEDDED_SPLITS",
-        "EMBEDDED_URL_SCHEME",
-        "corpus_fingerprint",
-        "is_embedded_url",
-        "materialize",
-        "parse_embedded_url",
-        "resolve_embedded_url",
-    ),
-    "errors": ("SourceError",),
-    "identity": ("VERIFY_MODES", "hash_file", "identity_change"),
-    "hf_sources": ("hf_data_files",),
-    "sources": (
-        "check_embedded_url",
-        "detect_format",
-        "expand_braces",
-        "expand_urls",
-        "file_identity",
-        "iter_documents",
-        "iter_located_documents",
-    ),
-    "tokenization": (
-        "ByteTokenizer",
-        "HfTokenizer",
-        "PassthroughTokenizer",
-        "Tokenizer",
-        "load_tokenizer",
-        "train_bpe",
-    ),
-}
-
-__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+    lazy=True,
+)

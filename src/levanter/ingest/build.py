@@ -65,6 +65,15 @@ from .identity import VERIFY_MODES, file_identity, identity_change, is_partial
 from .sources import check_embedded_url, expand_urls, iter_located_documents
 from .tokenize_worker import encode, encode_in_worker, init_worker
 
+__all__ = [
+    "CacheMismatchError",
+    "CacheOptions",
+    "cache_metadata",
+    "verify_inputs",
+    "check_writable",
+    "build_or_load_cache",
+]
+
 logger = logging.getLogger(__name__)
 
 CACHE_FORMAT = "levanter-token-cache-v1"

@@ -62,7 +62,7 @@ __all__ = [
     "EMBEDDED_URL_SCHEME",
     "corpus_fingerprint",
     "is_embedded_url",
-    "iter_documents",
+    "iter_embedded_documents",
     "materialize",
     "parse_embedded_url",
     "resolve_embedded_url",
@@ -155,7 +155,7 @@ def _topics_path(root: str) -> str:
 
 
 def corpus_fingerprint(name: str) -> str:
-    """A hex digest identifying the text :func:`iter_documents` yields for ``name`` on this Python.
+    """A hex digest identifying the text :func:`iter_embedded_documents` yields for ``name`` on this Python.
 
     Covers the interpreter implementation and version, the extraction format and the selected files
     with their sizes; it reads no file contents, so it is cheap enough to check on every start.
@@ -327,7 +327,7 @@ def _corpus(name: str, fingerprint: str) -> tuple[tuple[_Doc, ...], frozenset[st
     return tuple(docs), _validation_keys([k for k, _, _ in docs])
 
 
-def iter_documents(name: str, split: str) -> Iterator[dict]:
+def iter_embedded_documents(name: str, split: str) -> Iterator[dict]:
     """The documents of one split as ``{"text": ..., "source": ...}`` dicts, in a fixed order.
 
     ``source`` is ``topics/<topic>``, ``docstrings/<path>`` (python-docs) or ``<path>`` (python-code),
@@ -352,7 +352,7 @@ def materialize(name: str, split: str, out_dir: str) -> str:
     _check_name(name)
     _check_split(split)
     path = fs.join(out_dir, name, f"{split}.jsonl")
-    data = "".join(json.dumps(doc, ensure_ascii=False) + "\n" for doc in iter_documents(name, split))
+    data = "".join(json.dumps(doc, ensure_ascii=False) + "\n" for doc in iter_embedded_documents(name, split))
     blob = data.encode("utf-8")
     if fs.isfile(path) and fs.size(path) == len(blob) and fs.read_bytes(path) == blob:
         return path
@@ -392,7 +392,7 @@ def corpus_stats(name: str) -> dict:
     _check_name(name)
     stats = {}
     for split in EMBEDDED_SPLITS:
-        docs = list(iter_documents(name, split))
+        docs = list(iter_embedded_documents(name, split))
         stats[split] = {"docs": len(docs), "bytes": sum(len(d["text"].encode()) for d in docs)}
     return stats
 

@@ -37,6 +37,8 @@ from ..utils.hub import hub_endpoint, offline_variable
 from .errors import SourceError
 from .sources import detect_format
 
+__all__ = ["hf_data_files"]
+
 _HUB_PROBE_TIMEOUT_S = 5.0
 
 

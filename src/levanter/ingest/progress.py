@@ -16,6 +16,8 @@ import logging
 import sys
 import time
 
+__all__ = ["BuildProgress"]
+
 logger = logging.getLogger(__name__)
 
 

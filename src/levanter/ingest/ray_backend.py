@@ -37,6 +37,8 @@ from ..utils import fs
 from .errors import SourceError
 from .tokenize_worker import encode
 
+__all__ = ["RayEncoder"]
+
 logger = logging.getLogger(__name__)
 
 _FAULT_RAISE_ONCE = "LEVANTER_FAULT_RAISE_ONCE"

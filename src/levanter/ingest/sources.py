@@ -31,15 +31,12 @@ from collections.abc import Iterator, Sequence
 from ..utils import fs
 
 from .errors import SourceError
-from .identity import file_identity
 
 __all__ = [
-    "SourceError",
     "check_embedded_url",
     "detect_format",
     "expand_braces",
     "expand_urls",
-    "file_identity",
     "iter_documents",
     "iter_located_documents",
 ]

@@ -21,6 +21,8 @@ import numpy as np
 
 from .errors import SourceError
 
+__all__ = ["die_with_parent", "init_worker", "encode", "encode_in_worker"]
+
 _TOKENIZER = None
 _EOS: int | None = None
 

@@ -25,6 +25,8 @@ from ..errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError
 from ..progress import open_command_debug_log, setup_console_logging
 from ..utils import fs
 
+__all__ = ["load_data_config", "main", "cli"]
+
 logger = logging.getLogger(__name__)
 
 

@@ -35,6 +35,8 @@ from levanter.config import ConfigError, parse_config, split_config_path
 if TYPE_CHECKING:
     from levanter.data.planner import DataPlan
 
+__all__ = ["format_plan", "write_dump", "write_plot", "main", "config_doc", "load_config", "cli"]
+
 # The planner (jax, the datasets) and the run config are imported where used, so that a usage error is
 # reported in a fraction of a second instead of after seconds of imports.
 

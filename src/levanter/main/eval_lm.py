@@ -31,6 +31,8 @@ import levanter.config
 from levanter.checkpoint import read_checkpoint_metadata
 from levanter.lm_config import TrainLmConfig, model_vocab_size, with_hf_model
 
+__all__ = ["EvalLmConfig", "main", "cli_main", "cli"]
+
 logger = logging.getLogger(__name__)
 
 

@@ -38,6 +38,8 @@ from levanter.models import LmConfig
 from levanter.progress import open_command_debug_log, setup_console_logging
 from levanter.utils import fs
 
+__all__ = ["ExportLmConfig", "main", "cli"]
+
 logger = logging.getLogger(__name__)
 
 

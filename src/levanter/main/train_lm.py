@@ -37,6 +37,22 @@ micro averages ``eval/loss`` and ``eval/bpb``, the macro averages ``eval/macro_l
 
 from __future__ import annotations
 
+__all__ = [
+    "check_data_covers_run",
+    "check_data_schedule",
+    "make_evaluator",
+    "main",
+    "say_finished",
+    "cli_main",
+    "dry_run",
+    "cli",
+    # upstream's import path for the run config
+    "SEED_LIMIT",
+    "TrainLmConfig",
+    "data_key",
+    "validate",
+]
+
 if __name__ == "__main__":
     # Before the heavy imports, so that re-executing costs only an interpreter start-up.
     from levanter.utils.malloc import reexec_with_hugepage_malloc
@@ -75,7 +91,7 @@ from levanter.eval import make_evaluator as evaluator_for
 from levanter.errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError
 from levanter.distributed import DistributedStartupError, barrier, check_same_config_everywhere
 from levanter.tracker import NoopTracker, check_trackers_writable, init_trackers
-from levanter.lm_config import SEED_LIMIT, TrainLmConfig, data_key, validate  # noqa: F401 -- upstream's path
+from levanter.lm_config import SEED_LIMIT, TrainLmConfig, data_key, validate
 from levanter.lm_config import branch_origin, check_branch_model
 from levanter.lm_config import check_hf_save_path, hf_exporter, hf_init_path, model_record, model_vocab_size
 from levanter.lm_config import with_hf_model

@@ -24,6 +24,8 @@ from typing import List, Optional
 
 import levanter.config
 
+__all__ = ["TrainTokenizerConfig", "check", "main", "cli_main", "cli"]
+
 logger = logging.getLogger(__name__)
 
 
@@ -44,13 +46,13 @@ class TrainTokenizerConfig:
 
 
 def _documents(config: TrainTokenizerConfig) -> Iterator[str]:
-    from levanter.ingest import embedded, sources
+    from levanter.ingest import EMBEDDED_URL_SCHEME, embedded, sources
 
     for url in config.train_urls:
-        if url.startswith(sources.EMBEDDED_SCHEME):
+        if url.startswith(EMBEDDED_URL_SCHEME):
             sources.check_embedded_url(url)
             name, split = embedded.parse_embedded_url(url)
-            for doc in embedded.iter_documents(name, split):
+            for doc in embedded.iter_embedded_documents(name, split):
                 yield doc["text"]
             continue
         for path in sources.expand_urls([url]):
@@ -73,10 +75,10 @@ def check(config: TrainTokenizerConfig) -> None:
         )
     if config.max_documents is not None and config.max_documents < 1:
         raise ValueError(f"max_documents must be >= 1 or null, got {config.max_documents}")
-    from levanter.ingest import sources
+    from levanter.ingest import EMBEDDED_URL_SCHEME, sources
 
     for url in config.train_urls:
-        if url.startswith(sources.EMBEDDED_SCHEME):
+        if url.startswith(EMBEDDED_URL_SCHEME):
             sources.check_embedded_url(url)
         else:
             sources.expand_urls([url])  # a missing file or an empty glob fails now, naming it

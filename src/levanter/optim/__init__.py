@@ -1,14 +1,6 @@
-from .config import AdamConfig, MuonConfig, OptimizerConfig, SophiaHConfig, lr_schedule_fn
-from .skip_steps import SkipBadSteps, SkipBadStepsState, skip_bad_steps, spike_skipped
+"""Optimizers: the ``optimizer:`` configs and learning-rate schedules (:mod:`.config`), and skipping an update
+whose loss or gradient norm spikes (:mod:`.skip_steps`)."""
 
-__all__ = [
-    "AdamConfig",
-    "MuonConfig",
-    "OptimizerConfig",
-    "SkipBadSteps",
-    "SkipBadStepsState",
-    "SophiaHConfig",
-    "lr_schedule_fn",
-    "skip_bad_steps",
-    "spike_skipped",
-]
+from levanter.utils.facade import facade
+
+__all__, __getattr__, __dir__ = facade(__name__, __package__, ("config", "skip_steps"))

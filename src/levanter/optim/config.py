@@ -42,6 +42,8 @@ from ..refused_keys import check_refused, refused
 from .skip_steps import resolve as resolve_skip_bad_steps
 from .skip_steps import skip_bad_steps
 
+__all__ = ["lr_schedule_fn", "decay_mask", "OptimizerConfig", "AdamConfig", "SophiaHConfig", "MuonConfig"]
+
 SCHEDULES = ("constant", "linear", "cosine", "inv", "wsd", "warmup-stable-decay")
 
 

@@ -15,26 +15,16 @@ The store knows nothing of documents, tokenizers or training: caches are written
 other way round.
 """
 
-from .cache import TokenCache
-from .batched_reads import awaited, read_blocks, read_stacked
-from .faults import DamagedStoreError, StorageFault, cache_root, storage_fault
-from .jagged_array import DEFAULT_DATA_CHUNK, DEFAULT_OFFSETS_CHUNK, JaggedArrayStore
-from .ledger import LEDGER_FILENAME, LEDGER_FORMAT_VERSION, CacheLedger, CorruptLedgerError
+from levanter.utils.facade import facade
 
-__all__ = [
-    "DEFAULT_DATA_CHUNK",
-    "DEFAULT_OFFSETS_CHUNK",
-    "LEDGER_FILENAME",
-    "LEDGER_FORMAT_VERSION",
-    "CacheLedger",
-    "CorruptLedgerError",
-    "DamagedStoreError",
-    "JaggedArrayStore",
-    "StorageFault",
-    "TokenCache",
-    "awaited",
-    "cache_root",
-    "read_blocks",
-    "read_stacked",
-    "storage_fault",
-]
+__all__, __getattr__, __dir__ = facade(
+    __name__,
+    __package__,
+    (
+        "cache",
+        "batched_reads",
+        "faults",
+        "jagged_array",
+        "ledger",
+    ),
+)

@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+__all__ = ["read_view", "awaited", "read_stacked", "read_blocks"]
+
 
 def read_view(view: ts.TensorStore) -> ts.Future:
     """Start reading ``view``: the one place a store's data is read, one call per tensorstore operation."""

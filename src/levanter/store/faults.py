@@ -21,6 +21,16 @@ import re
 
 from ..utils import fs
 
+__all__ = [
+    "DamagedStoreError",
+    "cache_root",
+    "damaged_error",
+    "status_text",
+    "StorageFault",
+    "storage_fault",
+    "MISSING",
+]
+
 
 class DamagedStoreError(ValueError):
     """A store (or the cache holding it) is missing files or holds unreadable ones: delete it to rebuild."""

@@ -26,6 +26,19 @@ import tensorstore as ts
 from ..utils import fs
 from .faults import damaged_error, status_text, storage_fault
 
+__all__ = [
+    "array_kvstore",
+    "capacity",
+    "codec_chain",
+    "open_array",
+    "create_array",
+    "array_length",
+    "chunk_length",
+    "truncate",
+    "check_chunks",
+    "CONTEXT",
+]
+
 # One context for every store in the process: "memory://" stores are visible across opens only within
 # a shared context, and tensorstore's I/O thread pools are shared instead of multiplied per store.
 # Its retry budgets let array reads and writes on object stores ride out throttling and 5xx answers.

@@ -56,6 +56,8 @@ from levanter.errors import is_out_of_space, out_of_space_error
 from levanter.tracker.tracker import Tracker, TrackerConfig, normalize_metrics, to_python
 from levanter.utils import fs
 
+__all__ = ["trim_metrics", "prepare_metrics_file", "JsonTracker", "JsonConfig", "JsonLoggerConfig"]
+
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"

@@ -40,6 +40,8 @@ from levanter.refused_keys import refused
 from levanter.tracker.tracker import Tracker, TrackerConfig, to_python
 from levanter.utils import fs
 
+__all__ = ["TensorboardTracker", "TensorboardConfig"]
+
 logger = logging.getLogger(__name__)
 
 

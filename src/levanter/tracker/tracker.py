@@ -28,12 +28,26 @@ from __future__ import annotations
 import abc
 import dataclasses
 import logging
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 import draccus
 import numpy as np
+
+__all__ = [
+    "to_python",
+    "normalize_metrics",
+    "Tracker",
+    "NoopTracker",
+    "DictTracker",
+    "CompositeTracker",
+    "TrackerConfig",
+    "NoopConfig",
+    "check_trackers_writable",
+    "TrackerError",
+    "TrackerStartError",
+    "init_trackers",
+]
 
 logger = logging.getLogger(__name__)
 

@@ -32,6 +32,8 @@ from levanter.refused_keys import refused
 from levanter.tracker.tracker import Tracker, TrackerConfig, TrackerError, normalize_metrics
 from levanter.utils import fs
 
+__all__ = ["WandbTracker", "WandbConfig"]
+
 logger = logging.getLogger(__name__)
 
 WANDB_MODES = ("online", "offline", "disabled", "shared")

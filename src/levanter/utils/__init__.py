@@ -1,0 +1,29 @@
+"""Utilities every part may import: storage (:mod:`.fs`, the one door over :mod:`.paths`, :mod:`.files`,
+:mod:`.ts_spec` and :mod:`.storage_errors`), the Hugging Face hub's environment (:mod:`.hub`), fault
+injection, huge pages, process liveness, accelerator FLOP/s, and the facades of the packages.
+
+Names are loaded on first use: every part imports this package, most only for :mod:`.fs`, and tokenizer
+pool workers must not pay for what they do not call. Callers mostly import the modules (``from
+levanter.utils import fs``); the names are re-exported here too, as in every package.
+"""
+
+from .facade import facade
+
+__all__, __getattr__, __dir__ = facade(
+    __name__,
+    __package__,
+    (
+        "paths",
+        "storage_errors",
+        "ts_spec",
+        "files",
+        "hub",
+        "fault",
+        "flops",
+        "malloc",
+        "process",
+        "facade",
+        "lazy_exports",
+    ),
+    lazy=True,
+)

@@ -17,6 +17,8 @@ import signal
 import time
 from collections import Counter
 
+__all__ = ["fault_point"]
+
 _ENV = "LEVANTER_FAULT_KILL_AT"
 _DELAY_ENV = "LEVANTER_FAULT_DELAY"
 _hits: Counter = Counter()

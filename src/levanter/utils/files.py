@@ -46,6 +46,32 @@ from .storage_errors import (
 )
 from .ts_spec import endpoint_description, gcs_emulator, s3_endpoint, s3_region
 
+__all__ = [
+    "filesystem",
+    "open_file",
+    "exists",
+    "isfile",
+    "isdir",
+    "listdir",
+    "read_bytes",
+    "read_text",
+    "fsync_dir",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "create_exclusive",
+    "remove",
+    "remove_tree",
+    "makedirs",
+    "mtime",
+    "glob_detail",
+    "glob",
+    "info",
+    "size",
+    "probe_writable",
+    "check_access",
+    "remove_stale_temporaries",
+]
+
 _FS_LOCK = threading.Lock()
 _FS_CACHE: dict[tuple, Any] = {}
 _MEMORY_LOCK = threading.Lock()

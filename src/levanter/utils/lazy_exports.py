@@ -1,9 +1,10 @@
-"""A package's public names, imported from their modules on first use.
+"""A package's public names, imported from their modules on first use, from a hand-written table.
 
-``levanter.data`` and ``levanter.ingest`` re-export their modules' public names (their doors) without
-importing those modules up front: importing the package stays cheap, tokenizer pool workers that import
-``levanter.ingest`` never load tensorstore, and no module of a package imports a sibling through the
-package's ``__init__``. Each name is resolved once, then cached in the package's namespace.
+``levanter.data`` re-exports its modules' public names (its doors) without importing those modules up
+front: importing the package stays cheap, and no module of the package imports a sibling through the
+package's ``__init__``. Each name is resolved once, then cached in the package's namespace. The other
+packages use :func:`levanter.utils.facade.facade`, which reads the names from each module's ``__all__``
+instead of a second list; ``levanter.data`` moves to it once its modules list their names.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Callable, Mapping, Sequence
+
+__all__ = ["lazy_exports"]
 
 
 def lazy_exports(

@@ -22,6 +22,8 @@ import os
 import sys
 from typing import Mapping, Optional
 
+__all__ = ["hugepage_tunables", "reexec_with_hugepage_malloc"]
+
 TUNABLE = "glibc.malloc.hugetlb"
 OPT_OUT = "LEVANTER_MALLOC_HUGETLB"  # "0" disables the re-execution
 MARKER = "LEVANTER_MALLOC_REEXEC"  # set in the re-executed process (for its log line)

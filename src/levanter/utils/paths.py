@@ -13,6 +13,19 @@ from __future__ import annotations
 
 import os
 
+__all__ = [
+    "url_scheme",
+    "is_url",
+    "is_object_store",
+    "expand_user",
+    "abspath",
+    "join",
+    "parent",
+    "basename",
+    "supports_rename",
+    "bucket_and_key",
+]
+
 _OBJECT_SCHEMES = ("s3", "gs", "gcs", "memory")
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+__all__ = ["proc_stat", "pid_alive"]
+
 
 def proc_stat(pid: int) -> Optional[list[str]]:
     """Fields of ``/proc/<pid>/stat`` after the command name (state first), or None."""

@@ -24,6 +24,21 @@ from typing import Callable, TypeVar
 
 from .paths import bucket_and_key, is_url, url_scheme
 
+__all__ = [
+    "StorageAccessError",
+    "redact",
+    "exception_chain",
+    "is_transient",
+    "is_permanent",
+    "retry_transient",
+    "access_error",
+    "is_precondition_failure",
+    "is_unreachable",
+    "RETRY_ATTEMPTS",
+    "RETRY_INITIAL_DELAY_S",
+    "RETRY_MAX_DELAY_S",
+]
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")

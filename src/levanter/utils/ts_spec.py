@@ -30,6 +30,15 @@ from typing import Any
 
 from .paths import abspath, bucket_and_key, is_url, url_scheme
 
+__all__ = [
+    "s3_endpoint",
+    "s3_region",
+    "gcs_emulator",
+    "kvstore_spec",
+    "tensorstore_context_spec",
+    "endpoint_description",
+]
+
 def s3_endpoint() -> str | None:
     """The S3 endpoint the environment names (``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``), or None."""
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
