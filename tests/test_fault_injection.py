@@ -765,7 +765,7 @@ def _resumed_run(tmp_path, name, steps, from_ckpt, faults, *, restore):
     config = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, load_checkpoint_path=from_ckpt))
     take = _OnLog("resuming from checkpoint", faults.take_away)
     back = _OnLog("transient error reading step", faults.put_back if restore else lambda: None)
-    loggers = [logging.getLogger("levanter.trainer"), logging.getLogger("levanter.data.loader")]
+    loggers = [logging.getLogger("levanter.checkpoint.resume"), logging.getLogger("levanter.data.loader")]
     levels = [lg.level for lg in loggers]
     for lg, h in zip(loggers, (take, back)):
         lg.addHandler(h)
