@@ -93,7 +93,7 @@ def run_variant(base, variant, *, steps, workdir, model_dim):
     def composition(weights, batch_size):
         from fractions import Fraction
 
-        from levanter.data.mixture import largest_remainder_counts
+        from levanter.data.mixture_layout import largest_remainder_counts
 
         fr = [Fraction(weights.get(n, 0)) for n in names]
         return tuple(largest_remainder_counts([f / sum(fr) for f in fr], batch_size).tolist())

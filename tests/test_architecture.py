@@ -351,18 +351,6 @@ def test_forbidden_imports_are_the_docs_rules():
 # Public names: every module lists them once, in a literal ``__all__``; packages re-export them (facade).
 # ---------------------------------------------------------------------------------------------------------
 
-# Modules not yet given an ``__all__`` (their packages still list names by hand): to be converted.
-NOT_YET_LISTED = frozenset(
-    {f"levanter.compat.hf_checkpoints.{m}" for m in (
-        "export", "families", "gpt2", "hub", "llama", "load", "mixtral", "qwen", "safetensors_io", "weights")}
-    | {f"levanter.data.{m}" for m in (
-        "_prp", "config", "dataset", "fingerprint", "loader", "mixture_layout", "planner", "read_ahead",
-        "schedule_record", "text")}
-    | {f"levanter.models.{m}" for m in (
-        "attention", "flash_attention", "gpt2", "layers", "llama", "lm_model", "loss", "mixtral", "qwen", "rope",
-        "token_dot")}
-)
-NOT_YET_FACADES = frozenset({"levanter.data", "levanter.models", "levanter.compat.hf_checkpoints"})
 # Packages that re-export nothing: the root (importing ``levanter`` must not import JAX) and the entry
 # points (each defines ``main``).
 NO_FACADE = frozenset({"levanter", "levanter.main"})
@@ -388,7 +376,7 @@ def facade_call(tree: ast.Module) -> ast.Call | None:
 
 def static_all(module: str, modules: dict[str, pathlib.Path]) -> set[str] | None:
     """The public names of ``module`` read from source: its literal ``__all__``, the union over the modules
-    its ``facade(...)`` names, or (a package not yet converted) the names its export table lists."""
+    its ``facade(...)`` names."""
     tree = ast.parse(modules[module].read_text())
     names = literal_all(tree)
     if names is not None:
@@ -400,9 +388,6 @@ def static_all(module: str, modules: dict[str, pathlib.Path]) -> set[str] | None
         for sub in ast.literal_eval(call.args[2]):
             out |= static_all(f"{package}.{sub}", modules) or set()
         return out
-    for node in tree.body:  # levanter.data: _EXPORTS = {module: (names...)}
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "_EXPORTS":
-            return {n for names in ast.literal_eval(node.value).values() for n in names}
     return None
 
 
@@ -413,20 +398,18 @@ def test_every_module_lists_its_public_names_in_a_literal_all():
         if path.name == "__init__.py" and name not in NO_FACADE:
             continue  # packages: next test
         names = literal_all(tree)
-        if names is None and facade_call(tree) is None and name not in NOT_YET_LISTED:
+        if names is None and facade_call(tree) is None:
             problems.append(f"{name}: no module-level __all__ = [...]")
         if names is not None and len(set(names)) != len(names):
             problems.append(f"{name}: a name listed twice in __all__")
     assert not problems, "\n".join(problems)
-    assert not {m for m in NOT_YET_LISTED if literal_all(ast.parse(all_modules()[m].read_text())) is not None}, (
-        "a module now has __all__: take it off NOT_YET_LISTED")
 
 
 def test_every_package_builds_its_all_with_the_facade():
     modules = all_modules()
     problems = []
     for name, path in modules.items():
-        if path.name != "__init__.py" or name in NO_FACADE | NOT_YET_FACADES:
+        if path.name != "__init__.py" or name in NO_FACADE:
             continue
         call = facade_call(ast.parse(path.read_text()))
         if call is None:
@@ -441,7 +424,8 @@ def test_every_package_builds_its_all_with_the_facade():
 def test_facades_offer_their_modules_names():
     import importlib
 
-    for package in ("levanter.store", "levanter.ingest", "levanter.utils", "levanter.utils.fs"):
+    for package in ("levanter.store", "levanter.ingest", "levanter.utils", "levanter.utils.fs", "levanter.data",
+                    "levanter.models", "levanter.compat.hf_checkpoints", "levanter.compat"):
         module = importlib.import_module(package)
         assert set(module.__all__) == static_all(package, all_modules())
         assert all(getattr(module, n) is not None for n in module.__all__)
@@ -467,8 +451,6 @@ def entry_point_import_violations(module: str, source: str, modules: dict[str, p
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
             target = aliases[node.value.id]
             public = static_all(target, modules)
-            if public is None and target in NOT_YET_LISTED:
-                continue
             if f"{target}.{node.attr}" not in modules and (public is None or node.attr not in public):
                 found.append(f"{module}:{node.lineno} uses {node.value.id}.{node.attr}, "
                              f"which {target} does not list in __all__")
@@ -484,8 +466,6 @@ def entry_point_import_violations(module: str, source: str, modules: dict[str, p
         for alias in node.names:
             if f"{base}.{alias.name}" in modules:
                 continue
-            if public is None and base in NOT_YET_LISTED:
-                continue  # checked once the module lists its names
             if public is None or alias.name not in public:
                 found.append(f"{module}:{node.lineno} imports {alias.name} from {base}, "
                              f"which does not list it in __all__")

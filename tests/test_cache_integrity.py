@@ -7,7 +7,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from levanter.data.loader import DataLoader, DataLoadError
+from levanter.data.load_errors import DataLoadError
+from levanter.data.loader import DataLoader
 from levanter.data.text import CausalLmDataset, TokenSeqDataset
 from levanter.store import LEDGER_FILENAME, JaggedArrayStore
 

@@ -48,7 +48,8 @@ from levanter.checkpoint import (
     read_checkpoint_metadata,
 )
 from levanter.data.dataset import AsyncDataset, ListAsyncDataset
-from levanter.data.loader import DataLoader, DataLoadError, TransientDataError
+from levanter.data.load_errors import DataLoadError, TransientDataError
+from levanter.data.loader import DataLoader
 from levanter.data.mixture import MixtureDataset
 from levanter.store import CacheLedger, JaggedArrayStore, TokenCache
 from helpers import tree_bytes

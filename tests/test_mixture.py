@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from levanter.data.dataset import DatasetExhausted, ListAsyncDataset
-from levanter.data.mixture import MixtureDataset, largest_remainder_counts
+from levanter.data.mixture import MixtureDataset
+from levanter.data.mixture_layout import largest_remainder_counts
 from levanter.schedule import BatchSchedule, ScheduleStep
 
 SOURCE_STRIDE = 1_000_000
@@ -624,7 +625,7 @@ def test_plan_reads_of_several_steps_read_each_steps_batch(tmp_path, monkeypatch
     """``plan_reads(steps, indices)`` through every wrapper a source config builds: its rows, read and
     finished, are each step's ``get_batch`` back to back; a source that cannot plan says None."""
     import levanter.data.text as text_module
-    from levanter.store.jagged_array import read_blocks, read_stacked
+    from levanter.store.batched_reads import read_blocks, read_stacked
 
     monkeypatch.setattr(text_module, "BLOCK_MAX_SEQ_LEN", 8 if index_array_blocks else 7)  # windows of 8
     rng = np.random.default_rng(3)

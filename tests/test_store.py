@@ -178,7 +178,7 @@ def test_out_of_range_reads(tmp_path):
 def test_window_blocks_read_what_window_views_read(tmp_path):
     """An index-array block of windows (from one store or several) holds the same rows as one view per
     window; bad windows are refused before any read, naming the window and the store's size."""
-    from levanter.store.jagged_array import read_blocks, read_stacked
+    from levanter.store.batched_reads import read_blocks, read_stacked
 
     a = build(tmp_path / "a", [ragged_rows(40, seed=8)])
     b = build(tmp_path / "b", [ragged_rows(30, seed=9)])
@@ -332,7 +332,7 @@ def _flip_byte(path, at=3):
 
 def _every_read_path(store, starts, length):
     """Each way a store is read, as a thunk returning what it read."""
-    from levanter.store.jagged_array import read_blocks, read_stacked
+    from levanter.store.batched_reads import read_blocks, read_stacked
 
     rows = list(range(store.num_rows))
     return {
@@ -394,7 +394,7 @@ def test_sparse_capacity_of_an_unfinalized_store_reads_and_resumes(tmp_path):
 
 @pytest.mark.parametrize("codec, chain", [(None, ["bytes", "crc32c"]), ("zstd", ["bytes", "zstd", "crc32c"])])
 def test_new_stores_checksum_every_chunk(tmp_path, codec, chain):
-    from levanter.store.jagged_array import storage_fault
+    from levanter.store.faults import storage_fault
 
     rows = ragged_rows(80, seed=10)
     build(tmp_path / "s", [rows], codec=codec)
@@ -472,7 +472,7 @@ def _cache_like(tmp_path, n=40):
     ids=["data-chunk", "many-chunks", "offsets-chunk", "zarr-json", "corrupt-zarr-json"],
 )
 def test_a_damaged_store_is_refused_at_open_naming_the_cache(tmp_path, damage, what):
-    from levanter.store.jagged_array import DamagedStoreError
+    from levanter.store.faults import DamagedStoreError
 
     cache, store = _cache_like(tmp_path)
     damage(store)
@@ -502,8 +502,8 @@ def test_a_damaged_store_is_refused_at_open_naming_the_cache(tmp_path, damage, w
     ],
 )
 def test_storage_errors_are_classified(text, code, retried, chunk):
-    from levanter.data.loader import is_transient
-    from levanter.store.jagged_array import storage_fault
+    from levanter.data.load_errors import is_transient
+    from levanter.store.faults import storage_fault
 
     fault = storage_fault(ValueError(text))
     assert (fault.code if fault else None) == code
@@ -557,7 +557,8 @@ def test_a_chunk_that_vanishes_for_a_moment_is_retried_and_the_batches_are_uncha
 
 
 def test_a_chunk_that_stays_missing_is_one_error_naming_cache_chunk_and_step(tmp_path):
-    from levanter.data.loader import DataLoader, DataLoadError
+    from levanter.data.load_errors import DataLoadError
+    from levanter.data.loader import DataLoader
     from levanter.data.text import TokenSeqDataset
 
     cache, store_dir = _cache_like(tmp_path, n=300)
@@ -581,7 +582,7 @@ def test_a_chunk_that_stays_missing_is_one_error_naming_cache_chunk_and_step(tmp
 def test_resuming_a_store_with_a_committed_chunk_missing_is_refused(tmp_path):
     # A write into a missing chunk would fill the rest of it with zeros: the resumed build would hold
     # zeros where committed tokens were.
-    from levanter.store.jagged_array import DamagedStoreError
+    from levanter.store.faults import DamagedStoreError
 
     cache, store = _cache_like(tmp_path)
     last = _chunk_files(store)[-1]

@@ -26,6 +26,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+__all__ = ["derive_seed", "seed_from_key", "FeistelPermutation", "permute_many"]
+
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)

@@ -29,9 +29,21 @@ from ..schedule import BatchSchedule, as_int
 from ..utils import fs
 from ._prp import derive_seed, seed_from_key
 from .dataset import AsyncDataset
-from .mixture import STOP_STRATEGIES, MixtureDataset
+from .mixture import MixtureDataset
+from .mixture_weights import STOP_STRATEGIES
 from ..ingest import CacheOptions, SourceError, check_embedded_url, expand_urls
 from .text import CausalLmDataset, TokenSeqDataset
+
+__all__ = [
+    "TextLmDatasetFormat",
+    "LMDatasetSourceConfig",
+    "LMTaskConfig",
+    "UrlSingleDatasetLMConfig",
+    "LMDatasetConfig",
+    "TrainWeights",
+    "LMMixtureDatasetConfig",
+    "DataConfig",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -325,7 +337,7 @@ class LMMixtureDatasetConfig(LMTaskConfig):
         self._check_task_fields()
         if not self.configs:
             raise ValueError("data.configs is empty: a mixture needs at least one source")
-        from .mixture import stage_schedule
+        from .mixture_weights import stage_schedule
 
         stages = self.stages()  # its errors name data.train_weights already
         try:

@@ -56,6 +56,24 @@ import numpy as np
 
 from ._prp import FeistelPermutation, derive_seed, permute_many, seed_from_key
 
+__all__ = [
+    "StackedBatch",
+    "DatasetExhausted",
+    "as_index_array",
+    "ReadPlan",
+    "check_range",
+    "IndexMap",
+    "apply_index_maps",
+    "AsyncDataset",
+    "ListAsyncDataset",
+    "MappedAsyncDataset",
+    "BatchMappedAsyncDataset",
+    "SlicedAsyncDataset",
+    "EpochDataset",
+    "PermutationDataset",
+    "BlockShufflingDataset",
+]
+
 T = TypeVar("T")
 U = TypeVar("U")
 

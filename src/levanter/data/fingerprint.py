@@ -15,6 +15,8 @@ import hashlib
 
 import numpy as np
 
+__all__ = ["fingerprint_arrays", "batch_fingerprint"]
+
 
 def fingerprint_arrays(*arrays: np.ndarray | None) -> str:
     h = hashlib.blake2b(digest_size=8)

@@ -1,7 +1,7 @@
 """Failed reads: which errors are worth retrying, the retry loop, and the one error that ends loading.
 
 A storage failure that may pass (a chunk missing, corrupt or unreadable for a moment, an unavailable or
-slow store: :func:`~levanter.store.jagged_array.storage_fault` reads tensorstore's status, ``OSError`` s
+slow store: :func:`~levanter.store.faults.storage_fault` reads tensorstore's status, ``OSError`` s
 count too) is retried with exponential backoff, the same indices for the same step, so a retry never
 changes the data. One that outlasts the retries, or any other error (a bug, a bad request), becomes one
 :class:`DataLoadError` that names the step, and for a storage failure the chunk, the cache and what to
@@ -22,8 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from ..store.jagged_array import StorageFault, storage_fault
+from ..store.faults import StorageFault, storage_fault
 from .dataset import DatasetExhausted
+
+__all__ = ["TransientDataError", "TRANSIENT_ERRORS", "is_transient", "DataLoadError", "read_with_retries"]
 
 logger = logging.getLogger(__name__)
 

@@ -43,9 +43,19 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..schedule import BatchSchedule, as_int
 from .dataset import AsyncDataset, DatasetExhausted, StackedBatch
-from .load_errors import DataLoadError, TransientDataError, is_transient, read_with_retries  # noqa: F401
+from .load_errors import DataLoadError, read_with_retries
 from .prefetch import Prefetcher
 from .read_ahead import MISS, ReadAhead
+
+__all__ = [
+    "PREFETCH_SWITCH_INTERVAL",
+    "use_prefetch_switch_interval",
+    "Batch",
+    "rows_for_process",
+    "process_rows",
+    "DataLoader",
+    "DataLoaderIterator",
+]
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,8 @@ Reading past the end raises :class:`~levanter.data.dataset.DatasetExhausted`.
 
 A mixture keeps no state about its callers: ``get_batch(step, indices)`` and ``plan_reads(steps,
 indices)`` are functions of their arguments and the sources alone, so any number of readers, on any
-threads, get the same answers. The index math lives in :mod:`levanter.data.mixture_layout`; reading a
+threads, get the same answers. The index math lives in :mod:`levanter.data.mixture_layout`, the checking of
+weights and stop strategies in :mod:`levanter.data.mixture_weights`; reading a
 sequential reader's steps ahead, in groups, is the loader's business (:mod:`levanter.data.read_ahead`).
 """
 
@@ -46,8 +47,6 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
-import math
-import numbers
 from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
 from typing import TypeVar
@@ -58,68 +57,14 @@ import numpy as np
 from ..schedule import BatchSchedule, StepSchedule, as_int
 from ._prp import seed_from_key
 from .dataset import AsyncDataset, DatasetExhausted, ReadPlan, StackedBatch, apply_index_maps, as_index_array
-from .mixture_layout import MixtureLayout, largest_remainder_counts
+from .mixture_layout import MixtureLayout
+from .mixture_weights import STOP_STRATEGIES, stage_schedule
 
-__all__ = ["STOP_STRATEGIES", "MixtureDataset", "largest_remainder_counts", "stage_schedule"]
+__all__ = ["MixtureDataset"]
 
 T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
-
-STOP_STRATEGIES = ("restart", "first_exhausted", "all_exhausted")
-
-
-def stage_schedule(weights, names: Sequence[str]) -> StepSchedule[list[Fraction]]:
-    """Validate ``weights`` (a mapping, or ``[(start_step, mapping), ...]``) into normalised stages.
-
-    Each stage's weights become fractions summing to 1, one per name of ``names`` in order. Errors
-    start with ``weights``; the data config rewrites that prefix to its own key.
-    """
-    if isinstance(weights, Mapping):
-        raw_stages = [(0, weights)]
-    elif isinstance(weights, Sequence) and not isinstance(weights, str):
-        raw_stages = []
-        for k, entry in enumerate(weights):
-            if not (isinstance(entry, Sequence) and not isinstance(entry, str) and len(entry) == 2):
-                raise ValueError(f"weights stage {k}: expected [start_step, {{source: weight}}], got {entry!r}")
-            raw_stages.append((entry[0], entry[1]))
-    else:
-        raise ValueError(f"weights: expected a mapping or a list of [start_step, mapping], got {weights!r}")
-    if not raw_stages:
-        raise ValueError("weights: no stages given")
-
-    stages = []
-    for k, (start, mapping) in enumerate(raw_stages):
-        if not isinstance(start, numbers.Integral) or isinstance(start, bool):
-            raise ValueError(f"weights stage {k}: start step must be an integer, got {start!r}")
-        if not isinstance(mapping, Mapping):
-            raise ValueError(f"weights stage {k} (step {start}): expected a mapping of source -> weight")
-        unknown = [n for n in mapping if n not in names]
-        if unknown:
-            raise ValueError(
-                f"weights stage {k} (step {start}): unknown source {unknown[0]!r}; known sources: {list(names)}"
-            )
-        fr = []
-        for n in names:
-            w = mapping.get(n, 0)
-            if not isinstance(w, numbers.Real) or isinstance(w, bool) or not math.isfinite(w):
-                raise ValueError(f"weights stage {k} (step {start}): weight of {n!r} must be a finite number, got {w!r}")
-            if w < 0:
-                raise ValueError(f"weights stage {k} (step {start}): weight of {n!r} is negative ({w})")
-            # Fraction takes Python floats and rationals; a numpy float (np.float32) goes through float.
-            fr.append(Fraction(w) if isinstance(w, (float, numbers.Rational)) else Fraction(float(w)))
-        total = sum(fr)
-        if total == 0:
-            raise ValueError(f"weights stage {k} (step {start}): all weights are zero")
-        stages.append((int(start), [f / total for f in fr]))
-
-    return StepSchedule(
-        stages,
-        name="weights",
-        first_error="{name}: the first stage must start at step 0, got step {start}",
-        order_error="{name}: stage start steps must be strictly increasing, got {prev} then {cur}",
-    )
-
 
 def _refuse_nested_mixture(name: str, dataset) -> None:
     """Refuse a source that is (or wraps) a mixture: a mixture's indices are training-order global
@@ -619,7 +564,7 @@ class MixtureDataset(AsyncDataset[T]):
         if plans and all(p is not None for p in plans):
             # A plan's views share shape and dtype (ReadPlan's contract): compare one view per plan.
             if len(_view_kinds(plans)) == 1:
-                from ..store.jagged_array import awaited, read_stacked
+                from ..store.batched_reads import awaited, read_stacked
 
                 if plans[0].row_key is not None and all(p.row_key == plans[0].row_key for p in plans):
                     # Same row-wise finish everywhere: read the views in batch order, finish once.

@@ -23,6 +23,8 @@ from ..schedule import BatchSchedule, StepSchedule, as_int
 from ._prp import FeistelPermutation, derive_seed
 from .dataset import as_index_array
 
+__all__ = ["largest_remainder_counts", "BlockLayout", "MixtureLayout"]
+
 
 def largest_remainder_counts(fractions: Sequence[Fraction], total: int) -> np.ndarray:
     """Integer counts summing to ``total``, each ``floor(f*total)`` or one more (ties: earlier first)."""

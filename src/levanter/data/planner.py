@@ -47,6 +47,19 @@ from .dataset import AsyncDataset
 from .mixture import MixtureDataset
 from .text import TokenSeqDataset
 
+__all__ = [
+    "SINGLE_SOURCE_NAME",
+    "StageSource",
+    "StagePlan",
+    "SourcePlan",
+    "DataPlan",
+    "plan_data",
+    "composition_segments",
+    "store_rows",
+    "token_dataset",
+    "dump_rows",
+]
+
 # The name a single-source config's one source gets in plans and dumps (as ``cache_dataset`` prints it).
 SINGLE_SOURCE_NAME = "data"
 

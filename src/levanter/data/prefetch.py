@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from .dataset import DatasetExhausted
 
+__all__ = ["Prefetcher"]
+
 if TYPE_CHECKING:
     from .loader import DataLoader
 

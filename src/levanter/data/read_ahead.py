@@ -38,6 +38,18 @@ import numpy as np
 from ..schedule import as_int
 from .dataset import AsyncDataset, ReadPlan, StackedBatch
 
+__all__ = [
+    "COALESCE_ROWS",
+    "COALESCE_MAX_STEPS",
+    "GROUPS_AHEAD",
+    "PLAN_INDICES",
+    "PLAN_MAX_STEPS",
+    "TRIM_GROUPS",
+    "MISS",
+    "start_read",
+    "ReadAhead",
+]
+
 COALESCE_ROWS = 128
 COALESCE_MAX_STEPS = 16
 GROUPS_AHEAD = 2
@@ -54,7 +66,7 @@ MISS = object()
 
 def start_read(plan: ReadPlan):
     """The tensorstore read of ``plan``'s rows (a future of ``array[plan.num_rows, ...]``)."""
-    from ..store.jagged_array import read_blocks, read_stacked
+    from ..store.batched_reads import read_blocks, read_stacked
 
     return read_blocks([plan.block]) if plan.block is not None else read_stacked(plan.views)
 
@@ -231,7 +243,7 @@ class ReadAhead:
         plan = plans[at] if at < len(plans) else None
         if plan is None or (self.where_for_step is not None and plan.provenance is None):
             return None
-        from ..store.jagged_array import awaited
+        from ..store.batched_reads import awaited
 
         rows = await awaited(start_read(plan))
         return plan.finish(rows), rows_per_step, plan.provenance, where_per_step

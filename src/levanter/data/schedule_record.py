@@ -21,6 +21,8 @@ from typing import Optional
 
 from ..schedule import BatchSchedule, StepSchedule
 
+__all__ = ["RECORD_FORMAT", "GLOBAL_KEYS", "CONFIG_KEYS", "data_schedule_record", "first_difference"]
+
 RECORD_FORMAT = 1
 GLOBAL_KEYS = ("format", "seq_len", "data_seed", "shuffle", "block_size", "stop_strategy", "enforce_eos")
 # The config key that sets each global entry, so that a refused resume says what to put back.

@@ -32,6 +32,13 @@ import numpy as np
 
 from .dataset import AsyncDataset, IndexMap, ReadPlan, StackedBatch, as_index_array, check_range
 
+__all__ = [
+    "BLOCK_MAX_SEQ_LEN",
+    "TokenSeqDataset",
+    "causal_lm_columns",
+    "causal_lm_columns_jax",
+    "CausalLmDataset",
+]
 
 # Windows of at most this many tokens are planned many at a time as one index-array view
 # (``JaggedArrayStore.window_block``) instead of a view each: making a view costs Python per window, and
@@ -109,7 +116,7 @@ def _check_token_ids(vocab_size: int, store_path: str, windows):
     """``windows``, if every id is in ``[0, vocab_size)``; otherwise the cache at ``store_path`` is damaged."""
     w = np.asarray(windows)
     if w.size and (w.min() < 0 or w.max() >= vocab_size):
-        from ..store.jagged_array import cache_root
+        from ..store.faults import cache_root
 
         bad = int(w[(w < 0) | (w >= vocab_size)].flat[0])
         raise ValueError(

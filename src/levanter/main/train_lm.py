@@ -46,7 +46,6 @@ __all__ = [
     "cli_main",
     "dry_run",
     "cli",
-    # upstream's import path for the run config
     "SEED_LIMIT",
     "TrainLmConfig",
     "data_key",
@@ -81,7 +80,8 @@ from levanter.checkpoint import (
 )
 from levanter.config import parse_timedelta
 from levanter.data.dataset import AsyncDataset
-from levanter.data.loader import DataLoader, DataLoadError, use_prefetch_switch_interval
+from levanter.data.load_errors import DataLoadError
+from levanter.data.loader import DataLoader, use_prefetch_switch_interval
 from levanter.data import seed_from_key
 from levanter.data.fingerprint import batch_fingerprint
 from levanter.data.mixture import MixtureDataset

@@ -53,6 +53,29 @@ from haliax import Axis, NamedArray
 
 from .flash_attention import blockwise_attention
 
+__all__ = [
+    "POS",
+    "KEY_POS",
+    "HEADS",
+    "KV_HEADS",
+    "Q_PER_GROUP",
+    "HEAD_SIZE",
+    "causal_segment_mask",
+    "causal_attention",
+    "softmax_attention",
+    "ATTN_BACKENDS",
+    "DEFAULT_FLASH_BLOCK_SIZE",
+    "CPU_BLOCKWISE_MIN_SEQ_LEN",
+    "check_attn_config",
+    "check_backend_platform",
+    "resolve_attn_backend",
+    "AttentionMask",
+    "attention_mask",
+    "plan_attention",
+    "dot_product_attention",
+    "splash_attention",
+]
+
 POS = "position"
 KEY_POS = "key_position"
 HEADS = "heads"

@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+__all__ = ["blockwise_attention"]
+
 _MASKED_SCORE = -1e9
 
 

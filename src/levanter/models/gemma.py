@@ -48,12 +48,30 @@ import haliax as hax
 import haliax.nn as hnn
 from haliax import Axis, NamedArray
 
-from .attention import HEADS, KEY_POS, POS, Q_PER_GROUP, causal_segment_mask, plan_attention
-from .layers import named, normal_embedding, normal_linear, remat_policy
-from .llama import HEAD_SIZE, LlamaAttention, LlamaConfig, LlamaMlp, apply_rotary
-from .lm_model import LmConfig, LmHeadModel, check_input_length
+from .attention import HEAD_SIZE, HEADS, KEY_POS, POS, Q_PER_GROUP, causal_segment_mask
+from .layers import named, normal_linear
+from .llama import (
+    DecoderLMHeadModel,
+    LlamaAttention,
+    LlamaConfig,
+    LlamaMlp,
+    apply_rotary,
+    init_decoder_parts,
+    plan_config_attention,
+)
+from .lm_model import LmConfig, check_input_length
 from .rope import rotary_tables
 from .token_dot import linear
+
+__all__ = [
+    "GemmaConfig",
+    "Gemma2Config",
+    "GemmaRmsNorm",
+    "GemmaDecoderLayer",
+    "Gemma2Attention",
+    "Gemma2DecoderLayer",
+    "GemmaLMHeadModel",
+]
 
 # A masked score: vanishes under a float32 softmax and stays finite (as in levanter.models.attention).
 _MASKED_SCORE = -1e9
@@ -251,35 +269,19 @@ class Gemma2DecoderLayer(eqx.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-class GemmaLMHeadModel(LmHeadModel):
-    embed_tokens: hnn.Embedding  # [vocab, embed]
-    layers: hnn.Stacked  # of GemmaDecoderLayer, or Gemma2DecoderLayer for a Gemma2Config
-    norm: GemmaRmsNorm
-    lm_head: Optional[hnn.Linear]  # embed -> vocab; None when tie_word_embeddings
+class GemmaLMHeadModel(DecoderLMHeadModel):
+    # layers: GemmaDecoderLayer, or Gemma2DecoderLayer for a Gemma2Config; norm: a GemmaRmsNorm.
     config: GemmaConfig = eqx.field(static=True)
     Vocab: Axis = eqx.field(static=True)
 
     @staticmethod
     def init(Vocab: Axis, config: GemmaConfig, *, key) -> "GemmaLMHeadModel":
-        k_embed, k_layers, k_head = jax.random.split(key, 3)
-        std = config.initializer_range
-        embed_tokens = normal_embedding(Vocab, config.Embed, std=std, key=k_embed)
         layer = Gemma2DecoderLayer if isinstance(config, Gemma2Config) else GemmaDecoderLayer
-        layers = hnn.Stacked.init(
-            config.Layers, layer, gradient_checkpointing=remat_policy(config.gradient_checkpointing)
-        )(config, key=jax.random.split(k_layers, config.num_layers))
-        lm_head = None
-        if not config.tie_word_embeddings:
-            lm_head = normal_linear(config.Embed, Vocab, std=std, use_bias=False, key=k_head)
+        embed_tokens, layers, lm_head = init_decoder_parts(Vocab, config, layer, key=key)
         norm = GemmaRmsNorm.init(config.Embed, config.layer_norm_epsilon)
         return GemmaLMHeadModel(
             embed_tokens=embed_tokens, layers=layers, norm=norm, lm_head=lm_head, config=config, Vocab=Vocab
         )
-
-    def get_lm_head(self) -> NamedArray:
-        if self.lm_head is None:
-            return self.embed_tokens.weight  # tied, and (unlike the input) not scaled by sqrt(hidden_dim)
-        return self.lm_head.weight * self.lm_head.reparam.active_scale
 
     def activations(
         self, input_ids: NamedArray, segment_ids: NamedArray | None = None, *, key=None
@@ -308,14 +310,7 @@ class GemmaLMHeadModel(LmHeadModel):
             x = self.layers.fold(x, full, window, sliding, cos, sin, unroll=not c.scan_layers)
             return self.norm(x)
 
-        mask = plan_attention(
-            c.attention_backend,
-            Pos,
-            segment_ids,
-            block_size=c.flash_attention_block_size,
-            dtype=jnp.float32 if c.upcast_attn else x.dtype,
-            head_size=c.HeadSize.size,
-        )
+        mask = plan_config_attention(c, Pos, segment_ids, x.dtype)
         # mask, cos and sin have no `layers` axis, so the scan passes them unchanged to every layer.
         x = self.layers.fold(x, mask, cos, sin, unroll=not c.scan_layers)
         return self.norm(x)

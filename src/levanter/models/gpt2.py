@@ -42,6 +42,9 @@ from .layers import (
 from .lm_model import LAYERS, LmConfig, LmHeadModel, check_input_length, split_key
 from .token_dot import linear
 
+__all__ = ["Gpt2Config", "Gpt2Attention", "Gpt2Mlp", "Gpt2Block", "Gpt2LMHeadModel"]
+
+
 @LmConfig.register_subclass("gpt2")
 @dataclasses.dataclass(frozen=True)
 class Gpt2Config(LmConfig):

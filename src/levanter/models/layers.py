@@ -16,6 +16,21 @@ import haliax as hax
 import haliax.nn as hnn
 from haliax import Axis, NamedArray
 
+__all__ = [
+    "ACTIVATIONS",
+    "check_positive",
+    "check_epsilon",
+    "check_activation",
+    "SAVED_NAMES",
+    "REMAT_POLICIES",
+    "RematSpec",
+    "check_remat",
+    "remat_policy",
+    "named",
+    "normal_linear",
+    "normal_embedding",
+]
+
 ACTIVATIONS: dict[str, Callable[[NamedArray], NamedArray]] = {
     "gelu_new": lambda x: hnn.gelu(x, approximate=True),
     "gelu_pytorch_tanh": lambda x: hnn.gelu(x, approximate=True),

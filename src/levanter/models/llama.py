@@ -19,6 +19,11 @@ pairs) and row positions ``0..L-1``. Rotary encoding is relative, so packed docu
 within-document geometry wherever they start in the row. The ``rope`` block accepts upstream's
 nested form (``rope: {type: default | linear | llama3 | yarn, theta: ..., ...}``, see
 :mod:`levanter.models.rope`); without it, ``rope_theta`` is used.
+
+What the Llama-style models share is defined once, here: the pre-norm attention half of a block
+(:class:`PreNormBlock`, :func:`decoder_block_parts`), the model's parameters and output matrix
+(:class:`DecoderLMHeadModel`, :func:`init_decoder_parts`) and the per-pass attention plan
+(:func:`plan_config_attention`); Mixtral and Gemma build on them.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import haliax as hax
 import haliax.nn as hnn
 from haliax import Axis, NamedArray
 
-from .attention import AttentionMask, dot_product_attention, plan_attention
+from .attention import HEAD_SIZE, AttentionMask, dot_product_attention, plan_attention
 from .layers import (
     ACTIVATIONS,
     check_positive,
@@ -48,8 +53,21 @@ from .lm_model import LAYERS, LmConfig, LmHeadModel, check_input_length
 from .rope import DefaultRopeConfig, RopeConfig, rotary_tables
 from .token_dot import linear
 
-HEAD_SIZE = "head_size"
-
+__all__ = [
+    "UPSTREAM_REFERENCE_CHECKPOINT",
+    "LlamaConfig",
+    "apply_rotary",
+    "LlamaAttention",
+    "LlamaMlp",
+    "LlamaDecoderLayer",
+    "LlamaLMHeadModel",
+    "PreNormBlock",
+    "DecoderLMHeadModel",
+    "decoder_block_parts",
+    "init_decoder_parts",
+    "plan_config_attention",
+    "rms_norm",
+]
 
 # Upstream LlamaConfig's default reference checkpoint: a config that names it chose nothing.
 UPSTREAM_REFERENCE_CHECKPOINT = "NousResearch/Llama-2-7b-hf"
@@ -202,8 +220,8 @@ class LlamaAttention(eqx.Module):
         k_proj = normal_linear(c.Embed, (c.KVHeads, c.HeadSize), std=std, use_bias=c.qkv_bias, key=k_k)
         v_proj = normal_linear(c.Embed, (c.KVHeads, c.HeadSize), std=std, use_bias=c.qkv_bias, key=k_v)
         o_proj = normal_linear((c.Heads, c.HeadSize), c.Embed, std=std, use_bias=c.o_bias, key=k_o)
-        q_norm = _rms_norm(c, c.HeadSize) if c.qk_norm else None
-        k_norm = _rms_norm(c, c.HeadSize) if c.qk_norm else None
+        q_norm = rms_norm(c, c.HeadSize) if c.qk_norm else None
+        k_norm = rms_norm(c, c.HeadSize) if c.qk_norm else None
         return LlamaAttention(q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, config)
 
     def __call__(self, x: NamedArray, mask: AttentionMask, cos: NamedArray, sin: NamedArray) -> NamedArray:
@@ -239,7 +257,7 @@ class LlamaMlp(eqx.Module):
         return named(linear(self.down_proj, gate * named(linear(self.up_proj, x), "mlpwi_1")), "mlpwo")
 
 
-def _rms_norm(config: LlamaConfig, axis: Optional[Axis] = None) -> hnn.RmsNorm:
+def rms_norm(config: LlamaConfig, axis: Optional[Axis] = None) -> hnn.RmsNorm:
     # Normalise in float32 whatever the activation dtype (the statistic is a mean of squares).
     return hnn.RmsNorm.init(
         axis if axis is not None else config.Embed,
@@ -250,54 +268,98 @@ def _rms_norm(config: LlamaConfig, axis: Optional[Axis] = None) -> hnn.RmsNorm:
     )
 
 
-class LlamaDecoderLayer(eqx.Module):
+def decoder_block_parts(config: LlamaConfig, FeedForward: type, *, key) -> tuple:
+    """``(input_layernorm, self_attn, post_attention_layernorm, feed_forward)`` of a pre-norm Llama-style
+    block whose feed-forward is ``FeedForward.init(config, key=...)`` (Llama's MLP, Mixtral's experts)."""
+    k_attn, k_ff = jax.random.split(key)
+    attn, ff = LlamaAttention.init(config, key=k_attn), FeedForward.init(config, key=k_ff)
+    return rms_norm(config), attn, rms_norm(config), ff
+
+
+def init_decoder_parts(Vocab: Axis, config: LmConfig, Layer: type, *, key) -> tuple:
+    """``(embed_tokens, layers, lm_head)`` of a decoder-only model: the token embedding, ``config.num_layers``
+    ``Layer`` blocks stacked along ``layers`` (``Layer.init(config, key=...)`` each, remat as configured) and
+    the output head (None when ``tie_word_embeddings``). Shared by the Llama-style models so that their
+    initialisation (and the key each part draws from) is one definition."""
+    k_embed, k_layers, k_head = jax.random.split(key, 3)
+    std = config.initializer_range
+    embed_tokens = normal_embedding(Vocab, config.Embed, std=std, key=k_embed)
+    layers = hnn.Stacked.init(
+        config.Layers, Layer, gradient_checkpointing=remat_policy(config.gradient_checkpointing)
+    )(config, key=jax.random.split(k_layers, config.num_layers))
+    lm_head = None
+    if not config.tie_word_embeddings:
+        lm_head = normal_linear(config.Embed, Vocab, std=std, use_bias=False, key=k_head)
+    return embed_tokens, layers, lm_head
+
+
+def plan_config_attention(config: LmConfig, Pos: Axis, segment_ids: NamedArray | None, dtype) -> AttentionMask:
+    """:func:`~levanter.models.attention.plan_attention` for a model configured by ``config`` whose
+    activations have ``dtype`` (float32 scores when ``upcast_attn``)."""
+    return plan_attention(
+        config.attention_backend,
+        Pos,
+        segment_ids,
+        block_size=config.flash_attention_block_size,
+        dtype=jnp.float32 if config.upcast_attn else dtype,
+        head_size=config.HeadSize.size,
+    )
+
+
+class PreNormBlock(eqx.Module):
+    """The attention half of a pre-norm Llama-style block; Llama's and Mixtral's blocks add their
+    feed-forward (its field name is the checkpoint's: ``mlp``, ``block_sparse_moe``) and its call."""
+
     input_layernorm: hnn.RmsNorm
     self_attn: LlamaAttention
     post_attention_layernorm: hnn.RmsNorm
+
+    def attend(self, x: NamedArray, mask: AttentionMask, cos: NamedArray, sin: NamedArray) -> NamedArray:
+        """The first residual branch: ``x`` plus the attention over its normalised self."""
+        return x + self.self_attn(self.input_layernorm(x), mask, cos, sin)
+
+
+class LlamaDecoderLayer(PreNormBlock):
     mlp: LlamaMlp
 
     @staticmethod
     def init(config: LlamaConfig, *, key) -> "LlamaDecoderLayer":
-        k_attn, k_mlp = jax.random.split(key)
-        attn, mlp = LlamaAttention.init(config, key=k_attn), LlamaMlp.init(config, key=k_mlp)
-        return LlamaDecoderLayer(_rms_norm(config), attn, _rms_norm(config), mlp)
+        return LlamaDecoderLayer(*decoder_block_parts(config, LlamaMlp, key=key))
 
     def __call__(
         self, x: NamedArray, mask: AttentionMask, cos: NamedArray, sin: NamedArray, *, key=None
     ) -> NamedArray:
         del key  # no dropout in Llama; accepted so every block has the same signature
-        x = x + self.self_attn(self.input_layernorm(x), mask, cos, sin)
+        x = self.attend(x, mask, cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaLMHeadModel(LmHeadModel):
+class DecoderLMHeadModel(LmHeadModel):
+    """The parameters of a Llama-style decoder (token embedding, stacked blocks, final norm, output head)
+    and its output matrix; Llama, Mixtral and Gemma add their config and forward pass."""
+
     embed_tokens: hnn.Embedding  # [vocab, embed]
-    layers: hnn.Stacked[LlamaDecoderLayer]
-    norm: hnn.RmsNorm
+    layers: hnn.Stacked
+    norm: eqx.Module
     lm_head: Optional[hnn.Linear]  # embed -> vocab; None when tie_word_embeddings
+
+    def get_lm_head(self) -> NamedArray:
+        if self.lm_head is None:
+            return self.embed_tokens.weight  # tied (for Gemma: not scaled by sqrt(hidden_dim) as the input is)
+        return self.lm_head.weight * self.lm_head.reparam.active_scale
+
+
+class LlamaLMHeadModel(DecoderLMHeadModel):
     config: LlamaConfig = eqx.field(static=True)
     Vocab: Axis = eqx.field(static=True)
 
     @staticmethod
     def init(Vocab: Axis, config: LlamaConfig, *, key) -> "LlamaLMHeadModel":
-        k_embed, k_layers, k_head = jax.random.split(key, 3)
-        std = config.initializer_range
-        embed_tokens = normal_embedding(Vocab, config.Embed, std=std, key=k_embed)
-        layers = hnn.Stacked.init(
-            config.Layers, LlamaDecoderLayer, gradient_checkpointing=remat_policy(config.gradient_checkpointing)
-        )(config, key=jax.random.split(k_layers, config.num_layers))
-        lm_head = None
-        if not config.tie_word_embeddings:
-            lm_head = normal_linear(config.Embed, Vocab, std=std, use_bias=False, key=k_head)
-        norm = _rms_norm(config)
+        embed_tokens, layers, lm_head = init_decoder_parts(Vocab, config, LlamaDecoderLayer, key=key)
+        norm = rms_norm(config)
         return LlamaLMHeadModel(
             embed_tokens=embed_tokens, layers=layers, norm=norm, lm_head=lm_head, config=config, Vocab=Vocab
         )
-
-    def get_lm_head(self) -> NamedArray:
-        if self.lm_head is None:
-            return self.embed_tokens.weight  # tied
-        return self.lm_head.weight * self.lm_head.reparam.active_scale
 
     def activations(
         self, input_ids: NamedArray, segment_ids: NamedArray | None = None, *, key=None
@@ -305,16 +367,7 @@ class LlamaLMHeadModel(LmHeadModel):
         del key  # no dropout
         Pos = check_input_length(self.config, input_ids)
         x = self.embed_tokens.embed(input_ids)
-
-        c = self.config
-        mask = plan_attention(
-            c.attention_backend,
-            Pos,
-            segment_ids,
-            block_size=c.flash_attention_block_size,
-            dtype=jnp.float32 if c.upcast_attn else x.dtype,
-            head_size=c.HeadSize.size,
-        )
+        mask = plan_config_attention(self.config, Pos, segment_ids, x.dtype)
         cos, sin = rotary_tables(Pos, self.config.HeadSize, self.config.rope_config)
         # mask, cos and sin have no `layers` axis, so the scan passes them unchanged to every layer.
         # scan_layers=False unrolls the loop at trace time; the parameters stay stacked either way.

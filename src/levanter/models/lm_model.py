@@ -35,13 +35,25 @@ import jax.numpy as jnp
 import haliax as hax
 from haliax import Axis, NamedArray
 
-from .attention import check_attn_config, check_backend_platform
+from .attention import KEY_POS, POS, check_attn_config, check_backend_platform
 from .layers import check_activation, check_epsilon, check_positive, check_remat
 from .loss import blockwise_logsumexp
 from .token_dot import token_dot
 
-POS = "position"
-KEY_POS = "key_position"
+__all__ = [
+    "EMBED",
+    "VOCAB",
+    "LAYERS",
+    "LmConfig",
+    "LmHeadModel",
+    "check_input_length",
+    "next_token_loss",
+    "blockwise_next_token_loss",
+    "parameter_shapes",
+    "tree_nbytes",
+    "split_key",
+]
+
 EMBED = "embed"
 VOCAB = "vocab"
 LAYERS = "layers"

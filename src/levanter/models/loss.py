@@ -29,6 +29,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+__all__ = ["blockwise_logsumexp"]
+
 
 def blockwise_logsumexp(hidden: jax.Array, weight: jax.Array, block_size: int) -> jax.Array:
     """``logsumexp(hidden @ weight.T, axis=-1)`` in float32, computed over blocks of ``weight``'s rows.

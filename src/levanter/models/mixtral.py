@@ -55,12 +55,32 @@ import haliax as hax
 import haliax.nn as hnn
 from haliax import Axis, NamedArray
 
-from .attention import AttentionMask, plan_attention
-from .layers import ACTIVATIONS, check_positive, named, normal_embedding, normal_linear, remat_policy
-from .llama import LlamaAttention, LlamaConfig
-from .lm_model import LAYERS, LmConfig, LmHeadModel, check_input_length
+from .attention import AttentionMask
+from .layers import ACTIVATIONS, check_positive, named, normal_linear
+from .llama import (
+    DecoderLMHeadModel,
+    LlamaConfig,
+    PreNormBlock,
+    decoder_block_parts,
+    init_decoder_parts,
+    plan_config_attention,
+    rms_norm,
+)
+from .lm_model import LAYERS, LmConfig, check_input_length
 from .rope import rotary_tables
 from .token_dot import linear
+
+__all__ = [
+    "EXPERTS",
+    "TOP_EXPERTS",
+    "MOE_DISPATCHES",
+    "ROUTER_AUX_LOSS",
+    "MixtralConfig",
+    "MixtralSparseMoe",
+    "MixtralDecoderLayer",
+    "MixtralLMHeadModel",
+    "load_balancing_loss",
+]
 
 EXPERTS = "experts"
 TOP_EXPERTS = "top_experts"
@@ -218,63 +238,34 @@ class MixtralSparseMoe(eqx.Module):
         return out.rearrange(x.axes)
 
 
-def _rms_norm(config: MixtralConfig) -> hnn.RmsNorm:
-    # As Llama's: float32 statistics whatever the activation dtype; no bias (Mixtral has none).
-    return hnn.RmsNorm.init(
-        config.Embed, eps=config.layer_norm_epsilon, use_weight=config.use_layer_norm_weight, use_bias=False,
-        dtype=jnp.float32,
-    )
-
-
-class MixtralDecoderLayer(eqx.Module):
-    input_layernorm: hnn.RmsNorm
-    self_attn: LlamaAttention
-    post_attention_layernorm: hnn.RmsNorm
+class MixtralDecoderLayer(PreNormBlock):
     block_sparse_moe: MixtralSparseMoe
 
     @staticmethod
     def init(config: MixtralConfig, *, key) -> "MixtralDecoderLayer":
-        k_attn, k_moe = jax.random.split(key)
-        attn, moe = LlamaAttention.init(config, key=k_attn), MixtralSparseMoe.init(config, key=k_moe)
-        return MixtralDecoderLayer(_rms_norm(config), attn, _rms_norm(config), moe)
+        # Llama's norms (float32 statistics; no bias, as Mixtral refuses use_bias) and attention.
+        return MixtralDecoderLayer(*decoder_block_parts(config, MixtralSparseMoe, key=key))
 
     def __call__(
         self, x: NamedArray, mask: AttentionMask, cos: NamedArray, sin: NamedArray, *, key=None
     ) -> tuple[NamedArray, tuple[NamedArray, NamedArray]]:
         del key  # no dropout
-        x = x + self.self_attn(self.input_layernorm(x), mask, cos, sin)
+        x = self.attend(x, mask, cos, sin)
         out, assigned, prob_sum = self.block_sparse_moe(self.post_attention_layernorm(x))
         return x + out, (assigned, prob_sum)
 
 
-class MixtralLMHeadModel(LmHeadModel):
-    embed_tokens: hnn.Embedding  # [vocab, embed]
-    layers: hnn.Stacked[MixtralDecoderLayer]
-    norm: hnn.RmsNorm
-    lm_head: Optional[hnn.Linear]  # embed -> vocab; None when tie_word_embeddings
+class MixtralLMHeadModel(DecoderLMHeadModel):
     config: MixtralConfig = eqx.field(static=True)
     Vocab: Axis = eqx.field(static=True)
 
     @staticmethod
     def init(Vocab: Axis, config: MixtralConfig, *, key) -> "MixtralLMHeadModel":
-        k_embed, k_layers, k_head = jax.random.split(key, 3)
-        std = config.initializer_range
-        embed_tokens = normal_embedding(Vocab, config.Embed, std=std, key=k_embed)
-        layers = hnn.Stacked.init(
-            config.Layers, MixtralDecoderLayer, gradient_checkpointing=remat_policy(config.gradient_checkpointing)
-        )(config, key=jax.random.split(k_layers, config.num_layers))
-        lm_head = None
-        if not config.tie_word_embeddings:
-            lm_head = normal_linear(config.Embed, Vocab, std=std, use_bias=False, key=k_head)
+        embed_tokens, layers, lm_head = init_decoder_parts(Vocab, config, MixtralDecoderLayer, key=key)
         return MixtralLMHeadModel(
-            embed_tokens=embed_tokens, layers=layers, norm=_rms_norm(config), lm_head=lm_head, config=config,
+            embed_tokens=embed_tokens, layers=layers, norm=rms_norm(config), lm_head=lm_head, config=config,
             Vocab=Vocab,
         )
-
-    def get_lm_head(self) -> NamedArray:
-        if self.lm_head is None:
-            return self.embed_tokens.weight  # tied
-        return self.lm_head.weight * self.lm_head.reparam.active_scale
 
     def activations(
         self, input_ids: NamedArray, segment_ids: NamedArray | None = None, *, key=None
@@ -288,14 +279,7 @@ class MixtralLMHeadModel(LmHeadModel):
         Pos = check_input_length(self.config, input_ids)
         x = self.embed_tokens.embed(input_ids)
         c = self.config
-        mask = plan_attention(
-            c.attention_backend,
-            Pos,
-            segment_ids,
-            block_size=c.flash_attention_block_size,
-            dtype=jnp.float32 if c.upcast_attn else x.dtype,
-            head_size=c.HeadSize.size,
-        )
+        mask = plan_config_attention(c, Pos, segment_ids, x.dtype)
         cos, sin = rotary_tables(Pos, c.HeadSize, c.rope_config)
         x, (assigned, prob_sum) = self.layers.scan(x, mask, cos, sin, unroll=not c.scan_layers)
         return self.norm(x), {ROUTER_AUX_LOSS: load_balancing_loss(assigned, prob_sum, input_ids.size, c)}

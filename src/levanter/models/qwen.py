@@ -25,6 +25,8 @@ import dataclasses
 from .llama import LlamaConfig
 from .lm_model import LmConfig
 
+__all__ = ["Qwen2Config", "Qwen3Config"]
+
 
 @LmConfig.register_subclass("qwen2")
 @dataclasses.dataclass(frozen=True)

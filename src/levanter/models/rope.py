@@ -32,6 +32,16 @@ import numpy as np
 import haliax as hax
 from haliax import Axis, NamedArray
 
+__all__ = [
+    "RopeConfig",
+    "DefaultRopeConfig",
+    "Llama3RopeConfig",
+    "YarnRopeConfig",
+    "rotary_tables",
+    "rope_from_hf",
+    "rope_to_hf",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig(draccus.ChoiceRegistry):

@@ -23,6 +23,8 @@ import haliax.nn as hnn
 from haliax import Axis, NamedArray
 from haliax.quantization import DefaultDotGeneralOp
 
+__all__ = ["token_dot", "linear"]
+
 
 def _as_axes(spec, array: NamedArray) -> tuple[Axis, ...]:
     names = (spec,) if isinstance(spec, (str, Axis)) else tuple(spec)

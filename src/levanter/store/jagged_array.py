@@ -41,7 +41,7 @@ The parts live by concept: this module is the store (opening, appending, reading
 :mod:`levanter.store.zarr_arrays` the arrays under it; :mod:`levanter.store.batched_reads` the reads of
 views of many stores in one operation (:func:`read_stacked`, :func:`read_blocks`, :func:`awaited`);
 :mod:`levanter.store.faults` what a failed read means (:func:`storage_fault`, :class:`DamagedStoreError`).
-Their public names are re-exported here and by :mod:`levanter.store`.
+Their public names are re-exported by :mod:`levanter.store`, not here.
 
 Trade-off: chunks are not compressed by default. A random window decodes a whole chunk, and on local
 disk that costs more than the bytes saved (docs/performance.md). ``codec="zstd"`` is there for remote
@@ -59,8 +59,8 @@ import tensorstore as ts
 
 from ..utils import fs
 from . import batched_reads, chunk_manifest
-from .batched_reads import awaited, read_blocks, read_stacked
-from .faults import MISSING, DamagedStoreError, StorageFault, cache_root, damaged_error, storage_fault
+from .batched_reads import awaited, read_stacked
+from .faults import MISSING, DamagedStoreError, cache_root, damaged_error, storage_fault
 from .zarr_arrays import (
     CONTEXT,
     array_kvstore,
@@ -74,18 +74,7 @@ from .zarr_arrays import (
     truncate,
 )
 
-__all__ = [
-    "JaggedArrayStore",
-    "DEFAULT_DATA_CHUNK",
-    "DEFAULT_OFFSETS_CHUNK",
-    "DamagedStoreError",
-    "StorageFault",
-    "awaited",
-    "cache_root",
-    "read_blocks",
-    "read_stacked",
-    "storage_fault",
-]
+__all__ = ["JaggedArrayStore", "DEFAULT_DATA_CHUNK", "DEFAULT_OFFSETS_CHUNK"]
 
 # Chunk sizes, in elements. A zarr3 chunk without sharding is read whole, so a random window costs a
 # whole-chunk read: smaller chunks mean less read amplification, larger ones fewer files. Chunk buffers

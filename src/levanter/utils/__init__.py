@@ -23,7 +23,6 @@ __all__, __getattr__, __dir__ = facade(
         "malloc",
         "process",
         "facade",
-        "lazy_exports",
     ),
     lazy=True,
 )

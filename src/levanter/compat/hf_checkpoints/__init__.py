@@ -11,61 +11,22 @@
 * :func:`merge_hf_model_config` and :class:`HfExporter` are what ``train_lm`` uses for
   ``initialize_from_hf`` and ``hf_save_path``.
 
-This package is split by concept; this module is only the facade that keeps every public name importable
-from ``levanter.compat.hf_checkpoints``:
+This package is split by concept; this module is only the facade that re-exports the ``__all__`` of the
+modules below (not of the family modules: each names its layout ``LAYOUT`` and its mappings ``from_hf``/
+``to_hf``, reached through the family registry):
 
 * :mod:`.hub` -- where a checkpoint is (local directory, object-store URL, hub id; fast failure offline);
 * :mod:`.safetensors_io` -- the safetensors format and a checkpoint's whole state dict;
 * :mod:`.families` -- the registry of model families (config mapping both ways, weight layouts), with
-  one module per family (:mod:`.gpt2`, :mod:`.llama`, :mod:`.qwen`, :mod:`.gemma`); its docstring says how to
-  add one;
+  one module per family (:mod:`.gpt2`, :mod:`.llama`, :mod:`.qwen`, :mod:`.mixtral`, :mod:`.gemma`); its
+  docstring says how to add one;
 * :mod:`.weights` -- our parameters <-> Hugging Face tensors through a family's layout;
 * :mod:`.load` -- reading a checkpoint into our model and merging its shape into a run's config;
 * :mod:`.export` -- writing a checkpoint directory, and the exporter used during training.
 """
 
-from .export import HfExporter, save_hf_checkpoint
-from .families import (
-    L,
-    SHAPE_FIELDS,
-    HfFamily,
-    families,
-    family_of,
-    hf_config_to_lm,
-    lm_to_hf_config,
-    register_family,
-)
-from .gpt2 import LAYOUT as GPT2_LAYOUT
-from .hub import resolve_hf_checkpoint
-from .llama import LAYOUT as LLAMA_LAYOUT
-from .load import load_hf_checkpoint, load_hf_config, load_hf_weights, merge_hf_model_config
-from .safetensors_io import (
-    CONFIG_FILE,
-    DEFAULT_MAX_SHARD_SIZE,
-    HF_SAVE_DTYPES,
-    SAFE_INDEX,
-    SAFE_WEIGHTS,
-    TOKENIZER_FILES,
-    read_safetensors,
-)
-from .weights import to_state_dict, weights_like
+from levanter.utils.facade import facade
 
-__all__ = [
-    "HF_SAVE_DTYPES",
-    "HfExporter",
-    "HfFamily",
-    "hf_config_to_lm",
-    "lm_to_hf_config",
-    "load_hf_checkpoint",
-    "load_hf_config",
-    "load_hf_weights",
-    "merge_hf_model_config",
-    "register_family",
-    "resolve_hf_checkpoint",
-    "save_hf_checkpoint",
-    "weights_like",
-]
-
-# Importable for callers of the single-module layout, not part of levanter.compat's names.
-_ALSO_PUBLIC = (CONFIG_FILE, DEFAULT_MAX_SHARD_SIZE, SAFE_INDEX, SAFE_WEIGHTS, TOKENIZER_FILES, L, SHAPE_FIELDS,
-                GPT2_LAYOUT, LLAMA_LAYOUT, families, family_of, read_safetensors, to_state_dict)
+__all__, __getattr__, __dir__ = facade(
+    __name__, __package__, ("hub", "safetensors_io", "families", "weights", "load", "export")
+)

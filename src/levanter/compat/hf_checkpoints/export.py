@@ -41,6 +41,8 @@ from .safetensors_io import (
 )
 from .weights import to_state_dict
 
+__all__ = ["save_hf_checkpoint", "HfExporter"]
+
 logger = logging.getLogger(__name__)
 
 

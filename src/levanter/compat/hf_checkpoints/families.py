@@ -32,6 +32,26 @@ from typing import Any, Callable, Iterator, Optional
 
 from levanter.models import LmConfig
 
+__all__ = [
+    "FAMILY_MODULES",
+    "L",
+    "E",
+    "STACKED",
+    "Layout",
+    "HfFamily",
+    "register_family",
+    "families",
+    "family_of",
+    "family_name",
+    "family_for_model_type",
+    "hf_config_to_lm",
+    "lm_to_hf_config",
+    "SHAPE_FIELDS",
+    "hf_field",
+    "hf_int",
+    "refuse_true",
+]
+
 # The family modules of this package, each of which registers one or more families when imported.
 FAMILY_MODULES = ("gpt2", "llama", "qwen", "mixtral", "gemma")
 

@@ -30,6 +30,17 @@ from levanter.models import Gemma2Config, GemmaConfig, LmConfig
 from .families import L, HfFamily, hf_field, hf_int, refuse_true, register_family
 from .llama import LLAMA_SHAPE_FIELDS, llama_fields_from_hf, llama_fields_to_hf, llama_layout
 
+__all__ = [
+    "HF_DEFAULT_HEAD_DIM",
+    "HF_DEFAULT_ACTIVATION",
+    "LAYOUT",
+    "from_hf",
+    "to_hf",
+    "gemma2_from_hf",
+    "gemma2_to_hf",
+    "GEMMA2_LAYOUT",
+]
+
 # transformers' GemmaConfig defaults for fields a config.json may leave out.
 HF_DEFAULT_HEAD_DIM = 256
 HF_DEFAULT_ACTIVATION = "gelu_pytorch_tanh"

@@ -13,6 +13,8 @@ from levanter.models import Gpt2Config, LmConfig
 
 from .families import L, HfFamily, Layout, hf_int, register_family
 
+__all__ = ["LAYOUT", "from_hf", "to_hf"]
+
 LAYOUT: Layout = {
     "wte.weight": ("wte.weight", (("vocab",), ("embed",))),
     "wpe.weight": ("wpe.weight", (("position",), ("embed",))),

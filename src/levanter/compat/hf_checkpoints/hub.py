@@ -16,6 +16,8 @@ from levanter.utils import fs
 
 from .safetensors_io import CONFIG_FILE, SAFE_INDEX, TOKENIZER_FILES
 
+__all__ = ["could_be_hub_id", "resolve_hf_checkpoint"]
+
 
 def could_be_hub_id(spec: str) -> bool:
     """Whether ``spec`` is shaped like a hub id (``gpt2`` or ``org/name``) rather than a path or URL."""

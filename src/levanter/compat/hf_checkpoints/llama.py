@@ -13,6 +13,16 @@ from levanter.models.rope import rope_from_hf, rope_to_hf
 
 from .families import L, HfFamily, Layout, hf_int, refuse_true, register_family
 
+__all__ = [
+    "llama_layout",
+    "LAYOUT",
+    "llama_fields_from_hf",
+    "llama_fields_to_hf",
+    "from_hf",
+    "to_hf",
+    "LLAMA_SHAPE_FIELDS",
+]
+
 
 def llama_layout(prefix: str = "model.") -> Layout:
     """The tensors of a Llama decoder (embedding, blocks, final norm, untied head)."""

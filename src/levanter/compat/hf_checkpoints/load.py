@@ -21,6 +21,14 @@ from .hub import resolve_hf_checkpoint
 from .safetensors_io import CONFIG_FILE, check_weight_files, load_state_dict, read_json
 from .weights import weights_like
 
+__all__ = [
+    "read_hf_config_dict",
+    "load_hf_config",
+    "load_hf_weights",
+    "load_hf_checkpoint",
+    "merge_hf_model_config",
+]
+
 
 def read_hf_config_dict(path_or_id: str) -> tuple[str, dict]:
     """``(checkpoint directory, its config.json as a dict)``."""

@@ -20,6 +20,8 @@ from levanter.models import LmConfig, MixtralConfig
 from .families import E, L, HfFamily, Layout, hf_int, refuse_true, register_family
 from .llama import LLAMA_SHAPE_FIELDS, llama_fields_from_hf, llama_fields_to_hf, llama_layout
 
+__all__ = ["DEFAULT_ROPE_THETA", "LAYOUT", "from_hf", "to_hf"]
+
 _MOE = f"model.layers.{L}.block_sparse_moe"
 DEFAULT_ROPE_THETA = 1e6  # transformers' MixtralConfig.default_theta
 

@@ -15,6 +15,8 @@ from levanter.models import LmConfig, Qwen2Config, Qwen3Config
 from .families import L, HfFamily, Layout, hf_int, register_family
 from .llama import LLAMA_SHAPE_FIELDS, llama_fields_from_hf, llama_fields_to_hf, llama_layout
 
+__all__ = ["QWEN2_LAYOUT", "QWEN3_LAYOUT", "qwen2_from_hf", "qwen3_from_hf", "qwen2_to_hf", "qwen3_to_hf"]
+
 _ATTN = f"model.layers.{L}.self_attn"
 
 QWEN2_LAYOUT: Layout = {

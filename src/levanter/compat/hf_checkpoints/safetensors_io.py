@@ -19,6 +19,21 @@ import numpy as np
 
 from levanter.utils import fs
 
+__all__ = [
+    "CONFIG_FILE",
+    "SAFE_WEIGHTS",
+    "SAFE_INDEX",
+    "TOKENIZER_FILES",
+    "DEFAULT_MAX_SHARD_SIZE",
+    "dtype_table",
+    "HF_SAVE_DTYPES",
+    "read_json",
+    "read_safetensors",
+    "safetensors_bytes",
+    "check_weight_files",
+    "load_state_dict",
+]
+
 CONFIG_FILE = "config.json"
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"

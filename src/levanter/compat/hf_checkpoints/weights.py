@@ -19,6 +19,8 @@ import numpy as np
 
 from .families import STACKED, family_name, family_of
 
+__all__ = ["to_state_dict", "weights_like"]
+
 # Tensors some checkpoints carry that are not weights (causal-mask and rotary buffers of older versions).
 _IGNORED = re.compile(r"(^|\.)attn\.(bias|masked_bias)$|rotary_emb\.inv_freq$")
 
