@@ -75,7 +75,8 @@ def test_moe_layer_matches_a_numpy_reference():
     np.testing.assert_allclose(np.asarray(prob_sum.array), probs.sum(0), rtol=tol(1e-5))
 
 
-@pytest.mark.parametrize("k", [2, 4])
+# k=2 compiles the grouped path with the most ragged groups (~25 s on 2 cores): end-to-end suite only.
+@pytest.mark.parametrize("k", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_grouped_dispatch_equals_dense(k):
     """moe_dispatch: grouped (sorted assignments, jax.lax.ragged_dot) gives the dense path's logits, loss,
     router loss and gradients; a token routed to every expert (k = E) and to one (k = 1) included."""
@@ -179,6 +180,7 @@ def test_flops_count_active_experts_only():
     assert a.flops_per_token(50) - llama.flops_per_token(50) == pytest.approx(3 * L * 2 * d * 4)
 
 
+@pytest.mark.slow
 def test_trainer_reports_the_router_loss_with_and_without_microbatches(tmp_path):
     """The trainer carries the loss's extra metrics: StepReport.extra holds the step's router_aux_loss. Whole
     batch: the batch's value. With gradient accumulation each microbatch computes its own (routing statistics

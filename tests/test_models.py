@@ -502,7 +502,9 @@ def test_tied_llama_and_scaled_gpt2_run():
     assert bool(jnp.all(jnp.isfinite(forward(model, random_ids(0, model.Pos)).array)))
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+# The layer stack (scan or unrolled) is shared code: GPT-2's and Llama's blocks plus the two with blocks of
+# their own (Gemma 2's attention, Mixtral's experts) cover it; Qwen and Gemma use Llama's block.
+@pytest.mark.parametrize("name", ["gpt2", "llama", "gemma2", "mixtral"])
 def test_unrolled_layers_are_the_same_model(name):
     """scan_layers=False only changes how the layer loop is traced: same parameters, same outputs and
     gradients (up to float reassociation) as the scanned model."""
