@@ -236,9 +236,9 @@ def test_export_to_an_object_store_commits_with_config_json_last(imported):
 def test_offline_hub_id_fails_fast_with_one_paragraph(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    from levanter.compat.hf_checkpoints.hub import _hub_unreachable
+    from levanter.utils.hub import hub_unreachable
 
-    if _hub_unreachable() is None:
+    if hub_unreachable() is None:
         pytest.skip("the hub resolves here: this test is about machines without network")
     t0 = time.perf_counter()
     with pytest.raises(ValueError) as e:

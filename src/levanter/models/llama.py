@@ -83,12 +83,12 @@ class LlamaConfig(LmConfig):
     num_layers: int = 32
     # Attention (query) heads; the head size (head_dim) must be even.
     num_heads: int = 32
+    # Width of the gated MLP's hidden layer.
+    intermediate_dim: int = 11008
     # Activation of the MLP's gate (silu, gelu, gelu_new, relu, ...).
     activation_function: str = "silu"
     upcast_attn: bool = False
     use_bias: bool = False
-    # Width of the gated MLP's hidden layer.
-    intermediate_dim: int = 11008
     # Key/value heads (grouped-query attention): num_heads must be a multiple of it.
     num_kv_heads: int = 32
     # Size of each attention head; null means hidden_dim / num_heads (which must then divide evenly).

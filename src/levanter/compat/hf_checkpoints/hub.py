@@ -10,9 +10,8 @@ whether the download is tried at all, and the download's own error is reported e
 from __future__ import annotations
 
 import os
-from typing import Optional
-
 from levanter.utils import fs
+from levanter.utils.hub import hub_unreachable, offline_variable
 
 from .safetensors_io import CONFIG_FILE, SAFE_INDEX, TOKENIZER_FILES
 
@@ -24,25 +23,6 @@ def could_be_hub_id(spec: str) -> bool:
     if spec.startswith(("/", ".", "~")) or "\\" in spec or "://" in spec:
         return False
     return spec.count("/") <= 1 and all(spec.split("/"))
-
-
-def _hub_unreachable() -> Optional[str]:
-    """Why the hub cannot be reached (a DNS failure), or None when its host resolves."""
-    import socket
-    from urllib.parse import urlparse
-
-    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
-    try:
-        socket.getaddrinfo(host, 443)
-    except OSError as e:
-        return f"the Hugging Face hub ({host}) is unreachable ({e})"
-    return None
-
-
-def _offline() -> bool:
-    """Whether ``HF_HUB_OFFLINE`` asks for no network. The one place this package reads the variable, so
-    that it can be pointed at a shared check without touching its callers."""
-    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
 
 
 def resolve_hf_checkpoint(path_or_id: str, *, what: str = "checkpoint") -> str:
@@ -76,13 +56,14 @@ def _download(repo_id: str, what: str) -> str:
 
     # A tokenizer needs its own files only, never a model's weights.
     patterns = list(TOKENIZER_FILES) if what == "tokenizer" else [CONFIG_FILE, "*.safetensors", SAFE_INDEX, *TOKENIZER_FILES]
-    offline = _offline()
-    why = None if offline else _hub_unreachable()
+    offline_by = offline_variable()  # the environment's one reading (levanter.utils.hub), shared with ingest
+    offline = offline_by is not None
+    why = None if offline else hub_unreachable()
     try:
         # Unreachable: the hub cache may still hold it (no network call with local_files_only).
         return snapshot_download(repo_id, allow_patterns=patterns, local_files_only=why is not None or offline)
     except Exception as e:  # noqa: BLE001 -- every hub failure becomes the one paragraph below
-        reason = why or ("HF_HUB_OFFLINE is set" if offline else f"{type(e).__name__}: {_first_line(e)}")
+        reason = why or (f"{offline_by} is set" if offline else f"{type(e).__name__}: {_first_line(e)}")
         raise ValueError(
             f"Hugging Face {what} {repo_id!r} is not a local directory, and it could not be downloaded from the "
             f"hub: {reason}; it is not in the local hub cache either. Offline, pass a local directory holding "
