@@ -49,13 +49,14 @@ import haliax.nn as hnn
 from haliax import Axis, NamedArray
 
 from .attention import HEAD_SIZE, HEADS, KEY_POS, POS, Q_PER_GROUP, causal_segment_mask
-from .layers import named, normal_linear
+from .layers import named
 from .llama import (
     DecoderLMHeadModel,
     LlamaAttention,
     LlamaConfig,
     LlamaMlp,
     apply_rotary,
+    attention_projections,
     init_decoder_parts,
     plan_config_attention,
 )
@@ -216,13 +217,7 @@ class Gemma2Attention(eqx.Module):
 
     @staticmethod
     def init(config: Gemma2Config, *, key) -> "Gemma2Attention":
-        k_q, k_k, k_v, k_o = jax.random.split(key, 4)
-        c, std = config, config.initializer_range
-        q_proj = normal_linear(c.Embed, (c.Heads, c.HeadSize), std=std, use_bias=c.qkv_bias, key=k_q)
-        k_proj = normal_linear(c.Embed, (c.KVHeads, c.HeadSize), std=std, use_bias=c.qkv_bias, key=k_k)
-        v_proj = normal_linear(c.Embed, (c.KVHeads, c.HeadSize), std=std, use_bias=c.qkv_bias, key=k_v)
-        o_proj = normal_linear((c.Heads, c.HeadSize), c.Embed, std=std, use_bias=c.o_bias, key=k_o)
-        return Gemma2Attention(q_proj, k_proj, v_proj, o_proj, config)
+        return Gemma2Attention(*attention_projections(config, key=key), config)
 
     def __call__(self, x: NamedArray, mask: NamedArray, cos: NamedArray, sin: NamedArray) -> NamedArray:
         c = self.config

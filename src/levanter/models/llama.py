@@ -57,6 +57,7 @@ __all__ = [
     "UPSTREAM_REFERENCE_CHECKPOINT",
     "LlamaConfig",
     "apply_rotary",
+    "attention_projections",
     "LlamaAttention",
     "LlamaMlp",
     "LlamaDecoderLayer",
@@ -203,6 +204,18 @@ def apply_rotary(x: NamedArray, cos: NamedArray, sin: NamedArray) -> NamedArray:
     return out.astype(x.dtype)
 
 
+def attention_projections(config: LlamaConfig, *, key) -> tuple[hnn.Linear, hnn.Linear, hnn.Linear, hnn.Linear]:
+    """The q, k, v and o projections of a Llama-style attention (grouped-query heads, biases as configured),
+    initialised from ``key``; shared by every block that keeps Llama's projection names and axes."""
+    k_q, k_k, k_v, k_o = jax.random.split(key, 4)
+    c, std = config, config.initializer_range
+    q_proj = normal_linear(c.Embed, (c.Heads, c.HeadSize), std=std, use_bias=c.qkv_bias, key=k_q)
+    k_proj = normal_linear(c.Embed, (c.KVHeads, c.HeadSize), std=std, use_bias=c.qkv_bias, key=k_k)
+    v_proj = normal_linear(c.Embed, (c.KVHeads, c.HeadSize), std=std, use_bias=c.qkv_bias, key=k_v)
+    o_proj = normal_linear((c.Heads, c.HeadSize), c.Embed, std=std, use_bias=c.o_bias, key=k_o)
+    return q_proj, k_proj, v_proj, o_proj
+
+
 class LlamaAttention(eqx.Module):
     q_proj: hnn.Linear  # embed -> (heads, head_size)
     k_proj: hnn.Linear  # embed -> (kv_heads, head_size)
@@ -214,12 +227,8 @@ class LlamaAttention(eqx.Module):
 
     @staticmethod
     def init(config: LlamaConfig, *, key) -> "LlamaAttention":
-        k_q, k_k, k_v, k_o = jax.random.split(key, 4)
-        c, std = config, config.initializer_range
-        q_proj = normal_linear(c.Embed, (c.Heads, c.HeadSize), std=std, use_bias=c.qkv_bias, key=k_q)
-        k_proj = normal_linear(c.Embed, (c.KVHeads, c.HeadSize), std=std, use_bias=c.qkv_bias, key=k_k)
-        v_proj = normal_linear(c.Embed, (c.KVHeads, c.HeadSize), std=std, use_bias=c.qkv_bias, key=k_v)
-        o_proj = normal_linear((c.Heads, c.HeadSize), c.Embed, std=std, use_bias=c.o_bias, key=k_o)
+        c = config
+        q_proj, k_proj, v_proj, o_proj = attention_projections(c, key=key)
         q_norm = rms_norm(c, c.HeadSize) if c.qk_norm else None
         k_norm = rms_norm(c, c.HeadSize) if c.qk_norm else None
         return LlamaAttention(q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, config)
