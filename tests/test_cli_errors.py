@@ -21,8 +21,14 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pythonpath() -> str:
+    """The repository's src/ first, then what this process's PYTHONPATH adds (an install outside
+    site-packages, as on a TPU host)."""
+    return os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def run(module: str, args: list, cwd: Path, env: dict | None = None, timeout: float = 240) -> tuple[int, str]:
-    full_env = {**os.environ, "PYTHONPATH": str(REPO / "src"), **(env or {})}
+    full_env = {**os.environ, "PYTHONPATH": pythonpath(), **(env or {})}
     p = subprocess.run([sys.executable, "-m", f"levanter.main.{module}", *args], cwd=cwd, env=full_env,
                        capture_output=True, text=True, timeout=timeout)
     return p.returncode, p.stderr
@@ -138,7 +144,7 @@ def test_disk_full_during_a_build_prints_only_the_exit_74_message(tmp_path):
     full_debug_log(tmp_path / "logs")
     cfg = tmp_path / "config.yaml"
     cfg.write_text(TRAIN.format(data=data, cache=mnt / "cache", logs=tmp_path / "logs", ckpt=tmp_path / "ckpt"))
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**os.environ, "PYTHONPATH": pythonpath(), "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     for _ in range(2):
         script = (f"mount -t tmpfs -o size=1m tmpfs {mnt} && "
                   f"exec {sys.executable} -m levanter.main.train_lm --config_path {cfg}")

@@ -112,7 +112,10 @@ def hf_dirs(tmp_path_factory):
     torch.manual_seed(0)
     out = {}
     for name, cfg in hf_configs().items():
-        model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+        # Gemma 2's soft-capped scores need transformers' eager attention: its sdpa path ignores the cap, and
+        # releases before 5.18 picked sdpa for Gemma 2 by default.
+        impl = {"attn_implementation": "eager"} if name == "gemma2" else {}
+        model = transformers.AutoModelForCausalLM.from_config(cfg, **impl).eval()
         if name in PERTURBED:
             with torch.no_grad():
                 for p in model.parameters():

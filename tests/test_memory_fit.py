@@ -106,6 +106,7 @@ def test_xla_out_of_memory_figures():
     assert oom_figures("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1234 bytes.") is None
 
 
+@pytest.mark.devices(8)  # the figures are per device of 8
 def test_candidates_divide_every_batch_of_the_schedule(tmp_path):
     _, cfg = _config(tmp_path, "--trainer.train_batch_size", '[{start: 0, value: 16}, {start: 1, value: 48}]')
     # 2 and 6 per device: microbatches dividing both
@@ -179,6 +180,7 @@ def test_the_checked_step_is_the_runs_step(tmp_path, monkeypatch, caplog):
     assert len(compiles) == 1, [r.getMessage()[:80] for r in compiles]
 
 
+@pytest.mark.devices(8)  # the figures are per device of 8
 def test_the_plan_says_what_auto_picks(tmp_path, capsys, monkeypatch):
     path, _ = _config(tmp_path)
     monkeypatch.chdir(tmp_path)

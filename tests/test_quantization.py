@@ -99,7 +99,7 @@ def test_upstream_spellings_parse(tmp_path):
 
 
 @pytest.mark.parametrize("block, fragment", [
-    ("    fp8: true\n", r"trainer\.quantization\.fp8=true is not supported: .*platform \('cpu'\).*int8: true"),
+    ("    fp8: true\n", r"trainer\.quantization\.fp8=true is not supported: .*platform \('(cpu|tpu)'\).*int8: true"),
     ("    int8: true\n    amax_history_length: 16\n", r"trainer\.quantization\.amax_history_length applies to fp8"),
     ("    targets: [c_fc]\n", r"trainer\.quantization\.targets is set but int8 is not"),
     ("    int8: true\n    targets: '(('\n", r"trainer\.quantization\.targets='\(\(' is not a valid regular"),

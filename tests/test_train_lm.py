@@ -903,8 +903,8 @@ def test_llama_nano_trains_on_tpu_with_splash_attention(tmp_path):
     with open(os.path.join(REPO, "config", "llama_nano.yaml")) as f:
         raw = yaml.safe_load(f)
     # The validation splits as training data: a small cache, built in seconds.
-    raw["data"].update(train_urls=["embedded://python-docs/validation"],
-                       validation_urls=["embedded://python-code/validation"])
+    for source in raw["data"]["configs"].values():
+        source["train_urls"] = source["validation_urls"]
     path = write_yaml(tmp_path, yaml.safe_dump(raw), "llama_nano.yaml")
     cfg = parse_config(train_lm.TrainLmConfig, path, [
         "--model.attn_backend", "splash", "--model.seq_len", "128", "--trainer.mp", "p=f32,c=bfloat16",

@@ -386,6 +386,12 @@ def auto_pick(compiler: StepCompiler, base: Optional[StepMemory], limit: int) ->
 def does_not_fit(base: StepMemory, limit: int, source: str, batch: str, found: Sequence[Suggestion],
                  auto: bool = False, splittable: bool = True) -> str:
     """The one-paragraph error of a step that cannot fit."""
+    figures = oom_figures(base.oom) if base.oom else None
+    if figures is not None and size(figures[1]) != size(limit):
+        # The compiler's capacity is what it budgets the program against (a TPU keeps part of its HBM back),
+        # so that is the figure the need is compared with.
+        source = f"as the compiler counts it; {source} reports {size(limit)}"
+        limit = figures[1]
     what = f"the train step needs {base.describe()} per device but a device has {size(limit)} ({source})"
     why = f"measured by compiling it ahead of time for a batch of {batch}"
     if base.oom:
