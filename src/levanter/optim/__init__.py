@@ -3,4 +3,4 @@ whose loss or gradient norm spikes (:mod:`.skip_steps`)."""
 
 from levanter.utils.facade import facade
 
-__all__, __getattr__, __dir__ = facade(__name__, __package__, ("config", "skip_steps"))
+__all__, __getattr__, __dir__ = facade(__name__, __package__, ("config", "skip_steps", "sophia", "muon"))
