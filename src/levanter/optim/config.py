@@ -272,5 +272,5 @@ class AdamConfig(OptimizerConfig):
 
 
 # Registered here so that parsing an `optimizer:` section knows every type; they import this module.
-from .muon import MuonConfig  # noqa: E402
-from .sophia import SophiaHConfig  # noqa: E402
+from .sophia import SophiaHConfig  # noqa: E402,F401
+from .muon import MuonConfig  # noqa: E402,F401
