@@ -16,6 +16,11 @@ What is not training lives elsewhere: the config in :mod:`levanter.trainer_confi
 ``TrainerConfig``), where a run starts from in :mod:`levanter.checkpoint.resume`, the loss in
 :mod:`levanter.lm_loss`, the memory checks in :mod:`levanter.memory_plan` and :mod:`levanter.memory_fit`.
 
+An optimizer that takes extra arguments (``optax.GradientTransformationExtraArgs``) gets two: ``loss``, the
+step's mean loss, and ``obj_fn``, ``params -> mean loss`` of the step's first microbatch (Sophia-H
+differentiates it twice for its Hessian estimate); a transformation that does not read one never traces it,
+so Adam's compiled step is the same with or without them.
+
 The train step is compiled once per distinct batch size of the schedule; a compile-count guard raises
 if it ever recompiles for any other reason.
 """

@@ -1,5 +1,5 @@
 """Optimizers: the ``optimizer:`` configs and learning-rate schedules (:mod:`.config`), and skipping an update
-whose loss or gradient norm spikes (:mod:`.skip_steps`)."""
+whose loss or gradient norm spikes (:mod:`.skip_steps`); Sophia-H (:mod:`.sophia`) and Muon (:mod:`.muon`)."""
 
 from levanter.utils.facade import facade
 

@@ -1,8 +1,9 @@
 """Optimizer configs (upstream field names) and learning-rate schedules.
 
 ``OptimizerConfig`` is a draccus choice registry: ``optimizer: {type: adam, learning_rate: 3e-4, ...}``
-(``type`` defaults to ``adam``). ``build(num_train_steps)`` returns an optax transformation whose learning
-rate follows the configured schedule.
+(``type`` defaults to ``adam``; ``sophia-h`` is :mod:`.sophia`, ``muon`` :mod:`.muon`, registered when this
+module is imported). ``build(num_train_steps)`` returns an optax transformation whose learning rate follows
+the configured schedule.
 
 Schedules (``lr_schedule``), after ``warmup`` (a fraction of ``num_train_steps`` if < 1, else steps) of
 linear warm-up from 0:
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import importlib
 import math
 from typing import Dict, List, Optional, Union
 
@@ -272,5 +274,5 @@ class AdamConfig(OptimizerConfig):
 
 
 # Registered here so that parsing an `optimizer:` section knows every type; they import this module.
-from .sophia import SophiaHConfig  # noqa: E402,F401
-from .muon import MuonConfig  # noqa: E402,F401
+for _module in ("sophia", "muon"):
+    importlib.import_module(f"{__package__}.{_module}")

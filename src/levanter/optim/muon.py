@@ -128,7 +128,7 @@ _LR_NOT_READ = (
 @dataclasses.dataclass(frozen=True)
 class MuonConfig(OptimizerConfig):
     """Muon: Newton-Schulz-orthogonalised momentum for linear layers' weights, AdamW for the other
-    parameters (:mod:`levanter.optim.muon`). ``learning_rate`` is the matrices' peak rate."""
+    parameters (levanter.optim.muon); learning_rate is the matrices' peak rate, adam_lr the others'."""
 
     # Upstream's unread Muon rate; accepted at its default, refused if set (use learning_rate).
     lr: float = refused(_LR_NOT_READ, default=0.02)

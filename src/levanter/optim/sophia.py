@@ -113,7 +113,7 @@ def scale_by_sophia_h(
 @dataclasses.dataclass(frozen=True)
 class SophiaHConfig(OptimizerConfig):
     """Sophia-H: momentum divided by a Hutchinson estimate of the Hessian's diagonal, clipped elementwise
-    (:mod:`levanter.optim.sophia`)."""
+    (levanter.optim.sophia)."""
 
     # Decay of the first-moment (gradient mean) estimate, in [0, 1).
     beta1: float = 0.96
