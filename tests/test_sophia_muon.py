@@ -49,6 +49,47 @@ def _losses(model_cfg, optimizer, steps: int, *, accumulate=False):
 GPT2 = Gpt2Config(hidden_dim=32, num_heads=2, num_layers=1, seq_len=16)
 
 
+class _Elementwise(eqx.Module):
+    w: hax.NamedArray
+
+
+def _elementwise_loss(model, batch):
+    # Sum over rows and features of (x w - y)^2: a diagonal Hessian, 2 sum_rows x^2 / rows for the mean loss.
+    err = batch["x"] * model.w - batch["y"]
+    return hax.sum(err * err).array, jnp.float32(batch["x"].axis_size("batch"))
+
+
+def test_sophia_through_the_trainer_estimates_on_the_first_microbatch_and_trains():
+    Feature = hax.Axis("feature", 4)
+    n = 2 * jax.device_count()  # two microbatches of one row per device
+    tcfg = TrainerConfig(num_train_steps=8, train_batch_size=n, require_accelerator=False, per_device_parallelism=1,
+                         mp="f32")
+    beta2 = 0.5
+    # gamma 1: the update is a (clipped) Newton step on this quadratic.
+    opt = SophiaHConfig(learning_rate=0.3, warmup=0.0, lr_schedule="constant", weight_decay=0.0, beta2=beta2, gamma=1.0,
+                        update_interval=2).build(8)
+    trainer = Trainer(tcfg, opt, _elementwise_loss)
+    state = trainer.initial_state(lambda k: _Elementwise(hax.zeros(Feature)), key=jax.random.PRNGKey(0))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 4)).astype(np.float32) * np.array([1.0, 2.0, 0.5, 3.0], np.float32)
+    y = x * np.array([1.0, -1.0, 0.5, 2.0], np.float32)
+    with hax.partitioning.set_mesh(trainer.mesh):
+        batch = hax.shard({"x": hax.named(jnp.asarray(x), ("batch", "feature")),
+                           "y": hax.named(jnp.asarray(y), ("batch", "feature"))}, trainer.compute_mapping)
+    losses = []
+    for step in range(8):
+        state, m = trainer.train_step(state, batch, n)
+        losses.append(float(m["loss"]))
+        if step == 0:
+            # The first microbatch is rows 0, 2, 4, ... (microbatch m takes rows m, m + 2, ...).
+            first = 2 * (x[::2] ** 2).mean(0)
+            np.testing.assert_allclose(np.asarray(state.opt_state[0].h.w.array), (1 - beta2) * first, rtol=1e-5)
+            assert not np.allclose(first, 2 * (x ** 2).mean(0), rtol=1e-2)  # the whole batch's would differ
+    assert int(state.opt_state[0].hessian_count) == 4  # steps 0, 2, 4, 6
+    assert losses[-1] < 0.2 * losses[0], losses
+
+
+@pytest.mark.slow
 def test_sophia_h_trains_a_tiny_gpt2_with_grad_accumulation():
     # Two microbatches: the Hessian-vector product runs on the first, every second step.
     opt = SophiaHConfig(learning_rate=3e-3, warmup=0.0, lr_schedule="constant", update_interval=2)
@@ -219,6 +260,7 @@ def test_bad_values_are_refused_naming_the_key(cls, kw, fragment):
 
 
 # -- resume ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_sophia_state_resumes_from_a_checkpoint_bit_for_bit(tmp_path):
     """2 steps, checkpoint, restore, 2 more steps: the same parameters and Sophia state (momentum, Hessian
     average, estimate count) as 4 uninterrupted steps; with update_interval 2 an estimate falls after the
