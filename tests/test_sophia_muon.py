@@ -260,7 +260,6 @@ def test_bad_values_are_refused_naming_the_key(cls, kw, fragment):
 
 
 # -- resume ---------------------------------------------------------------------------------------------------
-@pytest.mark.slow
 def test_sophia_state_resumes_from_a_checkpoint_bit_for_bit(tmp_path):
     """2 steps, checkpoint, restore, 2 more steps: the same parameters and Sophia state (momentum, Hessian
     average, estimate count) as 4 uninterrupted steps; with update_interval 2 an estimate falls after the
@@ -307,3 +306,14 @@ def test_adam_ignores_the_objective_the_trainer_passes():
     u1, _ = opt.update(p, opt.init(p), p, loss=jnp.float32(1.0), obj_fn=poisoned)
     u2, _ = opt.update(p, opt.init(p), p, loss=jnp.float32(1.0))
     np.testing.assert_array_equal(np.asarray(u1["w"]), np.asarray(u2["w"]))
+
+
+def test_sophia_with_skip_bad_steps_gets_the_objective_through_the_wrapper():
+    d = jnp.array([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+    f, params = _quadratic(jnp.diag(d))
+    opt = SophiaHConfig(learning_rate=0.1, warmup=0.0, beta2=0.5, skip_bad_steps=True).build(10)
+    state = opt.init(params)
+    _, state = opt.update(jax.grad(f)(params), state, params, loss=f(params), obj_fn=f)
+    h = [s for s in jax.tree.leaves(state, is_leaf=lambda x: hasattr(x, "hessian_count"))
+         if hasattr(s, "hessian_count")][0].h
+    np.testing.assert_allclose(_flat(h), 0.5 * np.asarray(d), rtol=1e-6)

@@ -8,7 +8,7 @@ by ``0.2 sqrt(max(fan_in, fan_out))``, which gives updates of AdamW's size). The
 matrices, and builds the two groups' schedules, decay and clipping.
 
 Which parameters (as upstream Levanter): the ``weight`` of every ``haliax.nn.Linear`` except the output
-head (a field named ``lm_head``); embeddings (also GPT-2's tied output projection), biases, norms' scales
+head (a field named ``lm_head``, or a Linear onto the ``vocab`` axis); embeddings (also GPT-2's tied output projection), biases, norms' scales
 and everything else go to AdamW with ``adam_lr``.
 
 How a named weight becomes a matrix (as upstream, which flattens a Linear's articulated axes): the axes of
@@ -58,12 +58,20 @@ def _path_names(path) -> list[str]:
     return [str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path]
 
 
+def _is_head(path, layer: hnn.Linear) -> bool:
+    # Upstream goes by the name; the vocabulary axis catches a head under another name.
+    outs = (layer.Out,) if isinstance(layer.Out, (hax.Axis, str)) else layer.Out
+    return any(n in _HEAD_NAMES for n in _path_names(path)) or any(
+        (a.name if isinstance(a, hax.Axis) else a) == "vocab" for a in outs
+    )
+
+
 def muon_labels(params):
     """``"muon"`` for every Linear's weight outside the output head, ``"adam"`` for everything else (a tree
     shaped like ``params``, for :func:`optax.multi_transform`)."""
 
     def label(path, node):
-        if _is_linear(node) and not any(n in _HEAD_NAMES for n in _path_names(path)):
+        if _is_linear(node) and not _is_head(path, node):
             return dataclasses.replace(node, weight="muon", bias=None if node.bias is None else "adam")
         return jax.tree.map(lambda _: "adam", node, is_leaf=lambda x: isinstance(x, hax.NamedArray))
 
