@@ -25,8 +25,8 @@ def test_each_file_is_classified_and_counted(tmp_path, capsys):
     (tmp_path / "ok.yaml").write_text(
         "data: !include data/source.yaml\nmodel:\n  type: gpt2\n  hidden_dim: 32\n  num_heads: 4\n"
         "optimizer:\n  skip_bad_steps: true\n  lr_schedule: inv\n")
-    (tmp_path / "sophia.yaml").write_text("data: !include data/source.yaml\noptimizer:\n  type: sophia-h\n"
-                                          "  gamma: 0.01\n")
+    (tmp_path / "muon.yaml").write_text("data: !include data/source.yaml\noptimizer:\n  type: muon\n"
+                                        "  lr: 0.01\n")
     (tmp_path / "moe.yaml").write_text("model:\n  type: whisper\n")
     (tmp_path / "fp8.yaml").write_text("trainer:\n  quantization:\n    fp8: true\n")
     (tmp_path / "typo.yaml").write_text("trainer:\n  num_train_stepz: 3\n")
@@ -38,11 +38,11 @@ def test_each_file_is_classified_and_counted(tmp_path, capsys):
         if m is not None:
             rows[m.group(2)] = (m.group(1), m.group(3))
     assert rows["ok.yaml"] == ("parses", "")
-    assert rows["sophia.yaml"][0] == "refused" and rows["sophia.yaml"][1].startswith("optimizer.type=sophia-h: ")
+    assert rows["muon.yaml"][0] == "refused" and rows["muon.yaml"][1].startswith("optimizer.lr=0.01")
     assert rows["fp8.yaml"][0] == "refused" and rows["fp8.yaml"][1].startswith("trainer.quantization.fp8=true")
     assert rows["moe.yaml"] == ("needs family", "whisper")
     assert rows["typo.yaml"][0] == "error" and "num_train_stepz" in rows["typo.yaml"][1]
-    assert sorted(rows) == ["fp8.yaml", "moe.yaml", "ok.yaml", "sophia.yaml", "typo.yaml"]  # not data/source.yaml
+    assert sorted(rows) == ["fp8.yaml", "moe.yaml", "muon.yaml", "ok.yaml", "typo.yaml"]  # not data/source.yaml
     assert lines[-1] == "parses: 1, refused: 2, needs family: 1, error: 1 (of 5)"
 
 

@@ -90,15 +90,21 @@ def test_skip_bad_steps_false_parses(tmp_path):
     assert cfg.optimizer.skip_bad_steps is False
 
 
-@pytest.mark.parametrize("kind, fragment", [
-    ("sophia-h", r"optimizer\.type=sophia-h is not supported: .*use type: adam"),
-    ("muon", r"optimizer\.type=muon is not supported: .*use type: adam"),
-])
-def test_optimizers_not_built_here_are_refused_naming_the_type_and_the_alternative(tmp_path, kind, fragment):
-    # Their own keys (gamma, momentum) parse, so the refusal is what the user sees, not an unknown key.
-    extra = "  gamma: 0.01\n" if kind == "sophia-h" else "  momentum: 0.9\n  adam_lr: 1e-3\n"
-    with pytest.raises(ConfigError, match=fragment):
-        parse(tmp_path, DATA + f"optimizer:\n  type: {kind}\n  learning_rate: 1e-3\n" + extra)
+def test_upstream_sophia_h_and_muon_sections_parse_with_upstream_defaults(tmp_path):
+    # Sections as upstream's gpt2_1536_sophiah.yaml and gpt2_small_fast_muon.yaml write them.
+    from levanter.optim import MuonConfig, SophiaHConfig
+
+    cfg = parse(tmp_path, DATA + "optimizer:\n  type: sophia-h\n  learning_rate: 2E-4\n  weight_decay: 0.2\n"
+                "  min_lr_ratio: 0.1\n  gamma: 0.01\n  warmup: 2000\n")
+    o = cfg.optimizer
+    assert isinstance(o, SophiaHConfig) and (o.learning_rate, o.weight_decay, o.warmup, o.gamma) == (2e-4, 0.2, 2000, 0.01)
+    assert (o.beta1, o.beta2, o.epsilon, o.clip_threshold, o.update_interval, o.rng_seed) == (0.96, 0.99, 1e-12, 1.0, 10, 0)
+    cfg = parse(tmp_path, DATA + "optimizer:\n  type: muon\n  learning_rate: 1E-2\n  weight_decay: 0.05\n"
+                "  adam_lr: 1e-3\n  momentum: 0.9\n  nesterov: false\n  backend_steps: 3\n  use_kimi_scaling: true\n")
+    o = cfg.optimizer
+    assert isinstance(o, MuonConfig) and (o.learning_rate, o.weight_decay, o.adam_lr, o.momentum) == (1e-2, 0.05, 1e-3, 0.9)
+    assert (o.nesterov, o.backend_steps, o.use_kimi_scaling) == (False, 3, True)
+    assert (o.lr, o.beta1, o.beta2, o.epsilon, o.muon_epsilon, o.max_grad_norm) == (0.02, 0.9, 0.95, 1e-8, 1e-8, 1.0)
 
 
 def test_top_level_tokenizer_sets_data_tokenizer(tmp_path):

@@ -16,6 +16,11 @@ What is not training lives elsewhere: the config in :mod:`levanter.trainer_confi
 ``TrainerConfig``), where a run starts from in :mod:`levanter.checkpoint.resume`, the loss in
 :mod:`levanter.lm_loss`, the memory checks in :mod:`levanter.memory_plan` and :mod:`levanter.memory_fit`.
 
+An optimizer that takes extra arguments (``optax.GradientTransformationExtraArgs``) gets two: ``loss``, the
+step's mean loss, and ``obj_fn``, ``params -> mean loss`` of the step's first microbatch (Sophia-H
+differentiates it twice for its Hessian estimate); a transformation that does not read one never traces it,
+so Adam's compiled step is the same with or without them.
+
 The train step is compiled once per distinct batch size of the schedule; a compile-count guard raises
 if it ever recompiles for any other reason.
 """
@@ -134,6 +139,7 @@ class Trainer:
             params, static = eqx.partition(state.model, eqx.is_inexact_array)
             if n_micro == 1:
                 (total, (count, extra)), grads = grad_fn(params, static, batch)
+                hessian_batch = batch
             else:
                 # Microbatch m takes rows m, m + n_micro, ...: each device keeps contributing its own rows.
                 def split(x):
@@ -162,6 +168,7 @@ class Trainer:
                 zeros = jax.tree.map(jnp.zeros_like, params)
                 first = jax.tree.map(lambda x: x["microbatch", 0] if isinstance(x, hax.NamedArray) else x, stacked,
                                      is_leaf=lambda x: isinstance(x, hax.NamedArray))
+                hessian_batch = first
                 # The extra metrics' structure (traced, not run) for the accumulator's zeros.
                 extra_zeros = jax.tree.map(
                     lambda s: jnp.zeros(s.shape, jnp.float32),
@@ -174,8 +181,18 @@ class Trainer:
             denom = jnp.maximum(count, 1.0)
             grads = jax.tree.map(lambda g: g / denom, grads)
             grad_norm = optax.tree.norm(grads)
-            # The step's mean loss for optimizers that read it (optimizer.skip_bad_steps).
-            opt_args = {"loss": total / denom} if isinstance(optimizer, optax.GradientTransformationExtraArgs) else {}
+            # For optimizers that take extra arguments: the step's mean loss (optimizer.skip_bad_steps) and the
+            # objective itself, params -> mean loss of one microbatch, for those that differentiate it again
+            # (Sophia-H's Hessian-vector products). A transformation that does not read obj_fn never traces it.
+            def objective(p):
+                t, (c, _) = sum_loss(p, static, hessian_batch)
+                return t / jnp.maximum(c, 1.0)
+
+            opt_args = (
+                {"loss": total / denom, "obj_fn": objective}
+                if isinstance(optimizer, optax.GradientTransformationExtraArgs)
+                else {}
+            )
             updates, opt_state = optimizer.update(grads, state.opt_state, params, **opt_args)
             spike = spike_skipped(opt_state)  # skipped as an outlier (optimizer.skip_bad_steps); applies zero
             new_params = eqx.apply_updates(params, updates)

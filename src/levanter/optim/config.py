@@ -1,8 +1,9 @@
 """Optimizer configs (upstream field names) and learning-rate schedules.
 
 ``OptimizerConfig`` is a draccus choice registry: ``optimizer: {type: adam, learning_rate: 3e-4, ...}``
-(``type`` defaults to ``adam``). ``build(num_train_steps)`` returns an optax transformation whose learning
-rate follows the configured schedule.
+(``type`` defaults to ``adam``; ``sophia-h`` is :mod:`.sophia`, ``muon`` :mod:`.muon`, registered when this
+module is imported). ``build(num_train_steps)`` returns an optax transformation whose learning rate follows
+the configured schedule.
 
 Schedules (``lr_schedule``), after ``warmup`` (a fraction of ``num_train_steps`` if < 1, else steps) of
 linear warm-up from 0:
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import importlib
 import math
 from typing import Dict, List, Optional, Union
 
@@ -42,7 +44,7 @@ from ..refused_keys import check_refused, refused
 from .skip_steps import resolve as resolve_skip_bad_steps
 from .skip_steps import skip_bad_steps
 
-__all__ = ["lr_schedule_fn", "decay_mask", "OptimizerConfig", "AdamConfig", "SophiaHConfig", "MuonConfig"]
+__all__ = ["lr_schedule_fn", "decay_mask", "OptimizerConfig", "AdamConfig"]
 
 SCHEDULES = ("constant", "linear", "cosine", "inv", "wsd", "warmup-stable-decay")
 
@@ -271,80 +273,6 @@ class AdamConfig(OptimizerConfig):
         return self.with_step_skipping(optax.chain(*parts))
 
 
-
-
-class _NotBuiltOptimizer(OptimizerConfig):
-    """An upstream optimizer type not built here: its keys parse (so the file reads), then the config is
-    refused naming the type and what to use instead, before any work."""
-
-    INSTEAD = ""
-
-    def __post_init__(self):
-        raise ValueError(f"optimizer.type={self.get_choice_name(type(self))} is not supported: {self.INSTEAD}")
-
-    def build(self, num_train_steps: int) -> optax.GradientTransformation:  # pragma: no cover -- never built
-        raise AssertionError("refused in __post_init__")
-
-
-_SOPHIA = (
-    "Sophia's Hessian estimates are not built here; use type: adam (AdamW), keeping learning_rate, "
-    "weight_decay, warmup and min_lr_ratio and dropping gamma (Sophia's learning rates are of Adam's order)"
-)
-_MUON = (
-    "Muon's orthogonalised updates are not built here; use type: adam (AdamW) with an Adam learning rate "
-    "(adam_lr, about 6e-4 for a small GPT-2, not Muon's lr)"
-)
-
-
-@OptimizerConfig.register_subclass("sophia-h")
-@dataclasses.dataclass(frozen=True)
-class SophiaHConfig(_NotBuiltOptimizer):
-    """Upstream's Sophia-H (a clipped diagonal-Hessian preconditioner); refused: it is not built here."""
-
-    INSTEAD = _SOPHIA
-    # Sophia's first-moment decay (upstream); the type is refused.
-    b1: float = refused(_SOPHIA, default=0.965)
-    # Sophia's Hessian-estimate decay (upstream); the type is refused.
-    b2: float = refused(_SOPHIA, default=0.99)
-    # Sophia's denominator floor (upstream); the type is refused.
-    epsilon: float = refused(_SOPHIA, default=1e-12)
-    # Sophia's Hessian scale (upstream); the type is refused.
-    gamma: float = refused(_SOPHIA, default=0.01)
-    # Sophia's update clip (upstream); the type is refused.
-    clip_threshold: Optional[float] = refused(_SOPHIA, default=1.0)
-    # Seed of Sophia's Hessian probes (upstream); the type is refused.
-    rng_seed: int = refused(_SOPHIA, default=0)
-    # Steps between Hessian estimates (upstream); the type is refused.
-    update_interval: int = refused(_SOPHIA, default=10)
-    # Gradient clip norm (upstream); the type is refused.
-    max_grad_norm: Optional[float] = refused(_SOPHIA, default=1.0)
-
-
-@OptimizerConfig.register_subclass("muon")
-@dataclasses.dataclass(frozen=True)
-class MuonConfig(_NotBuiltOptimizer):
-    """Upstream's Muon (orthogonalised momentum for matrices, Adam for the rest); refused: not built here."""
-
-    INSTEAD = _MUON
-    # Muon's learning rate for matrices (upstream); the type is refused.
-    lr: float = refused(_MUON, default=0.02)
-    # Adam's learning rate for the other parameters (upstream); the type is refused.
-    adam_lr: float = refused(_MUON, default=6e-4)
-    # Muon's momentum (upstream); the type is refused.
-    momentum: float = refused(_MUON, default=0.95)
-    # Nesterov momentum (upstream); the type is refused.
-    nesterov: bool = refused(_MUON, default=True)
-    # Newton-Schulz iterations (upstream); the type is refused.
-    backend_steps: int = refused(_MUON, default=5)
-    # Adam's first-moment decay (upstream); the type is refused.
-    beta1: float = refused(_MUON, default=0.9)
-    # Adam's second-moment decay (upstream); the type is refused.
-    beta2: float = refused(_MUON, default=0.95)
-    # Adam's epsilon (upstream); the type is refused.
-    epsilon: float = refused(_MUON, default=1e-8)
-    # Muon's normalisation epsilon (upstream); the type is refused.
-    muon_epsilon: float = refused(_MUON, default=1e-8)
-    # Gradient clip norm (upstream); the type is refused.
-    max_grad_norm: Optional[float] = refused(_MUON, default=1.0)
-    # Kimi's update scaling (upstream); the type is refused.
-    use_kimi_scaling: bool = refused(_MUON, default=False)
+# Registered here so that parsing an `optimizer:` section knows every type; they import this module.
+for _module in ("sophia", "muon"):
+    importlib.import_module(f"{__package__}.{_module}")
