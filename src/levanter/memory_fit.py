@@ -161,9 +161,8 @@ def abstract_state(trainer: Trainer, model_config, vocab_size: int, optimizer) -
     Vocab = hax.Axis("vocab", vocab_size)
 
     def init(key):
-        model = trainer.mp.cast_to_param(model_config.build(Vocab, key=key))
-        opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
-        return TrainerState(jnp.zeros((), jnp.int32), model, opt_state, key)
+        # The trainer's own step-0 state (with the averaged copy of trainer.model_averaging, if set).
+        return trainer.fresh_state(trainer.mp.cast_to_param(model_config.build(Vocab, key=key)), key)
 
     mapping = trainer.param_mapping
     with hax.partitioning.set_mesh(trainer.mesh), hax.axis_mapping(mapping):

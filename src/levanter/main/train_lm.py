@@ -110,6 +110,7 @@ from levanter.trainer import (
     Trainer,
     TrainerConfig,
     TrainHooks,
+    check_resume_averaging,
     named_batch,
 )
 
@@ -205,6 +206,7 @@ def main(config: TrainLmConfig) -> dict:
             # before the caches, the model and the trackers: nothing is touched
             say_finished(tcfg, run_id, point.step, point.path)
             return {"run_id": run_id, "final_step": point.step, "final_loss": None}
+        check_resume_averaging(point, tcfg)  # trainer.model_averaging as the checkpoint was written
         return _main_locked(config, tokenizer, run_id, point)
     finally:
         lock.release()
@@ -280,6 +282,7 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
             state = initialize_from(state, branch.path, optimizer_state=branch.optimizer_state, key=branch.key)
             origin = {"path": branch.path, "step": int(read_checkpoint_metadata(branch.path)["step"]),
                       "optimizer_state": branch.optimizer_state}
+            state = trainer.restart_average(state)  # trainer.model_averaging: from the branch's weights
         elif hf_init_path(config) is not None:  # weights from a Hugging Face checkpoint; the optimizer's are fresh
             from levanter.compat import load_hf_weights
 
@@ -287,6 +290,7 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
             logger.info("loaded the weights of Hugging Face checkpoint %s (the optimizer starts fresh)",
                         hf_init_path(config))
             origin = {"hf_checkpoint": hf_init_path(config)}
+            state = trainer.restart_average(state)
 
     if jax.process_index() == 0:
         record_log_lineage(_json_log_dirs(tcfg, run_id), tcfg.checkpointer.expanded_path(run_id))
@@ -363,6 +367,12 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
 
         def evaluate(self, model, done: int) -> None:
             losses = evaluator.evaluate(model).metrics()  # the eval/... metrics (levanter.eval)
+            tracker.log(losses, step=done)
+            progress.eval(done, losses)
+
+        def evaluate_averaged(self, model, done: int) -> None:
+            # trainer.model_averaging: the averaged weights, as upstream logs them (eval/ema/...).
+            losses = evaluator.evaluate(model).metrics(prefix="eval/ema")
             tracker.log(losses, step=done)
             progress.eval(done, losses)
 
