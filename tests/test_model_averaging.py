@@ -179,3 +179,43 @@ def test_memory_plan_counts_the_averaged_copy(tmp_path):
     c = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, model_averaging=EmaModelAveragingConfig()))
     with pytest.raises(ValueError, match=r"parameters and gradients and the averaged copy"):
         check_memory(c, 257, available=(1, "the test"))
+
+
+@pytest.mark.slow
+def test_train_lm_evaluates_and_exports_the_average_and_refuses_to_resume_without_it(tmp_path):
+    """train_lm with model_averaging: every eval logs the trained weights (eval/...) and the averaged ones
+    (eval/ema/...); the checkpoint holds the average, and hf_save_path exports exactly it. Resuming that
+    run with averaging off is refused before any work, naming the key."""
+    import dataclasses
+
+    from levanter.checkpoint import load_checkpoint
+    from levanter.compat import load_hf_weights
+    from levanter.main import train_lm
+
+    from test_train_lm import metrics, tiny_config
+
+    cfg = tiny_config(tmp_path, steps=6, steps_per_eval=3, model_averaging=EmaModelAveragingConfig(beta=0.5))
+    cfg = dataclasses.replace(cfg, hf_save_path=str(tmp_path / "hf"), hf_save_steps=6)
+    assert train_lm.main(cfg)["final_step"] == 6
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows if "eval/loss" in r] == [3, 6]
+    assert [r["step"] for r in rows if "eval/ema/loss" in r] == [3, 6]
+    for step in (3, 6):
+        trained = next(r["eval/loss"] for r in rows if r["step"] == step and "eval/loss" in r)
+        averaged = next(r for r in rows if r["step"] == step and "eval/ema/loss" in r)
+        assert np.isfinite(averaged["eval/ema/loss"]) and averaged["eval/ema/loss"] != trained
+        assert "eval/ema/bpb" in averaged
+    step6 = str(tmp_path / "ckpt" / "tiny" / "step-6")
+    assert ResumePoint.read(step6).holds("averaged_model")
+    trainer = Trainer(cfg.trainer, cfg.optimizer.build(6), lm_loss_fn(0.0, None))
+    template = trainer.initial_state(lambda k: cfg.model.build(hax.Axis("vocab", 257), key=k),
+                                     key=jax.random.PRNGKey(0))
+    state = load_checkpoint(template, step6)
+    exported = load_hf_weights(template.model, str(tmp_path / "hf" / "tiny" / "step-6"))
+    for a, b in zip(floats(exported), floats(state.eval_model)):
+        np.testing.assert_array_equal(a, b)
+
+    longer = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, num_train_steps=8,
+                                                                   model_averaging=None))
+    with pytest.raises(ValueError, match=r"holds an averaged copy .* trainer.model_averaging is not set"):
+        train_lm.main(longer)
