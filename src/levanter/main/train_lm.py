@@ -79,7 +79,7 @@ from levanter.checkpoint import (
     restore,
 )
 from levanter.config import parse_timedelta
-from levanter.data.dataset import AsyncDataset
+from levanter.data.dataset import AsyncDataset, EpochDataset
 from levanter.data.load_errors import DataLoadError
 from levanter.data.loader import DataLoader, use_prefetch_switch_interval
 from levanter.data import seed_from_key
@@ -132,10 +132,17 @@ def check_data_covers_run(config: TrainLmConfig, train_set: AsyncDataset, schedu
     if isinstance(train_set, MixtureDataset):
         what = f"data.stop_strategy={train_set.stop_strategy}: the mixture ends after {n:,} sequences"
         repeat = "or set data.stop_strategy: restart to wrap sources that run out"
+    elif isinstance(train_set, EpochDataset):
+        once = asyncio.run(train_set.dataset.async_len())
+        epochs = train_set.max_epochs
+        needed = -(-need // once)  # ceil: the epochs the run reads into
+        what = (f"epoch={epochs}: the training data holds {once:,} sequences of model.seq_len="
+                f"{config.model.seq_len} tokens per epoch, {n:,} in {epochs} epochs")
+        repeat = f"or raise epoch to {needed} ({need / once:.2f} epochs of the data)"
     else:
         what = f"data: the training data holds {n:,} sequences of model.seq_len={config.model.seq_len} tokens"
-        repeat = ("or repeat it: make it the one source of a mixture (data.configs + data.train_weights), "
-                  "whose default stop_strategy restart wraps it")
+        repeat = ("or repeat it: set epoch (the epochs to read), or make it the one source of a mixture "
+                  "(data.configs + data.train_weights), whose default stop_strategy restart wraps it")
     raise ValueError(
         f"{what}, enough for {end} steps, but trainer.num_train_steps is {steps} ({need:,} sequences). Add "
         f"training data, lower trainer.num_train_steps to {end}, {repeat}."
@@ -246,7 +253,8 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
     # different ones (different tokenizers) keep the three host columns.
     eos_ids = config.data.train_eos_ids()
     tokens_only = len(eos_ids) == 1
-    train_set = config.data.train_set(config.model.seq_len, schedule, key=dkey, tokens_only=tokens_only)
+    train_set = config.data.train_set(config.model.seq_len, schedule, key=dkey, tokens_only=tokens_only,
+                                      epochs=config.epoch)
     eval_sets = config.data.validation_sets(config.model.seq_len)
     check_data_covers_run(config, train_set, schedule)
     check_eval_set_sizes(eval_sets, tcfg, config.model.seq_len)
