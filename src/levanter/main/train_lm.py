@@ -32,7 +32,11 @@ FLOP/s is known), ``data/wait_seconds`` and, for mixtures, ``data/source_counts/
 sources (:mod:`levanter.eval`): ``eval/<source>/loss`` and ``eval/<source>/bpb`` (bits per byte), the
 micro averages ``eval/loss`` and ``eval/bpb``, the macro averages ``eval/macro_loss`` and
 ``eval/macro_bpb``, and per tag ``eval/<tag>/loss`` and ``eval/<tag>/bpb`` (plus ``macro_loss`` and
-``macro_bpb`` for a tag on several sources).
+``macro_bpb`` for a tag on several sources). With ``trainer.model_averaging`` the averaged weights are
+evaluated too, right after, under ``eval/ema/...`` (upstream's names), and ``hf_save_path`` exports them.
+
+With ``epoch: N`` a single source's training data repeats up to N times (the same order each time); a run
+that needs more is refused with the other data-length checks, before the first step.
 """
 
 from __future__ import annotations
