@@ -182,7 +182,7 @@ def test_memory_plan_counts_the_averaged_copy(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_lm_evaluates_and_exports_the_average_and_refuses_to_resume_without_it(tmp_path):
+def test_train_lm_evaluates_and_exports_the_average_and_refuses_to_resume_without_it(tmp_path, capsys):
     """train_lm with model_averaging: every eval logs the trained weights (eval/...) and the averaged ones
     (eval/ema/...); the checkpoint holds the average, and hf_save_path exports exactly it. Resuming that
     run with averaging off is refused before any work, naming the key."""
@@ -205,6 +205,9 @@ def test_train_lm_evaluates_and_exports_the_average_and_refuses_to_resume_withou
         averaged = next(r for r in rows if r["step"] == step and "eval/ema/loss" in r)
         assert np.isfinite(averaged["eval/ema/loss"]) and averaged["eval/ema/loss"] != trained
         assert "eval/ema/bpb" in averaged
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("eval of the averaged weights at step 6: "))
+    assert f"loss {next(r for r in rows if r['step'] == 6 and 'eval/ema/loss' in r)['eval/ema/loss']:.4f}" in line
     step6 = str(tmp_path / "ckpt" / "tiny" / "step-6")
     assert ResumePoint.read(step6).holds("averaged_model")
     trainer = Trainer(cfg.trainer, cfg.optimizer.build(6), lm_loss_fn(0.0, None))
@@ -219,3 +222,11 @@ def test_train_lm_evaluates_and_exports_the_average_and_refuses_to_resume_withou
                                                                    model_averaging=None))
     with pytest.raises(ValueError, match=r"holds an averaged copy .* trainer.model_averaging is not set"):
         train_lm.main(longer)
+
+
+def test_the_averaged_weights_eval_prints_its_own_line():
+    from levanter.progress import format_eval
+
+    assert format_eval(4, {"eval/ema/loss": 2.5, "eval/ema/bpb": 3.0}) == (
+        "eval of the averaged weights at step 4: loss 2.5000 | bpb 3.0000")
+    assert format_eval(4, {"eval/loss": 2.5, "eval/a/loss": 2.0}) == "eval at step 4: loss 2.5000 | a/loss 2.0000"
