@@ -155,3 +155,17 @@ def test_epoch_is_checked_before_any_work(tmp_path):
                                      train_weights={"a": 1.0}, tokenizer="byte", cache_dir=str(tmp_path / "c"))
     with pytest.raises(ValueError, match=r"epoch=2 applies to a single source .* data.stop_strategy"):
         validate(dataclasses.replace(cfg, data=mixture, epoch=2))
+
+
+def test_the_data_plan_reports_an_epoch_wrapped_source():
+    """The planner sees through the repeat: the source's own length, the step it first wraps at, the epochs
+    read, and the end of the data after the last epoch (the loader's rule: the last whole batch)."""
+    from levanter.data.planner import plan_data
+
+    ds = ListAsyncDataset(np.arange(20, dtype=np.int64)).shuffle(key=1).epochs(max_epochs=3)
+    plan = plan_data(ds, BatchSchedule(8), 10, seq_len=4)
+    (source,) = plan.sources
+    assert plan.end_step == plan.steps == 7  # 60 sequences: 7 whole batches of 8
+    assert source.length == 20 and source.sequences == 56 and source.epochs == pytest.approx(2.8)
+    assert source.wrap_step == 2 and source.exhausted_step == 7  # index 20 is in step 2; index 60 ends it
+    assert plan_data(ds, BatchSchedule(8), 5, seq_len=4).end_step is None  # 40 sequences: within 3 epochs
