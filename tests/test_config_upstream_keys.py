@@ -170,10 +170,17 @@ def test_ray_start_workers_false_is_what_happens(tmp_path):
         tcfg.validate()
 
 
-def test_model_averaging_is_refused_naming_the_key(tmp_path):
-    tcfg = parse(tmp_path, DATA + "trainer:\n  model_averaging:\n    type: ema\n    beta: 0.995\n").trainer
-    with pytest.raises(ValueError, match=r"trainer\.model_averaging=.* is not supported: no averaged copy"):
-        tcfg.validate()
+def test_model_averaging_parses_as_upstream_writes_it(tmp_path):
+    from levanter.optim import EmaModelAveragingConfig
+
+    tcfg = parse(tmp_path, DATA + "trainer:\n  require_accelerator: false\n  model_averaging:\n    type: ema\n"
+                 "    beta: 0.995\n").trainer
+    assert tcfg.model_averaging == EmaModelAveragingConfig(beta=0.995)
+    tcfg.validate()
+    tcfg = parse(tmp_path, DATA + "trainer:\n  model_averaging:\n    beta: 0.9\n").trainer  # ema by default
+    assert tcfg.model_averaging == EmaModelAveragingConfig(beta=0.9)
+    with pytest.raises(ConfigError, match=r"ema_decay_sqrt"):
+        parse(tmp_path, DATA + "trainer:\n  model_averaging:\n    type: ema_decay_sqrt\n")
 
 
 def test_a_list_for_a_string_or_list_key_stays_a_list(tmp_path):

@@ -69,8 +69,10 @@ class TrainLmConfig:
     hf_save_steps: int = 10000
     # dtype of the exported weights: float32, bfloat16 or float16 (default: the parameters' own).
     hf_save_dtype: Optional[str] = None
-    # Upstream's epoch count; refused if set: the data repeats by data.stop_strategy instead.
-    epoch: int = refused("use data.stop_strategy or a longer run instead", default=0)
+    # Epochs of a single source's training data (upstream's epoch): above 0 the data repeats, in the same
+    # order, up to this many times, and a run that needs more is refused before training; 0: read once.
+    # A mixture repeats by data.stop_strategy instead.
+    epoch: int = 0
     # Upstream's lm-eval-harness tasks; refused if set (the harness is not built here).
     eval_harness: Optional[Dict] = refused("the lm-eval-harness is not built here; remove the key")
     # Steps between lm-eval-harness runs (upstream); refused if set, as eval_harness is.
@@ -118,6 +120,7 @@ def validate(config: TrainLmConfig):
     """Every check that needs no data and no compile; errors name the config key. Returns the tokenizer."""
     check_refused(config)  # keys accepted from upstream configs, set to what is not built here
     check_hf_keys(config)
+    check_epoch(config)
     if config.prefetch_depth < 0:
         raise ValueError(f"prefetch_depth must be >= 0, got {config.prefetch_depth}")
     if not (math.isfinite(config.z_loss_weight) and 0 <= config.z_loss_weight <= Z_LOSS_WEIGHT_MAX):
@@ -156,6 +159,19 @@ def validate(config: TrainLmConfig):
         )
     config.data.check_inputs()  # missing files and empty globs, before any cache is built
     return tokenizer
+
+
+def check_epoch(config: TrainLmConfig) -> None:
+    """``epoch``: a whole number >= 0, and 0 for a mixture (which repeats by ``data.stop_strategy``). Whether
+    the epochs cover ``trainer.num_train_steps`` needs the data's length: ``train_lm`` checks it once the
+    caches are built, before training."""
+    from levanter.data.config import MIXTURE_EPOCH_ERROR
+
+    e = config.epoch
+    if isinstance(e, bool) or not isinstance(e, int) or e < 0:
+        raise ValueError(f"epoch must be a whole number of epochs >= 0 (0: read the data once), got {e!r}")
+    if e > 0 and getattr(config.data, "configs", None) is not None:
+        raise ValueError(MIXTURE_EPOCH_ERROR.format(epochs=e))
 
 
 def storage_locations(config: TrainLmConfig) -> list[tuple[str, str, bool]]:
@@ -419,4 +435,4 @@ def data_key(config: TrainLmConfig) -> jax.Array:
     return jax.random.split(jax.random.PRNGKey(config.trainer.seed), 4)[0]
 
 
-__all__ = ["SEED_LIMIT", "BranchOrigin", "check_hf_keys", "check_hf_save_path", "hf_exporter", "hf_init_path", "model_record", "model_vocab_size", "with_hf_model", "TrainLmConfig", "branch_origin", "check_branch_model", "check_storage_access", "data_key", "storage_locations", "validate"]
+__all__ = ["SEED_LIMIT", "BranchOrigin", "check_epoch", "check_hf_keys", "check_hf_save_path", "hf_exporter", "hf_init_path", "model_record", "model_vocab_size", "with_hf_model", "TrainLmConfig", "branch_origin", "check_branch_model", "check_storage_access", "data_key", "storage_locations", "validate"]

@@ -41,7 +41,6 @@ import os
 import re
 from typing import Any, Callable, Optional, Sequence
 
-import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
@@ -156,14 +155,13 @@ class StepMemory:
         return "more than the device has" if self.total is None else size(self.total)
 
 
-def abstract_state(trainer: Trainer, model_config, vocab_size: int, optimizer) -> TrainerState:
+def abstract_state(trainer: Trainer, model_config, vocab_size: int) -> TrainerState:
     """The trainer state as ShapeDtypeStructs with the shardings the run gives it (nothing allocated)."""
     Vocab = hax.Axis("vocab", vocab_size)
 
     def init(key):
-        model = trainer.mp.cast_to_param(model_config.build(Vocab, key=key))
-        opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
-        return TrainerState(jnp.zeros((), jnp.int32), model, opt_state, key)
+        # The trainer's own step-0 state (with the averaged copy of trainer.model_averaging, if set).
+        return trainer.fresh_state(trainer.mp.cast_to_param(model_config.build(Vocab, key=key)), key)
 
     mapping = trainer.param_mapping
     with hax.partitioning.set_mesh(trainer.mesh), hax.axis_mapping(mapping):
@@ -231,7 +229,7 @@ class StepCompiler:
         """``(abstract state, abstract batch, batch size)`` of ``trainer``'s step for the largest batch."""
         model_config = model_config or self.model_config
         batch_size = largest_batch(trainer.config)
-        state = abstract_state(trainer, model_config, self.vocab_size, self.optimizer)
+        state = abstract_state(trainer, model_config, self.vocab_size)
         return state, abstract_batch(trainer, model_config.Pos, batch_size), batch_size
 
     def with_microbatch(self, per_device_parallelism: int) -> "StepCompiler":

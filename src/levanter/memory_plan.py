@@ -4,7 +4,8 @@
 [--peak_flops 989e12] [--step_seconds S]`` builds the mesh the config asks for, traces the model and the
 optimizer with ``jax.eval_shape`` (nothing is allocated, however large the model), compiles the train step
 ahead of time for abstract inputs carrying the config's shardings (``jax.jit(...).lower(...).compile()``),
-and prints per device: the parameters, the optimizer state, the batch, the compiled step's temporaries
+and prints per device: the parameters, the optimizer state, the averaged copy of the weights
+(``trainer.model_averaging``, when set), the batch, the compiled step's temporaries
 (XLA's ``memory_analysis()``: activations kept for the backward pass, gradients, logits, scratch) and the
 total against the device memory; then the training FLOPs per token and what they mean for the step time
 at a given peak. It reads no data, builds no cache, and needs no accelerator.
@@ -31,7 +32,8 @@ What it can and cannot know:
   (:mod:`levanter.memory_fit`: a few more compiles, only then).
 
 Every run (not only ``--dry_run``) also takes the cheapest look first, :func:`check_memory`: a lower bound
-from shapes alone (parameters, gradients, optimizer state, one microbatch's float32 logits) against what
+from shapes alone (parameters, gradients, optimizer state, the averaged copy of ``trainer.model_averaging``,
+one microbatch's float32 logits) against what
 the devices, or for CPU devices the host, have free. It compiles nothing, so it refuses a model that
 cannot possibly fit before the caches are built or anything is allocated; the compiled check
 (:func:`levanter.memory_fit.fit_trainer`) comes later and sees the rest.
@@ -217,6 +219,7 @@ class MemoryPlan:
     peak_source: str
     step_seconds: Optional[float]
     loss: str
+    averaged_bytes: int = 0  # trainer.model_averaging's copy of the weights (0 without it)
     compiler_oom: Optional[str] = None  # the compiler refused the step for lack of memory (its message)
     lowers: tuple = ()  # "key: value -> figure" of each key that lowers a step that does not fit
     auto: str = ""  # what per_device_parallelism: auto picks (where the device's memory is known)
@@ -298,6 +301,8 @@ def make_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptions) ->
     floats = [x for x in jax.tree_util.tree_leaves(state.model) if jnp.issubdtype(x.dtype, jnp.inexact)]
     param_bytes = _shard_bytes(floats)
     opt_bytes = _shard_bytes(jax.tree_util.tree_leaves(state.opt_state))
+    # trainer.model_averaging: the averaged copy of the weights, an argument of the step like the rest.
+    averaged_bytes = _shard_bytes(jax.tree_util.tree_leaves(state.averaged_model))
     batch_bytes = _shard_bytes([tokens])
     temp = int(mem.temp_size_in_bytes) if mem is not None else 0
     # Live at the peak: the arguments (state and batch), the outputs that do not reuse a donated argument's
@@ -317,7 +322,7 @@ def make_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptions) ->
         batch_size=batch_size, seq_len=config.model.seq_len, microbatches=n_micro,
         param_count=sum(math.prod(x.shape) for x in floats), param_bytes=param_bytes,
         param_dtype=str(jnp.dtype(jmp.get_policy(tcfg.mp).param_dtype)),
-        opt_bytes=opt_bytes, batch_bytes=batch_bytes, temp_bytes=temp, total_bytes=total,
+        opt_bytes=opt_bytes, averaged_bytes=averaged_bytes, batch_bytes=batch_bytes, temp_bytes=temp, total_bytes=total,
         device_memory=device_memory, device_memory_source=memory_source,
         flops_per_token=float(config.model.flops_per_token(vocab_size)),
         peak_flops=peak, peak_source=peak_source,
@@ -351,6 +356,8 @@ def format_plan(plan: MemoryPlan, config_path: Optional[str] = None) -> str:
         f"  parameters            {_size(plan.param_bytes):>14}   "
         f"({plan.param_count:,} in all, {plan.param_dtype})",
         f"  optimizer state       {_size(plan.opt_bytes):>14}",
+        *([f"  averaged weights      {_size(plan.averaged_bytes):>14}   (trainer.model_averaging)"]
+          if plan.averaged_bytes else []),
         f"  batch                 {_size(plan.batch_bytes):>14}",
         f"  compiled temporaries  {_size(plan.temp_bytes):>14}   (activations, gradients, logits, scratch)",
         f"  total                 {_size(plan.total_bytes):>14}",
@@ -398,7 +405,8 @@ def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tup
     """Refuse a model whose training state cannot fit, before anything is allocated.
 
     The estimate is a lower bound from shapes alone (``jax.eval_shape``: nothing is allocated):
-    parameters and their gradients at the parameter precision, the optimizer's state, and the float32
+    parameters and their gradients at the parameter precision (and the averaged copy of
+    ``trainer.model_averaging``), the optimizer's state, and the float32
     logits of one (micro)batch that the loss holds at once (the whole vocabulary, or one block of
     ``model.cross_entropy_block_size`` entries). Activations and XLA's temporaries come on top
     (``--dry_run`` compiles the step and measures them).
@@ -433,14 +441,17 @@ def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tup
         micro = max(seg.value for seg in tcfg.batch_schedule.segments)
     logit_entries = config.model.loss_logit_entries(vocab_size)
     logit_bytes = micro * config.model.seq_len * logit_entries * 4
-    need = (2 * param_bytes + opt_bytes + logit_bytes) // max(jax.process_count(), 1)
+    # trainer.model_averaging keeps one more copy of the parameters.
+    copies = 3 if tcfg.model_averaging is not None else 2
+    need = (copies * param_bytes + opt_bytes + logit_bytes) // max(jax.process_count(), 1)
     have, where = available
     if need <= have:
         return
     vocab_key = "data.vocab_size" if config.data.vocab_size is not None else "the tokenizer's vocabulary"
     raise ValueError(
-        f"the model cannot fit: training needs at least {_gib(need)} (parameters and gradients "
-        f"{_gib(2 * param_bytes)}, optimizer state {_gib(opt_bytes)}, float32 logits of a batch of {micro} x "
+        f"the model cannot fit: training needs at least {_gib(need)} (parameters and gradients"
+        f"{' and the averaged copy (trainer.model_averaging)' if copies == 3 else ''} "
+        f"{_gib(copies * param_bytes)}, optimizer state {_gib(opt_bytes)}, float32 logits of a batch of {micro} x "
         f"{config.model.seq_len} positions x {logit_entries:,} vocabulary entries {_gib(logit_bytes)}) but "
         f"{where} has "
         f"{_gib(have)} free. Shrink the model ({vocab_key}={vocab_size:,}, model.hidden_dim, "

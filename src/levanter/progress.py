@@ -158,13 +158,22 @@ def _duration(seconds: float) -> str:
 
 def format_eval(step: int, metrics: Mapping[str, Any]) -> Optional[str]:
     """One line of an evaluation's ``eval/...`` metrics: ``eval at step 100: loss 2.41 | python-docs/loss
-    2.30 | ...`` (the overall ``eval/loss`` first); None if there are none."""
-    items = [(k[len("eval/"):], v) for k, v in metrics.items() if k.startswith("eval/")]
+    2.30 | ...`` (the overall ``eval/loss`` first); None if there are none. The averaged weights' metrics
+    (``eval/ema/...``, ``trainer.model_averaging``) print as ``eval of the averaged weights at step 100: ...``."""
+    prefix, label = "eval/", "eval"
+    if _is_averaged_eval(metrics):  # trainer.model_averaging's evaluation, logged as eval/ema/...
+        prefix, label = "eval/ema/", "eval of the averaged weights"
+    items = [(k[len(prefix):], v) for k, v in metrics.items() if k.startswith(prefix)]
     if not items:
         return None
     items.sort(key=lambda kv: (kv[0] != "loss", kv[0]))
     parts = [f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in items]
-    return f"eval at step {step}: " + " | ".join(parts)
+    return f"{label} at step {step}: " + " | ".join(parts)
+
+
+def _is_averaged_eval(metrics: Mapping[str, Any]) -> bool:
+    keys = [k for k in metrics if k.startswith("eval/")]
+    return bool(keys) and all(k.startswith("eval/ema/") for k in keys)
 
 
 class RunProgress:
@@ -272,7 +281,8 @@ class RunProgress:
         line = format_eval(step, metrics)
         if line is None:
             return
-        self.last_eval = (step, dict(metrics))
+        if not _is_averaged_eval(metrics):  # the summary's last eval is the trained weights'
+            self.last_eval = (step, dict(metrics))
         self._print(line)
 
     def summary(self, *, final_step: int, where: List[str]) -> None:

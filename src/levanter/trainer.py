@@ -56,12 +56,23 @@ PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: checkpointed after SIGTERM or SIGINT; r
 INTERRUPTED_AGAIN_EXIT_CODE = 130  # 128 + SIGINT: a second Ctrl-C, nothing more saved
 
 class TrainerState(eqx.Module):
-    """Everything a checkpoint holds: ``step`` updates done, the model, the optimizer state and a key."""
+    """Everything a checkpoint holds: ``step`` updates done, the model, the optimizer state, a key and, with
+    ``trainer.model_averaging``, the averaged copy of the weights (``averaged_model``: the model's float
+    arrays, None elsewhere; None without averaging, so such a state and its checkpoints have no such leaves)."""
 
     step: jax.Array
     model: Any
     opt_state: Any
     training_key: jax.Array
+    averaged_model: Any = None
+
+    @property
+    def eval_model(self) -> Any:
+        """The weights evaluation and the Hugging Face exports see: the averaged copy, with the model's other
+        leaves, when there is one (upstream's ``eval_model``); else the trained model."""
+        if self.averaged_model is None:
+            return self.model
+        return eqx.combine(self.averaged_model, eqx.filter(self.model, eqx.is_inexact_array, inverse=True))
 
 
 class StepMismatchError(RuntimeError):
@@ -107,13 +118,33 @@ class Trainer:
         model_key, train_key = jax.random.split(key)
 
         def init():
-            model = self.mp.cast_to_param(model_init(model_key))
-            opt_state = self.optimizer.init(eqx.filter(model, eqx.is_inexact_array))
-            return TrainerState(jnp.zeros((), jnp.int32), model, opt_state, train_key)
+            return self.fresh_state(self.mp.cast_to_param(model_init(model_key)), train_key)
 
         with hax.partitioning.set_mesh(self.mesh), hax.axis_mapping(self.param_mapping):
             options = init_compile_options(self.mesh)
             return hax.named_jit(init, axis_resources=self.param_mapping, **options)()
+
+    def fresh_state(self, model: Any, key: jax.Array) -> TrainerState:
+        """The state at step 0 around ``model`` (already in the parameter dtype): a fresh optimizer state
+        and, with ``trainer.model_averaging``, the average starting at ``model``'s weights. Traceable (the
+        initialisation and the memory plan's ``jax.eval_shape`` call it)."""
+        params = eqx.filter(model, eqx.is_inexact_array)
+        opt_state = self.optimizer.init(params)
+        return TrainerState(jnp.zeros((), jnp.int32), model, opt_state, key, self._average_start(params))
+
+    def _average_start(self, params: Any) -> Any:
+        if self.config.model_averaging is None:
+            return None
+        # A copy, not the same arrays: the step donates both the model and the average.
+        return jax.tree.map(jnp.copy, params)
+
+    def restart_average(self, state: TrainerState) -> TrainerState:
+        """``state`` with its average (if averaging is on) restarted at its current weights: a branch
+        (``trainer.initialize_from``, ``initialize_from_hf``) averages from the weights it starts from."""
+        if self.config.model_averaging is None:
+            return state
+        params = eqx.filter(state.model, eqx.is_inexact_array)
+        return dataclasses.replace(state, averaged_model=self._average_start(params))
 
     # -- compiled functions --------------------------------------------------------------------------
     def _microbatches(self, batch_size: int) -> int:
@@ -125,6 +156,7 @@ class Trainer:
     def _make_step(self, batch_size: int) -> Callable:
         n_micro = self._microbatches(batch_size)
         loss_fn, mp, optimizer = self.loss_fn, self.mp, self.optimizer
+        averaging = self.config.model_averaging
         batch_axis = self.config.batch_axis
         compute_mapping = self.compute_mapping
 
@@ -211,7 +243,12 @@ class Trainer:
             new_params = jax.tree.map(keep, new_params, params)
             opt_state = jax.tree.map(keep, opt_state, state.opt_state)
             model = eqx.combine(new_params, static)
-            new_state = TrainerState(state.step + 1, model, opt_state, state.training_key)
+            averaged = state.averaged_model
+            if averaging is not None:
+                # After the step's update, from the parameters as kept: a step whose update was not applied
+                # (non-finite) leaves the average as it was too.
+                averaged = jax.tree.map(keep, averaging.update(averaged, new_params), averaged)
+            new_state = TrainerState(state.step + 1, model, opt_state, state.training_key, averaged)
             metrics = {"loss": total / denom, "loss_tokens": count, "grad_norm": grad_norm,
                        "update_finite": update_finite, "skipped": jnp.logical_not(finite) | spike,
                        "extra": {k: v.astype(jnp.float32) / denom for k, v in extra.items()}}
@@ -287,7 +324,7 @@ class Trainer:
             start_step = int(state.step)
             if start_step > 0 and hooks.is_eval_step(start_step):
                 # The earlier attempt's eval at this step was dropped with its other records of steps >= start.
-                hooks.evaluate(state.model, start_step)
+                self._evaluate(hooks, state, start_step)
             t_prev = time.perf_counter()
             for batch in batches:
                 step = int(state.step)
@@ -310,7 +347,7 @@ class Trainer:
 
                 done = step + 1
                 if hooks.is_eval_step(done):
-                    hooks.evaluate(state.model, done)
+                    self._evaluate(hooks, state, done)
                     t_prev = time.perf_counter()  # the evaluation is not the next step's time
                 checkpointer.on_step(state, done, force=done == num_steps)
                 fault_point("train_after_step")
@@ -350,6 +387,12 @@ class Trainer:
             raise
         finally:
             self.restore_signal_handlers(previous_handler)
+
+    @staticmethod
+    def _evaluate(hooks: "TrainHooks", state: TrainerState, step: int) -> None:
+        hooks.evaluate(state.model, step)
+        if state.averaged_model is not None:
+            hooks.evaluate_averaged(state.eval_model, step)
 
     # -- signals -------------------------------------------------------------------------------------
     def install_sigterm_handler(self):
@@ -429,8 +472,42 @@ class TrainHooks:
     def evaluate(self, model, step: int) -> None:
         """Evaluate ``model`` as it stands after ``step`` updates."""
 
+    def evaluate_averaged(self, model, step: int) -> None:
+        """With ``trainer.model_averaging``: evaluate the averaged weights after ``step`` updates (called
+        right after :meth:`evaluate` of the trained ones)."""
+
     def on_preempt(self) -> None:
         """Before the process exits on SIGTERM (the state is already checkpointed)."""
+
+
+AVERAGED_LEAVES = "averaged_model"  # where a checkpoint holds the averaged copy (TrainerState.averaged_model)
+
+
+def check_resume_averaging(point, config: TrainerConfig) -> None:
+    """Refuse to resume from ``point`` (a :class:`levanter.checkpoint.ResumePoint`) when it and
+    ``trainer.model_averaging`` disagree on whether there is an averaged copy of the weights. Starting an
+    average at a resumed step would make the run's average differ from an uninterrupted run's (resume is
+    a pure function of the step), and dropping a saved one would lose it unasked; a branch
+    (``trainer.initialize_from``) is the way to add or drop averaging from a checkpoint on."""
+    if point is None:
+        return
+    holds = point.holds(AVERAGED_LEAVES)
+    wanted = config.model_averaging is not None
+    if wanted and not holds:
+        raise ValueError(
+            f"trainer.model_averaging is set but the checkpoint {point.path} (step {point.step}) holds no averaged "
+            "copy of the weights (the run that wrote it kept none): starting the average at that step would not "
+            "be the average of an uninterrupted run. Remove trainer.model_averaging to resume as the run was, or "
+            f"start a new run (another trainer.id) with trainer.initialize_from: {point.path}, whose average "
+            "starts from those weights."
+        )
+    if holds and not wanted:
+        raise ValueError(
+            f"the checkpoint {point.path} (step {point.step}) holds an averaged copy of the weights "
+            "(trainer.model_averaging was set in the run that wrote it) but trainer.model_averaging is not set: "
+            "set it as that run did to resume, or start a new run (another trainer.id) with "
+            f"trainer.initialize_from: {point.path} to go on without the average."
+        )
 
 
 def check_step(batch: Batch, state_step: int) -> None:
@@ -489,6 +566,8 @@ __all__ = [
     "Trainer",
     "TrainerConfig",
     "TrainerState",
+    "AVERAGED_LEAVES",
+    "check_resume_averaging",
     "check_finite",
     "check_step",
     "named_batch",

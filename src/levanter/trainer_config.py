@@ -26,6 +26,7 @@ from .checkpoint.resume import ResumePoint, find_resume_point
 from .config import parse_timedelta
 from .refused_keys import check_refused, refused
 from .distributed import DistributedConfig
+from .optim.model_averaging import ModelAveragingConfig
 from .quantization import QuantizationConfig
 from .schedule import BatchSchedule, ScheduleStep
 from .tracker import JsonConfig, TrackerConfig, WandbConfig
@@ -144,10 +145,9 @@ class TrainerConfig:
     replica_dcn_axis_size: int = refused("replica axes are not built here; leave it at 1", default=1)
     # int8 training of the linear layers ({int8: true, targets: ...}; levanter.quantization); null: none.
     quantization: Optional[QuantizationConfig] = None
-    # Upstream's averaged copy of the weights (EMA) for evaluation; refused if set.
-    model_averaging: Optional[Dict[str, Any]] = refused(
-        "no averaged copy of the weights is kept here; remove the key (evaluation uses the trained weights)"
-    )
+    # An averaged copy of the weights ({type: ema, beta: 0.999}), updated after every step, checkpointed,
+    # evaluated beside the trained weights (eval/ema/...) and exported by hf_save_path; null: none.
+    model_averaging: Optional[ModelAveragingConfig] = None
 
     # -- derived -------------------------------------------------------------------------------------
     @property
@@ -178,6 +178,8 @@ class TrainerConfig:
         check_refused(self, "trainer")  # upstream keys not built here (refused_keys.refused)
         if self.quantization is not None:
             self.quantization.check(jax.default_backend())
+        if self.model_averaging is not None:
+            self.model_averaging.check()
         given = self.tracker if isinstance(self.tracker, tuple) else (self.tracker,)
         if self.wandb is not None and any(isinstance(t, WandbConfig) for t in given):
             raise ValueError(

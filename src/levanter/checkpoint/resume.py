@@ -41,16 +41,23 @@ logger = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class ResumePoint:
     """A complete checkpoint, read once: its path, the step it holds and the records the run that wrote it
-    kept in its ``metadata.json`` (``metadata``: the data schedule, the model, the branch origin, ...)."""
+    kept in its ``metadata.json`` (``metadata``: the data schedule, the model, the branch origin, ...), and
+    the names of the arrays it holds (``leaves``: ``model/...``, ``opt_state/...``)."""
 
     path: str
     step: int
     records: dict
+    leaves: tuple = ()
 
     @classmethod
     def read(cls, path: str) -> "ResumePoint":
         doc = read_checkpoint_metadata(path)
-        return cls(path, int(doc["step"]), doc.get("metadata") or {})
+        return cls(path, int(doc["step"]), doc.get("metadata") or {}, tuple(r["name"] for r in doc["leaves"]))
+
+    def holds(self, subtree: str) -> bool:
+        """Whether the checkpoint holds any array under ``subtree`` (a field of the saved state)."""
+        prefix = subtree + "/"
+        return any(name == subtree or name.startswith(prefix) for name in self.leaves)
 
     def finished(self, num_train_steps: int) -> bool:
         """Whether the checkpoint is at or past ``num_train_steps``: nothing is left to train."""

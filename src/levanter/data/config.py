@@ -43,6 +43,7 @@ __all__ = [
     "TrainWeights",
     "LMMixtureDatasetConfig",
     "DataConfig",
+    "MIXTURE_EPOCH_ERROR",
 ]
 
 logger = logging.getLogger(__name__)
@@ -271,13 +272,19 @@ class UrlSingleDatasetLMConfig(LMTaskConfig, LMDatasetSourceConfig):
         return set() if cache is None else {cache.eos_id}
 
     def train_set(
-        self, seq_len: int, batch_schedule: BatchSchedule | int, *, key, tokens_only: bool = False
+        self, seq_len: int, batch_schedule: BatchSchedule | int, *, key, tokens_only: bool = False,
+        epochs: int = 0,
     ) -> AsyncDataset:
-        """The training examples; ``tokens_only``: ``{tokens}`` alone (see :class:`CausalLmDataset`)."""
+        """The training examples; ``tokens_only``: ``{tokens}`` alone (see :class:`CausalLmDataset`).
+
+        ``epochs`` (``train_lm``'s top-level ``epoch``, upstream's meaning): above 0, the (shuffled) examples
+        repeat in the same order up to that many times (:class:`~levanter.data.dataset.EpochDataset`, an
+        index map ``i -> i mod len``); 0: they are read once."""
         cache = self.build_caches("train")
         if cache is None:
             raise ValueError("data.train_urls is empty: nothing to train on")
-        return self._shuffled(self._dataset(cache, seq_len, tokens_only), derive_seed(seed_from_key(key), 0))
+        ds = self._shuffled(self._dataset(cache, seq_len, tokens_only), derive_seed(seed_from_key(key), 0))
+        return ds.epochs(max_epochs=epochs) if epochs > 0 else ds
 
     def validation_sets(self, seq_len: int) -> Dict[str, AsyncDataset]:
         cache = self.build_caches("validation")
@@ -425,9 +432,14 @@ class LMMixtureDatasetConfig(LMTaskConfig):
         return {c.eos_id for c in self.build_caches("train").values()}
 
     def train_set(
-        self, seq_len: int, batch_schedule: BatchSchedule | int, *, key, tokens_only: bool = False
+        self, seq_len: int, batch_schedule: BatchSchedule | int, *, key, tokens_only: bool = False,
+        epochs: int = 0,
     ) -> AsyncDataset:
-        """The training mixture; ``tokens_only``: examples are ``{tokens}`` alone (``CausalLmDataset``)."""
+        """The training mixture; ``tokens_only``: examples are ``{tokens}`` alone (``CausalLmDataset``).
+        ``epochs`` must be 0: a mixture repeats its sources by ``stop_strategy`` (as upstream, which refuses
+        epochs for mixtures)."""
+        if epochs:
+            raise ValueError(MIXTURE_EPOCH_ERROR.format(epochs=epochs))
         seed = seed_from_key(key)
         caches = self.build_caches("train")
         datasets = {}
@@ -451,3 +463,8 @@ class LMMixtureDatasetConfig(LMTaskConfig):
 
 
 DataConfig = Union[UrlSingleDatasetLMConfig, LMMixtureDatasetConfig]
+
+MIXTURE_EPOCH_ERROR = (
+    "epoch={epochs} applies to a single source (data.train_urls); a mixture (data.configs) repeats its sources "
+    "by data.stop_strategy (restart, the default, wraps each source that runs out): remove epoch"
+)

@@ -43,7 +43,7 @@ from typing import Optional
 import numpy as np
 
 from ..schedule import BatchSchedule
-from .dataset import AsyncDataset
+from .dataset import AsyncDataset, EpochDataset
 from .mixture import MixtureDataset
 from .text import TokenSeqDataset
 
@@ -143,6 +143,8 @@ async def _length(ds: AsyncDataset) -> Optional[int]:
 def _source_datasets(train_set: AsyncDataset) -> tuple[list[str], list[AsyncDataset]]:
     if isinstance(train_set, MixtureDataset):
         return list(train_set.names), list(train_set.datasets)
+    if isinstance(train_set, EpochDataset):  # train_lm's epoch: the source is what repeats
+        return [SINGLE_SOURCE_NAME], [train_set.dataset]
     return [SINGLE_SOURCE_NAME], [train_set]
 
 
@@ -238,7 +240,11 @@ def plan_data(train_set: AsyncDataset, schedule: BatchSchedule, num_steps: int, 
         n = lengths[s]
         wrap = exhausted = None
         if n is not None:
-            if mixture is None:
+            if mixture is None and isinstance(train_set, EpochDataset):
+                # train_lm's epoch: the source wraps after each pass and the data ends after the last.
+                wrap_index = n if (train_set.max_epochs or 2) > 1 else None
+                exhausted_index = None if train_set.max_epochs is None else n * train_set.max_epochs
+            elif mixture is None:
                 # A single source is not wrapped: the data ends when it runs out.
                 exhausted_index = n
                 wrap_index = None
@@ -382,6 +388,8 @@ def dump_rows(train_set: AsyncDataset, schedule: BatchSchedule, start: int, end:
 
                     raise DatasetExhausted(f"step {step} needs global index {stop - 1}, but the data has {n}")
                 src, src_index = np.zeros_like(idx), idx
+                if isinstance(train_set, EpochDataset):  # the source's index after the epoch's wrap
+                    src_index = loop.run_until_complete(train_set.index_map())(idx)
             rows = np.empty_like(src_index)
             for s in np.unique(src).tolist():
                 sel = src == s

@@ -105,7 +105,8 @@ def format_plan(plan: DataPlan) -> str:
         out += _table(["source", "sequences", "tokens", "target", "achieved", "epochs", "cum. epochs"], rows)
     out.append("")
     out.append(f"sources over steps 0..{plan.steps - 1:,}:" if plan.steps else "sources:")
-    wrap_col = plan.stop_strategy in ("restart", "all_exhausted")
+    # A single source wraps too when train_lm's epoch repeats it.
+    wrap_col = plan.stop_strategy in ("restart", "all_exhausted") or any(s.wrap_step is not None for s in plan.sources)
     exhaust_col = plan.stop_strategy in (None, "first_exhausted", "all_exhausted")
     header = ["source", "length (seqs)", "tokens", "drawn", "epochs"]
     if wrap_col:
@@ -201,7 +202,7 @@ def main(config, *, steps: Optional[int] = None, dump=None, plot: Optional[str] 
         if not (0 <= start < end):
             raise ValueError(f"--dump: need 0 <= START < END, got {start}:{end}")
 
-    train_set = config.data.train_set(seq_len, schedule, key=data_key(config))
+    train_set = config.data.train_set(seq_len, schedule, key=data_key(config), epochs=config.epoch)
     plan = planner.plan_data(train_set, schedule, num_steps, seq_len=seq_len)
     print(format_plan(plan))
     result = plan.to_dict()

@@ -32,7 +32,11 @@ FLOP/s is known), ``data/wait_seconds`` and, for mixtures, ``data/source_counts/
 sources (:mod:`levanter.eval`): ``eval/<source>/loss`` and ``eval/<source>/bpb`` (bits per byte), the
 micro averages ``eval/loss`` and ``eval/bpb``, the macro averages ``eval/macro_loss`` and
 ``eval/macro_bpb``, and per tag ``eval/<tag>/loss`` and ``eval/<tag>/bpb`` (plus ``macro_loss`` and
-``macro_bpb`` for a tag on several sources).
+``macro_bpb`` for a tag on several sources). With ``trainer.model_averaging`` the averaged weights are
+evaluated too, right after, under ``eval/ema/...`` (upstream's names), and ``hf_save_path`` exports them.
+
+With ``epoch: N`` a single source's training data repeats up to N times (the same order each time); a run
+that needs more is refused with the other data-length checks, before the first step.
 """
 
 from __future__ import annotations
@@ -79,7 +83,7 @@ from levanter.checkpoint import (
     restore,
 )
 from levanter.config import parse_timedelta
-from levanter.data.dataset import AsyncDataset
+from levanter.data.dataset import AsyncDataset, EpochDataset
 from levanter.data.load_errors import DataLoadError
 from levanter.data.loader import DataLoader, use_prefetch_switch_interval
 from levanter.data import seed_from_key
@@ -110,6 +114,7 @@ from levanter.trainer import (
     Trainer,
     TrainerConfig,
     TrainHooks,
+    check_resume_averaging,
     named_batch,
 )
 
@@ -131,10 +136,17 @@ def check_data_covers_run(config: TrainLmConfig, train_set: AsyncDataset, schedu
     if isinstance(train_set, MixtureDataset):
         what = f"data.stop_strategy={train_set.stop_strategy}: the mixture ends after {n:,} sequences"
         repeat = "or set data.stop_strategy: restart to wrap sources that run out"
+    elif isinstance(train_set, EpochDataset):
+        once = asyncio.run(train_set.dataset.async_len())
+        epochs = train_set.max_epochs
+        needed = -(-need // once)  # ceil: the epochs the run reads into
+        what = (f"epoch={epochs}: the training data holds {once:,} sequences of model.seq_len="
+                f"{config.model.seq_len} tokens per epoch, {n:,} in {epochs} epochs")
+        repeat = f"or raise epoch to {needed} ({need / once:.2f} epochs of the data)"
     else:
         what = f"data: the training data holds {n:,} sequences of model.seq_len={config.model.seq_len} tokens"
-        repeat = ("or repeat it: make it the one source of a mixture (data.configs + data.train_weights), "
-                  "whose default stop_strategy restart wraps it")
+        repeat = ("or repeat it: set epoch (the epochs to read), or make it the one source of a mixture "
+                  "(data.configs + data.train_weights), whose default stop_strategy restart wraps it")
     raise ValueError(
         f"{what}, enough for {end} steps, but trainer.num_train_steps is {steps} ({need:,} sequences). Add "
         f"training data, lower trainer.num_train_steps to {end}, {repeat}."
@@ -205,6 +217,7 @@ def main(config: TrainLmConfig) -> dict:
             # before the caches, the model and the trackers: nothing is touched
             say_finished(tcfg, run_id, point.step, point.path)
             return {"run_id": run_id, "final_step": point.step, "final_loss": None}
+        check_resume_averaging(point, tcfg)  # trainer.model_averaging as the checkpoint was written
         return _main_locked(config, tokenizer, run_id, point)
     finally:
         lock.release()
@@ -244,7 +257,8 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
     # different ones (different tokenizers) keep the three host columns.
     eos_ids = config.data.train_eos_ids()
     tokens_only = len(eos_ids) == 1
-    train_set = config.data.train_set(config.model.seq_len, schedule, key=dkey, tokens_only=tokens_only)
+    train_set = config.data.train_set(config.model.seq_len, schedule, key=dkey, tokens_only=tokens_only,
+                                      epochs=config.epoch)
     eval_sets = config.data.validation_sets(config.model.seq_len)
     check_data_covers_run(config, train_set, schedule)
     check_eval_set_sizes(eval_sets, tcfg, config.model.seq_len)
@@ -280,6 +294,7 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
             state = initialize_from(state, branch.path, optimizer_state=branch.optimizer_state, key=branch.key)
             origin = {"path": branch.path, "step": int(read_checkpoint_metadata(branch.path)["step"]),
                       "optimizer_state": branch.optimizer_state}
+            state = trainer.restart_average(state)  # trainer.model_averaging: from the branch's weights
         elif hf_init_path(config) is not None:  # weights from a Hugging Face checkpoint; the optimizer's are fresh
             from levanter.compat import load_hf_weights
 
@@ -287,6 +302,7 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
             logger.info("loaded the weights of Hugging Face checkpoint %s (the optimizer starts fresh)",
                         hf_init_path(config))
             origin = {"hf_checkpoint": hf_init_path(config)}
+            state = trainer.restart_average(state)
 
     if jax.process_index() == 0:
         record_log_lineage(_json_log_dirs(tcfg, run_id), tcfg.checkpointer.expanded_path(run_id))
@@ -363,6 +379,12 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
 
         def evaluate(self, model, done: int) -> None:
             losses = evaluator.evaluate(model).metrics()  # the eval/... metrics (levanter.eval)
+            tracker.log(losses, step=done)
+            progress.eval(done, losses)
+
+        def evaluate_averaged(self, model, done: int) -> None:
+            # trainer.model_averaging: the averaged weights, as upstream logs them (eval/ema/...).
+            losses = evaluator.evaluate(model).metrics(prefix="eval/ema")
             tracker.log(losses, step=done)
             progress.eval(done, losses)
 

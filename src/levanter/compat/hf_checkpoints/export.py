@@ -231,8 +231,12 @@ class HfExporter:
         self.config, self.tokenizer, self.dtype, self.max_shard_size = config, tokenizer, dtype, max_shard_size
         self.exported: list[str] = []
 
+    def due(self, step: int) -> bool:
+        """Whether the model after ``step`` updates is exported."""
+        return step > 0 and (step % self.every == 0 or step == self.last_step)
+
     def on_step(self, model, step: int) -> None:
-        if step <= 0 or not (step % self.every == 0 or step == self.last_step):
+        if not self.due(step):
             return
         path = fs.join(self.base_path, f"step-{step}")
         save_hf_checkpoint(model, self.config, path, tokenizer=self.tokenizer, dtype=self.dtype,
@@ -247,14 +251,16 @@ class HfExporter:
 
 class _ExportingCheckpointer:
     """A checkpointer that also hands each step's model to an :class:`HfExporter` (everything else is the
-    wrapped checkpointer's)."""
+    wrapped checkpointer's). The model exported is the state's ``eval_model``: with
+    ``trainer.model_averaging``, the averaged weights (as upstream exports them)."""
 
     def __init__(self, inner, exporter: HfExporter):
         self._inner, self._exporter = inner, exporter
 
     def on_step(self, state, step: int, force: bool = False):
         out = self._inner.on_step(state, step, force=force)
-        self._exporter.on_step(state.model, step)
+        if self._exporter.due(step):
+            self._exporter.on_step(state.eval_model, step)
         return out
 
     def __getattr__(self, name):
