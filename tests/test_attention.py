@@ -1,7 +1,7 @@
 """Attention backends and remat policies: blockwise attention (``jax_flash``) against the materialised
 ``vanilla`` kernel (outputs and gradients), the splash kernel in Pallas interpret mode, the platform
 refusals of ``splash``/``cudnn``, what ``default`` resolves to, the config keys, whole-model forwards,
-and that every ``gradient_checkpointing`` policy computes the same loss and gradients.
+sliding windows (the mask's convention, blockwise and splash against the materialised kernel), and that every ``gradient_checkpointing`` policy computes the same loss and gradients.
 
 Shapes are small and each case is one jitted function, so the file stays within a few seconds' compile."""
 
@@ -152,6 +152,63 @@ def test_splash_gradients_in_interpret_mode_match_blockwise(group):
 
     ours = grads(functools.partial(splash_attention, block_size=128, interpret=True))
     ref = grads(functools.partial(blockwise_attention, block_size=64))
+    for a, r in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(a, r, atol=tol(5e-5), rtol=tol(5e-5))
+
+
+def test_sliding_window_mask_is_transformers_convention():
+    """With a window of w, query q sees keys q - w + 1 .. q (and only within its segment); a window at least
+    as long as the sequence is dropped, so the plain causal kernels run."""
+    Pos = Axis("position", 9)
+    seg = hax.named(jnp.asarray([[0] * 4 + [1] * 5, [0] * 9]), (Batch, Pos))
+    got = np.asarray(causal_segment_mask(Pos, seg, window=3).rearrange((Batch, Pos, "key_position")).array)
+    q, k = np.arange(9)[:, None], np.arange(9)[None, :]
+    ids = np.asarray(seg.array)
+    want = (q - k >= 0) & (q - k < 3) & (ids[:, :, None] == ids[:, None, :])
+    np.testing.assert_array_equal(got, want)
+    assert attention_mask(Pos, None, "jax_flash", window=9).window is None
+    assert attention_mask(Pos, None, "jax_flash", window=8).window == 8
+    with pytest.raises(ValueError, match="attention window must be a positive"):
+        attention_mask(Pos, None, "vanilla", window=0)
+
+
+# (seq_len, block, window, packed): a window inside one block, one spanning blocks that is not a multiple of
+# the block (so whole key blocks are skipped, forward and backward), grouped heads.
+@pytest.mark.parametrize("seq_len,block,window,packed", [(24, 8, 3, False), (29, 4, 7, True)])
+def test_blockwise_sliding_window_matches_vanilla(seq_len, block, window, packed):
+    Pos = Axis("position", seq_len)
+    q, k, v = _qkv(seq_len + 1, Pos, 4, 2)
+    # Packed: documents longer than the window, so that both the window and the segments cut.
+    seg = hax.named(jnp.asarray([[0] * 12 + [1] * 17, [0] * 5 + [1] * 24]), (Batch, Pos)) if packed else None
+    flash_out, flash_grads = _value_and_grads(attention_mask(Pos, seg, "jax_flash", block, window), q, k, v)
+    ref_out, ref_grads = _value_and_grads(attention_mask(Pos, seg, "vanilla", window=window), q, k, v)
+    full_out, _ = _value_and_grads(attention_mask(Pos, seg, "vanilla"), q, k, v)
+    assert _rel_err(full_out, ref_out) > 1e-2  # the window changes the output
+    assert _rel_err(flash_out, ref_out) < tol(1e-5)
+    for name, ours, ref in zip("qkv", flash_grads, ref_grads):
+        assert _rel_err(ours, ref) < tol(1e-5), name
+
+
+def test_splash_sliding_window_in_interpret_mode_matches_blockwise():
+    """splash's local mask is the same window as the blockwise kernel's (grouped heads, packed documents),
+    in the forward and the backward pass."""
+    b, kv, group, length, d, window = 1, 1, 2, 256, 16, 40
+    rng = np.random.default_rng(2)
+    q = jnp.asarray(rng.standard_normal((b, kv, group, length, d)) * 0.25, jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, kv, length, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, kv, length, d)), jnp.float32)
+    seg = jnp.asarray(np.cumsum(rng.random((b, length)) < 0.01, axis=1), jnp.int32)
+    w = jnp.asarray(rng.standard_normal((b, kv, group, length, d)), jnp.float32)
+
+    def grads(kernel):
+        return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(kernel(q, k, v, seg) * w), argnums=(0, 1, 2)))(
+            q, k, v
+        )
+
+    ours = grads(functools.partial(splash_attention, block_size=128, interpret=True, window=window))
+    ref = grads(functools.partial(blockwise_attention, block_size=64, window=window))
+    full = grads(functools.partial(blockwise_attention, block_size=64))
+    assert not np.allclose(full[0], ref[0], atol=1e-3)
     for a, r in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
         np.testing.assert_allclose(a, r, atol=tol(5e-5), rtol=tol(5e-5))
 

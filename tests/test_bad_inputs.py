@@ -560,6 +560,16 @@ CASES: list[Case] = [
          yaml=edit(BASE, "{type: gpt2, hidden_dim: 32, num_heads: 4,",
                    "{type: gemma2, cross_entropy_block_size: 64, hidden_dim: 32, intermediate_dim: 64, head_dim: 8, "
                    "num_kv_heads: 1, num_heads: 4,")),
+    Case("mistral-sliding-window-zero", "model", "a Mistral with `sliding_window: 0`", 2,
+         ["model.sliding_window must be a positive number", "null"],
+         yaml=edit(BASE, "{type: gpt2, hidden_dim: 32, num_heads: 4,",
+                   "{type: mistral, sliding_window: 0, hidden_dim: 32, intermediate_dim: 64, num_kv_heads: 2, "
+                   "num_heads: 4,")),
+    Case("olmo2-attention-dropout", "model", "upstream's `attention_dropout: 0.1` on an OLMo 2", 2,
+         ["model.attention_dropout=0.1 is not supported", "remove the key"],
+         yaml=edit(BASE, "{type: gpt2, hidden_dim: 32, num_heads: 4,",
+                   "{type: olmo2, attention_dropout: 0.1, hidden_dim: 32, intermediate_dim: 64, num_kv_heads: 2, "
+                   "num_heads: 4,")),
     Case("seq-len-beyond-positions", "model", "`seq_len: 2048` with `n_positions: 1024`", 2,
          ["model.seq_len (2048)", "model.n_positions", "1024"],
          args=["--model.seq_len", "2048", "--model.n_positions", "1024"]),
@@ -1185,6 +1195,11 @@ HF_CASES = [
     Case("hf-init-sliding-window", "hugging face", "a Qwen2 checkpoint with sliding-window attention", 2,
          ["$TMP/hf/config.json", "'use_sliding_window'"],
          setup=hf_dir({**HF_LLAMA, "model_type": "qwen2", "rope_parameters": None, "use_sliding_window": True}),
+         yaml=BASE + "initialize_from_hf: $TMP/hf\n"),
+    Case("hf-init-mistral-layer-types", "hugging face", "a Mistral checkpoint whose `layer_types` alternate", 2,
+         ["$TMP/hf/config.json", "'layer_types'", "sliding_window"],
+         setup=hf_dir({**HF_LLAMA, "model_type": "mistral", "rope_parameters": None, "sliding_window": 4,
+                       "layer_types": ["sliding_attention", "full_attention"]}),
          yaml=BASE + "initialize_from_hf: $TMP/hf\n"),
     Case("hf-init-rope-scaling", "hugging face", "a Llama checkpoint with a rope scaling not implemented (longrope)", 2,
          ["'rope_parameters'", "'longrope'"], setup=hf_dir(HF_LLAMA),

@@ -1,9 +1,10 @@
 """Hugging Face import and export (levanter.compat.hf_checkpoints, train_lm's initialize_from_hf and
 hf_save_path, export_lm_to_hf), against real ``transformers`` models on CPU, offline.
 
-Tiny random GPT-2, Llama, Qwen, Gemma and Gemma 2 models (grouped-query and multi-query attention, tied and
-untied heads, a non-default rope theta, llama3 and yarn rope scaling, Gemma heads wider and narrower than
-hidden / heads, its norm offsets randomised, Gemma 2's window and soft caps in play) are made by
+Tiny random GPT-2, Llama, Qwen, Mistral, Gemma, Gemma 2 and OLMo 2 models (grouped-query and multi-query
+attention, tied and untied heads, a non-default rope theta, llama3 and yarn rope scaling, Gemma heads wider and
+narrower than hidden / heads, its norm offsets randomised, Gemma 2's and Mistral's windows and Gemma 2's soft caps
+in play, OLMo 2's whole-projection q/k norms and post-norms perturbed away from one) are made by
 ``transformers`` once per module; our import must give transformers' logits on the same tokens (float32, max abs difference < 1e-4), an export must load in transformers and give ours, and
 export -> import is bit-identical. One short training run serves several assertions.
 """
@@ -26,7 +27,16 @@ import haliax as hax
 
 from accelerator import tol
 from levanter.compat import load_hf_checkpoint, load_hf_config, save_hf_checkpoint
-from levanter.models import Gemma2Config, GemmaConfig, Gpt2Config, LlamaConfig, Qwen2Config, Qwen3Config
+from levanter.models import (
+    Gemma2Config,
+    GemmaConfig,
+    Gpt2Config,
+    LlamaConfig,
+    MistralConfig,
+    Olmo2Config,
+    Qwen2Config,
+    Qwen3Config,
+)
 from levanter.models.rope import Llama3RopeConfig, YarnRopeConfig
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -86,12 +96,23 @@ def hf_configs():
         "qwen3-bias": transformers.Qwen3Config(
             hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
             head_dim=8, vocab_size=VOCAB, max_position_embeddings=64, attention_bias=True, **quiet),
+        # A window of 4 of the 12 positions on every layer; grouped-query heads.
+        "mistral": transformers.MistralConfig(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=VOCAB, max_position_embeddings=64, sliding_window=4, rope_theta=5000.0, **quiet),
+        # The q/k norms span the whole projection (4 x 8 queries, 2 x 8 keys); OLMo 2's rope base.
+        "olmo2": transformers.Olmo2Config(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=VOCAB, max_position_embeddings=64, rope_theta=500000.0, **quiet),
+        "olmo2-bias": transformers.Olmo2Config(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+            vocab_size=VOCAB, max_position_embeddings=64, attention_bias=True, tie_word_embeddings=True, **quiet),
     }
 
 
 # transformers initialises biases to zero and norm scales to one; a mapping that swapped or dropped them
 # would go unseen, so these models get every parameter perturbed.
-PERTURBED = ("qwen2", "qwen3", "qwen3-bias")
+PERTURBED = ("qwen2", "qwen3", "qwen3-bias", "mistral", "olmo2", "olmo2-bias")
 
 
 def torch_logits(model) -> np.ndarray:
@@ -139,12 +160,12 @@ def imported(hf_dirs):
 
 
 CLASSES = {"gpt2": Gpt2Config, "llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-           "gemma": GemmaConfig, "gemma2": Gemma2Config}
+           "gemma": GemmaConfig, "gemma2": Gemma2Config, "mistral": MistralConfig, "olmo2": Olmo2Config}
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa-untied", "llama-tied", "llama-rope-llama3", "llama-rope-yarn",
                                   "qwen2", "qwen3", "qwen3-bias", "gemma-mqa-tied", "gemma-gqa-untied",
-                                  "gemma2"])
+                                  "gemma2", "mistral", "olmo2", "olmo2-bias"])
 def test_import_gives_transformers_logits(name, hf_dirs, imported):
     config, model = imported[name]
     assert type(config) is CLASSES[name.split("-")[0]]
@@ -169,6 +190,19 @@ def test_import_gives_transformers_logits(name, hf_dirs, imported):
         assert (config.query_pre_attn_scalar, config.sliding_window, config.attn_logit_softcapping,
                 config.final_logit_softcapping) == (24, 4, 2.0, 0.5)
         assert float(np.abs(np.asarray(model.layers.stacked.post_feedforward_layernorm.weight.array)).max()) > 0.1
+    if name == "mistral":
+        assert (config.sliding_window, config.num_kv_heads, config.rope_theta) == (4, 2, 5000.0)
+        # The window is in play: without it the same weights give other logits.
+        unwindowed = dataclasses.replace(model, config=dataclasses.replace(config, sliding_window=None))
+        assert np.abs(our_logits(unwindowed) - hf_dirs[name][1]).max() > 1e-2
+    if name == "olmo2":
+        attn = model.layers.stacked.self_attn
+        assert attn.q_norm.weight.array.shape == (2, 4, 8) and attn.k_norm.weight.array.shape == (2, 2, 8)
+        assert model.layers.stacked.input_layernorm is None and attn.q_proj.bias is None
+        assert (config.layer_norm_epsilon, config.rope_theta) == (1e-5, 500000.0)  # transformers' OLMo 2 eps
+    if name == "olmo2-bias":
+        assert config.attention_bias and model.lm_head is None
+        assert model.layers.stacked.self_attn.o_proj.bias is not None
     if name == "llama-gqa-untied":
         assert (config.num_kv_heads, config.rope_theta, config.tie_word_embeddings) == (2, 5000.0, False)
         assert model.lm_head is not None
@@ -188,7 +222,7 @@ def test_import_gives_transformers_logits(name, hf_dirs, imported):
 
 @pytest.mark.parametrize("name", ["gpt2", "llama-gqa-untied", "llama-rope-llama3", "llama-rope-yarn", "qwen2",
                                   "qwen3", "qwen3-bias", "gemma-mqa-tied", "gemma-gqa-untied",
-                                  "gemma2"])
+                                  "gemma2", "mistral", "olmo2", "olmo2-bias"])
 def test_export_loads_in_transformers_and_imports_bit_identically(name, hf_dirs, imported, tmp_path):
     config, model = imported[name]
     out = tmp_path / "out"

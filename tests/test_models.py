@@ -1,5 +1,5 @@
-"""GPT-2, Llama, Qwen2, Qwen3, Mixtral, Gemma and Gemma 2 on tiny configs: shapes, causality, segment isolation,
-GQA, training, loss, configs."""
+"""GPT-2, Llama, Qwen2, Qwen3, Mistral, Mixtral, Gemma, Gemma 2 and OLMo 2 on tiny configs: shapes, causality,
+segment isolation, GQA, training, loss, configs."""
 
 import draccus
 import equinox as eqx
@@ -18,7 +18,9 @@ from levanter.models import (
     LlamaConfig,
     LmConfig,
     LmHeadModel,
+    MistralConfig,
     MixtralConfig,
+    Olmo2Config,
     Qwen2Config,
     Qwen3Config,
     causal_attention,
@@ -72,8 +74,21 @@ def tiny_gemma2(**kw):
     return Gemma2Config(**{**base, "seq_len": 16, **kw})
 
 
+def tiny_mistral(**kw):
+    # A window of 4 positions of the 16: the causality and segment checks run with it in play.
+    base = {"hidden_dim": 32, "intermediate_dim": 64, "num_heads": 4, "num_kv_heads": 2, "num_layers": 2,
+            "sliding_window": 4}
+    return MistralConfig(**{**base, "seq_len": 16, **kw})
+
+
+def tiny_olmo2(**kw):
+    base = {"hidden_dim": 32, "intermediate_dim": 64, "num_heads": 4, "num_kv_heads": 2, "num_layers": 2}
+    return Olmo2Config(**{**base, "seq_len": 16, **kw})
+
+
 CONFIGS = {"gpt2": tiny_gpt2, "llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3,
-           "mixtral": tiny_mixtral, "gemma": tiny_gemma, "gemma2": tiny_gemma2}
+           "mixtral": tiny_mixtral, "gemma": tiny_gemma, "gemma2": tiny_gemma2, "mistral": tiny_mistral,
+           "olmo2": tiny_olmo2}
 
 
 @eqx.filter_jit
@@ -502,9 +517,10 @@ def test_tied_llama_and_scaled_gpt2_run():
     assert bool(jnp.all(jnp.isfinite(forward(model, random_ids(0, model.Pos)).array)))
 
 
-# The layer stack (scan or unrolled) is shared code: GPT-2's and Llama's blocks plus the two with blocks of
-# their own (Gemma 2's attention, Mixtral's experts) cover it; Qwen and Gemma use Llama's block.
-@pytest.mark.parametrize("name", ["gpt2", "llama", "gemma2", "mixtral"])
+# The layer stack (scan or unrolled) is shared code: GPT-2's and Llama's blocks plus those with blocks of
+# their own (Gemma 2's attention, Mixtral's experts, OLMo 2's post-norms) cover it; Qwen, Mistral and Gemma
+# use Llama's block.
+@pytest.mark.parametrize("name", ["gpt2", "llama", "gemma2", "mixtral", "olmo2"])
 def test_unrolled_layers_are_the_same_model(name):
     """scan_layers=False only changes how the layer loop is traced: same parameters, same outputs and
     gradients (up to float reassociation) as the scanned model."""

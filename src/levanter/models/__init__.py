@@ -1,9 +1,10 @@
 """Language models: the :class:`LmConfig` registry, the :class:`LmHeadModel` interface, GPT-2, Llama, Qwen2,
-Qwen3, Mixtral (a Llama with a mixture-of-experts MLP), Gemma and Gemma 2.
+Qwen3, Mistral (a Llama with sliding-window attention), Mixtral (a Llama with a mixture-of-experts MLP), Gemma,
+Gemma 2 and OLMo 2.
 
 Importing this package registers every architecture with :class:`LmConfig`, so a YAML ``model:``
-block with ``type: gpt2``, ``llama``, ``qwen2``, ``qwen3``, ``mixtral``, ``gemma`` or ``gemma2`` decodes to the
-right config class.
+block with ``type: gpt2``, ``llama``, ``qwen2``, ``qwen3``, ``mistral``, ``mixtral``, ``gemma``, ``gemma2`` or
+``olmo2`` decodes to the right config class.
 """
 
 from levanter.utils.facade import facade
@@ -22,7 +23,9 @@ __all__, __getattr__, __dir__ = facade(
         "gpt2",
         "llama",
         "qwen",
+        "mistral",
         "mixtral",
         "gemma",
+        "olmo",
     ),
 )

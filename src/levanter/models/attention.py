@@ -2,7 +2,11 @@
 behind one entry point (:func:`dot_product_attention`) with interchangeable backends.
 
 Position ``q`` may attend to key position ``k`` iff ``k <= q`` and, when segment ids are given,
-``segment_ids[q] == segment_ids[k]``. A model describes this once per forward pass with an
+``segment_ids[q] == segment_ids[k]``, and, when a sliding window of ``w`` positions is given (Mistral's
+``sliding_window``), ``q - k < w`` (the query's own position and the ``w - 1`` before it, transformers'
+convention). Every backend applies the window: ``vanilla`` in its materialised mask, ``jax_flash`` per
+block pair (skipping key blocks wholly outside the window), ``splash`` through its local mask (whose
+block-sparsity skips them too) and ``cudnn`` through its local window. A model describes this once per forward pass with an
 :class:`AttentionMask` (the segment ids, plus the materialised boolean ``[..., position,
 key_position]`` mask only for the backend that reads one) and passes it to every layer.
 
@@ -87,11 +91,15 @@ HEAD_SIZE = "head_size"
 _MASKED_SCORE = -1e9
 
 
-def causal_segment_mask(Pos: Axis, segment_ids: NamedArray | None = None) -> NamedArray:
-    """Boolean ``[..., position, key_position]``: true where attention is allowed."""
+def causal_segment_mask(Pos: Axis, segment_ids: NamedArray | None = None, window: Optional[int] = None) -> NamedArray:
+    """Boolean ``[..., position, key_position]``: true where attention is allowed (within ``window``
+    positions back, counting the query's own, when given)."""
     KeyPos = Axis(KEY_POS, Pos.size)
     # haliax only broadcasts when one operand's axes contain the other's, so add axes explicitly.
-    mask = hax.arange(Pos).broadcast_axis(KeyPos) >= hax.arange(KeyPos)
+    distance = hax.arange(Pos).broadcast_axis(KeyPos) - hax.arange(KeyPos)
+    mask = distance >= 0
+    if window is not None:
+        mask = mask & (distance < window)
     if segment_ids is not None:
         same_segment = segment_ids.broadcast_axis(KeyPos) == segment_ids.rename({POS: KEY_POS})
         mask = mask & same_segment
@@ -311,23 +319,35 @@ class AttentionMask(eqx.Module):
     """What every layer needs to mask its attention, and which kernel runs it: causal always, plus
     optional ``segment_ids [..., position]``; ``materialized`` is the boolean ``[..., position,
     key_position]`` mask, built only for the ``vanilla`` kernel (the others never see a full mask).
-    ``backend`` is a concrete backend name (see :func:`resolve_attn_backend`)."""
+    ``backend`` is a concrete backend name (see :func:`resolve_attn_backend`); ``window`` the sliding
+    window in positions (None: the whole causal prefix)."""
 
     segment_ids: Optional[NamedArray] = None
     materialized: Optional[NamedArray] = None
     backend: str = eqx.field(static=True, default="vanilla")
     block_size: int = eqx.field(static=True, default=DEFAULT_FLASH_BLOCK_SIZE)
+    window: Optional[int] = eqx.field(static=True, default=None)
 
 
 def attention_mask(
-    Pos: Axis, segment_ids: NamedArray | None, backend: str = "vanilla", block_size: Optional[int] = None
+    Pos: Axis,
+    segment_ids: NamedArray | None,
+    backend: str = "vanilla",
+    block_size: Optional[int] = None,
+    window: Optional[int] = None,
 ) -> AttentionMask:
-    """The :class:`AttentionMask` a model builds once per forward pass for the concrete ``backend``."""
+    """The :class:`AttentionMask` a model builds once per forward pass for the concrete ``backend``; a
+    ``window`` at least as long as the sequence excludes nothing and is dropped (the plain causal kernels
+    run)."""
     if backend not in ATTN_BACKENDS or backend == "default":
         raise ValueError(f"attention_mask needs a concrete backend, got {backend!r} (see resolve_attn_backend)")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+        raise ValueError(f"an attention window must be a positive number of positions, got {window!r}")
+    if window is not None and window >= Pos.size:
+        window = None
     block = block_size if block_size is not None else DEFAULT_FLASH_BLOCK_SIZE
-    full = causal_segment_mask(Pos, segment_ids) if backend == "vanilla" else None
-    return AttentionMask(segment_ids, full, backend, block)
+    full = causal_segment_mask(Pos, segment_ids, window) if backend == "vanilla" else None
+    return AttentionMask(segment_ids, full, backend, block, window)
 
 
 def plan_attention(
@@ -339,14 +359,16 @@ def plan_attention(
     dtype,
     head_size: int,
     dropout: float = 0.0,
+    window: Optional[int] = None,
 ) -> AttentionMask:
     """The :class:`AttentionMask` for one forward pass of a model configured with backend ``requested``:
     resolves it for this platform, sequence, activation ``dtype`` (as the scores' inputs will have it)
-    and active ``dropout``, and materialises the full mask only for ``vanilla``."""
+    and active ``dropout``, and materialises the full mask only for ``vanilla``. ``window``: a sliding
+    window of that many positions."""
     backend = resolve_attn_backend(
         requested, platform=jax.default_backend(), seq_len=Pos.size, dropout=dropout, dtype=dtype, head_size=head_size
     )
-    return attention_mask(Pos, segment_ids, backend, block_size)
+    return attention_mask(Pos, segment_ids, backend, block_size, window)
 
 
 def dot_product_attention(
@@ -366,7 +388,7 @@ def dot_product_attention(
     if backend == "vanilla":
         full = mask.materialized
         if full is None:
-            full = causal_segment_mask(q.resolve_axis(POS), mask.segment_ids)
+            full = causal_segment_mask(q.resolve_axis(POS), mask.segment_ids, mask.window)
         return causal_attention(q, k, v, full, scale=scale, upcast=upcast, dropout=dropout, key=key)
     if dropout > 0.0 and key is not None:
         raise ValueError(
@@ -376,11 +398,12 @@ def dot_product_attention(
     check_backend_platform(backend, platform)
     q5, k4, v4, seg, rebuild = _head_arrays(q, k, v, mask.segment_ids, scale, upcast)
     if backend == "jax_flash":
-        out = blockwise_attention(q5, k4, v4, seg, block_size=mask.block_size)
+        out = blockwise_attention(q5, k4, v4, seg, block_size=mask.block_size, window=mask.window)
     elif backend == "splash":
-        out = splash_attention(q5, k4, v4, seg, block_size=mask.block_size, interpret=platform != "tpu")
+        out = splash_attention(q5, k4, v4, seg, block_size=mask.block_size, interpret=platform != "tpu",
+                               window=mask.window)
     elif backend == "cudnn":
-        out = _cudnn_attention(q5, k4, v4, seg)
+        out = _cudnn_attention(q5, k4, v4, seg, window=mask.window)
     else:
         raise ValueError(f"model.attn_backend {backend!r} is not one of {list(ATTN_BACKENDS)}")
     return rebuild(out.astype(v.dtype))
@@ -435,10 +458,13 @@ def _splash_block(seq_len: int, block_size: int) -> int:
     return block
 
 
-def splash_attention(q, k, v, segment_ids=None, *, block_size: int, interpret: bool = False) -> jax.Array:
+def splash_attention(
+    q, k, v, segment_ids=None, *, block_size: int, interpret: bool = False, window: Optional[int] = None
+) -> jax.Array:
     """Causal attention through JAX's Pallas splash kernel, on the array layout of
     :func:`levanter.models.flash_attention.blockwise_attention` (``q`` already scaled). ``interpret``
-    runs the kernel in Pallas's interpreter (any platform; slow, for tests).
+    runs the kernel in Pallas's interpreter (any platform; slow, for tests). ``window``: each query sees
+    only its own and the ``window - 1`` positions before it (splash's local mask).
 
     The backward pass is splash's fused kernel (dq, dk and dv from one pass over the score blocks, where
     the separate kernels compute the scores twice). Grouped-query heads go to splash's multi-query kernel,
@@ -456,14 +482,20 @@ def splash_attention(q, k, v, segment_ids=None, *, block_size: int, interpret: b
     )
     dtype = q.dtype
     k, v = k.astype(dtype), v.astype(dtype)
+
+    def head_mask():
+        if window is None:
+            return sm.CausalMask((seq_len, seq_len))
+        return sm.LocalMask((seq_len, seq_len), window_size=(window - 1, 0), offset=0)
+
     if group > 1:  # [group, position, head_size] queries over one [position, head_size] key/value head
-        mask = sm.MultiHeadMask([sm.CausalMask((seq_len, seq_len)) for _ in range(group)])
+        mask = sm.MultiHeadMask([head_mask() for _ in range(group)])
         kernel = sk.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
                                     residual_checkpoint_name="context", interpret=interpret)
         per_seq = jax.vmap(kernel, in_axes=(0, 0, 0, None))  # over the kv heads of one sequence
         q_in, k_in, v_in = q, k, v
     else:  # one head per key/value head: plain multi-head attention over [heads, position, head_size]
-        mask = sm.MultiHeadMask([sm.CausalMask((seq_len, seq_len)) for _ in range(kv_heads)])
+        mask = sm.MultiHeadMask([head_mask() for _ in range(kv_heads)])
         per_seq = sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
                                      residual_checkpoint_name="context", interpret=interpret)
         q_in, k_in, v_in = q.reshape(b, kv_heads, seq_len, head_size), k, v
@@ -476,8 +508,9 @@ def splash_attention(q, k, v, segment_ids=None, *, block_size: int, interpret: b
     return out.reshape(b, kv_heads, group, seq_len, -1)
 
 
-def _cudnn_attention(q, k, v, segment_ids=None) -> jax.Array:
-    """Causal attention through cuDNN's fused kernel (``jax.nn.dot_product_attention``); same layouts."""
+def _cudnn_attention(q, k, v, segment_ids=None, window: Optional[int] = None) -> jax.Array:
+    """Causal attention through cuDNN's fused kernel (``jax.nn.dot_product_attention``); same layouts;
+    ``window`` becomes cuDNN's local window (the query and the ``window - 1`` positions before it)."""
     b, kv_heads, group, seq_len, head_size = q.shape
     if not _cudnn_shapes_ok(q.dtype, head_size) or q.dtype != k.dtype or k.dtype != v.dtype:
         raise ValueError(
@@ -492,6 +525,7 @@ def _cudnn_attention(q, k, v, segment_ids=None) -> jax.Array:
     if segment_ids is not None:
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [b, 1, q, k]
     out = jax.nn.dot_product_attention(
-        q_t, k_t, v_t, mask=mask, scale=1.0, is_causal=True, implementation="cudnn"
+        q_t, k_t, v_t, mask=mask, scale=1.0, is_causal=True, implementation="cudnn",
+        local_window_size=None if window is None else (window - 1, 0),
     )
     return out.transpose(0, 2, 1, 3).reshape(b, kv_heads, group, seq_len, -1)

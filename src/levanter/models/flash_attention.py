@@ -5,7 +5,9 @@ in the backward pass, so no ``[position, key_position]`` tensor larger than one 
 head_size]``, ``k``/``v [batch, kv_heads, key_position, head_size]`` (grouped-query heads share a kv head
 across ``group`` query heads; multi-head attention is ``group = 1``) and optional integer
 ``segment_ids [batch, position]`` (packed documents: attention stays within a segment). The scores are
-not scaled here; callers scale ``q``.
+not scaled here; callers scale ``q``. An optional sliding ``window`` limits each query to its own and the
+``window - 1`` preceding positions; key blocks wholly outside it are skipped in both passes, so the work
+grows with ``position * window`` rather than ``position ** 2``.
 
 How it works. The sequence is cut into blocks of ``block_size`` positions (padded up to a multiple; the
 padding is sliced off again). For query block ``i`` the forward pass visits key blocks ``0..i`` only
@@ -43,7 +45,13 @@ _MASKED_SCORE = -1e9
 
 
 def blockwise_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None, *, block_size: int
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array | None = None,
+    *,
+    block_size: int,
+    window: int | None = None,
 ) -> jax.Array:
     """Causal ``softmax(q . k + mask) . v`` computed block by block; returns ``[batch, kv_heads, group,
     position, head_size]`` in ``v``'s dtype. See the module docstring for layouts."""
@@ -51,13 +59,15 @@ def blockwise_attention(
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
     if q.ndim != 5 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"expected q [b, kv, g, L, d] and k/v [b, kv, L, d], got {q.shape}, {k.shape}, {v.shape}")
+    if window is not None and (not isinstance(window, int) or window <= 0):
+        raise ValueError(f"window must be a positive integer, got {window!r}")
     block = min(block_size, q.shape[3])
-    return _blockwise(q, k, v, segment_ids, block)
+    return _blockwise(q, k, v, segment_ids, block, window)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _blockwise(q, k, v, segment_ids, block):
-    return _forward(q, k, v, segment_ids, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _blockwise(q, k, v, segment_ids, block, window):
+    return _forward(q, k, v, segment_ids, block, window)[0]
 
 
 def _num_blocks(length: int, block: int) -> int:
@@ -85,12 +95,29 @@ def _from_blocks(x: jax.Array, axis: int, length: int) -> jax.Array:
     return lax.slice_in_dim(x, 0, length, axis=axis)
 
 
-def _block_scores(qi, kj, i, j, block, seg_q, seg_k):
+def _first_key_block(i, block, window):
+    """The first key block that query block ``i`` can see (0 without a window)."""
+    if window is None:
+        return 0
+    return jnp.maximum(0, (i * block - (window - 1)) // block)
+
+
+def _query_block_end(j, block, window, nb):
+    """One past the last query block that sees key block ``j`` (all blocks without a window)."""
+    if window is None:
+        return nb
+    return jnp.minimum(nb, ((j + 1) * block - 1 + window - 1) // block + 1)
+
+
+def _block_scores(qi, kj, i, j, block, seg_q, seg_k, window):
     """float32 masked scores ``[b, kv, g, block, block]`` of query block ``i`` against key block ``j``."""
     s = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kj, preferred_element_type=jnp.float32)
     q_pos = i * block + jnp.arange(block)
     k_pos = j * block + jnp.arange(block)
-    mask = q_pos[:, None] >= k_pos[None, :]  # [block, block]; all true below the diagonal
+    distance = q_pos[:, None] - k_pos[None, :]
+    mask = distance >= 0  # [block, block]; all true below the diagonal
+    if window is not None:
+        mask = mask & (distance < window)
     if seg_q is not None:
         same = seg_q[:, :, None] == seg_k[:, None, :]  # [b, block, block]
         mask = mask[None] & same
@@ -98,7 +125,7 @@ def _block_scores(qi, kj, i, j, block, seg_q, seg_k):
     return jnp.where(mask, s, _MASKED_SCORE)
 
 
-def _forward(q, k, v, segment_ids, block):
+def _forward(q, k, v, segment_ids, block, window):
     length = q.shape[3]
     nb = _num_blocks(length, block)
     qb = _to_blocks(q, 3, block)  # [nb, b, kv, g, block, d]
@@ -116,7 +143,7 @@ def _forward(q, k, v, segment_ids, block):
         def key_block(j, carry):
             m, l, acc = carry
             seg_k = None if segb is None else segb[j]
-            s = _block_scores(qi, kb[j], i, j, block, seg_q, seg_k)
+            s = _block_scores(qi, kb[j], i, j, block, seg_q, seg_k, window)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             p = jnp.exp(s - m_new[..., None])
             alpha = jnp.exp(m - m_new)
@@ -129,8 +156,9 @@ def _forward(q, k, v, segment_ids, block):
             jnp.zeros(row_shape, jnp.float32),
             jnp.zeros(row_shape + (v.shape[-1],), jnp.float32),
         )
-        # Key blocks after i are fully masked by causality: the loop stops at the diagonal.
-        m, l, acc = lax.fori_loop(0, i + 1, key_block, init)
+        # Key blocks after i are fully masked by causality: the loop stops at the diagonal (and, with a
+        # window, starts at the first block the window reaches).
+        m, l, acc = lax.fori_loop(_first_key_block(i, block, window), i + 1, key_block, init)
         return (acc / l[..., None]).astype(v.dtype), m + jnp.log(l)
 
     out_b, lse_b = lax.map(query_block, jnp.arange(nb))
@@ -139,11 +167,11 @@ def _forward(q, k, v, segment_ids, block):
     return out, (q, k, v, segment_ids, out, lse)
 
 
-def _forward_rule(q, k, v, segment_ids, block):
-    return _forward(q, k, v, segment_ids, block)
+def _forward_rule(q, k, v, segment_ids, block, window):
+    return _forward(q, k, v, segment_ids, block, window)
 
 
-def _backward_rule(block, residuals, d_out):
+def _backward_rule(block, window, residuals, d_out):
     q, k, v, segment_ids, out, lse = residuals
     length = q.shape[3]
     nb = _num_blocks(length, block)
@@ -165,7 +193,7 @@ def _backward_rule(block, residuals, d_out):
             dq, dk, dv = carry
             qi, doi = qb[i], dob[i]
             seg_q = None if segb is None else segb[i]
-            s = _block_scores(qi, kj, i, j, block, seg_q, seg_k)
+            s = _block_scores(qi, kj, i, j, block, seg_q, seg_k, window)
             p = jnp.exp(s - lseb[i][..., None])  # masked entries are exactly 0
             dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p.astype(doi.dtype), doi, preferred_element_type=jnp.float32)
             dp = jnp.einsum("bhgqd,bhkd->bhgqk", doi, vj, preferred_element_type=jnp.float32)
@@ -176,8 +204,9 @@ def _backward_rule(block, residuals, d_out):
 
         zeros_k = jnp.zeros(kj.shape, jnp.float32)
         zeros_v = jnp.zeros(vj.shape, jnp.float32)
-        # Query blocks before j see none of key block j (causality): the loop starts at the diagonal.
-        dq, dk, dv = lax.fori_loop(j, nb, query_block, (dq, zeros_k, zeros_v))
+        # Query blocks before j see none of key block j (causality): the loop starts at the diagonal (and,
+        # with a window, stops after the last block the window reaches back from).
+        dq, dk, dv = lax.fori_loop(j, _query_block_end(j, block, window, nb), query_block, (dq, zeros_k, zeros_v))
         return dq, (dk, dv)
 
     dq0 = jnp.zeros(qb.shape, jnp.float32)

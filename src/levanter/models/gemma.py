@@ -55,6 +55,7 @@ from .llama import (
     LlamaAttention,
     LlamaConfig,
     LlamaMlp,
+    SandwichNormBlock,
     apply_rotary,
     attention_projections,
     init_decoder_parts,
@@ -240,13 +241,9 @@ class Gemma2Attention(eqx.Module):
         return named(linear(self.o_proj, named(out, "context")), "out_proj")
 
 
-class Gemma2DecoderLayer(eqx.Module):
-    input_layernorm: GemmaRmsNorm
-    self_attn: Gemma2Attention
-    post_attention_layernorm: GemmaRmsNorm  # on the attention's output, before the residual add
-    pre_feedforward_layernorm: GemmaRmsNorm
-    mlp: LlamaMlp
-    post_feedforward_layernorm: GemmaRmsNorm  # on the MLP's output, before the residual add
+class Gemma2DecoderLayer(SandwichNormBlock):
+    """Four (1 + weight) norms: on the way into and out of the attention and the MLP; the attention is
+    :class:`Gemma2Attention`."""
 
     @staticmethod
     def init(config: Gemma2Config, *, key) -> "Gemma2DecoderLayer":
@@ -260,8 +257,7 @@ class Gemma2DecoderLayer(eqx.Module):
         del key  # no dropout
         # `sliding` is this layer's slice of the per-layer flags (the scan hands each layer its own).
         mask = hax.named(jnp.where(sliding.array, window.array, full.array), full.axes)
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cos, sin))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return self.branches(x, mask, cos, sin)
 
 
 class GemmaLMHeadModel(DecoderLMHeadModel):
@@ -293,12 +289,8 @@ class GemmaLMHeadModel(DecoderLMHeadModel):
 
         if isinstance(c, Gemma2Config):
             full = causal_segment_mask(Pos, segment_ids)
-            window = full
-            if c.sliding_window is not None:
-                KeyPos = Axis(KEY_POS, Pos.size)
-                # key k is in query q's window iff q - k < sliding_window (transformers' convention).
-                distance = hax.arange(Pos).broadcast_axis(KeyPos) - hax.arange(KeyPos)
-                window = full & (distance < c.sliding_window)
+            # key k is in query q's window iff q - k < sliding_window (transformers' convention).
+            window = causal_segment_mask(Pos, segment_ids, c.sliding_window)
             sliding = hax.named(jnp.asarray(c.sliding_layers()), (c.Layers,))
             # full, window, cos and sin have no `layers` axis and reach every layer whole; `sliding` has one,
             # so each layer gets its own flag.

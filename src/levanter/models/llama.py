@@ -21,9 +21,12 @@ nested form (``rope: {type: default | linear | llama3 | yarn, theta: ..., ...}``
 :mod:`levanter.models.rope`); without it, ``rope_theta`` is used.
 
 What the Llama-style models share is defined once, here: the pre-norm attention half of a block
-(:class:`PreNormBlock`, :func:`decoder_block_parts`), the model's parameters and output matrix
-(:class:`DecoderLMHeadModel`, :func:`init_decoder_parts`) and the per-pass attention plan
-(:func:`plan_config_attention`); Mixtral and Gemma build on them.
+(:class:`PreNormBlock`, :func:`decoder_block_parts`), the block whose residual branches are normalised on
+the way out as well as (or instead of) on the way in (:class:`SandwichNormBlock`: Gemma 2, OLMo 2), the
+model's parameters and output matrix (:class:`DecoderLMHeadModel`, :func:`init_decoder_parts`) and the
+per-pass attention plan (:func:`plan_config_attention`, with the config's sliding window if it has one);
+Mistral, Mixtral, Gemma and OLMo 2 build on them. Variants switch the attention through properties of the
+config (``qkv_bias``, ``o_bias``, ``qk_norm`` and the axes it normalises over, ``attention_window``).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ __all__ = [
     "LlamaDecoderLayer",
     "LlamaLMHeadModel",
     "PreNormBlock",
+    "SandwichNormBlock",
     "DecoderLMHeadModel",
     "decoder_block_parts",
     "init_decoder_parts",
@@ -147,8 +151,19 @@ class LlamaConfig(LmConfig):
 
     @property
     def qk_norm(self) -> bool:
-        """Whether queries and keys pass through an RMS norm over each head (before the rotary encoding)."""
+        """Whether queries and keys pass through an RMS norm (before the rotary encoding)."""
         return False
+
+    def qk_norm_axes(self, Heads: Axis) -> Axis | tuple[Axis, ...]:
+        """What the query (``Heads`` is :attr:`Heads`) or key (:attr:`KVHeads`) RMS norm normalises over,
+        and the axes of its scale: each head on its own (``head_size``, Qwen3) unless a variant says otherwise."""
+        return self.HeadSize
+
+    @property
+    def attention_window(self) -> Optional[int]:
+        """The sliding attention window in positions (each query sees its own and the ``window - 1`` before it)
+        of every layer, or None for the whole causal prefix."""
+        return None
 
     @property
     def rope_config(self) -> RopeConfig:
@@ -221,7 +236,7 @@ class LlamaAttention(eqx.Module):
     k_proj: hnn.Linear  # embed -> (kv_heads, head_size)
     v_proj: hnn.Linear  # embed -> (kv_heads, head_size)
     o_proj: hnn.Linear  # (heads, head_size) -> embed
-    q_norm: Optional[hnn.RmsNorm]  # over head_size, when config.qk_norm
+    q_norm: Optional[hnn.RmsNorm]  # over config.qk_norm_axes (head_size by default), when config.qk_norm
     k_norm: Optional[hnn.RmsNorm]
     config: LlamaConfig = eqx.field(static=True)
 
@@ -229,8 +244,8 @@ class LlamaAttention(eqx.Module):
     def init(config: LlamaConfig, *, key) -> "LlamaAttention":
         c = config
         q_proj, k_proj, v_proj, o_proj = attention_projections(c, key=key)
-        q_norm = rms_norm(c, c.HeadSize) if c.qk_norm else None
-        k_norm = rms_norm(c, c.HeadSize) if c.qk_norm else None
+        q_norm = rms_norm(c, c.qk_norm_axes(c.Heads)) if c.qk_norm else None
+        k_norm = rms_norm(c, c.qk_norm_axes(c.KVHeads)) if c.qk_norm else None
         return LlamaAttention(q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, config)
 
     def __call__(self, x: NamedArray, mask: AttentionMask, cos: NamedArray, sin: NamedArray) -> NamedArray:
@@ -266,7 +281,7 @@ class LlamaMlp(eqx.Module):
         return named(linear(self.down_proj, gate * named(linear(self.up_proj, x), "mlpwi_1")), "mlpwo")
 
 
-def rms_norm(config: LlamaConfig, axis: Optional[Axis] = None) -> hnn.RmsNorm:
+def rms_norm(config: LlamaConfig, axis: Optional[Axis | tuple[Axis, ...]] = None) -> hnn.RmsNorm:
     # Normalise in float32 whatever the activation dtype (the statistic is a mean of squares).
     return hnn.RmsNorm.init(
         axis if axis is not None else config.Embed,
@@ -312,6 +327,7 @@ def plan_config_attention(config: LmConfig, Pos: Axis, segment_ids: NamedArray |
         block_size=config.flash_attention_block_size,
         dtype=jnp.float32 if config.upcast_attn else dtype,
         head_size=config.HeadSize.size,
+        window=getattr(config, "attention_window", None),
     )
 
 
@@ -326,6 +342,29 @@ class PreNormBlock(eqx.Module):
     def attend(self, x: NamedArray, mask: AttentionMask, cos: NamedArray, sin: NamedArray) -> NamedArray:
         """The first residual branch: ``x`` plus the attention over its normalised self."""
         return x + self.self_attn(self.input_layernorm(x), mask, cos, sin)
+
+
+class SandwichNormBlock(eqx.Module):
+    """A block whose two residual branches (attention, then the MLP) may each be normalised on the way in
+    and on the way out: ``x + post(attn(pre(x)))``, then the same around the MLP. A norm that is None is
+    skipped. Gemma 2 has all four (its own norms); OLMo 2 only the two on the way out. The field names are
+    the checkpoints' (both use them), so one layout entry serves each."""
+
+    input_layernorm: Optional[eqx.Module]
+    self_attn: eqx.Module
+    post_attention_layernorm: Optional[eqx.Module]  # on the attention's output, before the residual add
+    pre_feedforward_layernorm: Optional[eqx.Module]
+    mlp: LlamaMlp
+    post_feedforward_layernorm: Optional[eqx.Module]  # on the MLP's output, before the residual add
+
+    def branches(self, x: NamedArray, mask, cos: NamedArray, sin: NamedArray) -> NamedArray:
+        """Both residual branches, with ``mask`` handed to the attention as it is."""
+
+        def norm(module, y):
+            return y if module is None else module(y)
+
+        x = x + norm(self.post_attention_layernorm, self.self_attn(norm(self.input_layernorm, x), mask, cos, sin))
+        return x + norm(self.post_feedforward_layernorm, self.mlp(norm(self.pre_feedforward_layernorm, x)))
 
 
 class LlamaDecoderLayer(PreNormBlock):
@@ -363,8 +402,10 @@ class LlamaLMHeadModel(DecoderLMHeadModel):
     Vocab: Axis = eqx.field(static=True)
 
     @staticmethod
-    def init(Vocab: Axis, config: LlamaConfig, *, key) -> "LlamaLMHeadModel":
-        embed_tokens, layers, lm_head = init_decoder_parts(Vocab, config, LlamaDecoderLayer, key=key)
+    def init(Vocab: Axis, config: LlamaConfig, *, key, Layer: type = LlamaDecoderLayer) -> "LlamaLMHeadModel":
+        """A Llama-style model whose blocks are ``Layer`` (Llama's, or a variant's called the same way:
+        ``layer(x, mask, cos, sin, key=...)``)."""
+        embed_tokens, layers, lm_head = init_decoder_parts(Vocab, config, Layer, key=key)
         norm = rms_norm(config)
         return LlamaLMHeadModel(
             embed_tokens=embed_tokens, layers=layers, norm=norm, lm_head=lm_head, config=config, Vocab=Vocab

@@ -18,8 +18,8 @@ modules below (not of the family modules: each names its layout ``LAYOUT`` and i
 * :mod:`.hub` -- where a checkpoint is (local directory, object-store URL, hub id; fast failure offline);
 * :mod:`.safetensors_io` -- the safetensors format and a checkpoint's whole state dict;
 * :mod:`.families` -- the registry of model families (config mapping both ways, weight layouts), with
-  one module per family (:mod:`.gpt2`, :mod:`.llama`, :mod:`.qwen`, :mod:`.mixtral`, :mod:`.gemma`); its
-  docstring says how to add one;
+  one module per family (:mod:`.gpt2`, :mod:`.llama`, :mod:`.qwen`, :mod:`.mistral`, :mod:`.mixtral`,
+  :mod:`.gemma`, :mod:`.olmo`); its docstring says how to add one;
 * :mod:`.weights` -- our parameters <-> Hugging Face tensors through a family's layout;
 * :mod:`.load` -- reading a checkpoint into our model and merging its shape into a run's config;
 * :mod:`.export` -- writing a checkpoint directory, and the exporter used during training.

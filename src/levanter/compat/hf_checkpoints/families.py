@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 # The family modules of this package, each of which registers one or more families when imported.
-FAMILY_MODULES = ("gpt2", "llama", "qwen", "mixtral", "gemma")
+FAMILY_MODULES = ("gpt2", "llama", "qwen", "mistral", "mixtral", "gemma", "olmo")
 
 L = "{i}"  # in a layout's tensor name: per-layer tensors, stacked along our `layers` axis
 E = "{e}"  # in a layout's tensor name: per-expert tensors, stacked along our `experts` axis (after {i})

@@ -18,6 +18,7 @@ __all__ = [
     "LAYOUT",
     "llama_fields_from_hf",
     "llama_fields_to_hf",
+    "refuse_unexportable",
     "from_hf",
     "to_hf",
     "LLAMA_SHAPE_FIELDS",
@@ -99,13 +100,19 @@ def from_hf(doc: dict, where: str) -> tuple[LmConfig, int]:
     return LlamaConfig(**llama_fields_from_hf(doc, where)), hf_int(doc, where, "vocab_size")
 
 
-def to_hf(config: LmConfig, vocab_size: int) -> dict:
-    assert isinstance(config, LlamaConfig)
+def refuse_unexportable(config: LlamaConfig, name: str, note: str = "") -> None:
+    """Refuse our ``use_bias: true`` and ``use_layer_norm_weight: false``, which the Hugging Face class ``name``
+    (Llama, Mistral, ...: no MLP or norm biases, always norm weights) cannot express; ``note`` ends the message."""
     if config.use_bias or not config.use_layer_norm_weight:
         raise ValueError(
-            "model.use_bias true or model.use_layer_norm_weight false cannot be exported: Hugging Face Llama "
-            "has no biases and always has norm weights"
+            f"model.use_bias true or model.use_layer_norm_weight false cannot be exported: Hugging Face {name} "
+            f"has no MLP or norm biases and always has norm weights{note}"
         )
+
+
+def to_hf(config: LmConfig, vocab_size: int) -> dict:
+    assert isinstance(config, LlamaConfig)
+    refuse_unexportable(config, "Llama")
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
