@@ -252,46 +252,83 @@ class Trainer:
         """Train from ``state`` on ``batches`` until they end or ``num_train_steps`` is reached; returns the
         final state.
 
-        Each batch's step tag must equal ``state.step`` (:func:`check_step`); ``to_named`` turns its data
-        into the loss's named arrays. After every step: the compile guard (one executable per batch size),
-        the finite check (:func:`check_finite`), ``hooks.on_step``, an evaluation where
-        ``hooks.is_eval_step`` says so, and ``checkpointer.on_step(state, step, force=...)`` (forced at the
-        last step; a save returns once the state is copied to host memory and writes in the background, and
-        a write that failed is raised by the next ``on_step``). On SIGTERM or SIGINT (Ctrl-C) the write in
-        flight is waited for, the state after the current step is checkpointed and the
-        process exits with :data:`PREEMPTED_EXIT_CODE`; batches that end before ``num_train_steps`` checkpoint the last state
-        and raise :class:`DataEndedError` (a short run must not exit 0).
+        Each batch's step tag must equal the number of updates made (:func:`check_step`); ``to_named``
+        turns its data into the loss's named arrays. After every step, in step order: the compile guard
+        (one executable per batch size), the finite check (:func:`check_finite`), ``hooks.on_step``, an
+        evaluation where ``hooks.is_eval_step`` says so, and ``checkpointer.on_step(state, step,
+        force=...)`` (forced at the last step; a save returns once the state is copied to host memory and
+        writes in the background, and a write that failed is raised by the next ``save_due``/``on_step``).
+        On SIGTERM or SIGINT (Ctrl-C) the write in flight is waited for, the state after the step in
+        flight is checkpointed and the process exits with :data:`PREEMPTED_EXIT_CODE`; batches that end
+        before ``num_train_steps`` checkpoint the last state and raise :class:`DataEndedError` (a short
+        run must not exit 0).
+
+        Metrics are read one step late. Reading a step's loss waits for the step to finish, and the host
+        work before the next step (the next batch, ``to_named``, the hooks, the logging) would leave the
+        device idle for as long as it takes. So step N+1 is dispatched first and step N's metrics are read
+        (and checked, and reported) while it runs. The report is the same, only later; a non-finite step
+        N still stops the run naming step N, and the state after it is never saved (step N+1's result is
+        dropped with it). ``StepReport.seconds`` is the time between the reads of consecutive steps'
+        metrics, i.e. between their completions as the host sees them.
+
+        The state after step N cannot be read once step N+1 is dispatched (the step donates its input
+        buffers), so where anything needs it the loop finishes step N first: an evaluation step, a save
+        (``checkpointer.save_due(step, force=...)`` is asked before dispatching; a checkpointer without
+        it counts as saving after every step), the last step, and a stop requested by a signal.
         """
         hooks = hooks if hooks is not None else TrainHooks()
         num_steps = self.config.num_train_steps
         previous_handler = self.install_sigterm_handler()
         seen_sizes: set[int] = set()
+        save_due = getattr(checkpointer, "save_due", None)
+        t_prev = time.perf_counter()
+
+        def report(step: int, batch: Batch, metrics) -> None:
+            """Read step ``step``'s metrics (waiting for it to finish), check them, tell the hooks."""
+            nonlocal t_prev
+            loss = float(metrics["loss"])
+            grad_norm = float(metrics["grad_norm"])
+            update_finite = bool(metrics["update_finite"])
+            check_finite(loss, step, self.config, grad_norm=grad_norm, update_finite=update_finite)
+            now = time.perf_counter()
+            dt, t_prev = now - t_prev, now
+            extra = {k: float(v) for k, v in metrics["extra"].items()}
+            hooks.on_step(StepReport(step, batch, loss, grad_norm, bool(metrics["skipped"]), dt, extra))
+
+        def needs_state(done: int) -> bool:
+            """Whether the state after ``done`` updates is needed (so the step must finish before the next)."""
+            force = done == num_steps
+            return (force or self.stop_requested or hooks.is_eval_step(done)
+                    or save_due is None or save_due(done, force=force))
+
+        pending = None  # (step, batch, metrics): dispatched, its report not made yet (its state is gone)
         try:
             start_step = int(state.step)
             if start_step > 0 and hooks.is_eval_step(start_step):
                 # The earlier attempt's eval at this step was dropped with its other records of steps >= start.
                 hooks.evaluate(state.model, start_step)
-            t_prev = time.perf_counter()
+                t_prev = time.perf_counter()
+            step = start_step  # updates dispatched; counted here, since reading state.step would wait
             for batch in batches:
-                step = int(state.step)
                 check_step(batch, step)
                 seen_sizes.add(batch.batch_size)
                 state, metrics = self.train_step(state, to_named(batch.data), batch.batch_size)
-                loss = float(metrics["loss"])
+                if pending is not None:  # the previous step's report, now that this one is queued
+                    previous, pending = pending, None
+                    report(*previous)
+                    fault_point("train_after_step")
                 if self.compile_count() > len(seen_sizes):
                     raise RuntimeError(
                         f"the train step recompiled at step {step} ({self.compile_count()} compiles for "
                         f"{len(seen_sizes)} batch sizes): an input changed shape or type unexpectedly"
                     )
-                grad_norm = float(metrics["grad_norm"])
-                update_finite = bool(metrics["update_finite"])
-                check_finite(loss, step, self.config, grad_norm=grad_norm, update_finite=update_finite)
-                now = time.perf_counter()
-                dt, t_prev = now - t_prev, now
-                extra = {k: float(v) for k, v in metrics["extra"].items()}
-                hooks.on_step(StepReport(step, batch, loss, grad_norm, bool(metrics["skipped"]), dt, extra))
-
                 done = step + 1
+                pending = (step, batch, metrics)
+                step = done
+                if not needs_state(done):
+                    continue  # reported after the next step is dispatched
+                previous, pending = pending, None
+                report(*previous)
                 if hooks.is_eval_step(done):
                     hooks.evaluate(state.model, done)
                     t_prev = time.perf_counter()  # the evaluation is not the next step's time
@@ -307,6 +344,10 @@ class Trainer:
                         PREEMPTED_EXIT_CODE,
                     )
                     sys.exit(PREEMPTED_EXIT_CODE)
+            if pending is not None:  # the batches ended after a step that needed no state
+                previous, pending = pending, None
+                report(*previous)
+                fault_point("train_after_step")
             checkpointer.wait_until_finished()
             final_step = int(state.step)
             if final_step < num_steps:
@@ -323,13 +364,21 @@ class Trainer:
                 )
             return state
         except Exception:
-            # A run that fails (a non-finite loss, unreadable data) still commits the checkpoint whose
-            # background write is in flight: the last good state is there to resume from. A failed write
-            # is logged, not raised, so that the run's own error is the one reported.
+            # A failure after a step was dispatched but before its report (unreadable data for the next
+            # step, a failed background write) reports that step first, as a loop without the lag would
+            # have: its metrics are logged, and a non-finite step is the error raised.
             try:
-                checkpointer.wait_until_finished()
-            except Exception as e:  # noqa: BLE001
-                logger.error("the checkpoint being written when the run failed was not saved: %s", e)
+                if pending is not None:
+                    previous, pending = pending, None
+                    report(*previous)
+            finally:
+                # A run that fails (a non-finite loss, unreadable data) still commits the checkpoint whose
+                # background write is in flight: the last good state is there to resume from. A failed
+                # write is logged, not raised, so that the run's own error is the one reported.
+                try:
+                    checkpointer.wait_until_finished()
+                except Exception as e:  # noqa: BLE001
+                    logger.error("the checkpoint being written when the run failed was not saved: %s", e)
             raise
         finally:
             self.restore_signal_handlers(previous_handler)

@@ -231,8 +231,12 @@ class HfExporter:
         self.config, self.tokenizer, self.dtype, self.max_shard_size = config, tokenizer, dtype, max_shard_size
         self.exported: list[str] = []
 
+    def due(self, step: int) -> bool:
+        """Whether :meth:`on_step` exports the model after ``step`` updates."""
+        return step > 0 and (step % self.every == 0 or step == self.last_step)
+
     def on_step(self, model, step: int) -> None:
-        if step <= 0 or not (step % self.every == 0 or step == self.last_step):
+        if not self.due(step):
             return
         path = fs.join(self.base_path, f"step-{step}")
         save_hf_checkpoint(model, self.config, path, tokenizer=self.tokenizer, dtype=self.dtype,
@@ -251,6 +255,11 @@ class _ExportingCheckpointer:
 
     def __init__(self, inner, exporter: HfExporter):
         self._inner, self._exporter = inner, exporter
+
+    def save_due(self, step: int, *, force: bool = False) -> bool:
+        # Both asked: the inner checkpointer decides (and keeps) its time-based answer here.
+        inner = self._inner.save_due(step, force=force)
+        return self._exporter.due(step) or inner
 
     def on_step(self, state, step: int, force: bool = False):
         out = self._inner.on_step(state, step, force=force)
