@@ -257,15 +257,18 @@ class Checkpointer:
 
         return bool(multihost_utils.broadcast_one_to_all(np.bool_(flag)))
 
-    def _time_due(self, step: int) -> bool:
-        """Whether ``save_interval`` has passed since the last save, decided once per step: the answer
-        :meth:`save_due` gave is the one :meth:`on_step` acts on (one clock reading, one broadcast)."""
-        if self._decided is not None and self._decided[0] == step:
-            return self._decided[1]
+    def _time_due(self, step: int, *, remember: bool = False) -> bool:
+        """Whether ``save_interval`` has passed since the last save. The answer :meth:`save_due` gave
+        (``remember``) is the one the same step's next :meth:`on_step` acts on: one clock reading and one
+        broadcast, and the state the trainer kept for a save is the state saved."""
+        decided, self._decided = self._decided, None
+        if decided is not None and decided[0] == step:
+            return decided[1]
         due = False
         if self.save_interval is not None:
             due = self._agree(self._clock() - self._last_save_time >= self.save_interval.total_seconds())
-        self._decided = (step, due)
+        if remember:
+            self._decided = (step, due)
         return due
 
     def save_due(self, step: int, *, force: bool = False) -> bool:
@@ -278,7 +281,7 @@ class Checkpointer:
         permanent = force or _is_permanent_step(self.keep, step)
         if step == self._last_saved_step:
             return permanent
-        return permanent or self._time_due(step)
+        return permanent or self._time_due(step, remember=True)
 
     def on_step(self, tree: Any, step: int, *, force: bool = False) -> bool:
         """Save ``tree`` (the state after ``step`` updates) if the policy says so; True if saved.
