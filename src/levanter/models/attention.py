@@ -334,6 +334,8 @@ class SplashBlockSizes:
     block_kv_dkv_compute: Optional[int] = None
 
 
+# The fields in splash's BlockSizes order; a *_compute tile's parent is the block it steps through.
+_SPLASH_FIELDS = ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute")
 _SPLASH_COMPUTE_PARENT = {"block_kv_compute": "block_kv", "block_kv_dkv_compute": "block_kv_dkv"}
 _SPLASH_LANES = 128
 
@@ -352,8 +354,7 @@ def resolve_splash_block_sizes(seq_len: int, block_size: Optional[int], sizes: O
     not divide its parent, naming the key ``model.splash_block_sizes.<field>``."""
     shared = _splash_block(seq_len, block_size if block_size is not None else DEFAULT_FLASH_BLOCK_SIZE)
     out = {}
-    for field in dataclasses.fields(SplashBlockSizes):
-        name = field.name
+    for name in _SPLASH_FIELDS:
         value = getattr(sizes, name) if sizes is not None else None
         parent = _SPLASH_COMPUTE_PARENT.get(name)
         if value is None:
