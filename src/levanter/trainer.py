@@ -436,7 +436,9 @@ class DataEndedError(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class StepReport:
     """One step as the loop saw it: the batch trained on, its (global) loss and gradient norm, whether
-    the update was skipped (non-finite and allowed to go on), and the seconds since the previous step."""
+    the update was skipped (non-finite and allowed to go on), and the seconds since the previous step's
+    report (between the two steps' completions as the host sees them; an evaluation between them is not
+    counted)."""
 
     step: int
     batch: Batch
@@ -452,7 +454,8 @@ class TrainHooks:
     """What a run does around :meth:`Trainer.train`'s steps (logging, evaluation); no-ops by default."""
 
     def on_step(self, report: StepReport) -> None:
-        """After each step's checks, before its evaluation and checkpoint."""
+        """After each step's checks, before its evaluation and checkpoint; usually while the next step
+        runs (:meth:`Trainer.train` reads metrics one step late)."""
 
     def is_eval_step(self, step: int) -> bool:
         """Whether to evaluate the model after ``step`` updates."""
