@@ -5,7 +5,9 @@ it yields batches tagged with their step, and the trainer refuses (loudly) a bat
 from the number of updates its state has made. Resume is a pure function of the step: the state comes
 from the latest complete checkpoint and the loader restarts at ``state.step``. An entry point calls
 ``Trainer.train(state, batches, to_named=..., checkpointer=..., hooks=...)`` and does its logging and
-evaluation in the :class:`TrainHooks`; the loop itself owns the checks, checkpoints and exit paths.
+evaluation in the :class:`TrainHooks`; the loop itself owns the checks, checkpoints and exit paths. It
+reads each step's metrics after dispatching the next step, so that the device never waits on the host's
+per-step work (see :meth:`Trainer.train` for where it does not, and why nothing observable changes).
 
 Gradient accumulation (``per_device_parallelism``) splits the step's batch into microbatches *inside*
 the compiled step; it never changes which indices a step reads. The loss is a token-weighted mean over
