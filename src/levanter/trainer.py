@@ -300,8 +300,10 @@ class Trainer:
         def needs_state(done: int) -> bool:
             """Whether the state after ``done`` updates is needed (so the step must finish before the next)."""
             force = done == num_steps
-            return (force or self.stop_requested or hooks.is_eval_step(done)
-                    or save_due is None or save_due(done, force=force))
+            # The checkpointer is asked first and at every step: in a multi-process job its time-based
+            # answer is a broadcast that every process must join, whatever else this process knows.
+            saving = save_due is None or save_due(done, force=force)
+            return saving or force or self.stop_requested or hooks.is_eval_step(done)
 
         pending = None  # (step, batch, metrics): dispatched, its report not made yet (its state is gone)
         try:
