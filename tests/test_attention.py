@@ -30,7 +30,13 @@ from levanter.models import (
     remat_policy,
     resolve_attn_backend,
 )
-from levanter.models.attention import check_backend_platform, plan_attention, splash_attention
+from levanter.models.attention import (
+    SplashBlockSizes,
+    check_backend_platform,
+    plan_attention,
+    resolve_splash_block_sizes,
+    splash_attention,
+)
 from levanter.models.flash_attention import blockwise_attention
 
 Batch = Axis("batch", 2)
@@ -154,6 +160,55 @@ def test_splash_gradients_in_interpret_mode_match_blockwise(group):
     ref = grads(functools.partial(blockwise_attention, block_size=64))
     for a, r in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
         np.testing.assert_allclose(a, r, atol=tol(5e-5), rtol=tol(5e-5))
+
+
+def test_splash_block_sizes_set_one_by_one_give_the_default_attention():
+    """model.splash_block_sizes tiles the forward and backward kernels differently from the shared block
+    (256 here: one tile): outputs and gradients equal the default's, with grouped heads and packed
+    documents, in interpret mode. A value that cannot tile the sequence is refused naming its key."""
+    b, kv, group, length, d = 1, 1, 2, 256, 16
+    rng = np.random.default_rng(2)
+    q = jnp.asarray(rng.standard_normal((b, kv, group, length, d)) * 0.25, jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, kv, length, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, kv, length, d)), jnp.float32)
+    seg = jnp.asarray(np.cumsum(rng.random((b, length)) < 0.02, axis=1), jnp.int32)
+    w = jnp.asarray(rng.standard_normal((b, kv, group, length, d)), jnp.float32)
+    sizes = SplashBlockSizes(block_q=128, block_kv=256, block_kv_compute=128, block_q_dkv=128, block_kv_dkv=128)
+    resolved = resolve_splash_block_sizes(length, 256, sizes)
+    assert resolved == {"block_q": 128, "block_kv": 256, "block_kv_compute": 128, "block_q_dkv": 128,
+                        "block_kv_dkv": 128, "block_kv_dkv_compute": 128}  # a null compute tile follows its parent
+    assert set(resolve_splash_block_sizes(length, 256, None).values()) == {256}
+
+    def run(block_sizes):
+        kernel = functools.partial(splash_attention, block_size=256, block_sizes=block_sizes, interpret=True)
+        f = jax.value_and_grad(lambda q, k, v: jnp.sum(kernel(q, k, v, seg) * w), argnums=(0, 1, 2))
+        return jax.jit(kernel)(q, k, v, seg), jax.jit(f)(q, k, v)
+
+    ours, default = run(sizes), run(None)
+    for a, r in zip(jax.tree.leaves(ours), jax.tree.leaves(default)):
+        np.testing.assert_allclose(a, r, atol=tol(2e-5), rtol=tol(2e-5))
+
+    with pytest.raises(ValueError, match=r"model.splash_block_sizes.block_kv=96 does not divide the sequence length "
+                                         r"256 .* use one of 128, 256, or null"):
+        splash_attention(q, k, v, seg, block_size=256, block_sizes=SplashBlockSizes(block_kv=96), interpret=True)
+    bad = {"block_q": (64, "block_q=64 is not a multiple of 128"),
+           "block_q_dkv": (0, "block_q_dkv must be a positive number of positions, or null .* got 0"),
+           "block_kv_dkv_compute": (256, r"block_kv_dkv_compute=256 does not divide model.splash_block_sizes."
+                                         r"block_kv_dkv \(128\)")}
+    for name, (value, why) in bad.items():
+        extra = {"block_kv_dkv": 128} if name == "block_kv_dkv_compute" else {}
+        with pytest.raises(ValueError, match=rf"model.splash_block_sizes.{why}"):
+            LlamaConfig(seq_len=1024, splash_block_sizes=SplashBlockSizes(**{name: value}, **extra))
+    # Above the sequence length a tile is cut to it (as the shared block is).
+    assert resolve_splash_block_sizes(128, None, SplashBlockSizes(block_q=1024))["block_q"] == 128
+    # Every model family has the key (it is LmConfig's), from YAML too.
+    import draccus
+
+    from levanter.models import LmConfig
+
+    for name in LmConfig.get_known_choices():
+        cfg = draccus.decode(LmConfig, {"type": name, "seq_len": 256, "splash_block_sizes": {"block_q": 128}})
+        assert cfg.splash_block_sizes == SplashBlockSizes(block_q=128), name
 
 
 def test_sliding_window_mask_is_transformers_convention():

@@ -355,6 +355,35 @@ def test_keep_policy_and_save_interval(tmp_path):
     ck.wait_until_finished()
 
 
+def test_save_due_says_beforehand_what_on_step_will_do(tmp_path):
+    """The trainer asks save_due before dispatching the next step (which reuses the state's buffers): it
+    answers as the same policy run alongside with on_step alone does, and its time-based answer is the
+    one that step's on_step acts on, even if the interval passes in between."""
+    keep = [CheckpointInterval(every=2, until=6), CheckpointInterval(every=5)]
+    clock, ref_clock = FakeClock(), FakeClock()
+    ck = CheckpointerConfig(base_path=str(tmp_path), save_interval=parse_timedelta("10s"), keep=keep).create(
+        "asked", clock=clock)
+    ref = CheckpointerConfig(base_path=str(tmp_path), save_interval=parse_timedelta("10s"), keep=keep).create(
+        "plain", clock=ref_clock)
+    tree = {"x": jnp.arange(4)}
+    for step in range(1, 17):
+        clock.t += 3.0
+        ref_clock.t += 3.0
+        due = ck.save_due(step, force=step == 16)
+        assert due == ref.on_step(tree, step, force=step == 16), step
+        if due:
+            assert ck.on_step(tree, step, force=step == 16)
+    assert ckpt_dirs(tmp_path / "asked", ck) == ckpt_dirs(tmp_path / "plain", ref)
+    assert ck.save_due(16, force=True)  # saved as permanent already: on_step has nothing to save
+    assert not ck.on_step(tree, 16, force=True)
+    clock.t += 5.0
+    assert not ck.save_due(17)
+    clock.t += 20.0  # the interval passes between the question and on_step: the answer stands
+    assert not ck.on_step(tree, 17)
+    assert ck.save_due(18) and ck.on_step(tree, 18)
+    ck.wait_until_finished()
+
+
 def test_temporaries_from_a_previous_attempt(tmp_path):
     clock = FakeClock()
     cfg = CheckpointerConfig(

@@ -233,6 +233,120 @@ def test_trainer_train_runs_the_loop_and_its_hooks(tmp_path):
         trainer.train(fresh(), batches([3]), to_named=to_named, checkpointer=ckpt.create("bad"))
 
 
+def _lagged_trainer(tmp_path, num_steps=6):
+    """A tiny model whose loss is multiplied by each batch's ``scale`` (NaN poisons a step), with
+    ``to_named`` counting the steps dispatched (it is called just before each dispatch)."""
+    import haliax as hax
+    import jax.numpy as jnp
+
+    from levanter.trainer import Trainer
+
+    model_cfg = Gpt2Config(hidden_dim=32, num_heads=2, num_layers=1, seq_len=16)
+    vocab = hax.Axis("vocab", 61)
+    tcfg = TrainerConfig(num_train_steps=num_steps, train_batch_size=8, require_accelerator=False)
+    base = lm_loss_fn(0.0, 60)
+
+    def loss(model, b):
+        total, *rest = base(model, {"tokens": b["tokens"]})
+        return (total * b["scale"], *rest)
+
+    trainer = Trainer(tcfg, AdamConfig(learning_rate=1e-2).build(num_steps), loss)
+    rng = np.random.default_rng(0)
+    tokens = [jax.device_put(rng.integers(0, 61, (8, 16)).astype(np.int32)) for _ in range(num_steps)]
+    dispatched = []
+
+    def batches(nan_at=None):
+        for s in range(num_steps):
+            scale = np.float32(np.nan if s == nan_at else 1.0)
+            yield Batch(step=s, global_offset=8 * s, batch_size=8, data={"tokens": tokens[s], "scale": scale})
+
+    def to_named(d):
+        dispatched.append(1)
+        return {"tokens": named_batch({"tokens": d["tokens"]}, model_cfg.Pos)["tokens"],
+                "scale": jnp.asarray(d["scale"])}
+
+    def fresh():
+        return trainer.initial_state(lambda k: model_cfg.build(vocab, key=k), key=jax.random.PRNGKey(3))
+
+    return trainer, fresh, batches, to_named, dispatched
+
+
+def test_the_loop_reads_metrics_one_step_late_except_where_the_state_is_needed(tmp_path):
+    """Step N+1 is dispatched before step N's report, except after a step whose state is saved (keep every
+    3: after steps 2 and 5) or evaluated; the reports (losses, gradient norms) and the final parameters are
+    bit for bit those of a loop that finishes every step first (a checkpointer without ``save_due``)."""
+    from levanter.trainer import StepReport, TrainHooks
+
+    trainer, fresh, batches, to_named, dispatched = _lagged_trainer(tmp_path)
+
+    class Recorder(TrainHooks):
+        def __init__(self, eval_at=()):
+            self.reports, self.evals, self.eval_at = [], [], eval_at
+
+        def on_step(self, r: StepReport) -> None:
+            assert r.seconds > 0
+            self.reports.append((r.step, len(dispatched), r.loss, r.grad_norm))
+
+        def is_eval_step(self, step: int) -> bool:
+            return step in self.eval_at
+
+        def evaluate(self, model, step: int) -> None:
+            self.evals.append((step, len(dispatched)))
+
+    class EveryStepCheckpointer:  # a checkpointer that does not say when it saves
+        def __init__(self, inner):
+            self.inner = inner
+
+        def on_step(self, state, step, force=False):
+            return self.inner.on_step(state, step, force=force)
+
+        def wait_until_finished(self):
+            self.inner.wait_until_finished()
+
+    ckpt = CheckpointerConfig(base_path=str(tmp_path / "ckpt"), keep=[CheckpointInterval(every=3)])
+    lagged = Recorder(eval_at={4})
+    state = trainer.train(fresh(), batches(), to_named=to_named, checkpointer=ckpt.create("lag"), hooks=lagged)
+    # (step reported, steps dispatched when it was): step 2 is saved, step 3 evaluated, step 5 is the last.
+    assert [(s, n) for s, n, *_ in lagged.reports] == [(0, 2), (1, 3), (2, 3), (3, 4), (4, 6), (5, 6)]
+    assert lagged.evals == [(4, 4)]  # the state after step 3, before step 4 was dispatched
+    assert steps_saved(tmp_path / "ckpt" / "lag") == ["step-3", "step-6"]
+
+    dispatched.clear()
+    synchronous = Recorder(eval_at={4})
+    plain = trainer.train(fresh(), batches(), to_named=to_named,
+                          checkpointer=EveryStepCheckpointer(ckpt.create("sync")), hooks=synchronous)
+    assert [(s, n) for s, n, *_ in synchronous.reports] == [(s, s + 1) for s in range(6)]
+    assert [r[2:] for r in synchronous.reports] == [r[2:] for r in lagged.reports]
+    for a, b in zip(jax.tree.leaves(plain.model), jax.tree.leaves(state.model)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for run in ("lag", "sync"):  # the saved state after step 5 is the final one
+        point = TrainerConfig(require_accelerator=False, checkpointer=ckpt).resume_point(run)
+        assert point.step == 6
+        for a, b in zip(jax.tree.leaves(restore(fresh(), point).model), jax.tree.leaves(state.model)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_nan_found_a_step_late_names_its_step_and_no_later_state_is_saved(tmp_path):
+    """A NaN loss at step 4, whose report comes after step 5 was dispatched: the run stops naming step 4,
+    the hooks saw steps 0-3, and the last checkpoint is step-4 (the state after step 3; keep every 2 would
+    have saved step-6 next)."""
+    from levanter.trainer import StepReport, TrainHooks
+
+    trainer, fresh, batches, to_named, dispatched = _lagged_trainer(tmp_path)
+    seen = []
+
+    class Hooks(TrainHooks):
+        def on_step(self, r: StepReport) -> None:
+            seen.append(r.step)
+
+    ckpt = CheckpointerConfig(base_path=str(tmp_path / "ckpt"), keep=[CheckpointInterval(every=2)])
+    with pytest.raises(FloatingPointError, match=r"train/loss is NaN at step 4; the update was not applied"):
+        trainer.train(fresh(), batches(nan_at=4), to_named=to_named, checkpointer=ckpt.create("nan"), hooks=Hooks())
+    assert len(dispatched) == 6  # step 5 was already dispatched when step 4's loss was read
+    assert seen == [0, 1, 2, 3]
+    assert steps_saved(tmp_path / "ckpt" / "nan") == ["step-2", "step-4"]
+
+
 def write_yaml(tmp_path, text, name="c.yaml"):
     p = tmp_path / name
     p.write_text(text)
@@ -497,7 +611,9 @@ def test_kill_9_or_ctrl_c_then_rerun_resumes_bit_for_bit(tmp_path):
         assert noise not in ref.stderr + ref.stdout, noise
     assert (tmp_path / "logs" / "ref" / "debug.log").exists()
 
-    interrupted = run_train(tmp_path, "int", kill_at="train_after_step:5", signal_name="SIGINT")
+    # SIGINT at the 4th step report: step 3's, made while step 4 runs (metrics are read a step late). The
+    # run finishes step 4 and checkpoints the state after it, step 5 (not one of the keep steps).
+    interrupted = run_train(tmp_path, "int", kill_at="train_after_step:4", signal_name="SIGINT")
     from levanter.trainer import PREEMPTED_EXIT_CODE
 
     assert interrupted.returncode == PREEMPTED_EXIT_CODE, interrupted.stderr[-3000:]

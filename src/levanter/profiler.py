@@ -6,7 +6,11 @@ JAX writes ``plugins/profile/<date_time>/<host>.xplane.pb`` (and a ``.trace.json
 TensorBoard's profile plugin and Perfetto open (docs/performance.md). The default start skips the first
 steps, whose time is mostly compilation. A resumed run that starts inside the window traces the rest of
 it; one that starts after it traces nothing. The trace stops at the window's end, or when the run ends or
-fails before that, so a short run still leaves a complete trace. Each process writes its own.
+fails before that, so a short run still leaves a complete trace. Each process writes its own. The
+trainer reads a step's metrics after dispatching the next step (:meth:`levanter.trainer.Trainer.train`),
+so the window is shifted by about one step's dispatch: it opens while step ``profiler_start_step`` is
+already queued and closes while the step after the window runs. Steady-state steps look alike, so the
+trace shows the same thing.
 """
 
 from __future__ import annotations

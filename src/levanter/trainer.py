@@ -5,7 +5,9 @@ it yields batches tagged with their step, and the trainer refuses (loudly) a bat
 from the number of updates its state has made. Resume is a pure function of the step: the state comes
 from the latest complete checkpoint and the loader restarts at ``state.step``. An entry point calls
 ``Trainer.train(state, batches, to_named=..., checkpointer=..., hooks=...)`` and does its logging and
-evaluation in the :class:`TrainHooks`; the loop itself owns the checks, checkpoints and exit paths.
+evaluation in the :class:`TrainHooks`; the loop itself owns the checks, checkpoints and exit paths. It
+reads each step's metrics after dispatching the next step, so that the device never waits on the host's
+per-step work (see :meth:`Trainer.train` for where it does not, and why nothing observable changes).
 
 Gradient accumulation (``per_device_parallelism``) splits the step's batch into microbatches *inside*
 the compiled step; it never changes which indices a step reads. The loss is a token-weighted mean over
@@ -306,46 +308,85 @@ class Trainer:
         """Train from ``state`` on ``batches`` until they end or ``num_train_steps`` is reached; returns the
         final state.
 
-        Each batch's step tag must equal ``state.step`` (:func:`check_step`); ``to_named`` turns its data
-        into the loss's named arrays. After every step: the compile guard (one executable per batch size),
-        the finite check (:func:`check_finite`), ``hooks.on_step``, an evaluation where
-        ``hooks.is_eval_step`` says so, and ``checkpointer.on_step(state, step, force=...)`` (forced at the
-        last step; a save returns once the state is copied to host memory and writes in the background, and
-        a write that failed is raised by the next ``on_step``). On SIGTERM or SIGINT (Ctrl-C) the write in
-        flight is waited for, the state after the current step is checkpointed and the
-        process exits with :data:`PREEMPTED_EXIT_CODE`; batches that end before ``num_train_steps`` checkpoint the last state
-        and raise :class:`DataEndedError` (a short run must not exit 0).
+        Each batch's step tag must equal the number of updates made (:func:`check_step`); ``to_named``
+        turns its data into the loss's named arrays. After every step, in step order: the compile guard
+        (one executable per batch size), the finite check (:func:`check_finite`), ``hooks.on_step``, an
+        evaluation where ``hooks.is_eval_step`` says so, and ``checkpointer.on_step(state, step,
+        force=...)`` (forced at the last step; a save returns once the state is copied to host memory and
+        writes in the background, and a write that failed is raised by the next ``save_due``/``on_step``).
+        On SIGTERM or SIGINT (Ctrl-C) the write in flight is waited for, the state after the step in
+        flight is checkpointed and the process exits with :data:`PREEMPTED_EXIT_CODE`; batches that end
+        before ``num_train_steps`` checkpoint the last state and raise :class:`DataEndedError` (a short
+        run must not exit 0).
+
+        Metrics are read one step late. Reading a step's loss waits for the step to finish, and the host
+        work before the next step (the next batch, ``to_named``, the hooks, the logging) would leave the
+        device idle for as long as it takes. So step N+1 is dispatched first and step N's metrics are read
+        (and checked, and reported) while it runs. The report is the same, only later; a non-finite step
+        N still stops the run naming step N, and the state after it is never saved (step N+1's result is
+        dropped with it). ``StepReport.seconds`` is the time between the reads of consecutive steps'
+        metrics, i.e. between their completions as the host sees them.
+
+        The state after step N cannot be read once step N+1 is dispatched (the step donates its input
+        buffers), so where anything needs it the loop finishes step N first: an evaluation step, a save
+        (``checkpointer.save_due(step, force=...)`` is asked before dispatching; a checkpointer without
+        it counts as saving after every step), the last step, and a stop requested by a signal.
         """
         hooks = hooks if hooks is not None else TrainHooks()
         num_steps = self.config.num_train_steps
         previous_handler = self.install_sigterm_handler()
         seen_sizes: set[int] = set()
+        save_due = getattr(checkpointer, "save_due", None)
+        t_prev = time.perf_counter()
+
+        def report(step: int, batch: Batch, metrics) -> None:
+            """Read step ``step``'s metrics (waiting for it to finish), check them, tell the hooks."""
+            nonlocal t_prev
+            loss = float(metrics["loss"])
+            grad_norm = float(metrics["grad_norm"])
+            update_finite = bool(metrics["update_finite"])
+            check_finite(loss, step, self.config, grad_norm=grad_norm, update_finite=update_finite)
+            now = time.perf_counter()
+            dt, t_prev = now - t_prev, now
+            extra = {k: float(v) for k, v in metrics["extra"].items()}
+            hooks.on_step(StepReport(step, batch, loss, grad_norm, bool(metrics["skipped"]), dt, extra))
+
+        def needs_state(done: int) -> bool:
+            """Whether the state after ``done`` updates is needed (so the step must finish before the next)."""
+            force = done == num_steps
+            # The checkpointer is asked first and at every step: in a multi-process job its time-based
+            # answer is a broadcast that every process must join, whatever else this process knows.
+            saving = save_due is None or save_due(done, force=force)
+            return saving or force or self.stop_requested or hooks.is_eval_step(done)
+
+        pending = None  # (step, batch, metrics): dispatched, its report not made yet (its state is gone)
         try:
             start_step = int(state.step)
             if start_step > 0 and hooks.is_eval_step(start_step):
                 # The earlier attempt's eval at this step was dropped with its other records of steps >= start.
                 self._evaluate(hooks, state, start_step)
-            t_prev = time.perf_counter()
+                t_prev = time.perf_counter()
+            step = start_step  # updates dispatched; counted here, since reading state.step would wait
             for batch in batches:
-                step = int(state.step)
                 check_step(batch, step)
                 seen_sizes.add(batch.batch_size)
                 state, metrics = self.train_step(state, to_named(batch.data), batch.batch_size)
-                loss = float(metrics["loss"])
+                if pending is not None:  # the previous step's report, now that this one is queued
+                    previous, pending = pending, None
+                    report(*previous)
+                    fault_point("train_after_step")
                 if self.compile_count() > len(seen_sizes):
                     raise RuntimeError(
                         f"the train step recompiled at step {step} ({self.compile_count()} compiles for "
                         f"{len(seen_sizes)} batch sizes): an input changed shape or type unexpectedly"
                     )
-                grad_norm = float(metrics["grad_norm"])
-                update_finite = bool(metrics["update_finite"])
-                check_finite(loss, step, self.config, grad_norm=grad_norm, update_finite=update_finite)
-                now = time.perf_counter()
-                dt, t_prev = now - t_prev, now
-                extra = {k: float(v) for k, v in metrics["extra"].items()}
-                hooks.on_step(StepReport(step, batch, loss, grad_norm, bool(metrics["skipped"]), dt, extra))
-
                 done = step + 1
+                pending = (step, batch, metrics)
+                step = done
+                if not needs_state(done):
+                    continue  # reported after the next step is dispatched
+                previous, pending = pending, None
+                report(*previous)
                 if hooks.is_eval_step(done):
                     self._evaluate(hooks, state, done)
                     t_prev = time.perf_counter()  # the evaluation is not the next step's time
@@ -361,6 +402,10 @@ class Trainer:
                         PREEMPTED_EXIT_CODE,
                     )
                     sys.exit(PREEMPTED_EXIT_CODE)
+            if pending is not None:  # the batches ended after a step that needed no state
+                previous, pending = pending, None
+                report(*previous)
+                fault_point("train_after_step")
             checkpointer.wait_until_finished()
             final_step = int(state.step)
             if final_step < num_steps:
@@ -377,13 +422,21 @@ class Trainer:
                 )
             return state
         except Exception:
-            # A run that fails (a non-finite loss, unreadable data) still commits the checkpoint whose
-            # background write is in flight: the last good state is there to resume from. A failed write
-            # is logged, not raised, so that the run's own error is the one reported.
+            # A failure after a step was dispatched but before its report (unreadable data for the next
+            # step, a failed background write) reports that step first, as a loop without the lag would
+            # have: its metrics are logged, and a non-finite step is the error raised.
             try:
-                checkpointer.wait_until_finished()
-            except Exception as e:  # noqa: BLE001
-                logger.error("the checkpoint being written when the run failed was not saved: %s", e)
+                if pending is not None:
+                    previous, pending = pending, None
+                    report(*previous)
+            finally:
+                # A run that fails (a non-finite loss, unreadable data) still commits the checkpoint whose
+                # background write is in flight: the last good state is there to resume from. A failed
+                # write is logged, not raised, so that the run's own error is the one reported.
+                try:
+                    checkpointer.wait_until_finished()
+                except Exception as e:  # noqa: BLE001
+                    logger.error("the checkpoint being written when the run failed was not saved: %s", e)
             raise
         finally:
             self.restore_signal_handlers(previous_handler)
@@ -447,7 +500,9 @@ class DataEndedError(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class StepReport:
     """One step as the loop saw it: the batch trained on, its (global) loss and gradient norm, whether
-    the update was skipped (non-finite and allowed to go on), and the seconds since the previous step."""
+    the update was skipped (non-finite and allowed to go on), and the seconds since the previous step's
+    report (between the two steps' completions as the host sees them; an evaluation between them is not
+    counted)."""
 
     step: int
     batch: Batch
@@ -463,7 +518,8 @@ class TrainHooks:
     """What a run does around :meth:`Trainer.train`'s steps (logging, evaluation); no-ops by default."""
 
     def on_step(self, report: StepReport) -> None:
-        """After each step's checks, before its evaluation and checkpoint."""
+        """After each step's checks, before its evaluation and checkpoint; usually while the next step
+        runs (:meth:`Trainer.train` reads metrics one step late)."""
 
     def is_eval_step(self, step: int) -> bool:
         """Whether to evaluate the model after ``step`` updates."""

@@ -209,6 +209,7 @@ class Checkpointer:
         self.process_index = jax.process_index() if process_index is None else process_index
         self._last_save_time = clock()
         self._last_saved_step: int | None = None
+        self._decided: tuple[int, bool] | None = None  # (step, whether save_interval had passed)
         # Temporary checkpoints to delete once a newer checkpoint is complete.
         self._retire: list[str] = []
         self.asynchronous = asynchronous and jax.process_count() == 1
@@ -256,12 +257,39 @@ class Checkpointer:
 
         return bool(multihost_utils.broadcast_one_to_all(np.bool_(flag)))
 
+    def _time_due(self, step: int, *, remember: bool = False) -> bool:
+        """Whether ``save_interval`` has passed since the last save. The answer :meth:`save_due` gave
+        (``remember``) is the one the same step's next :meth:`on_step` acts on: one clock reading and one
+        broadcast, and the state the trainer kept for a save is the state saved."""
+        decided, self._decided = self._decided, None
+        if decided is not None and decided[0] == step:
+            return decided[1]
+        due = False
+        if self.save_interval is not None:
+            due = self._agree(self._clock() - self._last_save_time >= self.save_interval.total_seconds())
+        if remember:
+            self._decided = (step, due)
+        return due
+
+    def save_due(self, step: int, *, force: bool = False) -> bool:
+        """Whether ``on_step(tree, step, force=force)`` will do anything with ``tree`` (save it or mark its
+        checkpoint permanent). The trainer asks before it dispatches the next step, which may reuse the
+        buffers of the state after ``step``: where this says False the state is never needed. First raises
+        the error of a background save that failed since the last call."""
+        self._writer.raise_if_failed()
+        step = int(step)
+        permanent = force or _is_permanent_step(self.keep, step)
+        if step == self._last_saved_step:
+            return permanent
+        return permanent or self._time_due(step, remember=True)
+
     def on_step(self, tree: Any, step: int, *, force: bool = False) -> bool:
         """Save ``tree`` (the state after ``step`` updates) if the policy says so; True if saved.
 
         Permanent at the ``keep`` steps and when ``force`` is set; temporary when ``save_interval`` has
-        passed since the last save. A step already saved is not saved again. First raises the error of a
-        background save that failed since the last call.
+        passed since the last save (as :meth:`save_due` decided it, if asked about this step). A step
+        already saved is not saved again. First raises the error of a background save that failed since
+        the last call.
         """
         self._writer.raise_if_failed()
         step = int(step)
@@ -270,10 +298,7 @@ class Checkpointer:
             if permanent:
                 self._make_permanent(self.path_for_step(step))
             return False
-        due = False
-        if not permanent and self.save_interval is not None:
-            due = self._clock() - self._last_save_time >= self.save_interval.total_seconds()
-            due = self._agree(due)
+        due = not permanent and self._time_due(step)
         if not (permanent or due):
             return False
         self.save(tree, step, is_temporary=not permanent)

@@ -20,7 +20,9 @@ Backends (``model.attn_backend``; upstream Levanter's names where upstream has t
   softmax over key blocks of ``model.flash_attention_block_size`` positions, recomputed per block in
   the backward pass; memory ``O(seq_len * block)``; runs everywhere.
 * ``splash``: JAX's Pallas splash-attention kernel, on TPU only (elsewhere it runs only in Pallas's
-  slow interpret mode, which the tests use).
+  slow interpret mode, which the tests use). Its tiles are ``model.flash_attention_block_size`` in every
+  dimension unless ``model.splash_block_sizes`` (:class:`SplashBlockSizes`) sets the forward and
+  backward kernels' tiles one by one: a speed knob only (the same attention up to float rounding).
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``, on NVIDIA GPUs only, with
   bfloat16/float16 activations and head sizes up to 128 (a multiple of 8). Packed segments reach it
   as a boolean mask (cuDNN's own fused kernel still never materialises the scores).
@@ -45,6 +47,7 @@ key/value head ``h // (heads // kv_heads)``, the Hugging Face ``repeat_kv`` conv
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -78,6 +81,8 @@ __all__ = [
     "plan_attention",
     "dot_product_attention",
     "splash_attention",
+    "SplashBlockSizes",
+    "resolve_splash_block_sizes",
 ]
 
 POS = "position"
@@ -315,6 +320,77 @@ def resolve_attn_backend(
     return "jax_flash"
 
 
+@dataclasses.dataclass(frozen=True)
+class SplashBlockSizes:
+    """The splash kernel's tiles, forward and backward, one by one (a speed knob: the attention is the
+    same up to float rounding). A null field takes model.flash_attention_block_size's block (a *_compute
+    one its parent's); a value over the sequence length is cut to it. Each must divide the sequence and be
+    a multiple of 128 (the TPU's lane width) unless it is the whole sequence; a *_compute tile must divide
+    its parent."""
+
+    # Query positions per block of the forward kernel.
+    block_q: Optional[int] = None
+    # Key/value positions per block the forward kernel loads.
+    block_kv: Optional[int] = None
+    # Key/value positions per inner step of the forward kernel (divides block_kv; null: block_kv).
+    block_kv_compute: Optional[int] = None
+    # Query positions per block of the fused backward kernel (dq, dk and dv).
+    block_q_dkv: Optional[int] = None
+    # Key/value positions per block of the fused backward kernel.
+    block_kv_dkv: Optional[int] = None
+    # Key/value positions per inner step of the backward kernel (divides block_kv_dkv; null: block_kv_dkv).
+    block_kv_dkv_compute: Optional[int] = None
+
+
+# The fields in splash's BlockSizes order; a *_compute tile's parent is the block it steps through.
+_SPLASH_FIELDS = ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv", "block_kv_dkv_compute")
+_SPLASH_COMPUTE_PARENT = {"block_kv_compute": "block_kv", "block_kv_dkv_compute": "block_kv_dkv"}
+_SPLASH_LANES = 128
+
+
+def _splash_choices(seq_len: int) -> str:
+    """The tiles a sequence of ``seq_len`` positions admits (multiples of 128 dividing it, or itself), for errors."""
+    ok = [b for b in range(_SPLASH_LANES, seq_len + 1, _SPLASH_LANES) if seq_len % b == 0] or [seq_len]
+    return ", ".join(map(str, ok[:6])) + (", ..." if len(ok) > 6 else "")
+
+
+def resolve_splash_block_sizes(seq_len: int, block_size: Optional[int], sizes: Optional[SplashBlockSizes]) -> dict:
+    """The six splash tiles for a sequence of ``seq_len`` positions: ``sizes``'s fields where set (cut to
+    ``seq_len``), else the largest divisor of ``seq_len`` up to ``block_size`` (today's one block) or, for
+    a ``*_compute`` field, its parent's. Refuses a value that is not a positive integer, does not divide
+    the sequence, is not a multiple of 128 (unless the whole sequence) or, for a ``*_compute`` field, does
+    not divide its parent, naming the key ``model.splash_block_sizes.<field>``."""
+    shared = _splash_block(seq_len, block_size if block_size is not None else DEFAULT_FLASH_BLOCK_SIZE)
+    out = {}
+    for name in _SPLASH_FIELDS:
+        value = getattr(sizes, name) if sizes is not None else None
+        parent = _SPLASH_COMPUTE_PARENT.get(name)
+        if value is None:
+            out[name] = out[parent] if parent is not None else shared
+            continue
+        key = f"model.splash_block_sizes.{name}"
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{key} must be a positive number of positions, or null for the default, got {value!r}")
+        block = min(value, seq_len)
+        if seq_len % block:
+            raise ValueError(
+                f"{key}={value} does not divide the sequence length {seq_len} (the splash kernel tiles the "
+                f"sequence into whole blocks); use one of {_splash_choices(seq_len)}, or null"
+            )
+        if block % _SPLASH_LANES and block != seq_len:
+            raise ValueError(
+                f"{key}={value} is not a multiple of {_SPLASH_LANES} (the TPU's lane width, which the splash "
+                f"kernel's tiles must be); use one of {_splash_choices(seq_len)}, or null"
+            )
+        if parent is not None and out[parent] % block:
+            raise ValueError(
+                f"{key}={value} does not divide model.splash_block_sizes.{parent} ({out[parent]}): the kernel "
+                f"steps through each {parent} block in whole {name} steps; use a divisor of it, or null"
+            )
+        out[name] = block
+    return out
+
+
 class AttentionMask(eqx.Module):
     """What every layer needs to mask its attention, and which kernel runs it: causal always, plus
     optional ``segment_ids [..., position]``; ``materialized`` is the boolean ``[..., position,
@@ -327,6 +403,8 @@ class AttentionMask(eqx.Module):
     backend: str = eqx.field(static=True, default="vanilla")
     block_size: int = eqx.field(static=True, default=DEFAULT_FLASH_BLOCK_SIZE)
     window: Optional[int] = eqx.field(static=True, default=None)
+    # model.splash_block_sizes (the splash backend's tiles one by one); None: block_size everywhere.
+    splash_block_sizes: Optional[SplashBlockSizes] = eqx.field(static=True, default=None)
 
 
 def attention_mask(
@@ -335,6 +413,7 @@ def attention_mask(
     backend: str = "vanilla",
     block_size: Optional[int] = None,
     window: Optional[int] = None,
+    splash_block_sizes: Optional[SplashBlockSizes] = None,
 ) -> AttentionMask:
     """The :class:`AttentionMask` a model builds once per forward pass for the concrete ``backend``; a
     ``window`` at least as long as the sequence excludes nothing and is dropped (the plain causal kernels
@@ -347,7 +426,7 @@ def attention_mask(
         window = None
     block = block_size if block_size is not None else DEFAULT_FLASH_BLOCK_SIZE
     full = causal_segment_mask(Pos, segment_ids, window) if backend == "vanilla" else None
-    return AttentionMask(segment_ids, full, backend, block, window)
+    return AttentionMask(segment_ids, full, backend, block, window, splash_block_sizes)
 
 
 def plan_attention(
@@ -360,6 +439,7 @@ def plan_attention(
     head_size: int,
     dropout: float = 0.0,
     window: Optional[int] = None,
+    splash_block_sizes: Optional[SplashBlockSizes] = None,
 ) -> AttentionMask:
     """The :class:`AttentionMask` for one forward pass of a model configured with backend ``requested``:
     resolves it for this platform, sequence, activation ``dtype`` (as the scores' inputs will have it)
@@ -368,7 +448,7 @@ def plan_attention(
     backend = resolve_attn_backend(
         requested, platform=jax.default_backend(), seq_len=Pos.size, dropout=dropout, dtype=dtype, head_size=head_size
     )
-    return attention_mask(Pos, segment_ids, backend, block_size, window)
+    return attention_mask(Pos, segment_ids, backend, block_size, window, splash_block_sizes)
 
 
 def dot_product_attention(
@@ -400,8 +480,8 @@ def dot_product_attention(
     if backend == "jax_flash":
         out = blockwise_attention(q5, k4, v4, seg, block_size=mask.block_size, window=mask.window)
     elif backend == "splash":
-        out = splash_attention(q5, k4, v4, seg, block_size=mask.block_size, interpret=platform != "tpu",
-                               window=mask.window)
+        out = splash_attention(q5, k4, v4, seg, block_size=mask.block_size, block_sizes=mask.splash_block_sizes,
+                               interpret=platform != "tpu", window=mask.window)
     elif backend == "cudnn":
         out = _cudnn_attention(q5, k4, v4, seg, window=mask.window)
     else:
@@ -459,12 +539,14 @@ def _splash_block(seq_len: int, block_size: int) -> int:
 
 
 def splash_attention(
-    q, k, v, segment_ids=None, *, block_size: int, interpret: bool = False, window: Optional[int] = None
+    q, k, v, segment_ids=None, *, block_size: int, block_sizes: Optional[SplashBlockSizes] = None,
+    interpret: bool = False, window: Optional[int] = None,
 ) -> jax.Array:
     """Causal attention through JAX's Pallas splash kernel, on the array layout of
-    :func:`levanter.models.flash_attention.blockwise_attention` (``q`` already scaled). ``interpret``
-    runs the kernel in Pallas's interpreter (any platform; slow, for tests). ``window``: each query sees
-    only its own and the ``window - 1`` positions before it (splash's local mask).
+    :func:`levanter.models.flash_attention.blockwise_attention` (``q`` already scaled). The kernel's
+    tiles: ``block_sizes``'s where set, else ``block_size`` (:func:`resolve_splash_block_sizes`).
+    ``interpret`` runs the kernel in Pallas's interpreter (any platform; slow, for tests). ``window``:
+    each query sees only its own and the ``window - 1`` positions before it (splash's local mask).
 
     The backward pass is splash's fused kernel (dq, dk and dv from one pass over the score blocks, where
     the separate kernels compute the scores twice). Grouped-query heads go to splash's multi-query kernel,
@@ -475,11 +557,7 @@ def splash_attention(
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
     b, kv_heads, group, seq_len, head_size = q.shape
-    block = _splash_block(seq_len, block_size)
-    sizes = sk.BlockSizes(
-        block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block, block_kv_dkv=block,
-        block_kv_dkv_compute=block, use_fused_bwd_kernel=True,
-    )
+    sizes = sk.BlockSizes(**resolve_splash_block_sizes(seq_len, block_size, block_sizes), use_fused_bwd_kernel=True)
     dtype = q.dtype
     k, v = k.astype(dtype), v.astype(dtype)
 

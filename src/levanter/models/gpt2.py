@@ -246,6 +246,7 @@ class Gpt2LMHeadModel(LmHeadModel):
             Pos,
             segment_ids,
             block_size=c.flash_attention_block_size,
+            splash_block_sizes=c.splash_block_sizes,
             dtype=jnp.float32 if c.upcast_attn else x.dtype,
             head_size=c.HeadSize.size,
             dropout=c.attn_pdrop if k_blocks is not None else 0.0,

@@ -325,6 +325,7 @@ def plan_config_attention(config: LmConfig, Pos: Axis, segment_ids: NamedArray |
         Pos,
         segment_ids,
         block_size=config.flash_attention_block_size,
+        splash_block_sizes=config.splash_block_sizes,
         dtype=jnp.float32 if config.upcast_attn else dtype,
         head_size=config.HeadSize.size,
         window=getattr(config, "attention_window", None),

@@ -35,7 +35,14 @@ import jax.numpy as jnp
 import haliax as hax
 from haliax import Axis, NamedArray
 
-from .attention import KEY_POS, POS, check_attn_config, check_backend_platform
+from .attention import (
+    KEY_POS,
+    POS,
+    SplashBlockSizes,
+    check_attn_config,
+    check_backend_platform,
+    resolve_splash_block_sizes,
+)
 from .layers import check_activation, check_epsilon, check_positive, check_remat
 from .loss import blockwise_logsumexp
 from .token_dot import token_dot
@@ -107,6 +114,9 @@ class LmConfig(abc.ABC, draccus.ChoiceRegistry):
     use_flash_attention: Optional[bool] = None
     # Query/key block of jax_flash and splash; None means 512 (or the whole sequence when shorter).
     flash_attention_block_size: Optional[int] = None
+    # The splash kernel's tiles one by one ({block_q, block_kv, block_kv_compute, block_q_dkv, block_kv_dkv,
+    # block_kv_dkv_compute}; unset ones follow flash_attention_block_size); null: that block everywhere.
+    splash_block_sizes: Optional[SplashBlockSizes] = None
     # Compute the loss over blocks of this many vocabulary entries (less memory); null: all logits at once.
     cross_entropy_block_size: Optional[int] = None
 
@@ -126,6 +136,13 @@ class LmConfig(abc.ABC, draccus.ChoiceRegistry):
                 "model.attn_backend 'cudnn' needs model.upcast_attn: false (cuDNN takes bfloat16/float16 queries "
                 "and keys; the scores and softmax are float32 inside it either way)"
             )
+        if self.splash_block_sizes is not None:
+            if not isinstance(self.splash_block_sizes, SplashBlockSizes):
+                raise ValueError(
+                    "model.splash_block_sizes must be a mapping of block_q, block_kv, block_kv_compute, "
+                    f"block_q_dkv, block_kv_dkv, block_kv_dkv_compute, or null, got {self.splash_block_sizes!r}"
+                )
+            resolve_splash_block_sizes(self.seq_len, self.flash_attention_block_size, self.splash_block_sizes)
 
     @property
     def attention_backend(self) -> str:

@@ -232,7 +232,7 @@ class HfExporter:
         self.exported: list[str] = []
 
     def due(self, step: int) -> bool:
-        """Whether the model after ``step`` updates is exported."""
+        """Whether :meth:`on_step` exports the model after ``step`` updates."""
         return step > 0 and (step % self.every == 0 or step == self.last_step)
 
     def on_step(self, model, step: int) -> None:
@@ -256,6 +256,11 @@ class _ExportingCheckpointer:
 
     def __init__(self, inner, exporter: HfExporter):
         self._inner, self._exporter = inner, exporter
+
+    def save_due(self, step: int, *, force: bool = False) -> bool:
+        # Both asked: the inner checkpointer decides (and keeps) its time-based answer here.
+        inner = self._inner.save_due(step, force=force)
+        return self._exporter.due(step) or inner
 
     def on_step(self, state, step: int, force: bool = False):
         out = self._inner.on_step(state, step, force=force)
