@@ -683,7 +683,7 @@ def test_non_finite_steps_are_skipped_when_allowed(tmp_path, monkeypatch):
         marked = jax.make_array_from_callback(host.shape, arr.sharding, lambda idx: host[idx])
         return dataclasses.replace(batch, data={**batch.data, "poison": marked})
 
-    monkeypatch.setattr(train_lm, "lm_loss_fn", poisoned_loss_fn)
+    monkeypatch.setattr(lm_run, "lm_loss_fn", poisoned_loss_fn)
     monkeypatch.setattr(DataLoader, "fetch", poisoned_fetch)
     steps = 6
     out = train_lm.main(nan_config(tmp_path, "skip", steps=steps, crash=False))
