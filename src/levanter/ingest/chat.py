@@ -63,15 +63,15 @@ def resolve_chat_template(tokenizer, configured: Optional[str], *, mask_user_tur
     if not template:
         raise ValueError(
             f"{what}: no chat template: the tokenizer {getattr(tokenizer, 'name', tokenizer)!r} has none (no "
-            "chat_template in its tokenizer_config.json); set format.chat_template (or data.chat_template) to a "
-            "Jinja template"
+            "chat_template in its tokenizer_config.json); set format.chat_template or data.chat_template "
+            "(chat_template in a fine-tuning config) to a Jinja template"
         )
     if mask_user_turns and not has_generation_block(template):
         raise ValueError(
             f"{what}: the chat template has no {{% generation %}} block, so the assistant tokens to train on "
             "cannot be told apart: wrap the assistant content in {% generation %}...{% endgeneration %} (set "
-            "format.chat_template or data.chat_template), or set format.mask_user_turns: false to train on every "
-            "token"
+            "format.chat_template or data.chat_template; chat_template in a fine-tuning config), or set "
+            "format.mask_user_turns: false to train on every token"
         )
     return template
 
