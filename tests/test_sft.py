@@ -123,6 +123,7 @@ tokenizer: "{tok}"
 messages_field: messages
 input_role: user
 output_role: assistant
+reinit_tokens: ["<|assistant|>", "<|end|>"]
 model:
   type: llama
   seq_len: 4096
@@ -180,3 +181,31 @@ def test_a_tiny_sft_run_learns_the_assistant_replies(tmp_path, tok_dir):
     first, last = losses[0], np.mean([losses[s] for s in range(steps - 3, steps)])
     assert first > 5.0 and last < first - 3.0, (first, last)
     assert os.path.isdir(tmp_path / "cache" / "chat" / "train" / "loss_mask")
+
+
+def test_reinit_tokens_redraws_exactly_those_rows(tok_dir):
+    import haliax as hax
+    import jax
+
+    from levanter.models import LlamaConfig, reinit_token_rows
+    from levanter.sft_config import reinit_token_ids
+
+    cfg = LlamaConfig(hidden_dim=16, intermediate_dim=32, num_layers=1, num_heads=2, num_kv_heads=2, seq_len=16)
+    model = cfg.build(hax.Axis("vocab", 330), key=jax.random.PRNGKey(0))
+    tok = load_tokenizer(str(tok_dir))
+    ids = reinit_token_ids(SFTConfig(reinit_tokens=["<|assistant|>", "<|end|>"]), tok)
+    assert ids == [tok.backend.token_to_id("<|assistant|>"), tok.backend.token_to_id("<|end|>")]
+    new = reinit_token_rows(model, ids, jax.random.PRNGKey(1))
+    head_only = reinit_token_rows(model, ids, jax.random.PRNGKey(1), embeddings=False)
+    for get in (lambda m: m.embed_tokens.weight, lambda m: m.lm_head.weight):
+        before, after = np.asarray(get(model).rearrange(("vocab", ...)).array), np.asarray(get(new).rearrange(("vocab", ...)).array)
+        others = np.setdiff1d(np.arange(330), ids)
+        np.testing.assert_array_equal(after[others], before[others])
+        assert not np.any(after[ids] == before[ids])
+        # Drawn from the trained rows' spread: within 3 standard deviations (per column) of their mean.
+        mu, sd = before.mean(0), before.std(0)
+        assert np.all(np.abs(after[ids] - mu) <= 3 * sd + 1e-6)
+    np.testing.assert_array_equal(np.asarray(head_only.embed_tokens.weight.array),
+                                  np.asarray(model.embed_tokens.weight.array))
+    with pytest.raises(ValueError, match=r"Llama 3's chat tokens \(reinit_tokens: true\)"):
+        reinit_token_ids(SFTConfig(reinit_tokens=True), tok)

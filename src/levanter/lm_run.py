@@ -55,7 +55,7 @@ import logging
 import os
 import contextlib
 import sys
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import equinox as eqx
 import haliax as hax
@@ -159,8 +159,10 @@ def make_evaluator(config: TrainLmConfig, trainer: Trainer, eval_sets: Dict[str,
     return evaluator_for(trainer, config.data, eval_sets, tokenizer, vocab_size, config.model.Pos)
 
 
-def main(config: TrainLmConfig) -> dict:
-    """Train; returns a summary ``{"run_id", "final_step", "final_loss"}``."""
+def main(config: TrainLmConfig, *, fresh_model: Optional[Callable] = None) -> dict:
+    """Train; returns a summary ``{"run_id", "final_step", "final_loss"}``. ``fresh_model(model, key)``, if
+    given, rewrites the model of a run that starts at step 0 (after any initialisation from a checkpoint),
+    never that of a resumed one: ``sft``'s ``reinit_tokens``."""
     config.trainer.distributed.initialize()  # before anything asks JAX about devices
     config.trainer.apply_jax_config()
     use_prefetch_switch_interval()  # the data loader's read-ahead thread hands reads back sooner
@@ -196,7 +198,7 @@ def main(config: TrainLmConfig) -> dict:
             # before the caches, the model and the trackers: nothing is touched
             say_finished(tcfg, run_id, point.step, point.path)
             return {"run_id": run_id, "final_step": point.step, "final_loss": None}
-        return _main_locked(config, tokenizer, run_id, point)
+        return _main_locked(config, tokenizer, run_id, point, fresh_model)
     finally:
         lock.release()
 
@@ -213,7 +215,8 @@ def say_finished(tcfg: TrainerConfig, run_id: str, step: int, path: Optional[str
         )
 
 
-def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[ResumePoint]) -> dict:
+def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[ResumePoint],
+                 fresh_model: Optional[Callable] = None) -> dict:
     """The run itself, under its lock: caches, state (initial, or restored from ``point``), the step loop."""
     tcfg = config.trainer
     schedule = tcfg.batch_schedule
@@ -279,6 +282,8 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
             logger.info("loaded the weights of Hugging Face checkpoint %s (the optimizer starts fresh)",
                         hf_init_path(config))
             origin = {"hf_checkpoint": hf_init_path(config)}
+        if fresh_model is not None:
+            state = eqx.tree_at(lambda s: s.model, state, fresh_model(state.model, jax.random.fold_in(model_key, 1)))
 
     if jax.process_index() == 0:
         record_log_lineage(_json_log_dirs(tcfg, run_id), tcfg.checkpointer.expanded_path(run_id))

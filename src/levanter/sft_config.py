@@ -26,11 +26,15 @@ How the keys map (differences from upstream are deliberate and listed, never sil
   here too);
 * ``hf_save_steps: 0`` (upstream's default) exports only at the end of the run, where ``hf_save_path`` is set.
 
+* ``reinit_tokens`` (a list of tokens, or ``true`` for Llama 3's chat tokens) redraws those tokens' rows of
+  the embedding and output head before the first step (:func:`levanter.models.reinit_token_rows`), after
+  any ``initialize_from_hf``, never on resume.
+
 Refused by name (:mod:`levanter.refused_keys`): ``dataset_type: huggingface`` (a hub dataset, which needs the
 network; give the files as ``chat_train_urls`` or a source's ``train_urls``), ``input_role`` /
 ``output_role`` other than ``user`` / ``assistant`` (the chat template decides the roles), ``epoch`` > 0,
-``reinit_tokens``, ``hf_upload``, and a supervised source's ``input_field`` / ``output_field`` (upstream's
-prompt/response format).
+``hf_upload``, and a supervised source's ``input_field`` / ``output_field`` (upstream's prompt/response
+format).
 """
 
 from __future__ import annotations
@@ -45,7 +49,12 @@ from levanter.optim import AdamConfig, OptimizerConfig
 from levanter.refused_keys import check_refused, refused
 from levanter.trainer_config import TrainerConfig
 
-__all__ = ["SFT_KEYS", "SFTConfig", "SupervisedSourceConfig", "to_train_lm_config"]
+__all__ = ["LLAMA3_CHAT_TOKENS", "SFT_KEYS", "SFTConfig", "SupervisedSourceConfig", "fresh_model_fn",
+           "reinit_token_ids", "to_train_lm_config"]
+
+# reinit_tokens: true -- the chat tokens of Llama 3's tokenizer that its base model never trained (upstream's list).
+LLAMA3_CHAT_TOKENS = ("<|finetune_right_pad_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
+                      "<|eot_id|>")
 
 # Top-level keys only a fine-tuning config has: a config carrying one is checked as an SFTConfig.
 SFT_KEYS = ("supervised_data", "dataset_type", "chat_train_urls", "model_name_or_path", "messages_field",
@@ -123,13 +132,13 @@ class SFTConfig:
     # is all that is accepted.
     epoch: int = refused("bound the run with trainer.num_train_steps (a mixture restarts sources that run out)",
                          default=0)
-    # Upstream re-initialises the embeddings of some tokens before fine-tuning; refused if set.
-    reinit_tokens: Union[List[str], bool] = refused("token embeddings are not re-initialised here; remove the key",
-                                                    default=False)
-    # With reinit_tokens (refused): also the output rows of those tokens.
-    reinit_lm_head: bool = refused("it applies only with reinit_tokens, which is not built here", default=True)
-    # With reinit_tokens (refused): also the embedding rows of those tokens.
-    reinit_embeddings: bool = refused("it applies only with reinit_tokens, which is not built here", default=True)
+    # Tokens whose embedding (and output) rows are drawn afresh, from the trained rows' mean and spread, before
+    # the first step (never on resume): a list of token strings, or true for Llama 3's chat tokens.
+    reinit_tokens: Union[List[str], bool] = False
+    # With reinit_tokens: also redraw those tokens' rows of the output head (when it is not tied).
+    reinit_lm_head: bool = True
+    # With reinit_tokens: also redraw those tokens' rows of the token embedding.
+    reinit_embeddings: bool = True
     # A mixture's weight per supervised_data source; null: equal weights.
     mixture_weights: Optional[Dict[str, float]] = None
     # Sequences per block whose composition the weights fix (a mixture).
@@ -221,3 +230,41 @@ def _data(config: SFTConfig, fmt: LmDatasetFormat):
         configs=sources, train_weights=kept, mixture_block_size=config.mixture_block_size,
         stop_strategy=config.stop_strategy, **common,
     )
+
+
+def reinit_token_ids(config: SFTConfig, tokenizer) -> list:
+    """The ids of ``reinit_tokens`` in ``tokenizer`` ([] when unset); refuses a token the vocabulary lacks."""
+    tokens = config.reinit_tokens
+    if tokens is False or tokens is None:
+        return []
+    names = list(LLAMA3_CHAT_TOKENS) if tokens is True else list(tokens)
+    if not names:
+        raise ValueError("reinit_tokens is an empty list: name the tokens to re-initialise, or remove the key")
+    backend = getattr(tokenizer, "backend", None)
+    if backend is None:
+        raise ValueError(f"reinit_tokens needs a Hugging Face tokenizer (tokenizer.json), not {tokenizer.name!r}")
+    ids, missing = [], []
+    for name in names:
+        tid = backend.token_to_id(name)
+        (missing.append(name) if tid is None else ids.append(int(tid)))
+    if missing:
+        what = "Llama 3's chat tokens (reinit_tokens: true)" if tokens is True else "reinit_tokens"
+        raise ValueError(
+            f"{what}: {missing} not in the vocabulary of tokenizer {tokenizer.name!r}; list tokens it has"
+        )
+    if not (config.reinit_embeddings or config.reinit_lm_head):
+        raise ValueError("reinit_tokens is set but reinit_embeddings and reinit_lm_head are both false: nothing to do")
+    return ids
+
+
+def fresh_model_fn(config: SFTConfig, tokenizer):
+    """The ``fresh_model`` of :func:`levanter.lm_run.main` for ``config``'s ``reinit_tokens`` (None when unset)."""
+    ids = reinit_token_ids(config, tokenizer)
+    if not ids:
+        return None
+    from levanter.models import reinit_token_rows
+
+    def fresh(model, key):
+        return reinit_token_rows(model, ids, key, embeddings=config.reinit_embeddings, lm_head=config.reinit_lm_head)
+
+    return fresh

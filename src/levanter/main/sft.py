@@ -24,14 +24,16 @@ import sys
 
 import levanter.config
 from levanter import lm_run
-from levanter.sft_config import SFTConfig, to_train_lm_config
+from levanter.sft_config import SFTConfig, fresh_model_fn, to_train_lm_config
 
 logger = logging.getLogger(__name__)
 
 
 def main(config: SFTConfig) -> dict:
     """Fine-tune; returns ``{"run_id", "final_step", "final_loss"}``."""
-    return lm_run.main(to_train_lm_config(config))
+    train_config = to_train_lm_config(config)
+    fresh = fresh_model_fn(config, train_config.data.the_tokenizer()) if config.reinit_tokens else None
+    return lm_run.main(train_config, fresh_model=fresh)
 
 
 @levanter.config.main

@@ -24,5 +24,6 @@ __all__, __getattr__, __dir__ = facade(
         "qwen",
         "mixtral",
         "gemma",
+        "reinit",
     ),
 )
