@@ -656,6 +656,7 @@ NAN_MARK, INF_MARK = -1, -2
 def test_non_finite_steps_are_skipped_when_allowed(tmp_path, monkeypatch):
     import jax.numpy as jnp
 
+    from levanter import lm_run
     from levanter.main import train_lm
 
     t0 = time.monotonic()
