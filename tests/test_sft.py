@@ -209,3 +209,68 @@ def test_reinit_tokens_redraws_exactly_those_rows(tok_dir):
                                   np.asarray(model.embed_tokens.weight.array))
     with pytest.raises(ValueError, match=r"Llama 3's chat tokens \(reinit_tokens: true\)"):
         reinit_token_ids(SFTConfig(reinit_tokens=True), tok)
+
+
+CHAT_BUILD = """
+import sys
+from levanter.ingest import CacheOptions, ChatSpec, build_or_load_cache, load_tokenizer
+from chat_data import TEMPLATE
+
+if __name__ == "__main__":
+    out, tok, workers, shards = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+    build_or_load_cache(shards, out, load_tokenizer(tok), text_key="messages", progress=False,
+                        options=CacheOptions(workers, 8, min_bytes_for_pool=0), chat=ChatSpec("messages", TEMPLATE))
+"""
+
+
+def _chat_build(script, out, tok_dir, shards, *, workers=1, kill_at=None):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "LEVANTER_FAULT_KILL_AT"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
+    if kill_at:
+        env["LEVANTER_FAULT_KILL_AT"] = kill_at
+    return subprocess.run([sys.executable, str(script), str(out), str(tok_dir), str(workers), *map(str, shards)],
+                          env=env, capture_output=True, text=True)
+
+
+@pytest.mark.slow  # six builds in subprocesses (each imports transformers), one with a spawned pool
+def test_a_killed_chat_build_resumes_byte_identical_and_workers_agree(tmp_path, tok_dir):
+    """The mask store is committed with the tokens by the same ledger: a build killed after an append or a
+    commit resumes to the bytes of an uninterrupted one, and a process pool (the chat tokenizer pickled into
+    its workers) writes the same bytes as one process."""
+    import signal
+
+    from helpers import tree_bytes
+
+    shards = [tmp_path / f"s{i}.jsonl" for i in range(2)]
+    for i, s in enumerate(shards):
+        write_chats(s, 40, seed=i)
+    script = tmp_path / "build.py"
+    script.write_text(CHAT_BUILD)
+    ref = tmp_path / "ref"
+    assert _chat_build(script, ref, tok_dir, shards).returncode == 0
+    expected = tree_bytes(ref)
+    assert any(k.startswith("loss_mask") for k in expected)
+    for point in ("cache_after_append:2", "cache_after_commit:7"):
+        out = tmp_path / point.replace(":", "_")
+        killed = _chat_build(script, out, tok_dir, shards, kill_at=point)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+        resumed = _chat_build(script, out, tok_dir, shards)
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        assert tree_bytes(out) == expected, point
+    pooled = tmp_path / "pooled"
+    run = _chat_build(script, pooled, tok_dir, shards, workers=2)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert tree_bytes(pooled) == expected
+
+
+def test_a_damaged_mask_store_is_refused(tmp_path, tok_dir):
+    write_chats(tmp_path / "chat.jsonl", 6)
+    cache = _chat_data(tmp_path, tok_dir).build_caches("train")
+    chunk = os.path.join(cache.cache_dir, "loss_mask", "data", "c", "0")
+    assert os.path.isfile(chunk)
+    os.remove(chunk)
+    with pytest.raises(ValueError, match="loss_mask/data/c/0 is missing"):
+        TokenCache.open(cache.cache_dir)
