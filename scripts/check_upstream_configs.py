@@ -1,4 +1,4 @@
-"""Check which of upstream Levanter's top-level configs load here as ``train_lm`` configs.
+"""Check which of upstream Levanter's top-level configs load here as ``train_lm`` (or ``sft``) configs.
 
     python scripts/check_upstream_configs.py DIR [--verbose]
 
@@ -9,6 +9,11 @@ resolved relative to the including file, so DIR's subdirectories must be there),
 that need neither data, network nor devices: the upstream keys refused when set
 (``levanter.refused_keys.check_refused``), ``trainer.quantization`` on this machine's JAX platform, and the
 learning-rate schedule for ``trainer.num_train_steps``. Nothing is trained, tokenized or downloaded.
+
+A file whose top-level keys include one only fine-tuning configs have (``supervised_data``,
+``chat_train_urls``, ``mixture_weights``, ... : ``levanter.sft_config.SFT_KEYS``) is read as ``python -m
+levanter.main.sft`` reads it instead: into ``SFTConfig``, mapped onto the ``TrainLmConfig`` it runs
+(``levanter.sft_config.to_train_lm_config``, whose refusals name the SFT key), then the same checks.
 
 One line per file, then the counts:
 
@@ -36,6 +41,7 @@ import jax  # noqa: E402
 from levanter.config import parse_config  # noqa: E402
 from levanter.refused_keys import check_refused  # noqa: E402
 from levanter.lm_config import TrainLmConfig  # noqa: E402
+from levanter.sft_config import SFT_KEYS, SFTConfig, to_train_lm_config  # noqa: E402
 
 PARSES, REFUSED, FAMILY, ERROR = "parses", "refused", "needs family", "error"
 _FAMILY = re.compile(r"`model`: unknown type '([\w.-]+)'")
@@ -46,7 +52,10 @@ _OTHER_ENTRY = re.compile(r"a config of (upstream's [^,(]+)")
 def check(path: Path) -> tuple[str, str]:
     """``(outcome, detail)`` for one config file: see the module docstring."""
     try:
-        config = parse_config(TrainLmConfig, str(path))
+        if is_sft_config(path):
+            config = to_train_lm_config(parse_config(SFTConfig, str(path)))
+        else:
+            config = parse_config(TrainLmConfig, str(path))
         check_refused(config)
         if config.trainer.quantization is not None:
             config.trainer.quantization.check(jax.default_backend())
@@ -54,6 +63,21 @@ def check(path: Path) -> tuple[str, str]:
     except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
         return classify(str(e))
     return PARSES, ""
+
+
+def is_sft_config(path: Path) -> bool:
+    """Whether the file's top-level keys make it a fine-tuning config (``levanter.sft_config.SFT_KEYS``)."""
+    import yaml
+
+    class _Loader(yaml.SafeLoader):
+        pass
+
+    _Loader.add_constructor("!include", lambda loader, node: None)  # only the top-level keys matter here
+    try:
+        raw = yaml.load(path.read_text(), Loader=_Loader)
+    except (OSError, yaml.YAMLError):
+        return False  # parse_config reports it
+    return isinstance(raw, dict) and any(k in raw for k in SFT_KEYS)
 
 
 def classify(message: str) -> tuple[str, str]:

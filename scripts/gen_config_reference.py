@@ -21,6 +21,7 @@ import sys
 # (yet) are skipped, so that the list can name every command the project ships.
 ENTRY_POINTS = [
     "levanter.main.train_lm",
+    "levanter.main.sft",
     "levanter.main.cache_dataset",
     "levanter.main.data_schedule",
     "levanter.main.eval_lm",

@@ -33,7 +33,7 @@ import pytest
 
 from accelerator import require_devices, require_sockets
 from levanter.main import cache_dataset, data_schedule, export_lm_to_hf, train_lm
-from levanter.main import eval_lm, train_tokenizer
+from levanter.main import eval_lm, sft, train_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "reference" / "errors.md"
@@ -1128,6 +1128,55 @@ CLI_CASES = [
 ]
 CASES += CLI_CASES
 
+# -- supervised fine-tuning and chat data -----------------------------------------------------------------
+SFT = """\
+dataset_type: chat_jsonl
+chat_train_urls: ["$TMP/chat.jsonl"]
+supervised_data: {cache_dir: $TMP/cache}
+tokenizer: byte
+max_seq_len: 32
+""" + REST
+NO_GENERATION = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def chat_tokenizer_without_generation(tmp: Path, shared: Path) -> None:
+    from chat_data import chat_tokenizer, write_chats
+
+    chat_tokenizer(tmp / "tok", template=NO_GENERATION)
+    write_chats(tmp / "chat.jsonl", 4)
+
+
+SFT_CASES = [
+    Case("sft-unknown-key", "fine-tuning and chat data", "a misspelt key in an SFT config (`reinit_tokenz`)", 2,
+         ["unknown top-level key `reinit_tokenz`", "did you mean `reinit_tokens`?"], entry="sft",
+         yaml=SFT + "reinit_tokenz: true\n"),
+    Case("sft-huggingface-dataset", "fine-tuning and chat data", "`dataset_type: huggingface`", 2,
+         ["dataset_type='huggingface' is not supported", "needs the network", "chat_train_urls"], entry="sft",
+         yaml=SFT, args=["--dataset_type", "huggingface"]),
+    Case("sft-output-role", "fine-tuning and chat data", "`output_role: gpt`", 2,
+         ["output_role='gpt' is not supported", "user/assistant"], entry="sft", yaml=SFT,
+         args=["--output_role", "gpt"]),
+    Case("sft-epoch", "fine-tuning and chat data", "`epoch: 2`", 2,
+         ["epoch=2 is not supported", "trainer.num_train_steps"], entry="sft", yaml=SFT, args=["--epoch", "2"]),
+    Case("sft-reinit-token-missing", "fine-tuning and chat data", "`reinit_tokens` naming a token the tokenizer lacks",
+         2, ["reinit_tokens: ['<|nope|>'] not in the vocabulary", "$TMP/tok"], entry="sft",
+         yaml=edit(SFT, "tokenizer: byte", "tokenizer: $TMP/tok") + "reinit_tokens: ['<|nope|>']\n",
+         setup=chat_tokenizer_without_generation),
+    Case("sft-unknown-mixture-source", "fine-tuning and chat data", "`mixture_weights` naming no source", 2,
+         ["mixture_weights.web: no such source", "['chat']"], entry="sft",
+         yaml=edit(SFT, "chat_train_urls: [\"$TMP/chat.jsonl\"]\nsupervised_data: {cache_dir: $TMP/cache}",
+                   "supervised_data: {chat: {train_urls: [\"$TMP/chat.jsonl\"]}}\nmixture_weights: {web: 1}")),
+    Case("sft-no-chat-template", "fine-tuning and chat data", "chat data with a tokenizer that has no chat template",
+         2, ["data.format: no chat template", "'byte'", "chat_template"], entry="sft", yaml=SFT),
+    Case("chat-template-without-generation", "fine-tuning and chat data",
+         "a chat template with no `{% generation %}` block", 2,
+         ["data.format: the chat template has no {% generation %} block", "mask_user_turns: false"], entry="sft",
+         yaml=edit(SFT, "tokenizer: byte", "tokenizer: $TMP/tok"), setup=chat_tokenizer_without_generation),
+    Case("format-type-unknown", "fine-tuning and chat data", "`data.format.type: chatml`", 2,
+         ["data.format.type: expected one of text, chat", "'chatml'"], args=["--data.format.type", "chatml"]),
+]
+CASES += SFT_CASES
+
 # -- branching from a checkpoint, evaluation ------------------------------------------------------------
 BRANCH_EVAL_CASES = [
     Case("initialize-from-missing", "branching and evaluation", "`initialize_from_checkpoint_path` that does not exist",
@@ -1268,6 +1317,7 @@ ENTRIES = {"train_lm": train_lm.cli, "cache_dataset": cache_dataset.cli, "data_s
            "export_lm_to_hf": export_lm_to_hf.cli}
 ENTRIES["eval_lm"] = eval_lm.cli
 ENTRIES["train_tokenizer"] = train_tokenizer.cli
+ENTRIES["sft"] = sft.cli
 
 
 def run_case(case: Case, tmp: Path, shared: Path, capsys, monkeypatch) -> tuple[int, str]:

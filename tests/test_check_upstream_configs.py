@@ -1,5 +1,6 @@
-"""``scripts/check_upstream_configs.py``: each top-level YAML of a directory read as a train_lm config and
-reported as parsing, refused (the feature named), needing a model family, or an error, with the counts.
+"""``scripts/check_upstream_configs.py``: each top-level YAML of a directory read as a train_lm config (or,
+by its top-level keys, as a fine-tuning config of ``levanter.main.sft``) and reported as parsing, refused
+(the feature named), needing a model family, or an error, with the counts.
 The configs here are small ones written for the test, shaped like upstream's (``!include`` of a file in a
 subdirectory, relative to the including file)."""
 
@@ -30,6 +31,12 @@ def test_each_file_is_classified_and_counted(tmp_path, capsys):
     (tmp_path / "moe.yaml").write_text("model:\n  type: whisper\n")
     (tmp_path / "fp8.yaml").write_text("trainer:\n  quantization:\n    fp8: true\n")
     (tmp_path / "typo.yaml").write_text("trainer:\n  num_train_stepz: 3\n")
+    (tmp_path / "sft_mix.yaml").write_text(
+        "dataset_type: chat_jsonl\nsupervised_data:\n  a: {cache_dir: gs://b/a, train_urls: [gs://b/a.jsonl]}\n"
+        "  b: {train_urls: [gs://b/b.jsonl]}\nmixture_weights: {a: 1, b: 0}\nmax_seq_len: 4096\n"
+        "tokenizer: meta-llama/Llama-3.1-8B-Instruct\ninitialize_from_hf: true\nreinit_tokens: true\n"
+        "model: {type: llama, seq_len: 4096}\noptimizer: {lr_schedule: linear, warmup: 0.03}\n")
+    (tmp_path / "sft_hub.yaml").write_text("dataset_type: huggingface\nsupervised_data: {cache_dir: c}\n")
     assert _script().main([str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     rows = {}
@@ -42,8 +49,11 @@ def test_each_file_is_classified_and_counted(tmp_path, capsys):
     assert rows["fp8.yaml"][0] == "refused" and rows["fp8.yaml"][1].startswith("trainer.quantization.fp8=true")
     assert rows["moe.yaml"] == ("needs family", "whisper")
     assert rows["typo.yaml"][0] == "error" and "num_train_stepz" in rows["typo.yaml"][1]
-    assert sorted(rows) == ["fp8.yaml", "moe.yaml", "muon.yaml", "ok.yaml", "typo.yaml"]  # not data/source.yaml
-    assert lines[-1] == "parses: 1, refused: 2, needs family: 1, error: 1 (of 5)"
+    assert rows["sft_mix.yaml"] == ("parses", "")
+    assert rows["sft_hub.yaml"][0] == "refused" and rows["sft_hub.yaml"][1].startswith("dataset_type='huggingface': ")
+    assert sorted(rows) == ["fp8.yaml", "moe.yaml", "muon.yaml", "ok.yaml", "sft_hub.yaml", "sft_mix.yaml",
+                            "typo.yaml"]  # not data/source.yaml
+    assert lines[-1] == "parses: 2, refused: 3, needs family: 1, error: 1 (of 7)"
 
 
 def test_a_directory_without_configs_is_an_error(tmp_path, capsys):

@@ -20,6 +20,7 @@ from levanter.config import ConfigError, parse_config
 from levanter.data.config import UrlSingleDatasetLMConfig
 from levanter.data.loader import Batch, DataLoader
 from levanter.lm_loss import lm_loss_fn
+from levanter import lm_run
 from levanter.main import train_lm
 from levanter.memory_plan import available_memory, check_memory
 from levanter.models import Gpt2Config, LlamaConfig
@@ -973,7 +974,7 @@ optimizer: {{learning_rate: 0.01, warmup: 0.0, weight_decay: 0.0, lr_schedule: c
     assert e.value.code == 2
     assert "lower trainer.num_train_steps to 3" in capsys.readouterr().err
 
-    monkeypatch.setattr(train_lm, "check_data_covers_run", lambda *a, **k: None)
+    monkeypatch.setattr(lm_run, "check_data_covers_run", lambda *a, **k: None)
     with pytest.raises(SystemExit) as e:
         train_lm.cli(argv)
     err = capsys.readouterr().err

@@ -90,8 +90,7 @@ class TrainLmConfig:
             ("supervised_data", "dataset_type", "chat_train_urls", "model_name_or_path", "messages_field",
              "input_role", "output_role", "max_seq_len", "reinit_tokens", "mixture_weights",
              "mixture_block_size"),
-            "upstream's supervised fine-tuning entry point (levanter.main.sft / sft_mixture: chat data with "
-            "loss masks)",
+            "upstream's supervised fine-tuning entry point (run it with python -m levanter.main.sft)",
         ),
         **dict.fromkeys(
             ("peft_save_path", "peft_hf_upload", "merged_hf_save_path", "merged_hf_upload", "lora",

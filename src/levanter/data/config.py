@@ -12,9 +12,15 @@ Two shapes, parsed by draccus from the ``data:`` section of a config:
 sit *below* the mixture, never above it, so the mixture alone decides which step sees which source.
 ``validation_sets(seq_len)`` gives one unshuffled dataset per source with validation data.
 
+A source's ``format`` is plain text (``type: text``, one string per record under ``text_key``) or chat
+(``type: chat``, upstream's ``ChatLmDatasetFormat`` names: a list of messages per record under
+``messages_field``, rendered by ``chat_template`` -- else ``data.chat_template``, else the tokenizer's -- and
+trained only on the assistant tokens the template marks; :mod:`levanter.ingest.chat`). A chat source's cache
+holds a loss mask beside its tokens, and its examples carry it.
+
 Fields upstream has but this fork does not implement (``target_budget``, ``experiment_budget``,
-``max_train_batches``, ``num_validation_sequences``, chat formats) are accepted by the parser so
-configs load, and refused with a clear error if set -- never silently ignored.
+``max_train_batches``, ``num_validation_sequences``, the single-turn and unpacked chat variants) are accepted
+by the parser so configs load, and refused with a clear error if set -- never silently ignored.
 """
 
 from __future__ import annotations
@@ -32,10 +38,13 @@ from .dataset import AsyncDataset
 from .mixture import MixtureDataset
 from .mixture_weights import STOP_STRATEGIES
 from ..ingest import CacheOptions, SourceError, check_embedded_url, expand_urls
-from .text import CausalLmDataset, TokenSeqDataset
+from .text import CausalLmDataset, TokenMaskSeqDataset, TokenSeqDataset
 
 __all__ = [
+    "FORMAT_TYPES",
+    "LmDatasetFormat",
     "TextLmDatasetFormat",
+    "ChatLmDatasetFormat",
     "LMDatasetSourceConfig",
     "LMTaskConfig",
     "UrlSingleDatasetLMConfig",
@@ -49,14 +58,42 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
-class TextLmDatasetFormat:
-    """``format: {type: text, text_key: ...}`` as upstream writes it; only plain text is supported."""
+FORMAT_TYPES = ("text", "chat")
 
-    # The document format: only text (one string per document) is read here.
+
+@dataclasses.dataclass(frozen=True)
+class LmDatasetFormat:
+    """``format: {type: text, text_key: ...}`` or ``format: {type: chat, messages_field: ..., chat_template:
+    ...}`` as upstream writes them (one class for both: draccus reads the keys of either)."""
+
+    # The document format: text (one string per record) or chat (a list of {role, content} messages).
     type: str = "text"
-    # The field of each input record (JSON line, Parquet column) that holds the document's text.
+    # type text: the field of each input record (JSON line, Parquet column) that holds the document's text.
     text_key: str = "text"
+    # type chat: the field of each record holding its list of messages.
+    messages_field: str = "messages"
+    # type chat: the Jinja chat template; null: data.chat_template, else the tokenizer's own. Assistant text
+    # must sit inside {% generation %}...{% endgeneration %} (what the loss is computed on).
+    chat_template: Optional[str] = None
+    # type chat: train only on the assistant tokens (true), or on every token of the conversation (false).
+    mask_user_turns: bool = True
+    # Upstream's single-turn chat variant (first user and assistant message, no template); refused if set.
+    single_turn: bool = refused("conversations are rendered whole by the chat template here; remove the key",
+                                default=False)
+    # Upstream's packing switch: conversations are always packed into windows of the token stream here
+    # (segment ids keep them apart); false (one conversation per padded sequence) is refused.
+    pack: bool = refused("sequences are windows over the packed token stream here; remove the key", default=True)
+
+    def check(self, what: str) -> None:
+        if self.type not in FORMAT_TYPES:
+            raise ValueError(f"{what}.format.type: expected one of {', '.join(FORMAT_TYPES)}, got {self.type!r}")
+        if self.type == "text" and self.chat_template is not None:
+            raise ValueError(f"{what}.format.chat_template is set but format.type is text: set format.type: chat")
+
+
+# Upstream's names for the two formats: the same class, told apart by ``type``.
+TextLmDatasetFormat = LmDatasetFormat
+ChatLmDatasetFormat = LmDatasetFormat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +112,9 @@ class LMDatasetSourceConfig:
     cache_dir: Optional[str] = None
     # Labels for evaluation: eval/<tag>/loss and eval/<tag>/bpb average over the sources carrying a tag.
     tags: Optional[List[str]] = None
-    # Upstream's document format section (type: text, text_key); text_key given directly wins.
-    format: Optional[TextLmDatasetFormat] = None
+    # The document format section: type text (text_key) or chat (messages_field, chat_template, ...); a
+    # text_key given directly wins for text.
+    format: Optional[LmDatasetFormat] = None
     # The field holding each document's text; null: format.text_key, else data.text_key, else "text".
     text_key: Optional[str] = None
     # A Hugging Face dataset instead of urls: a hub id, a save_to_disk directory or a data-file directory.
@@ -96,15 +134,35 @@ class LMDatasetSourceConfig:
         default=True,
     )
 
+    @property
+    def is_chat(self) -> bool:
+        return self.format is not None and self.format.type == "chat"
+
     def resolved_text_key(self, default: Optional[str]) -> str:
-        """The source's ``text_key``, else its ``format.text_key``, else the task-level one, else "text"."""
+        """The record field holding each document: a chat source's ``format.messages_field``; for text the
+        source's ``text_key``, else its ``format.text_key``, else the task-level one, else "text"."""
+        if self.format is not None:
+            self.format.check("data")
+        if self.is_chat:
+            return self.format.messages_field
         if self.text_key is not None:
             return self.text_key
         if self.format is not None:
-            if self.format.type != "text":
-                raise ValueError(f"format.type: only 'text' is supported, got {self.format.type!r}")
             return self.format.text_key
         return default if default is not None else "text"
+
+    def chat_spec(self, tokenizer, default_template: Optional[str], what: str):
+        """The :class:`~levanter.ingest.ChatSpec` of a chat source (its template resolved and checked, errors
+        naming ``what``), None for text."""
+        if not self.is_chat:
+            return None
+        from ..ingest import ChatSpec, resolve_chat_template
+
+        fmt = self.format
+        template = fmt.chat_template if fmt.chat_template is not None else default_template
+        template = resolve_chat_template(tokenizer, template, mask_user_turns=fmt.mask_user_turns,
+                                         what=f"{what}.format")
+        return ChatSpec(fmt.messages_field, template, fmt.mask_user_turns)
 
     def urls(self, split: str, what: str = "data") -> List[str]:
         """The input files of ``split`` ("train" or "validation"); ``what`` names the source in errors."""
@@ -150,8 +208,8 @@ class LMTaskConfig:
     permutation_type: Optional[str] = None
     # Upstream's token id excluded from the loss; refused if set.
     ignore_token_id: Optional[int] = refused("the loss covers every position here; remove the key")
-    # Upstream's chat template for chat-formatted data; refused if set (plain text only).
-    chat_template: Optional[str] = refused("chat-formatted data is not read here (plain text only)")
+    # The chat template of chat-format sources that set no format.chat_template; null: the tokenizer's own.
+    chat_template: Optional[str] = None
 
     # -- shared machinery --------------------------------------------------------------------------
     def the_tokenizer(self):
@@ -183,6 +241,7 @@ class LMTaskConfig:
         urls = source.urls(split, what.rsplit(".", 1)[0])
         if not urls:
             return None
+        chat = source.chat_spec(tokenizer, self.chat_template, what.rsplit(".", 1)[0])
         return build_or_load_cache(
             urls,
             fs.join(cache_dir, split),
@@ -193,6 +252,7 @@ class LMTaskConfig:
             embedded_dir=fs.join(cache_dir, "_embedded"),
             what=what,
             cache_key=cache_key,
+            chat=chat,
         )
 
     def _check_source_inputs(
@@ -204,6 +264,9 @@ class LMTaskConfig:
         from ..ingest import check_writable, verify_inputs
         from ..store import CacheLedger
 
+        source.resolved_text_key(self.text_key)  # format.type
+        if source.is_chat:  # the template, before any cache is built
+            source.chat_spec(self.the_tokenizer(), self.chat_template, what)
         for split in ("train", "validation"):
             urls = source.urls(split, what)
             if not urls:
@@ -225,7 +288,12 @@ class LMTaskConfig:
             check_writable(split_dir, cache_key)
 
     def _dataset(self, cache, seq_len: int, tokens_only: bool = False) -> AsyncDataset:
-        tokens = TokenSeqDataset(cache.store, seq_len, vocab_size=cache.metadata.get("vocab_size"))
+        vocab_size = cache.metadata.get("vocab_size")
+        if cache.mask_store is not None:  # a chat cache: its examples carry the loss mask
+            tokens = TokenMaskSeqDataset(cache.store, cache.mask_store, seq_len, vocab_size=vocab_size)
+            tokens_only = False
+        else:
+            tokens = TokenSeqDataset(cache.store, seq_len, vocab_size=vocab_size)
         if len(tokens) == 0:
             raise ValueError(
                 f"the cache at {cache.cache_dir!r} has {cache.store.data_size} tokens, fewer than one sequence "
@@ -265,6 +333,10 @@ class UrlSingleDatasetLMConfig(LMTaskConfig, LMDatasetSourceConfig):
         tokenizer = self.the_tokenizer()
         cache_dir = self.cache_dir or "cache/"
         return self._cache(self, cache_dir, split, tokenizer, f"data.{split}_urls", "data.cache_dir")
+
+    def has_chat_sources(self) -> bool:
+        """Whether the training data is chat-formatted (its examples carry a loss mask of their own)."""
+        return self.is_chat
 
     def train_eos_ids(self) -> set:
         """The EOS ids the training caches were built with (a set: one id when they agree)."""
@@ -426,6 +498,10 @@ class LMMixtureDatasetConfig(LMTaskConfig):
             if cache is not None:
                 out[name] = cache
         return out
+
+    def has_chat_sources(self) -> bool:
+        """Whether a drawn source is chat-formatted (its examples carry a loss mask of their own)."""
+        return any(self.configs[n].is_chat for n in self.drawn_sources())
 
     def train_eos_ids(self) -> set:
         """The EOS ids the drawn sources' training caches were built with (a set: one id when they agree)."""

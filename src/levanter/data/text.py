@@ -11,7 +11,11 @@ Both read whole batches at once (one batched tensorstore read per ``get_batch``)
 computation), so a mixture can read all of its sources' windows in one operation.
 
 ``loss_mask`` and ``segment_ids`` are a pure function of the tokens and the EOS id
-(:func:`causal_lm_columns`, and :func:`causal_lm_columns_jax`, the same function in jax). A
+(:func:`causal_lm_columns`, and :func:`causal_lm_columns_jax`, the same function in jax) -- and, for a chat
+cache, of its stored per-token assistant mask: :class:`TokenMaskSeqDataset` reads each window of tokens and
+the same window of the mask as one view (tokens then mask, ``int32[n, 2 * seq_len]``, still one batched read
+per step), and position ``t`` is trained only where token ``t + 1`` is an assistant token. Such a dataset
+always ships its loss mask (never ``tokens_only``), since the device cannot derive it. A
 ``CausalLmDataset(..., tokens_only=True)`` ships the tokens alone and leaves the other two to the
 device, inside the jitted step (``train_lm`` does this): one host array and one transfer per step
 instead of three, and no host cumsum (docs/performance.md).
@@ -35,6 +39,7 @@ from .dataset import AsyncDataset, IndexMap, ReadPlan, StackedBatch, as_index_ar
 __all__ = [
     "BLOCK_MAX_SEQ_LEN",
     "TokenSeqDataset",
+    "TokenMaskSeqDataset",
     "causal_lm_columns",
     "causal_lm_columns_jax",
     "CausalLmDataset",
@@ -108,6 +113,66 @@ class TokenSeqDataset(AsyncDataset[np.ndarray]):
         return True
 
 
+class TokenMaskSeqDataset(TokenSeqDataset):
+    """Window ``i`` of a chat cache's tokens and of its per-token mask, side by side: ``int32[n, 2 * seq_len]``
+    (``[:, :seq_len]`` the tokens, ``[:, seq_len:]`` the mask, 1 on assistant tokens). Each window is one view
+    (the mask store's view cast to int32 and concatenated after the tokens'), so planned reads of many
+    windows and sources stay one tensorstore operation."""
+
+    with_mask = True
+
+    def __init__(self, store, mask_store, seq_len: int, vocab_size: int | None = None):
+        super().__init__(store, seq_len, vocab_size)
+        if mask_store.data_size != store.data_size:
+            raise ValueError(
+                f"the mask store {mask_store.path!r} holds {mask_store.data_size} values for {store.data_size} tokens"
+            )
+        self.mask_store = mask_store
+        check = self._finish
+        n = seq_len
+        self._finish = lambda rows: _check_tokens_of_pairs(check, n, rows)
+        self._row_key = ("token_mask_windows", *self._row_key[1:])
+
+    def _views(self, starts) -> list:
+        import tensorstore as ts
+
+        tokens = self.store.window_views(starts, self.seq_len)
+        masks = self.mask_store.window_views(starts, self.seq_len)
+        return [ts.concat([t, ts.cast(m, ts.int32)], axis=0) for t, m in zip(tokens, masks)]
+
+    async def get_batch(self, step: int, indices: Sequence[int]) -> np.ndarray:
+        from ..store import awaited, read_stacked
+
+        idx = as_index_array(indices)
+        check_range(idx, len(self), f"TokenMaskSeqDataset(seq_len={self.seq_len})")
+        if not idx.size:
+            return np.empty((0, 2 * self.seq_len), dtype=np.int32)
+        return self._finish(await awaited(read_stacked(self._views(idx * self.seq_len))))
+
+    async def plan_read(self, step: int, indices: Sequence[int]) -> ReadPlan | None:
+        idx = as_index_array(indices)
+        check_range(idx, len(self), f"TokenMaskSeqDataset(seq_len={self.seq_len})")
+        return ReadPlan(self._views(idx * self.seq_len), self._finish, row_key=self._row_key)
+
+    def can_plan_reads(self) -> bool:
+        return True
+
+    async def plan_reads(self, steps: Sequence[int], indices: Sequence[Sequence[int]]) -> ReadPlan | None:
+        """One plan for several steps' windows: a view per window (never the index-array block of short
+        windows, which reads one store)."""
+        if not len(indices):
+            return None
+        idx = np.concatenate([as_index_array(i) for i in indices])
+        check_range(idx, len(self), f"TokenMaskSeqDataset(seq_len={self.seq_len})")
+        return ReadPlan(self._views(idx * self.seq_len), self._finish, row_key=self._row_key)
+
+
+def _check_tokens_of_pairs(check, seq_len: int, rows):
+    rows = np.asarray(rows)
+    check(rows[:, :seq_len])
+    return rows
+
+
 def _identity(x):
     return x
 
@@ -126,12 +191,15 @@ def _check_token_ids(vocab_size: int, store_path: str, windows):
     return windows
 
 
-def causal_lm_columns(tokens: np.ndarray, eos_id: int | None) -> dict[str, np.ndarray]:
+def causal_lm_columns(tokens: np.ndarray, eos_id: int | None, assistant: np.ndarray | None = None
+                      ) -> dict[str, np.ndarray]:
     """``tokens``, ``loss_mask`` and ``segment_ids`` for a batch of windows ``int[n, L]``.
 
     Segment ids count the EOS tokens before each position, so a document's EOS belongs to it and the
     next document starts a new segment. Position ``t`` is trained to predict ``t + 1``; the loss is
     masked where that would cross a document boundary (``tokens[t] == eos``) and at the last position.
+    With ``assistant`` (a chat cache's per-token mask, ``[n, L]``), also wherever token ``t + 1`` is not an
+    assistant token: only the assistant's tokens are predicted.
     """
     n, length = tokens.shape
     if eos_id is None:
@@ -143,6 +211,8 @@ def causal_lm_columns(tokens: np.ndarray, eos_id: int | None) -> dict[str, np.nd
         np.cumsum(is_eos[:, :-1], axis=1, out=segment_ids[:, 1:])
     loss_mask = ~is_eos
     loss_mask[:, -1] = False
+    if assistant is not None and length > 1:
+        loss_mask[:, :-1] &= np.asarray(assistant)[:, 1:] != 0
     return {"tokens": tokens.astype(np.int32, copy=False), "loss_mask": loss_mask, "segment_ids": segment_ids}
 
 
@@ -162,6 +232,13 @@ def causal_lm_columns_jax(tokens, eos_id: int | None) -> dict:
     return {"tokens": tokens.astype(jnp.int32), "loss_mask": loss_mask, "segment_ids": segment_ids}
 
 
+def _columns(windows: np.ndarray, eos_id: int | None, with_mask: bool) -> dict[str, np.ndarray]:
+    if not with_mask:
+        return causal_lm_columns(windows, eos_id)
+    half = windows.shape[1] // 2  # tokens, then the assistant mask (TokenMaskSeqDataset)
+    return causal_lm_columns(windows[:, :half], eos_id, windows[:, half:])
+
+
 def _tokens_column(windows) -> StackedBatch:
     return StackedBatch({"tokens": np.asarray(windows).astype(np.int32, copy=False)})
 
@@ -170,12 +247,17 @@ class CausalLmDataset(AsyncDataset[dict]):
     """Causal-LM examples ``{tokens, loss_mask, segment_ids}`` over a dataset of token windows.
 
     With ``tokens_only=True`` the examples are ``{tokens}``: whoever consumes them derives the other two
-    columns with :func:`causal_lm_columns_jax` and this dataset's ``eos_id``.
+    columns with :func:`causal_lm_columns_jax` and this dataset's ``eos_id``. Over a
+    :class:`TokenMaskSeqDataset` (a chat cache) the loss mask also needs the stored mask, so
+    ``tokens_only`` is refused there.
     """
 
     def __init__(
         self, token_dataset: AsyncDataset[np.ndarray], eos_id: int | None, *, tokens_only: bool = False
     ):
+        self.with_mask = bool(getattr(token_dataset, "with_mask", False))
+        if tokens_only and self.with_mask:
+            raise ValueError("a chat cache's examples carry their loss mask: tokens_only does not apply")
         self.dataset = token_dataset
         self.eos_id = eos_id
         self.tokens_only = tokens_only
@@ -187,7 +269,7 @@ class CausalLmDataset(AsyncDataset[dict]):
         windows = np.asarray(windows)
         if self.tokens_only:
             return _tokens_column(windows)
-        return StackedBatch(causal_lm_columns(windows, self.eos_id))
+        return StackedBatch(_columns(windows, self.eos_id, self.with_mask))
 
     async def plan_read(self, step: int, indices: Sequence[int]) -> ReadPlan | None:
         return self._then(await self.dataset.plan_read(step, indices))
@@ -214,10 +296,10 @@ class CausalLmDataset(AsyncDataset[dict]):
             return None
         if self.tokens_only:  # no EOS in the key: the rows are the same whatever the EOS id
             return plan.then(_tokens_column, row_key=("causal_lm_tokens",))
-        eos = self.eos_id
+        eos, with_mask = self.eos_id, self.with_mask
         return plan.then(
-            lambda windows: StackedBatch(causal_lm_columns(np.asarray(windows), eos)),
-            row_key=("causal_lm", eos),
+            lambda windows: StackedBatch(_columns(np.asarray(windows), eos, with_mask)),
+            row_key=("causal_lm", eos, with_mask),
         )
 
     async def async_len(self) -> int:

@@ -6,6 +6,8 @@
   a hash of the whole content), and how a change is detected (``cache_options.verify_inputs``).
 * :mod:`~levanter.ingest.hf_sources`: Hugging Face datasets (local or on the hub) resolved to data files.
 * :mod:`~levanter.ingest.tokenization`: byte, Hugging Face and passthrough tokenizers behind one interface.
+* :mod:`~levanter.ingest.chat`: chat-formatted documents (lists of messages) rendered by a chat template into
+  token ids and the mask of the assistant tokens to train on.
 * :mod:`~levanter.ingest.embedded`: the embedded default corpus (Python's own docs and code).
 * :mod:`~levanter.ingest.tokenize_worker`: the tokenizer side of a build, run in pool workers.
 * :mod:`~levanter.ingest.build`: :func:`build_or_load_cache`, which tokenizes documents into a
@@ -28,6 +30,7 @@ __all__, __getattr__, __dir__ = facade(
     __package__,
     (
         "build",
+        "chat",
         "embedded",
         "errors",
         "identity",

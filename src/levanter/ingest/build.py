@@ -52,12 +52,13 @@ import numpy as np
 
 from ..refused_keys import check_refused, refused
 from ..errors import OutOfSpaceError, is_out_of_space, out_of_space_error
-from ..store.cache import TokenCache
+from ..store.cache import LOSS_MASK_DIR, TokenCache
 from ..store.jagged_array import JaggedArrayStore
 from ..store.ledger import CacheLedger
 from ..utils.fault import fault_point
 from ..utils import fs
 from .build_lock import acquire_build_lock
+from .chat import ChatSpec, ChatTokenizer
 from .embedded import corpus_fingerprint, is_embedded_url, parse_embedded_url
 from .errors import SourceError
 from .progress import BuildProgress
@@ -164,8 +165,13 @@ class CacheOptions:
             )
 
 
-def cache_metadata(tokenizer, *, urls: Sequence[str], text_key: str, enforce_eos: bool) -> dict:
+def cache_metadata(
+    tokenizer, *, urls: Sequence[str], text_key: str, enforce_eos: bool, chat: ChatSpec | None = None
+) -> dict:
     """Everything that determines a cache's content, compared before reuse.
+
+    A chat cache (``chat``: :class:`~levanter.ingest.chat.ChatSpec`) records it under ``"chat"``; a text
+    cache has no such key, so neither is ever reused as the other (and text caches are as they always were).
 
     Inputs are recorded as the configured URLs (plus a fingerprint of each embedded source, whose text
     depends on the Python version), so a finished cache serves training even where the raw files are
@@ -188,6 +194,7 @@ def cache_metadata(tokenizer, *, urls: Sequence[str], text_key: str, enforce_eos
         "text_key": text_key,
         "urls": list(urls),
         "embedded": embedded,
+        **({"chat": chat.record()} if chat is not None else {}),
     }
 
 
@@ -341,18 +348,21 @@ def build_or_load_cache(
     what: str = "train_urls",
     cache_key: str = "cache_dir",
     progress: bool = True,
+    chat: ChatSpec | None = None,
 ) -> TokenCache:
     """Open the finished cache at ``cache_dir``, or build (or resume building) it from ``urls``.
 
     ``urls`` are expanded by :func:`~levanter.ingest.sources.expand_urls` (``embedded://`` sources are
     materialised under ``embedded_dir``); ``what`` names the config key of the inputs in errors and
-    ``cache_key`` that of the cache directory.
+    ``cache_key`` that of the cache directory. ``chat``: the documents are conversations (``text_key`` is the
+    messages field), tokenized with their assistant mask into a second store, ``loss_mask/``
+    (:mod:`levanter.ingest.chat`).
     """
     options.check()
     for u in urls:
         if u.startswith("embedded://"):
             check_embedded_url(u, what=what)
-    wanted = cache_metadata(tokenizer, urls=urls, text_key=text_key, enforce_eos=enforce_eos)
+    wanted = cache_metadata(tokenizer, urls=urls, text_key=text_key, enforce_eos=enforce_eos, chat=chat)
     try:
         ledger = CacheLedger.load(cache_dir)
     except fs.StorageAccessError as e:
@@ -377,7 +387,7 @@ def build_or_load_cache(
                     return TokenCache.open(cache_dir)
             return _build(urls, cache_dir, tokenizer, ledger, wanted, text_key=text_key,
                           enforce_eos=enforce_eos, options=options, embedded_dir=embedded_dir, what=what,
-                          progress=progress)
+                          progress=progress, chat=chat)
         finally:
             lock.release()
     except OutOfSpaceError:
@@ -391,7 +401,7 @@ def build_or_load_cache(
 
 
 def _build(urls, cache_dir, tokenizer, ledger, wanted, *, text_key, enforce_eos, options, embedded_dir, what,
-           progress) -> TokenCache:
+           progress, chat=None) -> TokenCache:
     # A build killed inside a ledger save leaves its temporary file behind; the resumed build must end
     # byte-identical to an uninterrupted one, so clear it.
     fs.remove_stale_temporaries(cache_dir, "shard_ledger.json")
@@ -418,13 +428,22 @@ def _build(urls, cache_dir, tokenizer, ledger, wanted, *, text_key, enforce_eos,
         )
         ledger.save(cache_dir)
     store = JaggedArrayStore.open(fs.join(cache_dir, "input_ids"), mode="a", num_rows=ledger.total_rows)
+    # A chat cache's assistant mask: a second store aligned row for row with input_ids, appended in the same
+    # commit (both before the ledger save), so the ledger's row count covers both.
+    mask_store = None
+    if chat is not None:
+        mask_store = JaggedArrayStore.open(fs.join(cache_dir, LOSS_MASK_DIR), mode="a", dtype=np.uint8,
+                                           num_rows=ledger.total_rows)
+        tokenizer = ChatTokenizer(tokenizer, chat)
     eos = tokenizer.eos_token_id if enforce_eos else None
     todo = [sh for sh in shards if sh not in ledger.finished_shards]
     todo_bytes = {sh: int(fs.size(sh) or 0) for sh in todo}
     report: BuildProgress | None = None
 
-    def commit(shard: str, flat: np.ndarray, lengths: np.ndarray) -> None:
+    def commit(shard: str, flat: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None = None) -> None:
         store.append_flat(flat, lengths)
+        if mask_store is not None:
+            mask_store.append_flat(mask, lengths)
         fault_point("cache_after_append")
         ledger.shard_docs[shard] = ledger.shard_docs.get(shard, 0) + len(lengths)
         ledger.shard_rows[shard] = ledger.shard_rows.get(shard, 0) + len(lengths)
@@ -493,6 +512,8 @@ def _build(urls, cache_dir, tokenizer, ledger, wanted, *, text_key, enforce_eos,
                 "the files (and text_key); the next run rebuilds the cache."
             )
         store.finalize()
+        if mask_store is not None:
+            mask_store.finalize()
         fault_point("cache_after_finalize")
         ledger.is_finished = True
         ledger.save(cache_dir)

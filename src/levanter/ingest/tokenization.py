@@ -191,6 +191,9 @@ class HfTokenizer(Tokenizer):
         config = config or {}
         self.eos_token_id = self._resolve(config.get("eos_token"), EOS_CANDIDATES)
         self.bos_token_id = self._resolve(config.get("bos_token"), BOS_CANDIDATES)
+        # The Jinja chat template of tokenizer_config.json, for chat-formatted data (levanter.ingest.chat).
+        template = config.get("chat_template")
+        self.chat_template = template if isinstance(template, str) else None
 
     def _resolve(self, configured, candidates: Sequence[str]) -> int | None:
         content = _special_content(configured)

@@ -71,12 +71,19 @@ def init_worker(tokenizer, eos_to_append: int | None, parent_pid: int | None = N
     _TOKENIZER, _EOS = tokenizer, eos_to_append
 
 
-def encode(
-    tokenizer, eos: int | None, docs: list, shard: str, where: list[str]
-) -> tuple[np.ndarray, np.ndarray]:
+def encode(tokenizer, eos: int | None, docs: list, shard: str, where: list[str]) -> tuple:
     """Token ids of ``docs`` as ``(flat int32 ids, int64 per-document lengths)``, with ``eos`` appended to
     every document when it is not None. ``where[k]`` locates ``docs[k]`` in ``shard`` (``"line 6"``) for
-    error messages."""
+    error messages. A chat tokenizer (:class:`levanter.ingest.chat.ChatTokenizer`, which has
+    ``encode_chats``) adds a third array, the flat ``uint8`` assistant mask (0 on the appended EOS)."""
+    if hasattr(tokenizer, "encode_chats"):
+        flat, lengths, mask = tokenizer.encode_chats(docs, shard, where)
+        if eos is not None:
+            ends = np.cumsum(lengths)
+            flat = np.insert(flat, ends, np.int32(eos))
+            mask = np.insert(mask, ends, np.uint8(0))
+            lengths = lengths + 1
+        return flat.astype(np.int32, copy=False), lengths, mask
     if getattr(tokenizer, "name", None) == "passthrough":
         rows = []
         for k, doc in enumerate(docs):

@@ -27,5 +27,6 @@ __all__, __getattr__, __dir__ = facade(
         "mixtral",
         "gemma",
         "olmo",
+        "reinit",
     ),
 )

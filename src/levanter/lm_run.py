@@ -1,0 +1,456 @@
+"""Running a language-model training from a :class:`~levanter.lm_config.TrainLmConfig`: what ``python -m
+levanter.main.train_lm`` and ``python -m levanter.main.sft`` (which maps upstream's fine-tuning config onto
+a ``TrainLmConfig``) both run, so that neither entry point imports the other.
+
+``main(config)`` is a plain function (tests call it directly). It validates the whole config before any
+expensive work, builds (or finds) the token caches, initialises or restores the state, and hands the
+loader's batches (tagged with their step) to :meth:`levanter.trainer.Trainer.train`, which checks the
+tags and checkpoints; the hooks given to it log the metrics and evaluate. Re-running the same command
+with the same ``trainer.id`` resumes from the latest complete checkpoint and reproduces the same data and
+losses; re-running a run that already reached ``trainer.num_train_steps`` says so and exits 0. A run
+without ``trainer.id`` prints the id it generated, with the command that resumes it. A run whose checkpoint
+directory is not the one that wrote the metrics in its log directory (another run that used the id) is
+refused before any work (:mod:`levanter.tracker.lineage`), and so are ``hf_save_path`` exports that would
+replace anything but earlier exports (:mod:`levanter.compat.export_guard`).
+
+What it prints (:mod:`levanter.progress`, docs/guides/trackers.md): a bar on a terminal, else a line
+every ``trainer.progress_interval``; every evaluation's losses and an end-of-run summary on stdout; the
+details in ``<trainer.log_dir>/<run id>/debug.log``. Ctrl-C (SIGINT) or SIGTERM checkpoints the current
+step and exits with status 75; a second Ctrl-C exits at once with 130.
+
+A run either does what its config asks or fails: besides the values themselves, it refuses up front a
+model whose training state cannot fit in memory (estimated from shapes), a train step whose compiled
+memory exceeds the device's (:mod:`levanter.memory_fit`, where the device's memory is known; that
+compile is the run's step), log directories it cannot
+write, training data too short for ``trainer.num_train_steps`` and validation sets smaller than one eval
+batch; at run time, a step whose loss, gradient norm or update is not finite is never applied, and data
+that still ends early is an error (exit 1), not a short run that exits 0.
+
+Per step it logs ``train/loss`` (for a mixture of experts, with the weighted router loss, which is also
+logged alone as ``train/router_aux_loss``), ``train/learning_rate``, ``train/grad_norm``,
+``throughput/tokens_per_second``, ``throughput/step_seconds``, ``throughput/mfu`` (when the device's peak
+FLOP/s is known), ``data/wait_seconds`` and, for mixtures, ``data/source_counts/<source>``; every
+``steps_per_eval`` steps, before the first step of each mixture stage and at the end, for the validation
+sources (:mod:`levanter.eval`): ``eval/<source>/loss`` and ``eval/<source>/bpb`` (bits per byte), the
+micro averages ``eval/loss`` and ``eval/bpb``, the macro averages ``eval/macro_loss`` and
+``eval/macro_bpb``, and per tag ``eval/<tag>/loss`` and ``eval/<tag>/bpb`` (plus ``macro_loss`` and
+``macro_bpb`` for a tag on several sources). With ``trainer.model_averaging`` the averaged weights are
+evaluated too, right after, under ``eval/ema/...`` (upstream's names), and ``hf_save_path`` exports them.
+
+With ``epoch: N`` a single source's training data repeats up to N times (the same order each time); a run
+that needs more is refused with the other data-length checks, before the first step.
+
+:func:`cli_errors` is the entry points' mapping of failures to exit statuses (see ``docs/reference/errors.md``).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "check_data_covers_run",
+    "check_data_schedule",
+    "cli_errors",
+    "make_evaluator",
+    "main",
+    "say_finished",
+]
+
+import asyncio
+import logging
+import os
+import contextlib
+import sys
+from typing import Callable, Dict, Optional
+
+import equinox as eqx
+import haliax as hax
+import jax
+import numpy as np
+
+from levanter.checkpoint import (
+    CheckpointSaveError,
+    ResumePoint,
+    hold_run_lock,
+    initialize_from,
+    read_checkpoint_metadata,
+    restore,
+)
+from levanter.config import parse_timedelta
+from levanter.data.dataset import AsyncDataset, EpochDataset
+from levanter.data.load_errors import DataLoadError
+from levanter.data.loader import DataLoader, use_prefetch_switch_interval
+from levanter.data import seed_from_key
+from levanter.data.fingerprint import batch_fingerprint
+from levanter.data.mixture import MixtureDataset
+from levanter.data.schedule_record import data_schedule_record, first_difference
+from levanter.eval import Evaluator, check_eval_set_sizes
+from levanter.eval import make_evaluator as evaluator_for
+from levanter.errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError
+from levanter.distributed import DistributedStartupError, barrier, check_same_config_everywhere
+from levanter.tracker import NoopTracker, check_trackers_writable, init_trackers
+from levanter.lm_config import TrainLmConfig, data_key, validate
+from levanter.lm_config import branch_origin, check_branch_model
+from levanter.lm_config import check_hf_save_path, hf_exporter, hf_init_path, model_record, model_vocab_size
+from levanter.lm_config import with_hf_model
+from levanter.memory_fit import RECORD_KEY, StepCompiler, fit_trainer, recorded_pick
+from levanter.tracker.lineage import check_log_lineage, record_log_lineage
+from levanter.lm_loss import lm_loss_fn
+from levanter.memory_plan import check_memory
+from levanter.profiler import StepProfiler
+from levanter.progress import RunProgress, open_debug_log
+from levanter.tracker import JsonConfig, TrackerError, metrics_destinations
+from levanter.utils import fs
+from levanter.utils.flops import peak_flops_per_device
+from levanter.trainer import (
+    DataEndedError,
+    StepReport,
+    Trainer,
+    TrainerConfig,
+    TrainHooks,
+    check_resume_averaging,
+    named_batch,
+)
+
+logger = logging.getLogger(__name__)
+
+def check_data_covers_run(config: TrainLmConfig, train_set: AsyncDataset, schedule) -> None:
+    """Refuse a run whose finite training data ends before ``trainer.num_train_steps``: the loader would
+    stop early, and the run would end short of what the config asks (a trailing partial batch is never
+    trained on, so the data must hold every step's whole batch)."""
+    if not train_set.is_finite():
+        return
+    n = asyncio.run(train_set.async_len())
+    steps = config.trainer.num_train_steps
+    end = schedule.find_step_containing_offset(n)
+    if end >= steps:
+        return
+    need = schedule.global_data_offset_by_step(steps)
+    if isinstance(train_set, MixtureDataset):
+        what = f"data.stop_strategy={train_set.stop_strategy}: the mixture ends after {n:,} sequences"
+        repeat = "or set data.stop_strategy: restart to wrap sources that run out"
+    elif isinstance(train_set, EpochDataset):
+        once = asyncio.run(train_set.dataset.async_len())
+        epochs = train_set.max_epochs
+        needed = -(-need // once)  # ceil: the epochs the run reads into
+        what = (f"epoch={epochs}: the training data holds {once:,} sequences of model.seq_len="
+                f"{config.model.seq_len} tokens per epoch, {n:,} in {epochs} epochs")
+        repeat = f"or raise epoch to {needed} ({need / once:.2f} epochs of the data)"
+    else:
+        what = f"data: the training data holds {n:,} sequences of model.seq_len={config.model.seq_len} tokens"
+        repeat = ("or repeat it: set epoch (the epochs to read), or make it the one source of a mixture "
+                  "(data.configs + data.train_weights), whose default stop_strategy restart wraps it")
+    raise ValueError(
+        f"{what}, enough for {end} steps, but trainer.num_train_steps is {steps} ({need:,} sequences). Add "
+        f"training data, lower trainer.num_train_steps to {end}, {repeat}."
+    )
+
+
+def check_data_schedule(point: ResumePoint, record: dict, *, allow: bool) -> None:
+    """Refuse to resume from ``point`` if the data schedule changed before its step (unless ``allow``)."""
+    checkpoint_path, start_step = point.path, point.step
+    old = point.records.get("data_schedule")
+    if old is None:
+        logger.warning("checkpoint %s records no data schedule; cannot check the resumed data", checkpoint_path)
+        return
+    diff = first_difference(old, record)
+    if diff is None:
+        return
+    step, what = diff
+    if step < start_step and not allow:
+        raise ValueError(
+            f"the data schedule changed at step {step} ({what}), before the checkpoint at step {start_step} "
+            f"({checkpoint_path}): the resumed run would disagree with the data the checkpointed model was trained "
+            "on. Undo the edit, start a new run (another trainer.id), or set allow_data_schedule_change: true "
+            "if you mean it."
+        )
+    logger.warning("data schedule edited from step %d: %s (checkpoint at step %d)", step, what, start_step)
+
+
+def make_evaluator(config: TrainLmConfig, trainer: Trainer, eval_sets: Dict[str, AsyncDataset], tokenizer,
+                   vocab_size: int) -> Evaluator:
+    """The evaluator of the run's validation sources (:func:`levanter.eval.make_evaluator`)."""
+    return evaluator_for(trainer, config.data, eval_sets, tokenizer, vocab_size, config.model.Pos)
+
+
+def main(config: TrainLmConfig, *, fresh_model: Optional[Callable] = None) -> dict:
+    """Train; returns a summary ``{"run_id", "final_step", "final_loss"}``. ``fresh_model(model, key)``, if
+    given, rewrites the model of a run that starts at step 0 (after any initialisation from a checkpoint),
+    never that of a resumed one: ``sft``'s ``reinit_tokens``."""
+    config.trainer.distributed.initialize()  # before anything asks JAX about devices
+    config.trainer.apply_jax_config()
+    use_prefetch_switch_interval()  # the data loader's read-ahead thread hands reads back sooner
+    config = with_hf_model(config)  # initialize_from_hf: the model's shape from the checkpoint's config.json
+    tokenizer = validate(config)
+    check_same_config_everywhere(_config_dict(config))
+    tcfg = config.trainer
+    run_id = tcfg.run_id()
+    if jax.process_count() > 1 and tcfg.id is None:
+        raise ValueError("trainer.id must be set in multi-process runs, so that every process names the same run")
+    if tcfg.id is None and jax.process_index() == 0:  # else nobody could name the run to resume it
+        print(f"run id: {run_id} (generated: trainer.id is not set); rerun with --trainer.id {run_id} to resume it",
+              flush=True)
+    run_dir = tcfg.checkpointer.validate_writable(run_id)
+    if jax.process_index() == 0:
+        check_trackers_writable(tcfg.trackers(), run_id, tcfg.log_dir)
+        # Another run's metrics under this id, and exports over anything but earlier exports: refused before
+        # anything is written.
+        check_log_lineage(_json_log_dirs(tcfg, run_id), tcfg.checkpointer.expanded_path(run_id), run_id)
+        check_hf_save_path(config, run_id)
+        debug_log = open_debug_log(fs.join(tcfg.log_dir, run_id))
+        if debug_log is not None:
+            logger.debug("debug log of run %s: %s", run_id, debug_log)
+    check_memory(config, model_vocab_size(config, tokenizer))
+    check_branch_model(config, model_vocab_size(config, tokenizer))  # a branch's shapes, before any work
+    # One writer per run: taken before anything of the run is built, restored, deleted or logged, and
+    # released however the run ends (a SIGKILLed run's lock is recognised as stale on its host).
+    lock = hold_run_lock(run_dir, run_id, process_index=jax.process_index())
+    try:
+        # Where the run starts: its checkpoint resolved and its metadata read once (levanter.checkpoint.resume).
+        point = tcfg.resume_point(run_id)
+        if point is not None and point.finished(tcfg.num_train_steps):
+            # before the caches, the model and the trackers: nothing is touched
+            say_finished(tcfg, run_id, point.step, point.path)
+            return {"run_id": run_id, "final_step": point.step, "final_loss": None}
+        check_resume_averaging(point, tcfg)  # trainer.model_averaging as the checkpoint was written
+        return _main_locked(config, tokenizer, run_id, point, fresh_model)
+    finally:
+        lock.release()
+
+
+def say_finished(tcfg: TrainerConfig, run_id: str, step: int, path: Optional[str]) -> None:
+    """Print (on the first process) that there is nothing to train, and what to do instead; the run's
+    metrics and checkpoints stay as they are, and the command exits 0."""
+    if jax.process_index() == 0:
+        print(
+            f"run {run_id} already reached step {step} >= trainer.num_train_steps={tcfg.num_train_steps} "
+            f"(checkpoint {path}); nothing to train. To train it further, raise trainer.num_train_steps; to "
+            "start another run, give a new trainer.id.",
+            flush=True,
+        )
+
+
+def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[ResumePoint],
+                 fresh_model: Optional[Callable] = None) -> dict:
+    """The run itself, under its lock: caches, state (initial, or restored from ``point``), the step loop."""
+    tcfg = config.trainer
+    schedule = tcfg.batch_schedule
+    Pos = config.model.Pos
+    Vocab = hax.Axis("vocab", model_vocab_size(config, tokenizer))
+
+    key = jax.random.PRNGKey(tcfg.seed)
+    model_key = jax.random.split(key, 4)[2]  # (data, loader, model, training), upstream's order
+    dkey = data_key(config)
+
+    if jax.process_index() == 0:
+        # One process builds the caches first; the others then find them finished (on a shared
+        # filesystem) or build identical ones of their own (builds are deterministic).
+        config.data.build_caches("train")
+        config.data.build_caches("validation")
+    barrier("levanter-caches-built")
+    # The loader ships tokens alone and the step derives loss mask and segment ids on the device (fewer
+    # host arrays and transfers per step), which takes one EOS id for every source; caches built with
+    # different ones (different tokenizers) keep the three host columns.
+    # Chat-format sources ship their own loss masks (only the assistant tokens are trained on).
+    eos_ids = config.data.train_eos_ids()
+    tokens_only = len(eos_ids) == 1 and not config.data.has_chat_sources()
+    train_set = config.data.train_set(config.model.seq_len, schedule, key=dkey, tokens_only=tokens_only,
+                                      epochs=config.epoch)
+    eval_sets = config.data.validation_sets(config.model.seq_len)
+    check_data_covers_run(config, train_set, schedule)
+    check_eval_set_sizes(eval_sets, tcfg, config.model.seq_len)
+    mixture = train_set if isinstance(train_set, MixtureDataset) else None
+    # Evaluate the model as it stands before the first update of each new stage, so that two runs'
+    # eval curves part exactly at a switch (periodic evals joined by lines make them seem to part early).
+    stage_starts = set(mixture.stage_start_steps[1:]) if mixture is not None else set()
+    record = data_schedule_record(config.data, schedule, seq_len=config.model.seq_len, data_seed=seed_from_key(dkey))
+
+    optimizer = config.optimizer.build(tcfg.num_train_steps)
+    lr_schedule = config.optimizer.lr_scheduler(tcfg.num_train_steps)
+    eos_id = next(iter(eos_ids)) if tokens_only else None
+    # The step for the largest batch, compiled ahead of time and checked against the device's memory (it is
+    # the run's step then); per_device_parallelism: auto resolved (levanter.memory_fit).
+    compiler = StepCompiler(config.model, tcfg, optimizer,
+                            lm_loss_fn(config.z_loss_weight, eos_id, tcfg.quantization), Vocab.size)
+    trainer = fit_trainer(compiler, recorded=recorded_pick(tcfg, point))
+    picked = {RECORD_KEY: trainer.config.per_device_parallelism} if tcfg.per_device_parallelism == "auto" else {}
+    evaluator = make_evaluator(config, trainer, eval_sets, tokenizer, Vocab.size)
+    state = trainer.initial_state(lambda k: config.model.build(Vocab, key=k), key=jax.random.fold_in(model_key, 0))
+    state = restore(state, point)
+    start_step = int(state.step)
+    # A branch (trainer.initialize_from / initialize_from_checkpoint_path) starts from another run's checkpoint
+    # at step 0, once: rerun, it resumes from its own checkpoints, which carry the record of its origin. Its
+    # data schedule is its own, so the origin's is not checked against it.
+    origin = None
+    if point is not None:
+        check_data_schedule(point, record, allow=config.allow_data_schedule_change)
+        origin = point.records.get("initialized_from")
+    else:
+        branch = branch_origin(config)
+        if branch is not None:
+            state = initialize_from(state, branch.path, optimizer_state=branch.optimizer_state, key=branch.key)
+            origin = {"path": branch.path, "step": int(read_checkpoint_metadata(branch.path)["step"]),
+                      "optimizer_state": branch.optimizer_state}
+        elif hf_init_path(config) is not None:  # weights from a Hugging Face checkpoint; the optimizer's are fresh
+            from levanter.compat import load_hf_weights
+
+            state = eqx.tree_at(lambda s: s.model, state, load_hf_weights(state.model, hf_init_path(config)))
+            logger.info("loaded the weights of Hugging Face checkpoint %s (the optimizer starts fresh)",
+                        hf_init_path(config))
+            origin = {"hf_checkpoint": hf_init_path(config)}
+        if fresh_model is not None:
+            state = eqx.tree_at(lambda s: s.model, state, fresh_model(state.model, jax.random.fold_in(model_key, 1)))
+        if origin is not None:  # trainer.model_averaging: averaged from the weights the branch starts from
+            state = trainer.restart_average(state)
+
+    if jax.process_index() == 0:
+        record_log_lineage(_json_log_dirs(tcfg, run_id), tcfg.checkpointer.expanded_path(run_id))
+        # resume_step=0 on a fresh start too: lines an earlier attempt logged without checkpointing are dropped.
+        tracker = init_trackers(tcfg.trackers(), run_id, tcfg.log_dir, resume_step=start_step)
+    else:
+        tracker = NoopTracker()  # one writer: every process computes the same (global) metrics
+    tracker.log_hyperparameters({**_config_dict(config), **({"initialized_from": origin} if origin else {})})
+    checkpointer = tcfg.checkpointer.create(
+        run_id,
+        metadata={"data_schedule": record, **model_record(config, Vocab.size), **picked,
+                  **({"initialized_from": origin} if origin else {})},
+        barrier=barrier if jax.process_count() > 1 else None,
+        process_index=jax.process_index(),
+    )
+    # A run resumed from a checkpoint finds the metrics of every step before it, also where the tracker
+    # buffers (the JSON tracker on an object store uploads its file at a flush, not per line).
+    checkpointer.before_save = tracker.flush
+    exporter = hf_exporter(config, run_id)  # hf_save_path: step-N exports beside the checkpoints
+    if exporter is not None:
+        checkpointer = exporter.wrap(checkpointer)
+    loader = DataLoader(train_set, schedule, mesh=trainer.mesh, data_axis="data", prefetch_depth=config.prefetch_depth,
+                        provenance=True)
+    flops_per_token = config.model.flops_per_token(Vocab.size)
+    peak = peak_flops_per_device(jax.devices()[0])
+    profiler = StepProfiler(tcfg, run_id)  # trainer.profiler: a jax.profiler trace of a window of steps
+    progress = RunProgress(tcfg.num_train_steps, start_step,
+                           interval_s=parse_timedelta(tcfg.progress_interval).total_seconds(),
+                           enabled=jax.process_index() == 0)
+    last_loss = None
+    skipping_spikes = bool(config.optimizer.skip_bad_steps)
+
+    class Hooks(TrainHooks):
+        def on_step(self, r: StepReport) -> None:
+            nonlocal last_loss
+            step, batch, dt = r.step, r.batch, r.seconds
+            if r.skipped and skipping_spikes and np.isfinite(r.loss) and np.isfinite(r.grad_norm):
+                logger.warning("step %d: loss %.4g or gradient norm %.4g is a spike against the recent steps: "
+                               "the update was skipped (optimizer.skip_bad_steps)", step, r.loss, r.grad_norm)
+            tokens = batch.batch_size * Pos.size
+            log = {
+                "train/loss": r.loss,
+                "train/learning_rate": float(lr_schedule(step)),
+                "train/grad_norm": r.grad_norm,
+                "train/skipped_step": int(r.skipped),
+                "throughput/step_seconds": dt,
+                "throughput/tokens_per_second": tokens / dt,
+                "throughput/examples_per_second": batch.batch_size / dt,
+                "data/wait_seconds": batch.wait_seconds,
+            }
+            for name, value in r.extra.items():  # e.g. train/router_aux_loss
+                log[f"train/{name}"] = value
+            if peak is not None:
+                log["throughput/mfu"] = flops_per_token * tokens / dt / (peak * jax.device_count())
+            # The step's provenance (which source and row each sequence came from), read by the loader.
+            prov = batch.provenance
+            content = None
+            if config.fingerprint_tokens and batch.data["tokens"].is_fully_addressable:
+                content = np.asarray(batch.data["tokens"])
+            log["data/fingerprint"] = batch_fingerprint(prov, content)
+            if mixture is not None:
+                counts = batch.source_counts(len(mixture.names))
+                for name, c in zip(mixture.names, counts.tolist()):
+                    log[f"data/source_counts/{name}"] = c
+            tracker.log(log, step=step)
+            last_loss = r.loss
+            progress.step(step, r.loss, tokens, dt, batch.wait_seconds)
+            profiler.after_step(step)
+
+        def is_eval_step(self, done: int) -> bool:
+            return bool(eval_sets) and (
+                done % tcfg.steps_per_eval == 0 or done == tcfg.num_train_steps or done in stage_starts
+            )
+
+        def evaluate(self, model, done: int) -> None:
+            losses = evaluator.evaluate(model).metrics()  # the eval/... metrics (levanter.eval)
+            tracker.log(losses, step=done)
+            progress.eval(done, losses)
+
+        def evaluate_averaged(self, model, done: int) -> None:
+            # trainer.model_averaging: the averaged weights, as upstream logs them (eval/ema/...).
+            losses = evaluator.evaluate(model).metrics(prefix="eval/ema")
+            tracker.log(losses, step=done)
+            progress.eval(done, losses)
+
+        def on_preempt(self) -> None:
+            tracker.finish()
+
+    def to_named(data):
+        return named_batch(data, Pos, tcfg.batch_axis)
+
+    try:
+        profiler.before_step(start_step)
+        with progress.logging_around_bar(), loader.iter_from_step(start_step, tcfg.num_train_steps) as it:
+            state = trainer.train(state, it, to_named=to_named, checkpointer=checkpointer, hooks=Hooks())
+        final_step = int(state.step)
+        tracker.log_summary({"final_step": final_step, **({"train/loss": last_loss} if last_loss is not None else {})})
+        progress.summary(final_step=final_step, where=_where(tcfg, run_id, checkpointer))
+    finally:
+        profiler.stop()
+        progress.close()
+        tracker.finish()
+    return {"run_id": run_id, "final_step": int(state.step), "final_loss": last_loss}
+
+
+def _where(tcfg: TrainerConfig, run_id: str, checkpointer) -> list:
+    """Lines of the run summary saying where its metrics, checkpoints and debug log went."""
+    out = metrics_destinations(tcfg.trackers(), run_id, tcfg.log_dir)
+    out.append(f"checkpoints: {getattr(checkpointer, 'base_path', tcfg.checkpointer.expanded_path(run_id))}")
+    log = fs.join(tcfg.log_dir, run_id, "debug.log")
+    if not fs.is_url(log) and os.path.exists(log):
+        out.append(f"debug log: {log}")
+    return out
+
+
+def _json_log_dirs(tcfg: TrainerConfig, run_id: str) -> list:
+    """``(config key, directory)`` of each JSON tracker's metrics: the log directories a resume rewrites."""
+    return [d for c in tcfg.trackers() if isinstance(c, JsonConfig) for d in c.local_dirs(run_id, tcfg.log_dir)]
+
+
+def _config_dict(config) -> dict:
+    import draccus
+
+    try:
+        return draccus.encode(config)
+    except Exception:  # noqa: BLE001 -- hyperparameters are best effort, never a reason to fail
+        return {}
+
+
+@contextlib.contextmanager
+def cli_errors():
+    """Around an entry point's work: user errors (bad config values, missing or damaged files) print one
+    ``error:`` paragraph and exit with status 2; a full disk exits with 74; run failures (a coordinator that
+    never answered, unreadable data, a NaN loss, a failed save) exit with 1; Ctrl-C before the step loop with
+    130. None prints a traceback (``docs/reference/errors.md``)."""
+    from levanter.memory_fit import device_oom_as_error
+
+    try:
+        with device_oom_as_error():  # a device out of memory the up-front check did not foresee: exit 2
+            yield
+    except OutOfSpaceError as e:  # a full disk: free space and rerun (resumes from the latest checkpoint)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(OUT_OF_SPACE_EXIT_CODE)
+    except (ValueError, FileNotFoundError) as e:  # bad config or input: fix it and rerun
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C before the step loop (which checkpoints on it) or while it cleans up
+        print("interrupted before training started: nothing was saved", file=sys.stderr)
+        sys.exit(130)
+    except (DistributedStartupError, DataLoadError, DataEndedError, FloatingPointError,
+            CheckpointSaveError, TrackerError) as e:
+        # the run failed (a coordinator that never answered, unreadable data, a NaN loss, a failed save)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
