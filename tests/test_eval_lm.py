@@ -29,6 +29,7 @@ from levanter.data.config import LMDatasetSourceConfig, LMMixtureDatasetConfig  
 from levanter.eval import EvalResult, SourceTotals, format_table, token_byte_lengths  # noqa: E402
 from levanter.ingest import ByteTokenizer, train_bpe  # noqa: E402
 from levanter.lm_loss import lm_loss_fn  # noqa: E402
+from levanter.trainer import Trainer  # noqa: E402
 from levanter.main import eval_lm, train_lm  # noqa: E402
 
 
@@ -133,7 +134,7 @@ def test_eval_metrics_do_not_depend_on_how_batches_are_split_over_devices(origin
     results = []
     for model_axis_size in (1, 8):  # each batch over 8 data-parallel devices, or over 1
         tcfg = dataclasses.replace(cfg.trainer, model_axis_size=model_axis_size)
-        trainer = train_lm.Trainer(tcfg, optax.identity(), lm_loss_fn())
+        trainer = Trainer(tcfg, optax.identity(), lm_loss_fn())
         replicated = NamedSharding(trainer.mesh, PartitionSpec())
         placed = jax.tree.map(lambda x: jax.device_put(x, replicated) if eqx.is_array(x) else x, model)
         run = dataclasses.replace(cfg, trainer=tcfg)
@@ -183,7 +184,7 @@ def test_a_branch_starts_at_step_0_with_the_origins_weights_and_optimizer_state(
     # trainer.initialize_from: weights and optimizer state, the learning-rate schedule restarted.
     bcfg = two_source_config(tmp, run_id="branch", steps=2, initialize_from=str(tmp / "ckpt" / "origin"))
     bcfg = dataclasses.replace(bcfg, data=dataclasses.replace(bcfg.data, train_weights=COOLDOWN))
-    trainer = train_lm.Trainer(bcfg.trainer, bcfg.optimizer.build(2), lm_loss_fn())
+    trainer = Trainer(bcfg.trainer, bcfg.optimizer.build(2), lm_loss_fn())
     vocab = hax.Axis("vocab", 257)
     fresh = trainer.initial_state(lambda k: bcfg.model.build(vocab, key=k), key=jax.random.PRNGKey(1))
     state = initialize_from(fresh, origin_step, optimizer_state=True,
@@ -233,7 +234,6 @@ def test_the_shipped_nano_configs_evaluate_every_validation_source(name, tmp_pat
     every source gets its batches: both the prose and the code split are evaluated and reported."""
     from levanter.config import parse_config
     from levanter.eval import make_evaluator
-    from levanter.trainer import Trainer
 
     repo = Path(__file__).resolve().parent.parent
     cfg = parse_config(train_lm.TrainLmConfig, str(repo / "config" / name))
