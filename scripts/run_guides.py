@@ -253,6 +253,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the work directory after a pass too")
     p.add_argument("--list", action="store_true", help="print the bash blocks and exit")
     p.add_argument("--timeout", type=float, default=DOC_TIMEOUT_S, help="seconds per document")
+    p.add_argument("--total-timeout", type=float, default=None,
+                   help="seconds for all the documents together (default: no limit but --timeout's); the "
+                        "document running at the limit is stopped and reported as timed out")
     args = p.parse_args(argv)
 
     blocks = bash_blocks(REPO, args.only)
@@ -292,7 +295,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     for doc, doc_blocks in by_doc.items():
         t0 = time.time()
         print(f"{doc}:", flush=True)
-        ok, log = run_document(doc, doc_blocks, clone, work, skip_install=venv is not None, timeout=args.timeout)
+        timeout = args.timeout
+        if args.total_timeout is not None:
+            timeout = max(1.0, min(timeout, args.total_timeout - (t0 - t_all)))
+        ok, log = run_document(doc, doc_blocks, clone, work, skip_install=venv is not None, timeout=timeout)
         after = snapshot(clone)
         for path, stat in before.items():
             if after.get(path) != stat:

@@ -42,6 +42,14 @@ def _configure_tpu():
     os.environ["JAX_PLATFORMS"] = "cpu"  # read by JAX at import: affects child processes only
 
 
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.first`` tests go to the front (stable otherwise): with ``-n 2 --dist worksteal`` (the
+    slow step of .ci/run) one worker starts the longest test at once while the other works through the
+    rest, and takes back part of the first one's queue when it runs dry, so neither waits long for the
+    other at the end. Collected last, the longest test would run alone while the other core idles."""
+    items.sort(key=lambda item: item.get_closest_marker("first") is None)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """``@pytest.mark.devices(n)`` and ``@pytest.mark.sockets``: skip before any fixture builds a mesh or
