@@ -1,42 +1,10 @@
 """Train a causal language model: ``python -m levanter.main.train_lm --config_path config/gpt2_nano.yaml``.
 
-``main(config)`` (:mod:`levanter.lm_run`, re-exported here) is a plain function (tests call it directly).
-It validates the whole config before any expensive work, builds (or finds) the token caches, initialises or restores the state, and hands the
-loader's batches (tagged with their step) to :meth:`levanter.trainer.Trainer.train`, which checks the
-tags and checkpoints; the hooks given to it log the metrics and evaluate. Re-running the same command
-with the same ``trainer.id`` resumes from the latest complete checkpoint and reproduces the same data and
-losses; re-running a run that already reached ``trainer.num_train_steps`` says so and exits 0. A run
-without ``trainer.id`` prints the id it generated, with the command that resumes it. A run whose checkpoint
-directory is not the one that wrote the metrics in its log directory (another run that used the id) is
-refused before any work (:mod:`levanter.tracker.lineage`), and so are ``hf_save_path`` exports that would
-replace anything but earlier exports (:mod:`levanter.compat.export_guard`).
-
-What it prints (:mod:`levanter.progress`, docs/guides/trackers.md): a bar on a terminal, else a line
-every ``trainer.progress_interval``; every evaluation's losses and an end-of-run summary on stdout; the
-details in ``<trainer.log_dir>/<run id>/debug.log``. Ctrl-C (SIGINT) or SIGTERM checkpoints the current
-step and exits with status 75; a second Ctrl-C exits at once with 130.
-
-A run either does what its config asks or fails: besides the values themselves, it refuses up front a
-model whose training state cannot fit in memory (estimated from shapes), a train step whose compiled
-memory exceeds the device's (:mod:`levanter.memory_fit`, where the device's memory is known; that
-compile is the run's step), log directories it cannot
-write, training data too short for ``trainer.num_train_steps`` and validation sets smaller than one eval
-batch; at run time, a step whose loss, gradient norm or update is not finite is never applied, and data
-that still ends early is an error (exit 1), not a short run that exits 0.
-
-Per step it logs ``train/loss`` (for a mixture of experts, with the weighted router loss, which is also
-logged alone as ``train/router_aux_loss``), ``train/learning_rate``, ``train/grad_norm``,
-``throughput/tokens_per_second``, ``throughput/step_seconds``, ``throughput/mfu`` (when the device's peak
-FLOP/s is known), ``data/wait_seconds`` and, for mixtures, ``data/source_counts/<source>``; every
-``steps_per_eval`` steps, before the first step of each mixture stage and at the end, for the validation
-sources (:mod:`levanter.eval`): ``eval/<source>/loss`` and ``eval/<source>/bpb`` (bits per byte), the
-micro averages ``eval/loss`` and ``eval/bpb``, the macro averages ``eval/macro_loss`` and
-``eval/macro_bpb``, and per tag ``eval/<tag>/loss`` and ``eval/<tag>/bpb`` (plus ``macro_loss`` and
-``macro_bpb`` for a tag on several sources). With ``trainer.model_averaging`` the averaged weights are
-evaluated too, right after, under ``eval/ema/...`` (upstream's names), and ``hf_save_path`` exports them.
-
-With ``epoch: N`` a single source's training data repeats up to N times (the same order each time); a run
-that needs more is refused with the other data-length checks, before the first step.
+``main(config)`` is :func:`levanter.lm_run.main`, re-exported here: a plain function (tests call it
+directly) that validates the whole config before any expensive work, builds or finds the token caches,
+initialises or restores the state and trains; :mod:`levanter.lm_run`'s docstring says what a run refuses,
+prints and logs (every metric's name), and how it resumes. This module adds the command line: ``--help``,
+``--dry_run`` (the memory plan, nothing trained) and the mapping of failures to exit statuses.
 """
 
 from __future__ import annotations
