@@ -44,7 +44,7 @@ from ..refused_keys import check_refused, refused
 from .skip_steps import resolve as resolve_skip_bad_steps
 from .skip_steps import skip_bad_steps
 
-__all__ = ["lr_schedule_fn", "decay_mask", "OptimizerConfig", "AdamConfig"]
+__all__ = ["lr_schedule_fn", "decay_mask", "check_betas", "OptimizerConfig", "AdamConfig"]
 
 SCHEDULES = ("constant", "linear", "cosine", "inv", "wsd", "warmup-stable-decay")
 
@@ -55,6 +55,14 @@ def _steps(value: float | int | None, num_train_steps: int, default: int, name: 
     if value < 0:
         raise ValueError(f"optimizer.{name} must be non-negative, got {value}")
     return int(round(value * num_train_steps)) if value < 1 else int(value)
+
+
+def check_betas(config, names=("beta1", "beta2")) -> None:
+    """Refuse a moment-decay rate outside [0, 1), naming its ``optimizer.`` key."""
+    for name in names:
+        v = getattr(config, name)
+        if not 0 <= v < 1:
+            raise ValueError(f"optimizer.{name} must be in [0, 1), got {v}")
 
 
 def lr_schedule_fn(
@@ -247,10 +255,7 @@ class AdamConfig(OptimizerConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("beta1", "beta2"):
-            v = getattr(self, name)
-            if not 0 <= v < 1:
-                raise ValueError(f"optimizer.{name} must be in [0, 1), got {v}")
+        check_betas(self)
         # The update is m / (sqrt(v) + epsilon): with epsilon 0 a parameter whose gradient is 0 (an unused
         # embedding row, say) gets 0 / 0 = NaN.
         if self.epsilon <= 0:

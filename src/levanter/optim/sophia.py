@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from .config import OptimizerConfig, decay_mask
+from .config import OptimizerConfig, check_betas, decay_mask
 
 __all__ = ["SophiaHConfig", "SophiaState", "scale_by_sophia_h", "hutchinson_diagonal"]
 
@@ -133,10 +133,7 @@ class SophiaHConfig(OptimizerConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("beta1", "beta2"):
-            v = getattr(self, name)
-            if not 0 <= v < 1:
-                raise ValueError(f"optimizer.{name} must be in [0, 1), got {v}")
+        check_betas(self)
         if self.epsilon <= 0:
             raise ValueError(
                 f"optimizer.epsilon must be positive, got {self.epsilon}: the Hessian average starts at 0, so "
