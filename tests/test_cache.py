@@ -226,6 +226,29 @@ def test_finished_cache_is_not_rewritten_and_mismatch_is_refused(tmp_path):
         build_or_load_cache(shards, d, ByteTokenizer(), enforce_eos=False, progress=False)
 
 
+def test_a_dead_builders_lock_left_in_a_finished_cache_is_removed_and_a_live_ones_kept(tmp_path):
+    # A build killed between saving its finished ledger and deleting its lock leaves both; the next open
+    # serves the cache and clears the dead holder's record, so the directory is the one a clean build writes.
+    import socket
+    from levanter.ingest.build_lock import _boot_id
+
+    shards = write_shards(str(tmp_path), make_docs(40, seed=3))
+    d = tmp_path / "c"
+    build_or_load_cache(shards, str(d), ByteTokenizer(), options=CacheOptions(1, 16), progress=False)
+    clean = tree_bytes(d)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for pid, removed in ((dead.pid, True), (os.getpid(), False)):
+        record = {"boot": _boot_id(), "host": socket.gethostname(), "pid": pid, "token": "0"}
+        (d / "build.lock").write_text(json.dumps(record) + "\n")
+        cache = build_or_load_cache(shards, str(d), ByteTokenizer(), options=CacheOptions(1, 16),
+                                    progress=False)
+        assert cache.ledger.total_rows == 40
+        assert (d / "build.lock").exists() is not removed
+    (d / "build.lock").unlink()
+    assert tree_bytes(d) == clean
+
+
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "wrong_type"])
 def test_corrupt_ledger_is_a_clear_error(tmp_path, damage):
     shards = write_shards(str(tmp_path), make_docs(30, seed=9))

@@ -57,7 +57,7 @@ from ..store.jagged_array import JaggedArrayStore
 from ..store.ledger import CacheLedger
 from ..utils.fault import fault_point
 from ..utils import fs
-from .build_lock import acquire_build_lock
+from .build_lock import acquire_build_lock, clear_stale_build_lock
 from .chat import ChatSpec, ChatTokenizer
 from .embedded import corpus_fingerprint, is_embedded_url, parse_embedded_url
 from .errors import SourceError
@@ -372,6 +372,7 @@ def build_or_load_cache(
         _check_metadata(cache_dir, ledger.metadata, wanted)
         if ledger.is_finished:
             verify_inputs(cache_dir, ledger, urls, what=what, full=full)
+            clear_stale_build_lock(cache_dir, ledger_path=CacheLedger.path_in(cache_dir))
             return TokenCache.open(cache_dir)
     check_writable(cache_dir, cache_key)
     try:

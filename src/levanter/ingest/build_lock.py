@@ -13,6 +13,11 @@ A lock whose holder is dead is taken over: on this machine (same host name and b
 gone; from another machine when neither the lock nor the ledger has changed for ``STALE_AFTER_SECONDS``
 (a live build rewrites its ledger after every batch). Taking over removes the stale record only if it
 is still the one read, then competes for the lock like any builder.
+
+A builder killed after its finished ledger was saved but before it deleted its lock leaves a finished cache
+with a dead holder's lock. Opening a finished cache never takes the lock, so
+:func:`clear_stale_build_lock` removes such a record there (best effort: a read-only cache keeps it, and
+it harms nothing but the byte-for-byte listing of the directory).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import time
 from ..utils import fs
 from ..utils.process import pid_alive
 
-__all__ = ["BUILD_LOCK_FILENAME", "BuildLock", "acquire_build_lock"]
+__all__ = ["BUILD_LOCK_FILENAME", "BuildLock", "acquire_build_lock", "clear_stale_build_lock"]
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +126,22 @@ def acquire_build_lock(cache_dir: str, *, ledger_path: str) -> BuildLock:
                         _describe(holder), cache_dir)
             waited = True
         time.sleep(POLL_SECONDS)
+
+
+def clear_stale_build_lock(cache_dir: str, *, ledger_path: str) -> None:
+    """Remove ``cache_dir``'s build lock if its holder is dead (see the module docstring); a live holder's
+    lock, a missing one, or one that cannot be removed is left as it is."""
+    path = fs.join(cache_dir, BUILD_LOCK_FILENAME)
+    try:
+        holder, raw = _read(path)
+        if raw is None or not _stale(holder, path, ledger_path):
+            return
+        _, raw_again = _read(path)
+        if raw_again == raw:
+            fs.remove(path, missing_ok=True)
+            logger.info("removed the build lock %s left by a finished build (%s)", path, _describe(holder))
+    except (OSError, fs.StorageAccessError) as e:
+        logger.debug("left the stale build lock %s: %s", path, e)
 
 
 def _describe(holder: dict | None) -> str:
