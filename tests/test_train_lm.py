@@ -15,6 +15,8 @@ import jax
 import numpy as np
 import pytest
 
+from helpers import loss_fall, train_nano_config
+
 from levanter.checkpoint import CheckpointerConfig, CheckpointInterval, restore
 from levanter.config import ConfigError, parse_config
 from levanter.data.config import UrlSingleDatasetLMConfig
@@ -108,24 +110,10 @@ def test_loss_falls_on_8_devices(tmp_path, model, capsys, caplog):
 @pytest.mark.slow
 @pytest.mark.devices(8)
 def test_qwen3_nano_config_trains_with_falling_loss(tmp_path):
-    """config/qwen3_nano.yaml as shipped (model, optimizer, mixture of the two embedded sources), shortened
-    to 40 steps of 16 sequences and reading the validation splits (a small cache, built in seconds)."""
-    import yaml
-
-    with open(os.path.join(REPO, "config", "qwen3_nano.yaml")) as f:
-        raw = yaml.safe_load(f)
-    for source in raw["data"]["configs"].values():
-        source["train_urls"] = source["validation_urls"]
-    cfg = parse_config(train_lm.TrainLmConfig, write_yaml(tmp_path, yaml.safe_dump(raw), "qwen3_nano.yaml"), [
-        "--data.cache_dir", str(tmp_path / "cache"), "--trainer.num_train_steps", "40",
-        "--trainer.train_batch_size", "16", "--trainer.steps_per_eval", "1000", "--trainer.id", "qwen",
-        "--trainer.log_dir", str(tmp_path / "logs"), "--trainer.checkpointer.base_path", str(tmp_path / "ckpt"),
-    ])
+    """config/qwen3_nano.yaml as shipped (model, optimizer, mixture of the two embedded sources), shortened."""
+    cfg, by_step = train_nano_config(tmp_path, "qwen3_nano", steps=24, batch_size=8)
     assert type(cfg.model).__name__ == "Qwen3Config" and cfg.model.HeadSize.size == 64
-    assert train_lm.main(cfg)["final_step"] == 40
-    losses = train_losses(metrics(tmp_path, "qwen"))
-    assert sorted(losses) == list(range(40)) and np.isfinite(list(losses.values())).all()
-    assert np.mean([losses[s] for s in range(35, 40)]) < losses[0] - 1.5, losses
+    assert loss_fall(by_step) > 1.0, by_step
 
 
 def test_batch_schedule_and_grad_accumulation_read_the_same_indices(tmp_path, monkeypatch):
