@@ -238,15 +238,11 @@ def test_a_job_launched_twice_runs_once(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_multi_process_runs_lock_on_process_0_and_all_stop_when_it_is_held(tmp_path):
-    """Two real processes of one run: process 0 takes the lock and releases it at the end; when the lock
-    is held elsewhere every process stops with exit 2 at once (none waits for the others at a barrier)."""
+def test_multi_process_runs_all_stop_when_the_lock_is_held(tmp_path):
+    """Two real processes of one run, the lock held elsewhere: every process stops with exit 2 at once (none
+    waits for the others at a barrier). That two processes take and release the lock of a run they complete
+    is checked by tests/test_multihost.py's two-process runs."""
     from test_multihost import launch
-
-    for rc, err in launch(tmp_path, "mp", processes=2, devices_per_process=1, steps=2):
-        assert rc == 0, err[-3000:]
-    assert not (tmp_path / "ckpt" / "mp" / LOCK_FILENAME).exists()
-    assert os.path.isdir(tmp_path / "ckpt" / "mp" / "step-2")
 
     write_record(tmp_path / "ckpt" / "held", host="node-7", pid=4242)
     start = time.time()
