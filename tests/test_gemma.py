@@ -183,4 +183,3 @@ def test_the_nano_config_trains_with_falling_loss(tmp_path):
     cfg, by_step = train_nano_config(tmp_path, "gemma_nano", steps=24, batch_size=8)
     assert type(cfg.model) is GemmaConfig
     assert loss_fall(by_step) > 1.0, by_step
-

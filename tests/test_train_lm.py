@@ -113,7 +113,7 @@ def test_qwen3_nano_config_trains_with_falling_loss(tmp_path):
     """config/qwen3_nano.yaml as shipped (model, optimizer, mixture of the two embedded sources), shortened."""
     cfg, by_step = train_nano_config(tmp_path, "qwen3_nano", steps=24, batch_size=8)
     assert type(cfg.model).__name__ == "Qwen3Config" and cfg.model.HeadSize.size == 64
-    assert loss_fall(by_step) > 1.0, by_step
+    assert loss_fall(by_step) > 1.5, by_step
 
 
 def test_batch_schedule_and_grad_accumulation_read_the_same_indices(tmp_path, monkeypatch):
