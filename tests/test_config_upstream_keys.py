@@ -154,6 +154,18 @@ def test_the_inv_schedule_decays_hyperbolically_to_the_minimum():
         AdamConfig(min_lr_ratio=0.0, lr_schedule="inv").lr_scheduler(10)
 
 
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine", "inv", "wsd"])
+def test_the_logged_learning_rate_is_the_schedules_at_every_step(schedule):
+    # train_lm logs the rate through host_lr_scheduler (evaluated on the CPU backend, so that reading it does
+    # not wait for the step queued on the accelerator): the same figure as the optimizer's schedule.
+    cfg = AdamConfig(learning_rate=3e-4, warmup=0.1, min_lr_ratio=0.1, lr_schedule=schedule)
+    lr, on_host = cfg.lr_scheduler(50), cfg.host_lr_scheduler(50)
+    values = [on_host(step) for step in range(51)]
+    assert all(isinstance(v, float) for v in values)
+    assert values == [float(lr(step)) for step in range(51)]
+    assert len(set(values)) > 1 or schedule == "constant"
+
+
 def test_upstream_default_reference_checkpoint_is_accepted_and_others_refused(tmp_path):
     model = "model:\n  type: llama\n  reference_checkpoint: {}\n"
     check_refused(parse(tmp_path, DATA + model.format("NousResearch/Llama-2-7b-hf")))

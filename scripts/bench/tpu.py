@@ -150,7 +150,7 @@ def child(args: argparse.Namespace, overrides: list) -> None:
     os.chdir(REPO)  # the configs' relative paths (tokenizer, cache) are the project's
     vocab = model_vocab_size(config, load_tokenizer(config.data.tokenizer))
     metrics_path = os.path.join(work, "logs", run_id, "metrics.jsonl")
-    trace_dir = os.path.join(work, "trace")
+    trace_dir = args.trace_dir or os.path.join(work, "trace")
 
     def lines() -> list:
         try:
@@ -213,6 +213,7 @@ def child(args: argparse.Namespace, overrides: list) -> None:
 def run_row(name: str, args: argparse.Namespace, overrides: list) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--config", ROWS[name], "--steps", str(args.steps),
            "--skip", str(args.skip), *(["--profile"] if args.profile else []),
+           *(["--trace-dir", os.path.join(args.trace_dir, name)] if args.trace_dir else []),
            *(["--allow-cpu"] if args.allow_cpu else []), "--", *overrides]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
@@ -254,6 +255,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="steps logged before the row is measured")
     parser.add_argument("--skip", type=int, default=4, help="first steps left out (compile, warm-up)")
     parser.add_argument("--profile", action="store_true", help="trace two steps, print the busiest device ops")
+    parser.add_argument("--trace-dir", help="with --profile: write the trace here (kept) instead of a temporary folder")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per row")
     parser.add_argument("--allow-cpu", action="store_true", help="run on CPU (checks the script, measures nothing)")

@@ -264,7 +264,7 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
     record = data_schedule_record(config.data, schedule, seq_len=config.model.seq_len, data_seed=seed_from_key(dkey))
 
     optimizer = config.optimizer.build(tcfg.num_train_steps)
-    lr_schedule = config.optimizer.lr_scheduler(tcfg.num_train_steps)
+    lr_schedule = config.optimizer.host_lr_scheduler(tcfg.num_train_steps)  # no device sync per step
     eos_id = next(iter(eos_ids)) if tokens_only else None
     # The step for the largest batch, compiled ahead of time and checked against the device's memory (it is
     # the run's step then); per_device_parallelism: auto resolved (levanter.memory_fit).
@@ -342,7 +342,7 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
             tokens = batch.batch_size * Pos.size
             log = {
                 "train/loss": r.loss,
-                "train/learning_rate": float(lr_schedule(step)),
+                "train/learning_rate": lr_schedule(step),
                 "train/grad_norm": r.grad_norm,
                 "train/skipped_step": int(r.skipped),
                 "throughput/step_seconds": dt,

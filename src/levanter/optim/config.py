@@ -44,7 +44,7 @@ from ..refused_keys import check_refused, refused
 from .skip_steps import resolve as resolve_skip_bad_steps
 from .skip_steps import skip_bad_steps
 
-__all__ = ["lr_schedule_fn", "decay_mask", "check_betas", "OptimizerConfig", "AdamConfig"]
+__all__ = ["lr_schedule_fn", "host_schedule", "decay_mask", "check_betas", "OptimizerConfig", "AdamConfig"]
 
 SCHEDULES = ("constant", "linear", "cosine", "inv", "wsd", "warmup-stable-decay")
 
@@ -63,6 +63,28 @@ def check_betas(config, names=("beta1", "beta2")) -> None:
         v = getattr(config, name)
         if not 0 <= v < 1:
             raise ValueError(f"optimizer.{name} must be in [0, 1), got {v}")
+
+
+def host_schedule(schedule):
+    """``step -> float``: ``schedule`` (an optax schedule) evaluated on the host's CPU backend.
+
+    The trainer logs the learning rate of each step while the next step runs on the accelerator. Evaluated
+    on the default device, the schedule's dozen small operations would queue behind that step, and reading
+    the value would wait for the step to finish: the host's logging, the next batch and the next dispatch
+    would then happen while the accelerator idles. On the CPU backend they run at once. Where JAX has no
+    CPU backend (``JAX_PLATFORMS`` without ``cpu``) the schedule runs on the default device as before."""
+    try:
+        cpu = jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        cpu = None
+
+    def at(step: int) -> float:
+        if cpu is None:
+            return float(schedule(step))
+        with jax.default_device(cpu):
+            return float(schedule(step))
+
+    return at
 
 
 def lr_schedule_fn(
@@ -219,6 +241,11 @@ class OptimizerConfig(draccus.ChoiceRegistry, abc.ABC):
             min_lr_ratio=self.min_lr_ratio,
             lr_schedule=self.lr_schedule,
         )
+
+    def host_lr_scheduler(self, num_train_steps: int):
+        """:meth:`lr_scheduler` as ``step -> float`` evaluated on the host (:func:`host_schedule`), for logging
+        each step's learning rate without waiting for the step queued on the accelerator."""
+        return host_schedule(self.lr_scheduler(num_train_steps))
 
     def _check_one_cycle(self, num_train_steps: int) -> None:
         c = self.cycle_length
