@@ -18,10 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import loss_fall, train_nano_config
-
 import haliax as hax
 from accelerator import tol
+from helpers import loss_fall, train_nano_config
 from levanter.models import LlamaConfig, LmConfig, MixtralConfig, next_token_loss
 from levanter.models.mixtral import ROUTER_AUX_LOSS
 
@@ -153,7 +152,7 @@ def test_router_loss_value_and_its_weight_in_the_training_loss():
         ({"num_local_experts": 0}, "model.num_local_experts"),
         ({"router_aux_loss_coef": -1.0}, "model.router_aux_loss_coef"),
         ({"moe_dispatch": "sparse"}, "model.moe_dispatch"),
-        ({"sliding_window": 8}, "model.sliding_window"),
+        ({"sliding_window": 0}, "model.sliding_window"),
     ],
 )
 def test_invalid_settings_name_the_key(kwargs, field):
@@ -319,6 +318,26 @@ def test_hf_import_gives_transformers_logits_and_router_loss(hf_mixtral, dispatc
     assert float(aux[ROUTER_AUX_LOSS]) == pytest.approx(want, rel=1e-4)
 
 
+def test_a_sliding_window_narrower_than_the_sequence_gives_transformers_logits(tmp_path):
+    """transformers' Mixtral windows every layer's attention by ``sliding_window``; imported, ours does the
+    same (a window of 4 over 12 positions), and the window changes the logits."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from levanter.compat import load_hf_checkpoint
+
+    torch.manual_seed(1)
+    hf = transformers.AutoModelForCausalLM.from_config(_hf_config(sliding_window=4)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path / "windowed")
+    config, model = load_hf_checkpoint(str(tmp_path / "windowed"))
+    assert config.attention_window == 4
+    np.testing.assert_allclose(_our_logits(model), _torch_logits(hf), atol=1e-4, rtol=0)
+    unwindowed = dataclasses.replace(model, config=dataclasses.replace(config, sliding_window=None))
+    assert not np.allclose(_our_logits(unwindowed), _torch_logits(hf), atol=1e-3)
+
+
 def test_hf_export_is_the_published_layout_loads_in_transformers_and_reimports_bit_identically(hf_mixtral, tmp_path):
     import torch
     import transformers
@@ -352,8 +371,10 @@ def test_hf_config_refusals_name_the_field(tmp_path):
     # A round trip through config.json keeps every field that describes the model.
     assert hf_config_to_lm(lm_to_hf_config(cfg, vocab))[0] == cfg
     with pytest.raises(ValueError, match="'sliding_window'"):
-        hf_config_to_lm({**doc, "sliding_window": 16})
-    assert hf_config_to_lm({**doc, "sliding_window": 4096})[0].sliding_window == 4096  # wider than the sequence
+        hf_config_to_lm({**doc, "sliding_window": 0})
+    windowed = hf_config_to_lm({**doc, "sliding_window": 16})[0]
+    assert (windowed.sliding_window, windowed.attention_window) == (16, 16)
+    assert hf_config_to_lm(lm_to_hf_config(windowed, vocab))[0] == windowed
     with pytest.raises(ValueError, match="'router_jitter_noise'"):
         hf_config_to_lm({**doc, "router_jitter_noise": 0.1})
     bare = {k: v for k, v in doc.items() if k not in ("rope_theta", "rope_parameters", "rope_scaling")}

@@ -111,8 +111,8 @@ class MixtralConfig(LlamaConfig):
     # How the experts are computed: dense (every expert on every token, weighted by the router; runs and
     # shards anywhere) or grouped (tokens sorted by expert, grouped matmuls: only the chosen experts' work).
     moe_dispatch: str = "dense"
-    # Upstream's sliding-window attention width: not implemented, so only null or a width of at least
-    # seq_len (no effect) is accepted.
+    # Each query attends to its own and the sliding_window - 1 positions before it (as Mistral's,
+    # levanter.models.mistral); null: the whole prefix.
     sliding_window: Optional[int] = None
 
     def __post_init__(self):
@@ -130,11 +130,13 @@ class MixtralConfig(LlamaConfig):
             raise ValueError(f"model.router_aux_loss_coef must be a finite number >= 0, got {coef!r}")
         if self.moe_dispatch not in MOE_DISPATCHES:
             raise ValueError(f"model.moe_dispatch {self.moe_dispatch!r} is not one of {list(MOE_DISPATCHES)}")
-        if self.sliding_window is not None and self.sliding_window < self.seq_len:
-            raise ValueError(
-                f"model.sliding_window={self.sliding_window} is below model.seq_len={self.seq_len}: sliding-window "
-                "attention is not implemented; remove the key (or set null) for full causal attention"
-            )
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
+            raise ValueError(f"model.sliding_window must be a positive number of positions (or null for none), got {w!r}")
+
+    @property
+    def attention_window(self) -> Optional[int]:
+        return self.sliding_window
 
     @property
     def Experts(self) -> Axis:

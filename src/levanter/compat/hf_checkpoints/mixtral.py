@@ -6,8 +6,8 @@ Llama's layout (:func:`.llama.llama_layout`) with each MLP replaced by the mixtu
 along our ``experts`` axis. That is the layout Mixtral checkpoints are published in and the one
 ``transformers`` writes (it fuses the experts into ``gate_up_proj`` / ``down_proj`` in memory only).
 
-Refused by field: sliding-window attention narrower than the sequence (``sliding_window``), router jitter
-(``router_jitter_noise``), biases. ``router_aux_loss_coef`` is read into the config (training uses it);
+``sliding_window`` (a positive number of positions, or null) is read as Mistral's is. Refused by field: router
+jitter (``router_jitter_noise``), biases. ``router_aux_loss_coef`` is read into the config (training uses it);
 ``output_router_logits`` (whether ``transformers`` returns the router logits) has no counterpart and is
 written false. A ``config.json`` without any rotary setting gets ``transformers``' Mixtral default theta,
 1e6, not Llama's 1e4.
@@ -42,11 +42,8 @@ def from_hf(doc: dict, where: str) -> tuple[LmConfig, int]:
         doc = {**doc, "rope_theta": DEFAULT_ROPE_THETA}
     fields = llama_fields_from_hf(doc, where)
     window = doc.get("sliding_window")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < fields["seq_len"]):
-        raise ValueError(
-            f"{where}: field 'sliding_window' ({window!r}) is narrower than the sequence ({fields['seq_len']}): "
-            "sliding-window attention is not implemented"
-        )
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+        raise ValueError(f"{where}: field 'sliding_window' must be a positive integer or null, got {window!r}")
     coef = doc.get("router_aux_loss_coef")
     cfg = MixtralConfig(
         **fields,
