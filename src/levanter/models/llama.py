@@ -59,6 +59,7 @@ from .token_dot import linear
 __all__ = [
     "UPSTREAM_REFERENCE_CHECKPOINT",
     "LlamaConfig",
+    "QkNormAttentionBias",
     "apply_rotary",
     "attention_projections",
     "LlamaAttention",
@@ -207,6 +208,24 @@ class LlamaConfig(LmConfig):
         attn = 2 * 2 * s * q  # scores + weighted sum over the full map
         forward = self.num_layers * (proj + mlp + attn) + 2 * d * vocab_size
         return 3.0 * forward
+
+
+class QkNormAttentionBias:
+    """The attention switches of the Llama variants with an ``attention_bias`` field (biases on all four
+    attention projections, Hugging Face's option) and an RMS norm on the queries and keys: Qwen3 and OLMo 2.
+    Listed before :class:`LlamaConfig` among a config's bases, so that these properties replace Llama's."""
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.use_bias or self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        return self.use_bias or self.attention_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        return True
 
 
 def apply_rotary(x: NamedArray, cos: NamedArray, sin: NamedArray) -> NamedArray:

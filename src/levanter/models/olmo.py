@@ -36,6 +36,7 @@ from .llama import (
     LlamaConfig,
     LlamaLMHeadModel,
     LlamaMlp,
+    QkNormAttentionBias,
     SandwichNormBlock,
     decoder_block_parts,
     rms_norm,
@@ -50,7 +51,7 @@ OLMO2_REFERENCE_CHECKPOINT = "allenai/OLMo-2-1124-7B"
 
 @LmConfig.register_subclass("olmo2")
 @dataclasses.dataclass(frozen=True)
-class Olmo2Config(LlamaConfig):
+class Olmo2Config(QkNormAttentionBias, LlamaConfig):
     """An OLMo 2 decoder: norms on the residual branches' outputs, an RMS norm over the whole query and key
     projections. Every other field means what it means for Llama."""
 
@@ -68,18 +69,6 @@ class Olmo2Config(LlamaConfig):
         "Hugging Face checkpoints are not read through the model config here; use initialize_from_hf to start "
         "from one, or remove the key", default=None, also=(OLMO2_REFERENCE_CHECKPOINT, UPSTREAM_REFERENCE_CHECKPOINT)
     )
-
-    @property
-    def qkv_bias(self) -> bool:
-        return self.use_bias or self.attention_bias
-
-    @property
-    def o_bias(self) -> bool:
-        return self.use_bias or self.attention_bias
-
-    @property
-    def qk_norm(self) -> bool:
-        return True
 
     def qk_norm_axes(self, Heads: Axis) -> tuple[Axis, ...]:
         # Over every head at once: the projection's whole width, as OLMo 2 normalises it.

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .llama import LlamaConfig
+from .llama import LlamaConfig, QkNormAttentionBias
 from .lm_model import LmConfig
 
 __all__ = ["Qwen2Config", "Qwen3Config"]
@@ -45,7 +45,7 @@ class Qwen2Config(LlamaConfig):
 
 @LmConfig.register_subclass("qwen3")
 @dataclasses.dataclass(frozen=True)
-class Qwen3Config(LlamaConfig):
+class Qwen3Config(QkNormAttentionBias, LlamaConfig):
     """A Qwen3 decoder: Llama with an RMS norm over each query and key head."""
 
     # Epsilon of the RMS norms, in (0, 1] (Hugging Face Qwen's default).
@@ -55,15 +55,3 @@ class Qwen3Config(LlamaConfig):
 
     # Give the query, key, value and output projections biases (Hugging Face's attention_bias).
     attention_bias: bool = False
-
-    @property
-    def qkv_bias(self) -> bool:
-        return self.use_bias or self.attention_bias
-
-    @property
-    def o_bias(self) -> bool:
-        return self.use_bias or self.attention_bias
-
-    @property
-    def qk_norm(self) -> bool:
-        return True
