@@ -85,7 +85,9 @@ def main(config: EvalLmConfig) -> dict:
     def loss_fn(model, batch):  # never called: the evaluator computes its own sums
         raise NotImplementedError
 
-    trainer = Trainer(tcfg, optax.identity(), loss_fn)
+    # Without the config's model_averaging: the state built below would otherwise hold an averaged copy of the
+    # model (as much device memory again) that is neither loaded from the checkpoint nor evaluated.
+    trainer = Trainer(dataclasses.replace(tcfg, model_averaging=None), optax.identity(), loss_fn)
     if path is not None:
         vocab_size = model_vocab_size(config, tokenizer)
         state = trainer.initial_state(lambda k: config.model.build(hax.Axis("vocab", vocab_size), key=k),
