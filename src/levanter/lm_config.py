@@ -378,7 +378,7 @@ def check_hf_save_path(config: TrainLmConfig, run_id: str) -> None:
                        lambda n: 0 < n <= last and (n % config.hf_save_steps == 0 or n == last), protected)
 
 
-def check_branch_model(config: TrainLmConfig, vocab_size: int) -> None:
+def check_branch_model(config: TrainLmConfig, vocab_size: int, branch: Optional[BranchOrigin]) -> None:
     """Before any work: a branch (``trainer.initialize_from`` / ``initialize_from_checkpoint_path``) whose
     model's parameter shapes differ from those of the model its origin checkpoint records
     (:func:`model_record`) is refused, naming the first parameter and both shapes. Shapes come from
@@ -391,7 +391,6 @@ def check_branch_model(config: TrainLmConfig, vocab_size: int) -> None:
     from levanter.models import parameter_shapes
 
     try:
-        branch = branch_origin(config)
         record = (read_checkpoint_metadata(branch.path).get("metadata") or {}) if branch is not None else {}
         origin = draccus.decode(LmConfig, record["model"]) if "model" in record else None
     except (ValueError, OSError, DecodingError):

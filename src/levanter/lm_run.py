@@ -88,7 +88,7 @@ from levanter.errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError
 from levanter.distributed import DistributedStartupError, barrier, check_same_config_everywhere
 from levanter.tracker import NoopTracker, check_trackers_writable, init_trackers
 from levanter.lm_config import TrainLmConfig, data_key, validate
-from levanter.lm_config import branch_origin, check_branch_model
+from levanter.lm_config import BranchOrigin, branch_origin, check_branch_model
 from levanter.lm_config import check_hf_save_path, hf_exporter, hf_init_path, model_record, model_vocab_size
 from levanter.lm_config import with_hf_model
 from levanter.memory_fit import RECORD_KEY, StepCompiler, fit_trainer, recorded_pick
@@ -199,7 +199,10 @@ def main(config: TrainLmConfig, *, fresh_model: Optional[Callable] = None) -> di
         if debug_log is not None:
             logger.debug("debug log of run %s: %s", run_id, debug_log)
     check_memory(config, model_vocab_size(config, tokenizer))
-    check_branch_model(config, model_vocab_size(config, tokenizer))  # a branch's shapes, before any work
+    # The branch's origin resolved once: the shapes checked here are those of the checkpoint loaded below, even
+    # if the origin run writes a newer one meanwhile.
+    branch = branch_origin(config)
+    check_branch_model(config, model_vocab_size(config, tokenizer), branch)  # a branch's shapes, before any work
     # One writer per run: taken before anything of the run is built, restored, deleted or logged, and
     # released however the run ends (a SIGKILLed run's lock is recognised as stale on its host).
     lock = hold_run_lock(run_dir, run_id, process_index=jax.process_index())
@@ -211,7 +214,7 @@ def main(config: TrainLmConfig, *, fresh_model: Optional[Callable] = None) -> di
             say_finished(tcfg, run_id, point.step, point.path)
             return {"run_id": run_id, "final_step": point.step, "final_loss": None}
         check_resume_averaging(point, tcfg)  # trainer.model_averaging as the checkpoint was written
-        return _main_locked(config, tokenizer, run_id, point, fresh_model)
+        return _main_locked(config, tokenizer, run_id, point, branch, fresh_model)
     finally:
         lock.release()
 
@@ -229,8 +232,9 @@ def say_finished(tcfg: TrainerConfig, run_id: str, step: int, path: Optional[str
 
 
 def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[ResumePoint],
-                 fresh_model: Optional[Callable] = None) -> dict:
-    """The run itself, under its lock: caches, state (initial, or restored from ``point``), the step loop."""
+                 branch: Optional[BranchOrigin], fresh_model: Optional[Callable] = None) -> dict:
+    """The run itself, under its lock: caches, state (initial, restored from ``point``, or a branch's start
+    from ``branch``, its origin as resolved before the lock), the step loop."""
     tcfg = config.trainer
     schedule = tcfg.batch_schedule
     Pos = config.model.Pos
@@ -284,7 +288,6 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
         check_data_schedule(point, record, allow=config.allow_data_schedule_change)
         origin = point.records.get("initialized_from")
     else:
-        branch = branch_origin(config)
         if branch is not None:
             state = initialize_from(state, branch.path, optimizer_state=branch.optimizer_state, key=branch.key)
             origin = {"path": branch.path, "step": int(read_checkpoint_metadata(branch.path)["step"]),
