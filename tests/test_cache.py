@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 
+from helpers import tree_bytes
 from levanter.data.text import TokenSeqDataset
 from levanter.ingest import (
     ByteTokenizer,
@@ -26,7 +27,6 @@ from levanter.ingest import (
     train_bpe,
 )
 from levanter.store import CorruptLedgerError, TokenCache
-from helpers import tree_bytes
 
 
 def make_docs(n, seed=0):

@@ -42,6 +42,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+from helpers import tree_bytes
 from levanter.checkpoint import (
     METADATA_FILENAME,
     discover_latest_checkpoint,
@@ -53,7 +54,6 @@ from levanter.data.load_errors import DataLoadError, TransientDataError
 from levanter.data.loader import DataLoader
 from levanter.data.mixture import MixtureDataset
 from levanter.store import CacheLedger, JaggedArrayStore, TokenCache
-from helpers import tree_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

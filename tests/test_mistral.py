@@ -17,10 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import loss_fall, train_nano_config
-
 import haliax as hax
 from accelerator import tol
+from helpers import loss_fall, train_nano_config
 from levanter.config import parse_config
 from levanter.main import train_lm
 from levanter.models import LmConfig, MistralConfig, parameter_shapes

@@ -17,10 +17,10 @@ import time
 import numpy as np
 import pytest
 
+from helpers import tree_bytes
 from levanter.ingest import ByteTokenizer, CacheOptions, build_or_load_cache
 from levanter.store import JaggedArrayStore, TokenCache
 from levanter.utils import fs
-from helpers import tree_bytes
 
 STORES = ["local", "memory", "s3", "gcs"]
 

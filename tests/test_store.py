@@ -8,9 +8,9 @@ import os
 import numpy as np
 import pytest
 
+from helpers import tree_bytes
 from levanter.store import LEDGER_FILENAME, CacheLedger, CorruptLedgerError, JaggedArrayStore
 
-from helpers import tree_bytes
 
 SMALL = dict(data_chunk=16, offsets_chunk=8)  # tiny chunks so rows and windows cross chunk boundaries
 

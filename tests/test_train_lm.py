@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from helpers import loss_fall, train_nano_config
-
 from levanter.checkpoint import CheckpointerConfig, CheckpointInterval, restore
 from levanter.config import ConfigError, parse_config
 from levanter.data.config import UrlSingleDatasetLMConfig
