@@ -384,6 +384,29 @@ def test_save_due_says_beforehand_what_on_step_will_do(tmp_path):
     ck.wait_until_finished()
 
 
+def test_the_multi_process_time_decision_is_started_one_step_ahead(tmp_path):
+    """In a multi-process run the time-based answer is process 0's, carried by a device collective; reading it
+    would wait for the step the trainer has just queued, so each step's answer is started at the step before
+    (Checkpointer._agreed_due, which a multi-process run calls at every step; here on this process's devices).
+    The answer for step s is the clock at step s - 1, and a step that saves restarts it."""
+    clock = FakeClock()
+    ck = CheckpointerConfig(base_path=str(tmp_path), save_interval=parse_timedelta("10s")).create("r", clock=clock)
+    saves = []
+    for step in range(1, 17):
+        clock.t += 3.0
+        if ck._agreed_due(step, 10.0):
+            saves.append(step)
+            ck._last_save_time = clock.t  # as the save at that step sets it
+    # At 3 s a step: 12 s have passed at step 4, seen at step 5; then every 5 steps (a single process, which
+    # reads its own clock at once, saves at 4, 8, 12, 16).
+    assert saves == [5, 10, 15]
+    # A step other than the one started (after a step that saved without asking) agrees at once.
+    clock.t += 11.0
+    assert ck._agreed_due(40, 10.0)
+    assert not ck._agreed_due(41, 10.0)  # started at 40 with the clock restarted there
+    ck.wait_until_finished()
+
+
 def test_temporaries_from_a_previous_attempt(tmp_path):
     clock = FakeClock()
     cfg = CheckpointerConfig(

@@ -163,13 +163,44 @@ class CheckpointerConfig:
         )
 
 
+def _start_agreement(flag: bool) -> jax.Array:
+    """Process 0's ``flag`` on every process, as a device collective that is dispatched and not waited for
+    (``multihost_utils.broadcast_one_to_all`` waits for its result); :func:`_read_agreement` reads it."""
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh, PartitionSpec
+
+    devices = np.array(jax.devices()).reshape(jax.process_count(), jax.local_device_count())
+    mesh = Mesh(devices, ("processes", "local_devices"))
+    mine = np.array([int(flag) if jax.process_index() == 0 else 0], dtype=np.int32)
+    spread = multihost_utils.host_local_array_to_global_array(mine, mesh, PartitionSpec("processes"))
+    return _sum_fn(mesh)(spread)
+
+
+_SUMS: dict = {}
+
+
+def _sum_fn(mesh) -> Callable:
+    """A jitted sum over the processes' entries, its result on every device (one per mesh, traced once)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    fn = _SUMS.get(mesh)
+    if fn is None:
+        fn = _SUMS[mesh] = jax.jit(lambda x: x.sum(), out_shardings=NamedSharding(mesh, PartitionSpec()))
+    return fn
+
+
+def _read_agreement(agreement: jax.Array) -> bool:
+    return bool(np.asarray(agreement.addressable_data(0)))
+
+
 class Checkpointer:
     """Decides when to save and cleans up temporary checkpoints. Every process must call it alike.
 
     ``clock`` returns seconds (monotonic); tests inject a fake one. ``barrier`` is passed to
     :func:`save_checkpoint` (``multihost_utils.sync_global_devices`` in multi-process jobs). In a
     multi-process job the time-based decision is taken by process 0 and broadcast, since host clocks
-    disagree and every process must join the same saves. ``process_index`` is this process's index
+    disagree and every process must join the same saves; each step's broadcast is started at the step
+    before, so that reading it never waits for the step the trainer has queued since (:meth:`_agreed_due`). ``process_index`` is this process's index
     (default ``jax.process_index()``); process 0 removes leftovers and superseded temporary checkpoints.
 
     ``asynchronous`` (the default): a save returns once the state is on the host and writes in the
@@ -210,6 +241,8 @@ class Checkpointer:
         self._last_save_time = clock()
         self._last_saved_step: int | None = None
         self._decided: tuple[int, bool] | None = None  # (step, whether save_interval had passed)
+        # Multi-process: (step, process 0's answer for it, dispatched and not yet read); see _agreed_due.
+        self._ahead: tuple[int, Any] | None = None
         # Temporary checkpoints to delete once a newer checkpoint is complete.
         self._retire: list[str] = []
         self.asynchronous = asynchronous and jax.process_count() == 1
@@ -257,6 +290,28 @@ class Checkpointer:
 
         return bool(multihost_utils.broadcast_one_to_all(np.bool_(flag)))
 
+    def _agreed_due(self, step: int, interval: float) -> bool:
+        """Multi-process: whether ``save_interval`` has passed, as process 0's clock says, for ``step``.
+
+        The answer is a device collective, and reading it waits for everything queued before it: asked for
+        when the trainer has already dispatched the next step, a broadcast started then would make the host
+        wait for that step, and the host's work before the following dispatch would leave the accelerator
+        idle at every step. So each answer is started one step ahead: the one for ``step`` was dispatched
+        when ``step - 1`` was asked about (behind the step queued then, which has finished by now), and this
+        call starts the one for ``step + 1``, from process 0's clock now (restarted if ``step`` saves). A
+        call for another step than the one started (the first, or after a step that saved without asking)
+        agrees at once. Every process makes the same calls in the same order, so all join each collective.
+        """
+        ahead, self._ahead = self._ahead, None
+        now = self._clock()
+        if ahead is not None and ahead[0] == step:
+            due = _read_agreement(ahead[1])
+        else:
+            due = self._agree(now - self._last_save_time >= interval)
+        since = 0.0 if due else now - self._last_save_time
+        self._ahead = (step + 1, _start_agreement(since >= interval))
+        return due
+
     def _time_due(self, step: int, *, remember: bool = False) -> bool:
         """Whether ``save_interval`` has passed since the last save. The answer :meth:`save_due` gave
         (``remember``) is the one the same step's next :meth:`on_step` acts on: one clock reading and one
@@ -266,7 +321,11 @@ class Checkpointer:
             return decided[1]
         due = False
         if self.save_interval is not None:
-            due = self._agree(self._clock() - self._last_save_time >= self.save_interval.total_seconds())
+            interval = self.save_interval.total_seconds()
+            if jax.process_count() == 1:
+                due = self._clock() - self._last_save_time >= interval
+            else:
+                due = self._agreed_due(step, interval)
         if remember:
             self._decided = (step, due)
         return due
