@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
-import gzip
 import json
 import os
 import statistics
@@ -97,27 +96,16 @@ def matmul_rate(n: int, repeats: int = 10) -> float:
 
 def busiest_ops(trace_dir: str, top: int = 30) -> tuple:
     """``([(name, total_ms, count)], module_ms)``: the device's operations in a Perfetto trace, busiest first,
-    and the summed time of the compiled programs it ran (the device's busy time; the rest is idle)."""
-    paths = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
-    if not paths:
+    and the summed time of the compiled programs it ran (the device's busy time; the rest is idle).
+    ``scripts/bench/tpu_trace.py`` breaks the same trace down further."""
+    from tpu_trace import load_events
+
+    if not glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True):
         return [], 0.0
-    with gzip.open(paths[0], "rt") as f:
-        trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    pids, tids = {}, {}
-    for e in events:
-        if e.get("ph") == "M" and e.get("name") == "process_name":
-            pids[e["pid"]] = e["args"]["name"]
-        if e.get("ph") == "M" and e.get("name") == "thread_name":
-            tids[(e["pid"], e["tid"])] = e["args"]["name"]
     total = collections.defaultdict(float)
     count = collections.Counter()
     module_ms = 0.0
-    for e in events:
-        if e.get("ph") != "X" or "dur" not in e:
-            continue
-        proc = pids.get(e.get("pid"), "")
-        thread = tids.get((e.get("pid"), e.get("tid")), "")
+    for proc, thread, e in load_events(trace_dir):
         if "TPU:0" not in proc:
             continue
         if "XLA Modules" in thread:

@@ -22,12 +22,27 @@ from typing import Optional
 from .llama import LlamaConfig
 from .lm_model import LmConfig
 
-__all__ = ["MistralConfig"]
+__all__ = ["MistralConfig", "SlidingWindowAttention"]
+
+
+class SlidingWindowAttention:
+    """The ``sliding_window`` of a Llama variant whose every layer attends over a window (Mistral, Mixtral):
+    the config's ``attention_window``, and its check. Listed before :class:`LlamaConfig` among a config's bases,
+    so that this ``attention_window`` replaces Llama's."""
+
+    def check_sliding_window(self) -> None:
+        w = self.sliding_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
+            raise ValueError(f"model.sliding_window must be a positive number of positions (or null for none), got {w!r}")
+
+    @property
+    def attention_window(self) -> Optional[int]:
+        return self.sliding_window
 
 
 @LmConfig.register_subclass("mistral")
 @dataclasses.dataclass(frozen=True)
-class MistralConfig(LlamaConfig):
+class MistralConfig(SlidingWindowAttention, LlamaConfig):
     """A Mistral decoder: Llama with sliding-window attention."""
 
     seq_len: int = 8192
@@ -40,10 +55,4 @@ class MistralConfig(LlamaConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        w = self.sliding_window
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
-            raise ValueError(f"model.sliding_window must be a positive number of positions (or null for none), got {w!r}")
-
-    @property
-    def attention_window(self) -> Optional[int]:
-        return self.sliding_window
+        self.check_sliding_window()

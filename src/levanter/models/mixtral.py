@@ -67,6 +67,7 @@ from .llama import (
     rms_norm,
 )
 from .lm_model import LAYERS, LmConfig, check_input_length
+from .mistral import SlidingWindowAttention
 from .rope import rotary_tables
 from .token_dot import linear
 
@@ -90,7 +91,7 @@ ROUTER_AUX_LOSS = "router_aux_loss"
 
 @LmConfig.register_subclass("mixtral")
 @dataclasses.dataclass(frozen=True)
-class MixtralConfig(LlamaConfig):
+class MixtralConfig(SlidingWindowAttention, LlamaConfig):
     """A Llama decoder whose MLP is a mixture of ``num_local_experts`` experts, ``num_experts_per_tok`` per token."""
 
     # Tokens per training sequence (the context length).
@@ -130,13 +131,7 @@ class MixtralConfig(LlamaConfig):
             raise ValueError(f"model.router_aux_loss_coef must be a finite number >= 0, got {coef!r}")
         if self.moe_dispatch not in MOE_DISPATCHES:
             raise ValueError(f"model.moe_dispatch {self.moe_dispatch!r} is not one of {list(MOE_DISPATCHES)}")
-        w = self.sliding_window
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
-            raise ValueError(f"model.sliding_window must be a positive number of positions (or null for none), got {w!r}")
-
-    @property
-    def attention_window(self) -> Optional[int]:
-        return self.sliding_window
+        self.check_sliding_window()
 
     @property
     def Experts(self) -> Axis:
