@@ -95,7 +95,8 @@ def category(name: str, hlo: dict) -> str:
         return "matmuls (convolution fusions)"
     if "dynamic-update-slice" in low or inside.get("dynamic-update-slice"):
         return "stacking (dynamic-update-slice)"
-    if low.startswith(("copy", "transpose")) or kind in ("copy", "transpose") or set(inside) <= {"copy", "transpose", "bitcast", "parameter"} and inside:
+    only_moves = bool(inside) and set(inside) <= {"copy", "transpose", "bitcast", "parameter"}
+    if low.startswith(("copy", "transpose")) or kind in ("copy", "transpose") or only_moves:
         return "copies and transposes"
     if "reduce" in low or inside.get("reduce"):
         return "reductions (norms, sums)"

@@ -200,8 +200,9 @@ class Checkpointer:
     :func:`save_checkpoint` (``multihost_utils.sync_global_devices`` in multi-process jobs). In a
     multi-process job the time-based decision is taken by process 0 and broadcast, since host clocks
     disagree and every process must join the same saves; each step's broadcast is started at the step
-    before, so that reading it never waits for the step the trainer has queued since (:meth:`_agreed_due`). ``process_index`` is this process's index
-    (default ``jax.process_index()``); process 0 removes leftovers and superseded temporary checkpoints.
+    before, so that reading it never waits for the step the trainer has queued since (:meth:`_agreed_due`).
+    ``process_index`` is this process's index (default ``jax.process_index()``); process 0 removes leftovers
+    and superseded temporary checkpoints.
 
     ``asynchronous`` (the default): a save returns once the state is on the host and writes in the
     background (:mod:`levanter.checkpoint.async_writer`); a failed write is raised by the next

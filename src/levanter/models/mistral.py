@@ -33,7 +33,9 @@ class SlidingWindowAttention:
     def check_sliding_window(self) -> None:
         w = self.sliding_window
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
-            raise ValueError(f"model.sliding_window must be a positive number of positions (or null for none), got {w!r}")
+            raise ValueError(
+                f"model.sliding_window must be a positive number of positions (or null for none), got {w!r}"
+            )
 
     @property
     def attention_window(self) -> Optional[int]:
