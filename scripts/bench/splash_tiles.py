@@ -2,8 +2,8 @@
 """Splash attention's tiles on this TPU: forward and forward+backward time of the kernel alone, per tile setting.
 
 The training step runs splash's forward kernel once per layer (its residuals are saved by the shipped remat
-policies) and its fused backward kernel once; this times exactly that pair (``jax.value_and_grad`` of the
-attention output against a fixed cotangent) on the shapes of the benchmark configs, for each setting of
+policies) and its fused backward kernel once; this times exactly that pair (``jax.vjp`` of the attention
+output against a fixed cotangent) on the shapes of the benchmark configs, for each setting of
 ``model.splash_block_sizes`` listed below, in one process (each setting compiles in seconds, where a whole
 training run per setting costs a minute or more of the chip). The forward and backward tiles are independent,
 so the forward tiles are varied with the backward ones at their default and the other way round.
@@ -29,21 +29,19 @@ SHAPES = {
 }
 
 
-def settings(seq: int, default: int) -> list:
-    """``(label, SplashBlockSizes fields)``: the default, then forward tiles, then backward tiles."""
-    out = [("default", {})]
-    fwd = [(512, 512, 512), (512, 1024, 512), (512, 1024, 1024), (1024, 512, 512), (1024, 1024, 512),
-           (1024, 1024, 1024), (2048, 512, 512), (256, 1024, 1024), (1024, 2048, 1024), (2048, 1024, 512)]
-    bwd = [(512, 512, 512), (512, 1024, 512), (512, 1024, 1024), (1024, 512, 512), (1024, 1024, 512),
-           (1024, 1024, 1024), (2048, 512, 512), (256, 1024, 1024), (1024, 2048, 1024), (2048, 1024, 512)]
-    for q, kv, kvc in fwd:
-        if q <= seq and kv <= seq:
-            out.append((f"fwd q{q} kv{kv} c{kvc}", dict(block_q=q, block_kv=kv, block_kv_compute=kvc)))
-    for q, kv, kvc in bwd:
-        if q <= seq and kv <= seq:
-            out.append((f"bwd q{q} kv{kv} c{kvc}",
-                        dict(block_q_dkv=q, block_kv_dkv=kv, block_kv_dkv_compute=kvc)))
-    return out
+# (query block, key block, keys per inner step) settings, tried for the forward and for the backward kernel.
+TILES = [(512, 512, 512), (512, 1024, 512), (512, 1024, 1024), (1024, 512, 512), (1024, 1024, 512),
+         (1024, 1024, 1024), (2048, 512, 512), (256, 1024, 1024), (1024, 2048, 1024), (2048, 1024, 512)]
+
+
+def settings(seq: int) -> list:
+    """``(label, SplashBlockSizes fields)``: the default, then the forward tiles, then the backward tiles."""
+    fits = [t for t in TILES if t[0] <= seq and t[1] <= seq]
+    return (
+        [("default", {})]
+        + [(f"fwd q{q} kv{kv} c{c}", dict(block_q=q, block_kv=kv, block_kv_compute=c)) for q, kv, c in fits]
+        + [(f"bwd q{q} kv{kv} c{c}", dict(block_q_dkv=q, block_kv_dkv=kv, block_kv_dkv_compute=c)) for q, kv, c in fits]
+    )
 
 
 def main() -> None:
@@ -88,7 +86,7 @@ def main() -> None:
     print(f"shape {args.shape}: batch {b}, kv heads {kvh}, group {group}, sequence {seq}, head {hd}; "
           f"default block {default}; ms per call (one layer, one microbatch)")
     print(f"{'setting':<26}{'fwd':>9}{'fwd+bwd':>10}{'bwd':>9}")
-    for label, fields in settings(seq, default):
+    for label, fields in settings(seq):
         sizes = SplashBlockSizes(**fields) if fields else None
         attend = lambda q, k, v, sizes=sizes: splash_attention(  # noqa: E731
             q, k, v, seg, block_size=default, block_sizes=sizes, interpret=args.interpret)

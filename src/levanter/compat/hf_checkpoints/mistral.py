@@ -15,7 +15,15 @@ from levanter.models import LmConfig, MistralConfig
 from .families import HfFamily, hf_int, register_family
 from .llama import LLAMA_SHAPE_FIELDS, llama_fields_from_hf, llama_fields_to_hf, llama_layout, refuse_unexportable
 
-__all__ = ["MISTRAL_LAYOUT", "mistral_from_hf", "mistral_to_hf"]
+__all__ = ["MISTRAL_LAYOUT", "hf_sliding_window", "mistral_from_hf", "mistral_to_hf"]
+
+def hf_sliding_window(doc: dict, where: str):
+    """``config.json``'s ``sliding_window`` (Mistral's and Mixtral's): a positive number of positions, or None."""
+    window = doc.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+        raise ValueError(f"{where}: field 'sliding_window' must be a positive integer or null, got {window!r}")
+    return window
+
 
 def mistral_from_hf(doc: dict, where: str) -> tuple[LmConfig, int]:
     layer_types = doc.get("layer_types")
@@ -24,10 +32,7 @@ def mistral_from_hf(doc: dict, where: str) -> tuple[LmConfig, int]:
             f"{where}: field 'layer_types' names {sorted(set(layer_types))}: alternating attention kinds are not "
             "implemented for Mistral (every layer uses sliding_window)"
         )
-    window = doc.get("sliding_window")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
-        raise ValueError(f"{where}: field 'sliding_window' must be a positive integer or null, got {window!r}")
-    cfg = MistralConfig(**llama_fields_from_hf(doc, where), sliding_window=window)
+    cfg = MistralConfig(**llama_fields_from_hf(doc, where), sliding_window=hf_sliding_window(doc, where))
     return cfg, hf_int(doc, where, "vocab_size")
 
 

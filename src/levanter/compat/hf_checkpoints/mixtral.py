@@ -19,6 +19,7 @@ from levanter.models import LmConfig, MixtralConfig
 
 from .families import E, L, HfFamily, Layout, hf_int, refuse_true, register_family
 from .llama import LLAMA_SHAPE_FIELDS, llama_fields_from_hf, llama_fields_to_hf, llama_layout
+from .mistral import hf_sliding_window
 
 __all__ = ["DEFAULT_ROPE_THETA", "LAYOUT", "from_hf", "to_hf"]
 
@@ -41,16 +42,13 @@ def from_hf(doc: dict, where: str) -> tuple[LmConfig, int]:
     if not any(doc.get(k) is not None for k in ("rope_theta", "rope_parameters", "rope_scaling")):
         doc = {**doc, "rope_theta": DEFAULT_ROPE_THETA}
     fields = llama_fields_from_hf(doc, where)
-    window = doc.get("sliding_window")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
-        raise ValueError(f"{where}: field 'sliding_window' must be a positive integer or null, got {window!r}")
     coef = doc.get("router_aux_loss_coef")
     cfg = MixtralConfig(
         **fields,
         num_local_experts=hf_int(doc, where, "num_local_experts", "num_experts", default=8),
         num_experts_per_tok=hf_int(doc, where, "num_experts_per_tok", default=2),
         router_aux_loss_coef=float(coef) if coef is not None else 0.001,  # transformers' default
-        sliding_window=window,
+        sliding_window=hf_sliding_window(doc, where),
     )
     return cfg, hf_int(doc, where, "vocab_size")
 
