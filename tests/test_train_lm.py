@@ -549,6 +549,7 @@ trainer:
   num_train_steps: 12
   train_batch_size: 8
   steps_per_eval: 100
+  max_eval_batches: 2  # each eval reads 2 batches, not the whole validation split (~6 s a run)
   require_accelerator: false
   log_dir: {logs}
   tracker: {{type: json}}
