@@ -54,3 +54,26 @@ def loss_fall(by_step, last=5):
     """How far the mean train loss of the last ``last`` steps lies below the first step's."""
     steps = sorted(by_step)
     return by_step[steps[0]]["train/loss"] - sum(by_step[s]["train/loss"] for s in steps[-last:]) / last
+
+
+def once_per_session(tmp_path_factory, name, make):
+    """``make(directory)``'s value, computed once per test session, also under pytest-xdist: a module-scoped
+    fixture would run once per worker that collects a test of the module, and the slow tests' references
+    are whole training runs. The first worker to ask runs ``make`` in a new directory of the session's
+    temporary root (shared by the workers), under a file lock, and pickles the value there; the others
+    wait for the lock and read it. A failed ``make`` leaves nothing, so the next asker tries afresh."""
+    import fcntl
+    import pickle
+    import tempfile
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-N/, above each worker's popen-gwK/
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = root / f"{name}.pickle"
+        if done.exists():
+            return pickle.loads(done.read_bytes())
+        value = make(type(root)(tempfile.mkdtemp(prefix=f"{name}-", dir=root)))
+        done.write_bytes(pickle.dumps(value))
+        return value

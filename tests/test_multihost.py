@@ -152,11 +152,16 @@ def steps_of(tmp_path, run_id, key):
 
 @pytest.fixture(scope="module")
 def one_process_reference(tmp_path_factory):
-    """8 steps on one process of 4 devices: what each topology below must reproduce, step by step."""
-    d = tmp_path_factory.mktemp("reference")
-    for rc, err in launch(d, "ref", processes=1, devices_per_process=4, steps=8):
-        assert rc == 0, err[-3000:]
-    return {key: steps_of(d, "ref", key) for key in ("train/loss", "data/fingerprint")}
+    """8 steps on one process of 4 devices: what each topology below must reproduce, step by step (one run
+    per session, whichever xdist worker gets each topology)."""
+    from helpers import once_per_session
+
+    def run(d):
+        for rc, err in launch(d, "ref", processes=1, devices_per_process=4, steps=8):
+            assert rc == 0, err[-3000:]
+        return {key: steps_of(d, "ref", key) for key in ("train/loss", "data/fingerprint")}
+
+    return once_per_session(tmp_path_factory, "multihost-reference", run)
 
 
 def requests_by_step(tmp_path, run_id):

@@ -106,20 +106,24 @@ def _records(text: str) -> list[tuple[int, str, float]]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One uninterrupted run on local disk: its losses, the number of arrays a checkpoint holds, and the
-    compilation cache every later run shares."""
-    tmp = tmp_path_factory.mktemp("e2e-local")
-    xla = str(tmp / "xla-cache")
-    for name, data in INPUTS.items():
-        (tmp / name).write_bytes(data)
-    cfg = _write_config(str(tmp / "local.yaml"), str(tmp), *(str(tmp / d) for d in ("cache", "logs", "ckpt")))
-    proc = _run("levanter.main.train_lm", ["--config_path", cfg, "--trainer.jax_compilation_cache_dir", xla],
-                _env())
-    _check(proc)
-    arrays = int(re.search(r"saved checkpoint for step 4 .*\((\d+) arrays", proc.stderr).group(1))
-    with open(tmp / "logs" / "e2e" / "metrics.jsonl") as f:
-        records = _records(f.read())
-    assert [s for s, k, _ in records if k == "train/loss"] == list(range(STEPS))
-    return {"records": records, "arrays": arrays, "xla": xla}
+    compilation cache every later run shares (one run per session, whichever xdist worker gets each store)."""
+    from helpers import once_per_session
+
+    def run(tmp):
+        xla = str(tmp / "xla-cache")
+        for name, data in INPUTS.items():
+            (tmp / name).write_bytes(data)
+        cfg = _write_config(str(tmp / "local.yaml"), str(tmp), *(str(tmp / d) for d in ("cache", "logs", "ckpt")))
+        proc = _run("levanter.main.train_lm", ["--config_path", cfg, "--trainer.jax_compilation_cache_dir", xla],
+                    _env())
+        _check(proc)
+        arrays = int(re.search(r"saved checkpoint for step 4 .*\((\d+) arrays", proc.stderr).group(1))
+        with open(tmp / "logs" / "e2e" / "metrics.jsonl") as f:
+            records = _records(f.read())
+        assert [s for s, k, _ in records if k == "train/loss"] == list(range(STEPS))
+        return {"records": records, "arrays": arrays, "xla": xla}
+
+    return once_per_session(tmp_path_factory, "e2e-local-reference", run)
 
 
 @pytest.mark.parametrize("store", ["s3", "gs"])
