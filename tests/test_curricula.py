@@ -56,18 +56,18 @@ W2 = {"prose": 0.25, "code": 0.75}
 
 @pytest.mark.slow
 def test_eval_runs_at_the_stage_boundary_on_the_model_before_the_new_stage(tmp_path):
-    # Run A switches at 37; run B has a boundary at 37 that changes nothing (same weights), so its model
-    # after 37 updates is A's, trained only on stage-1 data.
-    train_lm.main(curriculum(tmp_path, "a", [(0, W1), (37, W2)], steps=40, steps_per_eval=10))
-    train_lm.main(curriculum(tmp_path, "b", [(0, W1), (37, W1)], steps=40, steps_per_eval=10))
+    # Run A switches at 7, between the evals every 4 steps; run B has a boundary at 7 that changes nothing
+    # (same weights), so its model after 7 updates is A's, trained only on stage-1 data.
+    train_lm.main(curriculum(tmp_path, "a", [(0, W1), (7, W2)], steps=10, steps_per_eval=4))
+    train_lm.main(curriculum(tmp_path, "b", [(0, W1), (7, W1)], steps=10, steps_per_eval=4))
     a, b = rows(tmp_path, "a"), rows(tmp_path, "b")
-    assert sorted(per_step(a, "eval/loss")) == [10, 20, 30, 37, 40]
-    assert per_step(a, "eval/loss")[37] == per_step(b, "eval/loss")[37]  # bit for bit
+    assert sorted(per_step(a, "eval/loss")) == [4, 7, 8, 10]
+    assert per_step(a, "eval/loss")[7] == per_step(b, "eval/loss")[7]  # bit for bit
     la, lb = per_step(a, "train/loss"), per_step(b, "train/loss")
-    assert all(la[s] == lb[s] for s in range(37)) and la[37] != lb[37]
+    assert all(la[s] == lb[s] for s in range(7)) and la[7] != lb[7]
     fa, fb = per_step(a, "data/fingerprint"), per_step(b, "data/fingerprint")
-    assert [s for s in range(40) if fa[s] != fb[s]][0] == 37
-    assert per_step(a, "data/source_counts/code")[36] == 2 and per_step(a, "data/source_counts/code")[37] == 6
+    assert [s for s in range(10) if fa[s] != fb[s]][0] == 7
+    assert per_step(a, "data/source_counts/code")[6] == 2 and per_step(a, "data/source_counts/code")[7] == 6
 
 
 @pytest.mark.slow
