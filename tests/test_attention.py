@@ -162,6 +162,38 @@ def test_splash_gradients_in_interpret_mode_match_blockwise(group):
         np.testing.assert_allclose(a, r, atol=tol(5e-5), rtol=tol(5e-5))
 
 
+@pytest.mark.parametrize("group", [1, 2])
+def test_splash_inputs_are_what_a_named_policy_saves(group):
+    """Under a policy that saves "query_proj", "key_proj", "value_proj" and "context" (as
+    minimal_with_context does), the backward pass keeps the splash kernel's inputs in its own layout and
+    nothing of the [position, heads, head_size] projections before them: the rotary encoding, scaling and
+    transposes on the way in are not redone. The gradients are those of the unsaved computation."""
+    b, kv, length, d = 1, 2, 128, 16
+    rng = np.random.default_rng(2)
+    # As a model holds them: [batch, position, heads, head_size], then a (linear) step before the kernel.
+    q = jnp.asarray(rng.standard_normal((b, length, kv * group, d)) * 0.25, jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, length, kv, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, length, kv, d)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((b, kv, group, length, d)), jnp.float32)
+
+    def attend(q, k, v):
+        q5 = (2.0 * q).transpose(0, 2, 1, 3).reshape(b, kv, group, length, d)
+        out = splash_attention(q5, (-k).transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), block_size=128,
+                               interpret=True)
+        return jnp.sum(out * w)
+
+    policy = jax.checkpoint_policies.save_only_these_names("query_proj", "key_proj", "value_proj", "context")
+    saving = jax.checkpoint(attend, policy=policy)
+    _, backward = jax.vjp(saving, q, k, v)
+    saved = {tuple(x.shape) for x in jax.tree.leaves(backward) if x.ndim >= 4}
+    assert (b, kv, group, length, d) in saved and (b, kv, length, d) in saved, saved
+    assert (b, length, kv * group, d) not in saved and (b, length, kv, d) not in saved, saved
+    ours = jax.grad(saving, argnums=(0, 1, 2))(q, k, v)
+    ref = jax.grad(attend, argnums=(0, 1, 2))(q, k, v)
+    for a, r in zip(ours, ref):
+        np.testing.assert_allclose(a, r, atol=tol(1e-5), rtol=tol(1e-5))
+
+
 def test_splash_block_sizes_set_one_by_one_give_the_default_attention():
     """model.splash_block_sizes tiles the forward and backward kernels differently from the shared block
     (256 here: one tile): outputs and gradients equal the default's, with grouped heads and packed

@@ -3,8 +3,9 @@
 The kernel (``levanter.models.loss.blockwise_logsumexp``) is checked against ``jax.nn.logsumexp`` of the
 materialised logits, values and gradients, for vocabularies that are and are not a multiple of the block;
 the named loss against :func:`next_token_loss` with and without z-loss and loss masks, in float32 and
-bfloat16; Llama's loss and a whole trainer step (GPT-2, tied embedding) with and without blocks; and
-``check_memory`` counting one block of logits instead of the vocabulary.
+bfloat16; Llama's loss and a whole trainer step (GPT-2, tied embedding) with and without blocks;
+``check_memory`` counting one block of logits instead of the vocabulary; and the full loss's own derivative
+(gradients and forward-over-reverse products as autodiff's, no float32 copy of bfloat16 logits kept).
 """
 
 from __future__ import annotations
@@ -198,3 +199,57 @@ def test_check_memory_counts_one_block_of_logits():
         check_memory(config, vocab, available)
     blocked = dataclasses.replace(config, model=dataclasses.replace(model, cross_entropy_block_size=1024))
     check_memory(blocked, vocab, available)
+
+
+def _autodiff_loss(logits, tokens, mask, z_loss):
+    """The full loss as plain autodiff sees it: float32 logits, logsumexp and a gather."""
+    x = logits.astype(jnp.float32)
+    targets = jnp.roll(tokens, -1, axis=-1)
+    valid = mask & (jnp.arange(tokens.shape[-1]) < tokens.shape[-1] - 1)
+    log_z = jax.nn.logsumexp(x, axis=-1)
+    per = log_z - jnp.take_along_axis(x, targets[..., None], axis=-1)[..., 0] + z_loss * log_z**2
+    return jnp.sum(jnp.where(valid, per, 0.0))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("z_loss", [0.0, 1e-2])
+def test_full_loss_derivatives_match_autodiff(dtype, z_loss):
+    """next_token_loss writes its own derivative (a JVP rule): value, gradient and a Hessian-vector product
+    (forward over reverse, as Sophia takes them) match autodiff of the plain formula, masked positions
+    included."""
+    B, P, V = hax.Axis("batch", 3), hax.Axis("position", 7), hax.Axis("vocab", 37)
+    kl, kt, km, kv = jax.random.split(jax.random.PRNGKey(3), 4)
+    logits = (jax.random.normal(kl, (3, 7, 37)) * 3).astype(dtype)
+    tokens = jax.random.randint(kt, (3, 7), 0, 37)
+    mask = jax.random.bernoulli(km, 0.7, (3, 7))
+    probe = jax.random.normal(kv, logits.shape).astype(dtype)
+
+    def ours(x):
+        return next_token_loss(hax.named(x, (B, P, V)), hax.named(tokens, (B, P)), hax.named(mask, (B, P)),
+                               reduction="sum", z_loss_weight=z_loss)
+
+    def ref(x):
+        return _autodiff_loss(x, tokens, mask, z_loss)
+
+    tol_ = dict(rtol=1e-2, atol=1e-2) if dtype == jnp.bfloat16 else {}
+    _close(ours(logits), ref(logits), **tol_)
+    _close(jax.grad(ours)(logits).astype(jnp.float32), jax.grad(ref)(logits).astype(jnp.float32), **tol_)
+    hvp = lambda f: jax.jvp(jax.grad(f), (logits,), (probe,))[1].astype(jnp.float32)  # noqa: E731
+    _close(hvp(ours), hvp(ref), **tol_)
+
+
+def test_full_loss_keeps_no_float32_copy_of_bfloat16_logits():
+    """What the gradient keeps from the forward pass: the bfloat16 logits and one float32 normaliser per token;
+    never the logits (or the softmax) in float32, which is what autodiff of the upcast kept."""
+    B, P, V = hax.Axis("batch", 2), hax.Axis("position", 8), hax.Axis("vocab", 64)
+    logits = jax.random.normal(jax.random.PRNGKey(0), (2, 8, 64)).astype(jnp.bfloat16)
+    tokens = hax.named(jnp.zeros((2, 8), jnp.int32), (B, P))
+
+    def loss(x):
+        return next_token_loss(hax.named(x, (B, P, V)), tokens, reduction="sum")
+
+    _, backward = jax.vjp(loss, logits)  # its leaves are what the backward pass reads from the forward
+    saved = [jax.typeof(x) for x in jax.tree.leaves(backward)]
+    big = [a for a in saved if a.shape == logits.shape]
+    assert big and all(a.dtype == jnp.bfloat16 for a in big), saved
+    assert not any(a.dtype == jnp.float32 and a.size >= logits.size for a in saved), saved

@@ -54,6 +54,7 @@ from typing import Optional
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 import haliax as hax
 from haliax import Axis, NamedArray
@@ -577,6 +578,13 @@ def splash_attention(
         per_seq = sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
                                      residual_checkpoint_name="context", interpret=interpret)
         q_in, k_in, v_in = q.reshape(b, kv_heads, seq_len, head_size), k, v
+    # The kernel's inputs, in its layout, carry the projections' names: a policy that saves "query_proj" (and
+    # the others) then keeps these, and the backward pass feeds them to the kernel as they are, instead of
+    # redoing the rotary encoding, the scaling and the transposes from the projections' outputs (which the
+    # backward never needs: those steps are linear).
+    q_in = checkpoint_name(q_in, "query_proj")
+    k_in = checkpoint_name(k_in, "key_proj")
+    v_in = checkpoint_name(v_in, "value_proj")
     if segment_ids is None:
         out = jax.vmap(lambda q1, k1, v1: per_seq(q1, k1, v1, None))(q_in, k_in, v_in)
     else:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 from typing import ClassVar, Optional, Union
 
 import draccus
@@ -332,15 +333,48 @@ def next_token_loss(
         z_loss_weight: if non-zero, adds ``z_loss_weight * logsumexp(logits[t])**2`` per counted
             position (PaLM's z-loss, keeps the softmax normaliser near 1).
     """
-    Vocab = logits.resolve_axis(VOCAB)
-    logits = logits.astype(jnp.float32)
     targets, valid = _targets_and_positions(tokens, loss_mask)
+    logits = logits.rearrange((..., VOCAB))
+    outer = logits.axes[:-1]
+    log_z, target_logit = _normaliser_and_target(logits.array, hax.broadcast_to(targets, outer).array)
+    return _reduce(hax.named(log_z, outer), hax.named(target_logit, outer), valid, reduction, z_loss_weight)
 
-    log_z = hax.nn.logsumexp(logits, Vocab)
-    # take() with an index that shares the batch/position axes gathers per position (take_along_axis),
-    # so the loss never materialises a one-hot [.., vocab] target.
-    target_logit = logits.take(Vocab, targets)
-    return _reduce(log_z, target_logit, valid, reduction, z_loss_weight)
+
+@jax.custom_jvp
+def _normaliser_and_target(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``logsumexp(logits, -1)`` and ``logits[..., target]``, both float32, from ``logits [..., vocab]`` in
+    any float dtype and integer ``targets [...]``.
+
+    The derivative is written out so that the backward pass reads the logits in their own dtype: derived by
+    autodiff, XLA keeps a float32 copy of the whole ``[tokens, vocab]`` logits from the forward pass (for
+    bfloat16 logits, twice their size, written once and read back), where the softmax needs only the
+    logits and each token's normaliser. The values are the same: the float32 upcast happens inside each pass.
+    A JVP rule (not a VJP) so that forward-mode autodiff still works (Sophia's Hessian-vector products).
+    """
+    # A gather per position (take_along_axis): no one-hot [..., vocab] target is materialised. It reads the
+    # logits as they are (the upcast is exact), so that no float32 copy exists for it to read.
+    target = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0].astype(jnp.float32)
+    return jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1), target
+
+
+@_normaliser_and_target.defjvp
+def _normaliser_and_target_jvp(primals, tangents):
+    logits, targets = primals
+    d_logits = tangents[0]
+    log_z, target = _normaliser_and_target(logits, targets)
+
+    # Rematerialised: reverse mode keeps only the logits and the normaliser, and its backward pass is one
+    # element-wise pass over the logits (softmax plus the target's one-hot, compared against an iota), where
+    # keeping the softmax would write it (in float32) in the forward pass, and a gather's transpose would
+    # scatter into a zeroed [tokens, vocab] array.
+    @functools.partial(jax.checkpoint, prevent_cse=False)  # outside any loop: no CSE to prevent
+    def linear_part(logits, log_z, targets, d_logits):
+        d = d_logits.astype(jnp.float32)
+        softmax = jnp.exp(logits.astype(jnp.float32) - log_z[..., None])
+        is_target = targets[..., None] == jax.lax.broadcasted_iota(targets.dtype, logits.shape, logits.ndim - 1)
+        return jnp.sum(softmax * d, axis=-1), jnp.sum(jnp.where(is_target, d, 0.0), axis=-1)
+
+    return (log_z, target), linear_part(logits, log_z, targets, d_logits)
 
 
 def blockwise_next_token_loss(
