@@ -201,6 +201,25 @@ def test_check_memory_counts_one_block_of_logits():
     check_memory(blocked, vocab, available)
 
 
+def test_check_memory_counts_the_full_loss_logits_in_the_compute_dtype():
+    """The full loss keeps the logits as the model computes them (bfloat16 under ``mp: p=f32,c=bfloat16``), so the
+    estimate counts two bytes per entry there: a vocabulary whose float32 logits would not fit in the budget,
+    but whose bfloat16 ones do, is refused under float32 compute only; the refusal names the dtype."""
+    from levanter.lm_config import TrainLmConfig
+
+    model = Gpt2Config(seq_len=512, hidden_dim=16, num_heads=2, num_layers=1)
+    vocab = 50_000  # logits of 64 x 512 tokens: 6.1 GiB in float32, 3.1 GiB in bfloat16; parameters ~13 MB
+    available = (4 * 2**30, "a 4 GiB test budget")
+    for mp, fits in (("f32", False), ("p=f32,c=bfloat16", True)):
+        trainer = TrainerConfig(train_batch_size=64, require_accelerator=False, mp=mp)
+        config = TrainLmConfig(model=model, trainer=trainer)
+        if fits:
+            check_memory(config, vocab, available)
+        else:
+            with pytest.raises(ValueError, match=r"cannot fit.*float32 logits of a batch of 64 x 512 positions"):
+                check_memory(config, vocab, available)
+
+
 def _autodiff_loss(logits, tokens, mask, z_loss):
     """The full loss as plain autodiff sees it: float32 logits, logsumexp and a gather."""
     x = logits.astype(jnp.float32)

@@ -33,7 +33,7 @@ What it can and cannot know:
 
 Every run (not only ``--dry_run``) also takes the cheapest look first, :func:`check_memory`: a lower bound
 from shapes alone (parameters, gradients, optimizer state, the averaged copy of ``trainer.model_averaging``,
-one microbatch's float32 logits) against what
+one microbatch's logits) against what
 the devices, or for CPU devices the host, have free. It compiles nothing, so it refuses a model that
 cannot possibly fit before the caches are built or anything is allocated; the compiled check
 (:func:`levanter.memory_fit.fit_trainer`) comes later and sees the rest.
@@ -406,9 +406,10 @@ def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tup
 
     The estimate is a lower bound from shapes alone (``jax.eval_shape``: nothing is allocated):
     parameters and their gradients at the parameter precision (and the averaged copy of
-    ``trainer.model_averaging``), the optimizer's state, and the float32
-    logits of one (micro)batch that the loss holds at once (the whole vocabulary, or one block of
-    ``model.cross_entropy_block_size`` entries). Activations and XLA's temporaries come on top
+    ``trainer.model_averaging``), the optimizer's state, and the
+    logits of one (micro)batch that the loss holds at once: the whole vocabulary in the compute dtype (the
+    full loss keeps the logits as the model computes them), or one float32 block of
+    ``model.cross_entropy_block_size`` entries. Activations and XLA's temporaries come on top
     (``--dry_run`` compiles the step and measures them).
     ``available``: ``(bytes, description)``, by default what the devices (or, for CPU devices, the
     host) have free; no check where that cannot be known. Without this, a huge vocabulary failed with an
@@ -424,7 +425,8 @@ def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tup
         if available is None:
             return
     tcfg = config.trainer
-    param_dtype = jmp.get_policy(tcfg.mp).param_dtype
+    policy = jmp.get_policy(tcfg.mp)
+    param_dtype = policy.param_dtype
     shapes = parameter_shapes(config.model, vocab_size)
     def is_float(x) -> bool:
         return isinstance(x, jax.ShapeDtypeStruct) and jnp.issubdtype(x.dtype, jnp.inexact)
@@ -440,7 +442,9 @@ def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tup
     else:
         micro = max(seg.value for seg in tcfg.batch_schedule.segments)
     logit_entries = config.model.loss_logit_entries(vocab_size)
-    logit_bytes = micro * config.model.seq_len * logit_entries * 4
+    blockwise = config.model.cross_entropy_block_size is not None
+    logit_dtype = jnp.dtype(jnp.float32 if blockwise else policy.compute_dtype)
+    logit_bytes = micro * config.model.seq_len * logit_entries * logit_dtype.itemsize
     # trainer.model_averaging keeps one more copy of the parameters.
     copies = 3 if tcfg.model_averaging is not None else 2
     need = (copies * param_bytes + opt_bytes + logit_bytes) // max(jax.process_count(), 1)
@@ -451,7 +455,8 @@ def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tup
     raise ValueError(
         f"the model cannot fit: training needs at least {_gib(need)} (parameters and gradients"
         f"{' and the averaged copy (trainer.model_averaging)' if copies == 3 else ''} "
-        f"{_gib(copies * param_bytes)}, optimizer state {_gib(opt_bytes)}, float32 logits of a batch of {micro} x "
+        f"{_gib(copies * param_bytes)}, optimizer state {_gib(opt_bytes)}, {logit_dtype.name} logits of a batch "
+        f"of {micro} x "
         f"{config.model.seq_len} positions x {logit_entries:,} vocabulary entries {_gib(logit_bytes)}) but "
         f"{where} has "
         f"{_gib(have)} free. Shrink the model ({vocab_key}={vocab_size:,}, model.hidden_dim, "

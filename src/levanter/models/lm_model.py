@@ -78,7 +78,8 @@ class LmConfig(abc.ABC, draccus.ChoiceRegistry):
     :meth:`flops_per_token`, and call ``super().__post_init__()`` from their own ``__post_init__``.
 
     Every architecture has ``cross_entropy_block_size`` (upstream's name): ``null`` computes the loss from
-    the full ``[tokens, vocab]`` float32 logits; a positive number computes it over blocks of that many
+    the full ``[tokens, vocab]`` logits (kept in the compute dtype, upcast to float32 inside the loss); a
+    positive number computes it over blocks of that many
     vocabulary entries (:func:`blockwise_next_token_loss`), so that only one ``[tokens, block]`` slice of
     logits is ever live. Same loss and gradients up to float rounding; the backward pass recomputes the
     block logits (docs/performance.md).
@@ -155,8 +156,8 @@ class LmConfig(abc.ABC, draccus.ChoiceRegistry):
         check_backend_platform(self.attention_backend, platform)
 
     def loss_logit_entries(self, vocab_size: int) -> int:
-        """Vocabulary entries per token whose float32 logits the loss holds at once: the whole vocabulary
-        for the full loss, one block for the blockwise one (for memory estimates)."""
+        """Vocabulary entries per token whose logits the loss holds at once: the whole vocabulary (in the
+        compute dtype) for the full loss, one float32 block for the blockwise one (for memory estimates)."""
         b = self.cross_entropy_block_size
         return vocab_size if b is None else min(b, vocab_size)
 
