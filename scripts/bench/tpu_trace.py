@@ -13,7 +13,7 @@ largest ``*after_optimizations.txt`` under D is the train step). Prints, per tra
 
 It runs where the trace is (the TPU host) and prints a few kilobytes, so only text has to come back.
 
-    python scripts/bench/tpu_trace.py TRACE_DIR [--hlo DUMP_DIR] [--steps 2] [--top 40]
+    python scripts/bench/tpu_trace.py TRACE_DIR [--hlo DUMP_DIR] [--steps N] [--top 40]
 """
 
 from __future__ import annotations
@@ -109,7 +109,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("trace_dir")
     ap.add_argument("--hlo", help="the XLA dump folder of the run")
-    ap.add_argument("--steps", type=float, default=2.0, help="steps the trace covers (figures are per step)")
+    ap.add_argument("--steps", type=float, default=None,
+                    help="steps the trace covers (figures are per step); by default the device's busy time over the "
+                         "longest program run, the one step the window holds whole (its ends cut the others short)")
     ap.add_argument("--top", type=int, default=40)
     args = ap.parse_args()
     events = load_events(args.trace_dir)
@@ -117,7 +119,8 @@ def main() -> None:
     dev = [(t, e) for p, t, e in events if "TPU:0" in p]
     ops = [e for t, e in dev if "XLA Ops" in t]
     modules = sorted((e for t, e in dev if "XLA Modules" in t), key=lambda e: e["ts"])
-    n = args.steps
+    busy = sum(e["dur"] for e in modules) / 1e3
+    n = args.steps or busy / max(e["dur"] / 1e3 for e in modules)
     total = collections.defaultdict(float)
     count = collections.Counter()
     by_cat = collections.defaultdict(float)
@@ -126,8 +129,7 @@ def main() -> None:
         count[e["name"]] += 1
     for name, ms in total.items():
         by_cat[category(name, hlo)] += ms
-    busy = sum(e["dur"] for e in modules) / 1e3
-    print(f"device programs: {busy / n:.1f} ms per step over {len(modules)} program runs")
+    print(f"device programs: {busy / n:.1f} ms per step, {n:.2f} steps in {len(modules)} program runs")
     for name, ms in sorted(by_cat.items(), key=lambda kv: -kv[1]):
         print(f"  {ms / n:9.1f} ms  {name}")
     print("busiest operations (ms per step, runs per step, kind, output, inside):")
