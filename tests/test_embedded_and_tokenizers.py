@@ -145,7 +145,33 @@ def test_materialize_idempotent_and_atomic(tmp_path, corpus, monkeypatch):
         materialize("python-docs", "validation", out)
     monkeypatch.undo()
     assert open(path, "rb").read() == damaged
-    assert os.listdir(os.path.dirname(path)) == ["validation.jsonl"]
+    assert sorted(os.listdir(os.path.dirname(path))) == [".validation.jsonl.stamp", "validation.jsonl"]
+
+
+def test_materialize_reuses_a_stamped_file_without_building_the_corpus(tmp_path, corpus):
+    """A split whose stamp (corpus fingerprint, file hash) still matches is used as it is: a fresh process
+    (here: the per-process corpus memo cleared) does not parse the stdlib again. A file changed behind the
+    stamp, even keeping its size, or a stamp from another corpus, makes it build and rewrite the file."""
+    out = str(tmp_path)
+    path = materialize("python-docs", "validation", out)
+    good = open(path, "rb").read()
+    embedded._corpus.cache_clear()
+    assert materialize("python-docs", "validation", out) == path
+    assert embedded._corpus.cache_info().misses == 0  # the corpus was not built
+
+    flipped = bytearray(good)
+    flipped[10] = ord("X") if flipped[10] != ord("X") else ord("Y")
+    open(path, "wb").write(bytes(flipped))  # same size, other bytes
+    assert materialize("python-docs", "validation", out) == path
+    assert open(path, "rb").read() == good
+    assert embedded._corpus.cache_info().misses == 1
+
+    stamp = os.path.join(out, "python-docs", ".validation.jsonl.stamp")
+    open(stamp, "w").write("0" * 64 + open(stamp).read()[64:])  # another corpus's fingerprint
+    embedded._corpus.cache_clear()
+    assert materialize("python-docs", "validation", out) == path
+    assert embedded._corpus.cache_info().misses == 1
+    assert open(path, "rb").read() == good
 
 
 def test_fingerprint_stable_and_distinct():

@@ -35,7 +35,10 @@ Trade-off: the content depends on the installed Python (version, distro patches)
 of needing no download; :func:`corpus_fingerprint` hashes the Python version and the selected file
 list with sizes, so a cache built from another stdlib is detected rather than silently reused.
 Parsing every module for docstrings takes seconds (docs/performance.md), so built corpora are memoised
-per process (a few MB of strings).
+per process (a few MB of strings), and a materialised split records what it was made from (a hidden stamp
+beside it: the corpus fingerprint and the file's SHA-256), so a later process that finds the file whole and
+the fingerprint unchanged uses it without building the corpus again (a stdlib file edited in place to the
+same size goes unnoticed there, as it does for the fingerprint itself).
 
 URLs: ``embedded://<name>/<split>`` (``embedded://python-docs/train``) names a split;
 :func:`resolve_embedded_url` materialises it as ``<dir>/<name>/<split>.jsonl`` and returns the path.
@@ -346,19 +349,32 @@ def iter_embedded_documents(name: str, split: str) -> Iterator[dict]:
 def materialize(name: str, split: str, out_dir: str) -> str:
     """Write one split as ``<out_dir>/<name>/<split>.jsonl`` (one JSON object per line); return the path.
 
-    ``out_dir`` may be a local directory or a URL. The write is atomic (:func:`levanter.utils.fs.atomic_write_bytes`) and skipped when an identical file is already
-    there, so the file's mtime only changes when its content does and concurrent writers are safe.
+    ``out_dir`` may be a local directory or a URL. The write is atomic (:func:`levanter.utils.fs.atomic_write_bytes`)
+    and skipped when an identical file is already there, so the file's mtime only changes when its content
+    does and concurrent writers are safe. Beside the file, ``.<split>.jsonl.stamp`` holds the corpus fingerprint
+    and the file's SHA-256: when both still match, the file is used as it is, without building the corpus
+    (seconds of parsing for python-docs); any other file (edited, truncated, from another Python) is rebuilt.
     """
     _check_name(name)
     _check_split(split)
     path = fs.join(out_dir, name, f"{split}.jsonl")
+    stamp_path = fs.join(out_dir, name, f".{split}.jsonl.stamp")
+    fingerprint = corpus_fingerprint(name)
+    if fs.isfile(path) and fs.isfile(stamp_path):
+        if fs.read_bytes(stamp_path) == _stamp(fingerprint, fs.read_bytes(path)):
+            return path
     data = "".join(json.dumps(doc, ensure_ascii=False) + "\n" for doc in iter_embedded_documents(name, split))
     blob = data.encode("utf-8")
-    if fs.isfile(path) and fs.size(path) == len(blob) and fs.read_bytes(path) == blob:
-        return path
-    fs.makedirs(fs.parent(path))
-    fs.atomic_write_bytes(path, blob)
+    if not (fs.isfile(path) and fs.size(path) == len(blob) and fs.read_bytes(path) == blob):
+        fs.makedirs(fs.parent(path))
+        fs.atomic_write_bytes(path, blob)
+    # Written after the file it describes: a stamp never vouches for a file not yet (or no longer) whole.
+    fs.atomic_write_bytes(stamp_path, _stamp(fingerprint, blob))
     return path
+
+
+def _stamp(fingerprint: str, blob: bytes) -> bytes:
+    return f"{fingerprint} {hashlib.sha256(blob).hexdigest()}\n".encode()
 
 
 def is_embedded_url(url: str) -> bool:
