@@ -145,6 +145,35 @@ def test_eval_metrics_do_not_depend_on_how_batches_are_split_over_devices(origin
         assert results[1][k] == pytest.approx(v, rel=1e-6), k
 
 
+def test_the_evaluator_calls_its_sums_through_a_flat_jit_that_keeps_the_model(origin):
+    """The evaluator's sums run through FlatStep (a jax.jit over flat leaves, built once per structure; not
+    the named_jit fallback) without donating the model: evaluating twice gives the same result and the
+    model's arrays are still there; each batch's sums equal named_jit's."""
+    import optax
+
+    from levanter.step_dispatch import FlatStep
+
+    tmp, cfg = origin
+    model = model_from(cfg, str(tmp / "ckpt" / "origin" / "step-2"))
+    trainer = Trainer(cfg.trainer, optax.identity(), lm_loss_fn())
+    ev = train_lm.make_evaluator(cfg, trainer, cfg.data.validation_sets(cfg.model.seq_len), ByteTokenizer(), 257)
+    first = ev.evaluate(model).metrics()
+    assert ev.evaluate(model).metrics() == first
+    assert not any(x.is_deleted() for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    fn = ev._sums_fn()
+    assert isinstance(fn, FlatStep) and fn._cache_size() == 1
+    assert all(entry is not None for entry in fn._by_structure.values())  # not the fallback
+    rows = {"tokens": np.arange(2 * cfg.model.seq_len, dtype=np.int32).reshape(2, -1) % 200,
+            "loss_mask": np.ones((2, cfg.model.seq_len), np.int32),
+            "segment_ids": np.zeros((2, cfg.model.seq_len), np.int32)}
+    named = {k: hax.named(jax.numpy.asarray(v), ("batch", cfg.model.Pos.name)) for k, v in rows.items()}
+    placed = ev._on_mesh(model)  # what evaluate() hands the sums: the model on the trainer's mesh
+    with hax.partitioning.set_mesh(trainer.mesh), hax.axis_mapping(trainer.compute_mapping):
+        flat = fn(placed, (named, ev._byte_lengths))
+        reference = fn._named(placed, (named, ev._byte_lengths))
+    assert [float(x) for x in flat] == [float(x) for x in reference]
+
+
 def test_metric_averages_and_tags_by_hand():
     r = EvalResult(
         {"a": SourceTotals(loss=10.0, tokens=5, bytes=4, sequences=1),

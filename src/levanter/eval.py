@@ -39,13 +39,16 @@ import dataclasses
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import equinox as eqx
 import haliax as hax
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from levanter.data.dataset import AsyncDataset
 from levanter.data.loader import DataLoader
 from levanter.quantization import quantize
+from levanter.step_dispatch import FlatStep
 
 __all__ = [
     "EvalResult",
@@ -257,7 +260,8 @@ class Evaluator:
             # trainer.quantization: evaluated through the same int8 products as trained (levanter.quantization).
             quantization = getattr(self.trainer.config, "quantization", None)
 
-            def sums(model, batch, byte_lengths):
+            def sums(model, inputs):
+                batch, byte_lengths = inputs
                 tokens, mask = batch["tokens"], batch["loss_mask"]
                 model = quantize(mp.cast_to_compute(model), quantization)
                 total, count = model.compute_next_token_loss(
@@ -269,27 +273,53 @@ class Evaluator:
                 nbytes = jnp.sum(jnp.where(valid, jnp.take(byte_lengths, ids[:, 1:], mode="clip"), 0))
                 return total.astype(jnp.float32), count.astype(jnp.float32), nbytes.astype(jnp.int32)
 
-            self._fn = hax.named_jit(sums, axis_resources=self.trainer.compute_mapping)
+            # Called as the train step is (levanter.step_dispatch.FlatStep): named_jit would re-derive the
+            # model's array leaves and shardings on every batch, milliseconds of Python per batch.
+            named = hax.named_jit(sums, axis_resources=self.trainer.compute_mapping)
+            self._fn = FlatStep(sums, named, self.trainer.param_mapping, donate=False)
         return self._fn
+
+    def _on_mesh(self, model):
+        """``model`` with every array on the trainer's mesh: as it is when it is there already (the training
+        state), else placed by the parameter mapping (a model loaded onto one device, say), since the sums'
+        jit takes its arguments where they are."""
+        mesh_devices = set(self.trainer.mesh.devices.flat)
+        arrays = jax.tree.leaves(eqx.filter(model, eqx.is_array))
+        if all(set(x.sharding.device_set) == mesh_devices for x in arrays):
+            return model
+        with hax.partitioning.set_mesh(self.trainer.mesh):
+            return hax.shard(model, self.trainer.param_mapping)
 
     def evaluate(self, model) -> EvalResult:
         fn = self._sums_fn()
         totals: Dict[str, SourceTotals] = {}
         trainer = self.trainer
+        model = self._on_mesh(model)
         for es in self.eval_sets:
             loader = DataLoader(es.dataset, self.batch_size, mesh=trainer.mesh, data_axis="data",
                                 prefetch_depth=2)
             loss = 0.0
             tokens = nbytes = seqs = 0
+            pending = None  # the previous batch's sums, read once the next batch is dispatched
+
+            def add(sums) -> None:
+                nonlocal loss, tokens, nbytes
+                t, c, b = sums
+                loss += float(t)
+                tokens += int(round(float(c)))
+                nbytes += int(b)
+
             with loader.iter_from_step(0, self.max_batches) as it:
                 for batch in it:
                     named = _named(batch.data, self.Pos, self.batch_axis)
                     with hax.partitioning.set_mesh(trainer.mesh), hax.axis_mapping(trainer.compute_mapping):
-                        t, c, b = fn(model, named, self._byte_lengths)
-                    loss += float(t)
-                    tokens += int(round(float(c)))
-                    nbytes += int(b)
+                        out = fn(model, (named, self._byte_lengths))
+                    if pending is not None:
+                        add(pending)
+                    pending = out
                     seqs += batch.batch_size
+            if pending is not None:
+                add(pending)
             totals[es.name] = SourceTotals(loss, tokens, nbytes if self.has_bytes else 0, seqs)
         return EvalResult(totals, {es.name: es.tags for es in self.eval_sets}, self.has_bytes)
 

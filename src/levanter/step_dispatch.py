@@ -37,7 +37,8 @@ def init_compile_options(mesh) -> dict:
 
 
 class FlatStep:
-    """The train step called as a ``jax.jit`` over the flat leaves of ``(state, batch)``.
+    """The train step called as a ``jax.jit`` over the flat leaves of ``(state, batch)`` (also the evaluator's
+    sums, over ``(model, inputs)``, with ``donate=False``: the model outlives the call).
 
     ``haliax.named_jit`` re-derives, on every call, which leaves are arrays, their shardings and the
     output's shardings: milliseconds of Python per call for a small model's state (docs/performance.md),
@@ -49,10 +50,11 @@ class FlatStep:
     anything unusual) takes the named_jit path, which handles it.
     """
 
-    def __init__(self, step: Callable, named: Callable, param_mapping):
+    def __init__(self, step: Callable, named: Callable, param_mapping, *, donate: bool = True):
         self._step = step
         self._named = named
         self._param_mapping = param_mapping
+        self._donate = donate  # the state's buffers become the output's (the train step); not for evaluation
         self._by_structure: Dict[Any, Optional[Tuple[Callable, int, Any]]] = {}
 
     def __call__(self, state, batch):
@@ -114,7 +116,7 @@ class FlatStep:
         out_shardings = jax.tree_util.tree_leaves(shardings, is_leaf=is_sharding)
         if len(out_shardings) != out_treedef.num_leaves or not all(map(is_sharding, out_shardings)):
             return None
-        jitted = jax.jit(flat, out_shardings=tuple(out_shardings), donate_argnums=(0,))
+        jitted = jax.jit(flat, out_shardings=tuple(out_shardings), donate_argnums=(0,) if self._donate else ())
         return jitted, n_state, out_treedef
 
     def _cache_size(self) -> int:
