@@ -285,7 +285,7 @@ class Evaluator:
         jit takes its arguments where they are."""
         mesh_devices = set(self.trainer.mesh.devices.flat)
         arrays = jax.tree.leaves(eqx.filter(model, eqx.is_array))
-        if all(set(x.sharding.device_set) == mesh_devices for x in arrays):
+        if all(isinstance(x, jax.Array) and set(x.sharding.device_set) == mesh_devices for x in arrays):
             return model
         with hax.partitioning.set_mesh(self.trainer.mesh):
             return hax.shard(model, self.trainer.param_mapping)
