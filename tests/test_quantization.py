@@ -125,7 +125,8 @@ def test_the_evaluator_computes_through_the_int8_kernels_too():
         trainer = Trainer(tcfg, optax.identity(), lambda m, b: None)
         ev = Evaluator(trainer, [], batch_size=2, Pos=TINY.Pos, byte_lengths=None)
         with hax.partitioning.set_mesh(trainer.mesh), hax.axis_mapping(trainer.compute_mapping):
-            counts[q] = ev._sums_fn().lower(model, batch, ev._byte_lengths).as_text().count("xi8>")
+            lowered = ev._sums_fn().lower(ev._on_mesh(model), (batch, ev._byte_lengths))
+            counts[q] = lowered.as_text().count("xi8>")
     assert counts[None] == 0 and counts[INT8] > 0
 
 
