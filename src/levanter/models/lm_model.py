@@ -380,7 +380,9 @@ def _narrow_normaliser_and_target_jvp(primals, tangents):
     # element-wise pass over the logits (softmax plus the target's one-hot, compared against an iota), where
     # keeping the softmax would write it (in float32) in the forward pass, and a gather's transpose would
     # scatter into a zeroed [tokens, vocab] array.
-    @functools.partial(jax.checkpoint, prevent_cse=False)  # outside any loop: no CSE to prevent
+    # prevent_cse=False: the forward pass computes no softmax for XLA to merge this recomputation with, so the
+    # optimization barrier that would stop such merging is left out (with it: 5 ms more per Llama step on TPU).
+    @functools.partial(jax.checkpoint, prevent_cse=False)
     def linear_part(logits, log_z, targets, d_logits):
         d = d_logits.astype(jnp.float32)
         softmax = jnp.exp(logits.astype(jnp.float32) - log_z[..., None])
