@@ -95,25 +95,27 @@ def matmul_rate(n: int, repeats: int = 10) -> float:
 
 
 def busiest_ops(trace_dir: str, top: int = 30) -> tuple:
-    """``([(name, total_ms, count)], module_ms)``: the device's operations in a Perfetto trace, busiest first,
-    and the summed time of the compiled programs it ran (the device's busy time; the rest is idle).
-    ``scripts/bench/tpu_trace.py`` breaks the same trace down further."""
-    from tpu_trace import load_events
+    """``([(name, total_ms, count)], module_ms, steps)``: the device's operations in a Perfetto trace, busiest
+    first, the summed time of the compiled programs it ran (the device's busy time; the rest is idle), and the
+    steps the window holds (``tpu_trace.steps_in_window``). ``scripts/bench/tpu_trace.py`` breaks the same trace
+    down further."""
+    from tpu_trace import load_events, steps_in_window
 
     if not glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True):
-        return [], 0.0
+        return [], 0.0, 0.0
     total = collections.defaultdict(float)
     count = collections.Counter()
-    module_ms = 0.0
+    modules = []
     for proc, thread, e in load_events(trace_dir):
         if "TPU:0" not in proc:
             continue
         if "XLA Modules" in thread:
-            module_ms += e["dur"] / 1000.0
+            modules.append(e["dur"] / 1000.0)
         if "XLA Ops" in thread:
             total[e["name"]] += e["dur"] / 1000.0
             count[e["name"]] += 1
-    return sorted(((k, v, count[k]) for k, v in total.items()), key=lambda r: -r[1])[:top], module_ms
+    busiest = sorted(((k, v, count[k]) for k, v in total.items()), key=lambda r: -r[1])[:top]
+    return busiest, sum(modules), steps_in_window(modules)
 
 
 def child(args: argparse.Namespace, overrides: list) -> None:
@@ -183,11 +185,12 @@ def child(args: argparse.Namespace, overrides: list) -> None:
                 "compile_step_seconds": rows[0]["throughput/step_seconds"],
             }
             if args.profile:
-                ops, module_ms = busiest_ops(trace_dir)
+                ops, module_ms, steps = busiest_ops(trace_dir)
+                steps = steps or 1.0
                 result["busiest_ops"] = [
-                    {"op": k, "ms_per_step": round(v / 2, 3), "count_per_step": c // 2} for k, v, c in ops
+                    {"op": k, "ms_per_step": round(v / steps, 3), "count_per_step": round(c / steps)} for k, v, c in ops
                 ]
-                result["device_busy_ms_per_step"] = module_ms / 2
+                result["device_busy_ms_per_step"] = module_ms / steps
             print("RESULT " + json.dumps(result), flush=True)
             os._exit(0)
 

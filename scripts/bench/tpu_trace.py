@@ -105,6 +105,12 @@ def category(name: str, hlo: dict) -> str:
     return "elementwise and other fusions"
 
 
+def steps_in_window(module_ms: list) -> float:
+    """How many steps a trace window holds, from its program runs' durations (ms): the device's busy time over
+    the longest run, the one step the window holds whole (its ends cut the others short)."""
+    return sum(module_ms) / max(module_ms) if module_ms else 0.0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("trace_dir")
@@ -120,7 +126,7 @@ def main() -> None:
     ops = [e for t, e in dev if "XLA Ops" in t]
     modules = sorted((e for t, e in dev if "XLA Modules" in t), key=lambda e: e["ts"])
     busy = sum(e["dur"] for e in modules) / 1e3
-    n = args.steps or busy / max(e["dur"] / 1e3 for e in modules)
+    n = args.steps or steps_in_window([e["dur"] / 1e3 for e in modules])
     total = collections.defaultdict(float)
     count = collections.Counter()
     by_cat = collections.defaultdict(float)
