@@ -17,6 +17,7 @@ from .llama import LLAMA_SHAPE_FIELDS, llama_fields_from_hf, llama_fields_to_hf,
 
 __all__ = ["MISTRAL_LAYOUT", "hf_sliding_window", "mistral_from_hf", "mistral_to_hf"]
 
+
 def hf_sliding_window(doc: dict, where: str):
     """``config.json``'s ``sliding_window`` (Mistral's and Mixtral's): a positive number of positions, or None."""
     window = doc.get("sliding_window")
