@@ -124,3 +124,42 @@ def test_the_trainer_passes_the_loss_and_reports_a_spike_as_skipped():
     skipped.append(bool(m["skipped"]))
     assert not jnp.array_equal(state.model.w.array, w_before)  # training goes on
     assert skipped == [False, False, False, False, True, False]
+
+
+def _selects_of_state_shape(trainer, state, batch) -> int:
+    """``select`` operations on ``f32[4]`` (the parameter's and the moments' shape) in the compiled step."""
+    hlo = trainer.lower_train_step(state, batch, 8).compile().as_text()
+    return sum(1 for line in hlo.splitlines() if "= f32[4]" in line and " select(" in line)
+
+
+@pytest.mark.parametrize("crash", [False, True])
+def test_the_step_keeps_the_old_state_only_where_the_run_skips_non_finite_steps(crash):
+    # Skipping (crash_on_nan / crash_on_inf false): a NaN step leaves parameters and moments as they were.
+    # Stopping (the default): the host raises at that step before the state after it is used, so the step
+    # compiles without the select that would keep the old state (one pass over the state less).
+    Feature, Batch = hax.Axis("feature", 4), hax.Axis("batch", 8)
+    flags = {} if crash else {"crash_on_nan": False, "crash_on_inf": False}
+    tcfg = TrainerConfig(num_train_steps=4, train_batch_size=8, require_accelerator=False, mp="f32", **flags)
+    optimizer = AdamConfig(learning_rate=1e-3, warmup=0.0, weight_decay=0.0, max_grad_norm=None).build(4)
+    trainer = Trainer(tcfg, optimizer, _loss)
+    state = trainer.initial_state(lambda k: _Scale(hax.random.normal(k, (Feature,))), key=jax.random.PRNGKey(0))
+
+    def batch(scale):
+        x = hax.random.normal(jax.random.PRNGKey(1), (Batch, Feature)) * scale
+        with hax.partitioning.set_mesh(trainer.mesh):
+            return hax.shard({"x": x}, trainer.compute_mapping)
+
+    state, _ = trainer.train_step(state, batch(1.0), 8)
+    before = [jnp.copy(x) for x in jax.tree.leaves((state.model, state.opt_state)) if eqx.is_inexact_array(x)]
+    selects = _selects_of_state_shape(trainer, state, batch(1.0))
+    state, m = trainer.train_step(state, batch(jnp.nan), 8)
+    assert bool(m["skipped"])
+    after = [x for x in jax.tree.leaves((state.model, state.opt_state)) if eqx.is_inexact_array(x)]
+    kept = all(jnp.array_equal(a, b, equal_nan=True) for a, b in zip(after, before))
+    assert kept == (not crash)
+    with_select = Trainer(TrainerConfig(num_train_steps=4, train_batch_size=8, require_accelerator=False, mp="f32",
+                                        crash_on_nan=False, crash_on_inf=False), optimizer, _loss)
+    reference = _selects_of_state_shape(with_select, state, batch(1.0))
+    # Keeping the old state is a select per leaf: the four-element parameter and Adam's two moments.
+    assert reference >= 3
+    assert selects == (0 if crash else reference)

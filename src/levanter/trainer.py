@@ -161,6 +161,7 @@ class Trainer:
         averaging = self.config.model_averaging
         batch_axis = self.config.batch_axis
         compute_mapping = self.compute_mapping
+        skips_non_finite = not (self.config.crash_on_nan and self.config.crash_on_inf)
 
         def sum_loss(params, static, micro):
             model = mp.cast_to_compute(eqx.combine(params, static))
@@ -236,12 +237,20 @@ class Trainer:
             # anyway, a small share of the step (docs/performance.md).
             new_floats = [x for x in jax.tree.leaves((new_params, opt_state)) if eqx.is_inexact_array(x)]
             update_finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in new_floats]))
-            # A non-finite loss, gradient or update never reaches the parameters: the update is skipped (the
-            # host then stops the run, or logs the skip, per crash_on_nan / crash_on_inf). Every leaf keeps
+            # A non-finite loss, gradient or update is never trained on, evaluated or saved: where the config
+            # skips such steps (crash_on_nan or crash_on_inf false) the old state is kept, else the host stops
+            # the run when it reads the step's metrics. Every leaf keeps
             # its dtype: with bfloat16 parameters (mp: bfloat16) the float32 updates would otherwise promote
             # the parameters and moments to float32 after the first step, and the step would compile again.
             finite = jnp.isfinite(total) & jnp.isfinite(grad_norm) & update_finite
-            keep = lambda new, old: jnp.where(finite, new, old).astype(old.dtype)  # noqa: E731
+            if skips_non_finite:
+                keep = lambda new, old: jnp.where(finite, new, old).astype(old.dtype)  # noqa: E731
+            else:
+                # A run that stops at every non-finite step (crash_on_nan and crash_on_inf, the default) never
+                # evaluates, saves or trains on the state after one: the host raises when it reads the step's
+                # metrics, before any of that. Keeping the old state there would cost a select over every
+                # parameter and moment (a read of both states and a write, each step) for nothing.
+                keep = lambda new, old: new.astype(old.dtype)  # noqa: E731
             new_params = jax.tree.map(keep, new_params, params)
             opt_state = jax.tree.map(keep, opt_state, state.opt_state)
             model = eqx.combine(new_params, static)
@@ -577,37 +586,39 @@ def check_step(batch: Batch, state_step: int) -> None:
 def check_finite(
     loss: float, step: int, config: TrainerConfig, *, grad_norm: float = 0.0, update_finite: bool = True
 ) -> None:
-    """Stop on a NaN / infinite loss, gradient norm or update (the step's update was not applied), unless
-    configured to go on. A non-finite update after a finite loss and gradient (a zero epsilon, a learning
-    rate beyond float32's range) counts as NaN: it is almost always 0/0 or inf - inf."""
+    """Stop on a NaN / infinite loss, gradient norm or update (the state after that step is never saved,
+    evaluated or trained on), unless configured to skip such steps (then their update is not applied). A
+    non-finite update after a finite loss and gradient (a zero epsilon, a learning rate beyond float32's
+    range) counts as NaN: it is almost always 0/0 or inf - inf."""
+    stopped = "training stopped and the state after this step was not saved"
     if math.isfinite(loss) and not math.isfinite(grad_norm):
         what = "NaN" if math.isnan(grad_norm) else "infinite"
         flag = "crash_on_nan" if math.isnan(grad_norm) else "crash_on_inf"
         if getattr(config, flag):
             raise FloatingPointError(
-                f"train/grad_norm is {what} at step {step} (the loss was finite); the update was not applied "
-                f"and training stopped. Set trainer.{flag}: false to skip such steps instead."
+                f"train/grad_norm is {what} at step {step} (the loss was finite); {stopped}. Set "
+                f"trainer.{flag}: false to skip such steps instead."
             )
         logger.warning("train/grad_norm is %s at step %d: the update was skipped", grad_norm, step)
         return
     if math.isfinite(loss) and not update_finite:
         if config.crash_on_nan:
             raise FloatingPointError(
-                f"the update at step {step} is not finite (loss and gradient norm were finite); it was not "
-                "applied and training stopped. Check optimizer.learning_rate and optimizer.epsilon, or set "
-                "trainer.crash_on_nan: false to skip such steps instead."
+                f"the update at step {step} is not finite (loss and gradient norm were finite); {stopped}. "
+                "Check optimizer.learning_rate and optimizer.epsilon, or set trainer.crash_on_nan: false to skip "
+                "such steps instead."
             )
         logger.warning("the update at step %d is not finite: it was skipped", step)
         return
     if math.isnan(loss) and config.crash_on_nan:
         raise FloatingPointError(
-            f"train/loss is NaN at step {step}; the update was not applied and training stopped. Set "
-            "trainer.crash_on_nan: false to skip such steps instead."
+            f"train/loss is NaN at step {step}; {stopped}. Set trainer.crash_on_nan: false to skip such steps "
+            "instead."
         )
     if math.isinf(loss) and config.crash_on_inf:
         raise FloatingPointError(
-            f"train/loss is infinite at step {step}; the update was not applied and training stopped. Set "
-            "trainer.crash_on_inf: false to skip such steps instead."
+            f"train/loss is infinite at step {step}; {stopped}. Set trainer.crash_on_inf: false to skip such "
+            "steps instead."
         )
     if not math.isfinite(loss):
         logger.warning("train/loss is %s at step %d: the update was skipped", loss, step)

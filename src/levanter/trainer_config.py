@@ -102,9 +102,10 @@ class TrainerConfig:
     parameter_axis_resources: Dict[str, Union[str, List[str]]] = dataclasses.field(default_factory=dict)
     # Refuse to train on CPUs only (set false to train on CPU deliberately).
     require_accelerator: bool = True
-    # Stop the run at a NaN loss, gradient norm or update (never applied); false: skip such steps.
+    # Stop the run at a NaN loss, gradient norm or update (the state after it is never evaluated or saved);
+    # false: skip such steps (their update is not applied).
     crash_on_nan: bool = True
-    # Stop the run at an infinite loss or gradient norm (never applied); false: skip such steps.
+    # Stop the run at an infinite loss or gradient norm, as crash_on_nan; false: skip such steps.
     crash_on_inf: bool = True
     # Upstream pads a batch the data-parallel size does not divide; nothing is padded here, so such a batch
     # is refused whatever this says (a divisible one trains either way).

@@ -40,7 +40,7 @@ from .layers import (
     remat_policy,
 )
 from .lm_model import LAYERS, LmConfig, LmHeadModel, check_input_length, split_key
-from .token_dot import linear
+from .token_dot import linear, token_dot, token_dot_kernel
 
 __all__ = ["Gpt2Config", "Gpt2Attention", "Gpt2Mlp", "Gpt2Block", "Gpt2LMHeadModel"]
 
@@ -150,8 +150,7 @@ class Gpt2Attention(eqx.Module):
 
     def __call__(self, x: NamedArray, mask: AttentionMask, layer_idx: NamedArray, *, key=None) -> NamedArray:
         c = self.config
-        qkv = named(linear(self.c_attn, x), "qkv_proj")
-        q, k, v = (qkv["qkv", i] for i in range(3))
+        q, k, v = self._qkv(x)
         scale = 1.0 / math.sqrt(c.HeadSize.size)
         if c.scale_attn_by_inverse_layer_idx:
             # layer_idx is a traced scalar (scanned alongside the stacked blocks), so no recompile per layer.
@@ -160,6 +159,28 @@ class Gpt2Attention(eqx.Module):
             q, k, v, mask, scale=scale, upcast=c.upcast_attn, dropout=c.attn_pdrop, key=key
         )
         return named(linear(self.c_proj, named(attn, "context")), "out_proj")
+
+
+    def _qkv(self, x: NamedArray) -> tuple[NamedArray, NamedArray, NamedArray]:
+        """The queries, keys and values: three products with the slices of ``c_attn``'s weight (and bias)
+        rather than one product sliced afterwards. Each bias add then fuses into its product, and no
+        ``[..., qkv, heads, head_size]`` intermediate is written, split and, in the backward pass, assembled
+        again (on a TPU those element-wise passes cost more than the product). A quantized ``c_attn`` keeps
+        the one product, so that its kernel (and an fp8 scale's history) sees each step once."""
+        layer = self.c_attn
+        kernel = token_dot_kernel(layer)
+        if kernel is not None:
+            qkv = named(linear(layer, x), "qkv_proj")
+            return qkv["qkv", 0], qkv["qkv", 1], qkv["qkv", 2]
+        weight = layer.weight * layer.reparam.active_scale
+        parts = []
+        for i, name in enumerate(("query_proj", "key_proj", "value_proj")):
+            out = hax.auto_sharded(token_dot(x, weight["qkv", i], layer.In))
+            if layer.bias is not None:
+                out = hax.auto_sharded(out + layer.bias["qkv", i])
+            parts.append(named(out, name))
+        q, k, v = parts
+        return q, k, v
 
 
 class Gpt2Mlp(eqx.Module):

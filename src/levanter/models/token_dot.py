@@ -23,7 +23,7 @@ import haliax.nn as hnn
 from haliax import Axis, NamedArray
 from haliax.quantization import DefaultDotGeneralOp
 
-__all__ = ["token_dot", "linear"]
+__all__ = ["token_dot", "token_dot_kernel", "linear"]
 
 
 def _as_axes(spec, array: NamedArray) -> tuple[Axis, ...]:
@@ -52,7 +52,7 @@ def token_dot(x: NamedArray, weight: NamedArray, axis, dot_general=None) -> Name
     return out.unflatten_axis(Tokens, tuple(outer))
 
 
-def _kernel(layer: hnn.Linear):
+def token_dot_kernel(layer: hnn.Linear):
     """The layer's ``dot_general``, or None for haliax's default (a plain ``jax.lax.dot_general``)."""
     op = getattr(layer, "dot_general", None)
     return None if op is None or isinstance(op, DefaultDotGeneralOp) else op
@@ -62,7 +62,7 @@ def linear(layer: hnn.Linear, x: NamedArray) -> NamedArray:
     """``layer(x)`` computed with :func:`token_dot` (same parameters, same result axes, and the layer's own
     ``dot_general``, so that a layer quantized by haliax keeps its int8 kernel)."""
     weight = layer.weight * layer.reparam.active_scale
-    out = hax.auto_sharded(token_dot(x, weight, layer.In, dot_general=_kernel(layer)))
+    out = hax.auto_sharded(token_dot(x, weight, layer.In, dot_general=token_dot_kernel(layer)))
     if layer.bias is not None:
         out = hax.auto_sharded(out + layer.bias)
     return out
