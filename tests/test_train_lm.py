@@ -838,12 +838,13 @@ def _zero_gradient_rows_step(eps: float, crash_on_nan: bool = True):
 
 
 def test_a_non_finite_update_is_not_applied():
-    """Loss and gradient norm finite, update NaN (Adam with epsilon 0 on zero-gradient rows): the step
-    leaves every parameter and moment as it was, reports the update as non-finite, and the host check
-    stops the run naming the step and the optimizer values to look at. A positive epsilon updates."""
+    """Loss and gradient norm finite, update NaN (Adam with epsilon 0 on zero-gradient rows): where such steps
+    are skipped (crash_on_nan: false) the step leaves every parameter and moment as it was; either way it
+    reports the update as non-finite, and by default the host check stops the run naming the step and the
+    optimizer values to look at. A positive epsilon updates."""
     from levanter.trainer import check_finite
 
-    before, after, floats, step, metrics = _zero_gradient_rows_step(eps=0.0)
+    before, after, floats, step, metrics = _zero_gradient_rows_step(eps=0.0, crash_on_nan=False)
     loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
     assert np.isfinite(loss) and np.isfinite(grad_norm)
     assert not bool(metrics["update_finite"]) and bool(metrics["skipped"])
@@ -851,10 +852,13 @@ def test_a_non_finite_update_is_not_applied():
     for a, b in zip(before, after):
         np.testing.assert_array_equal(a, b)
     assert all(np.isfinite(x).all() for x in floats)  # nothing non-finite for a checkpoint to hold
-    tcfg = TrainerConfig()
-    with pytest.raises(FloatingPointError, match=r"the update at step 0 is not finite .*optimizer.epsilon"):
-        check_finite(loss, 0, tcfg, grad_norm=grad_norm, update_finite=bool(metrics["update_finite"]))
     check_finite(loss, 0, TrainerConfig(crash_on_nan=False), grad_norm=grad_norm, update_finite=False)
+
+    _, _, _, _, stopping = _zero_gradient_rows_step(eps=0.0)
+    assert not bool(stopping["update_finite"]) and bool(stopping["skipped"])
+    with pytest.raises(FloatingPointError, match=r"the update at step 0 is not finite .*optimizer.epsilon"):
+        check_finite(float(stopping["loss"]), 0, TrainerConfig(), grad_norm=float(stopping["grad_norm"]),
+                     update_finite=bool(stopping["update_finite"]))
 
     before, after, _, _, metrics = _zero_gradient_rows_step(eps=1e-8)
     assert bool(metrics["update_finite"]) and not bool(metrics["skipped"])
