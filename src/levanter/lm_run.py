@@ -23,8 +23,8 @@ model whose training state cannot fit in memory (estimated from shapes), a train
 memory exceeds the device's (:mod:`levanter.memory_fit`, where the device's memory is known; that
 compile is the run's step), log directories it cannot
 write, training data too short for ``trainer.num_train_steps`` and validation sets smaller than one eval
-batch; at run time, a step whose loss, gradient norm or update is not finite is never saved or trained on, and data
-that still ends early is an error (exit 1), not a short run that exits 0.
+batch; at run time, the state after a step whose loss, gradient norm or update is not finite is never
+saved or evaluated, and data that still ends early is an error (exit 1), not a short run that exits 0.
 
 Per step it logs ``train/loss`` (for a mixture of experts, with the weighted router loss, which is also
 logged alone as ``train/router_aux_loss``), ``train/learning_rate``, ``train/grad_norm``,

@@ -237,19 +237,19 @@ class Trainer:
             # anyway, a small share of the step (docs/performance.md).
             new_floats = [x for x in jax.tree.leaves((new_params, opt_state)) if eqx.is_inexact_array(x)]
             update_finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in new_floats]))
-            # A non-finite loss, gradient or update is never trained on, evaluated or saved: where the config
+            # The state after a non-finite loss, gradient or update is never evaluated or saved: where the config
             # skips such steps (crash_on_nan or crash_on_inf false) the old state is kept, else the host stops
-            # the run when it reads the step's metrics. Every leaf keeps
-            # its dtype: with bfloat16 parameters (mp: bfloat16) the float32 updates would otherwise promote
-            # the parameters and moments to float32 after the first step, and the step would compile again.
+            # the run when it reads the step's metrics. Every leaf keeps its dtype: with bfloat16 parameters
+            # (mp: bfloat16) the float32 updates would otherwise promote the parameters and moments to float32
+            # after the first step, and the step would compile again.
             finite = jnp.isfinite(total) & jnp.isfinite(grad_norm) & update_finite
             if skips_non_finite:
                 keep = lambda new, old: jnp.where(finite, new, old).astype(old.dtype)  # noqa: E731
             else:
                 # A run that stops at every non-finite step (crash_on_nan and crash_on_inf, the default) never
-                # evaluates, saves or trains on the state after one: the host raises when it reads the step's
-                # metrics, before any of that. Keeping the old state there would cost a select over every
-                # parameter and moment (a read of both states and a write, each step) for nothing.
+                # evaluates or saves the state after one, nor keeps anything computed from it: the host raises
+                # when it reads the step's metrics, before any of that. Keeping the old state there would cost
+                # a select over every parameter and moment (a read of both states and a write, each step).
                 keep = lambda new, old: new.astype(old.dtype)  # noqa: E731
             new_params = jax.tree.map(keep, new_params, params)
             opt_state = jax.tree.map(keep, opt_state, state.opt_state)
@@ -586,8 +586,8 @@ def check_step(batch: Batch, state_step: int) -> None:
 def check_finite(
     loss: float, step: int, config: TrainerConfig, *, grad_norm: float = 0.0, update_finite: bool = True
 ) -> None:
-    """Stop on a NaN / infinite loss, gradient norm or update (the state after that step is never saved,
-    evaluated or trained on), unless configured to skip such steps (then their update is not applied). A
+    """Stop on a NaN / infinite loss, gradient norm or update (the state after that step is never saved or
+    evaluated), unless configured to skip such steps (then their update is not applied). A
     non-finite update after a finite loss and gradient (a zero epsilon, a learning rate beyond float32's
     range) counts as NaN: it is almost always 0/0 or inf - inf."""
     stopped = "training stopped and the state after this step was not saved"

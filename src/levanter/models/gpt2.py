@@ -160,7 +160,6 @@ class Gpt2Attention(eqx.Module):
         )
         return named(linear(self.c_proj, named(attn, "context")), "out_proj")
 
-
     def _qkv(self, x: NamedArray) -> tuple[NamedArray, NamedArray, NamedArray]:
         """The queries, keys and values: three products with the slices of ``c_attn``'s weight (and bias)
         rather than one product sliced afterwards. Each bias add then fuses into its product, and no

@@ -9,9 +9,8 @@ spike after a while instead of freezing training. ``true`` is a window of 128 st
 integer is the window length; a mapping gives both.
 
 A non-finite loss, gradient or update is a different case, handled by the trainer whatever this says
-(never saved or trained on; ``trainer.crash_on_nan`` / ``crash_on_inf`` decide whether the run stops or
-skips it): such a step
-is reverted whole, the window included, so a NaN never enters the statistics.
+(``trainer.crash_on_nan`` / ``crash_on_inf`` decide whether the run stops there or skips it): a skipped
+step is reverted whole, the window included, so a NaN never enters the statistics.
 
 The wrapper is an ``optax.GradientTransformationExtraArgs``: its ``update`` needs the step's mean loss
 as ``loss=``, which the trainer passes to every optimizer that takes extra arguments.
