@@ -585,3 +585,36 @@ def test_qwen_attention_parameters():
     assert not np.allclose(forward(model3, ids).array, forward(scaled, ids).array, atol=1e-4)
     biased = tiny_qwen3(attention_bias=True).build(Vocab, key=jax.random.PRNGKey(0)).layers.stacked.self_attn
     assert all(getattr(biased, p).bias is not None for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+
+
+def test_gpt2_queries_keys_and_values_equal_the_one_fused_product():
+    """GPT-2 computes q, k and v as three products with the slices of ``c_attn`` (so that each bias add fuses
+    into its product): the same values, and the same gradients for the fused weight and bias, as ``c_attn``
+    applied whole and sliced afterwards."""
+    from levanter.models.token_dot import linear
+
+    model = tiny_gpt2().build(Vocab, key=jax.random.PRNGKey(0))
+    attn = jax.tree.map(lambda x: x["layers", 0] if isinstance(x, hax.NamedArray) else x, model.blocks.stacked.attn,
+                        is_leaf=lambda x: isinstance(x, hax.NamedArray))
+    # A bias that is not zero, so that each slice's bias must be the right one.
+    bias = attn.c_attn.bias
+    attn = eqx.tree_at(lambda a: a.c_attn.bias, attn, hax.random.normal(jax.random.PRNGKey(1), bias.axes))
+    x = hax.random.normal(jax.random.PRNGKey(2), (Batch, model.Pos, model.config.Embed))
+    cot = [hax.random.normal(jax.random.PRNGKey(3 + i), (Batch, model.Pos, *attn.c_attn.Out[1:])) for i in range(3)]
+
+    def objective(layer, split):
+        if split:
+            q, k, v = eqx.tree_at(lambda a: a.c_attn, attn, layer)._qkv(x)
+        else:
+            qkv = linear(layer, x)
+            q, k, v = (qkv["qkv", i] for i in range(3))
+        return sum(hax.sum(p * c.rearrange(p.axes)).array for p, c in zip((q, k, v), cot)), (q, k, v)
+
+    (val_s, outs_s), grad_s = eqx.filter_value_and_grad(objective, has_aux=True)(attn.c_attn, True)
+    (val_f, outs_f), grad_f = eqx.filter_value_and_grad(objective, has_aux=True)(attn.c_attn, False)
+    for a, b in zip(outs_s, outs_f):
+        assert a.axes == b.axes
+        np.testing.assert_allclose(a.array, b.array, rtol=tol(1e-5), atol=tol(1e-6))
+    np.testing.assert_allclose(grad_s.weight.array, grad_f.weight.array, rtol=tol(1e-5), atol=tol(1e-5))
+    np.testing.assert_allclose(grad_s.bias.array, grad_f.bias.array, rtol=tol(1e-5), atol=tol(1e-5))
+    assert float(jnp.abs(grad_s.bias.array).min()) > 0  # every slice's bias receives its gradient
