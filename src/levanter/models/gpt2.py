@@ -8,7 +8,8 @@ attention kernel (``levanter.models.attention``); the forward pass builds one ``
 and hands it to every layer. Attention dropout (``attn_pdrop``) exists only in the ``vanilla`` kernel.
 
 Parameter axes (for sharding): ``wte [vocab, embed]``, ``wpe [position, embed]``,
-``c_attn [embed -> qkv, heads, head_size]``, ``c_proj [heads, head_size -> embed]``,
+``c_attn [embed -> qkv, heads, head_size]`` (applied as three products, one per ``qkv`` slice, so that q, k and
+v never share one intermediate), ``c_proj [heads, head_size -> embed]``,
 ``c_fc [embed -> mlp]``, ``mlp c_proj [mlp -> embed]``; every block parameter also has ``layers``.
 
 Initialisation follows GPT-2: normal(0, ``initializer_range``) everywhere, with the two residual
