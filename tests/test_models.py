@@ -612,6 +612,7 @@ def test_gpt2_queries_keys_and_values_equal_the_one_fused_product():
 
     (val_s, outs_s), grad_s = eqx.filter_value_and_grad(objective, has_aux=True)(attn.c_attn, True)
     (val_f, outs_f), grad_f = eqx.filter_value_and_grad(objective, has_aux=True)(attn.c_attn, False)
+    np.testing.assert_allclose(val_s, val_f, rtol=tol(1e-5))
     for a, b in zip(outs_s, outs_f):
         assert a.axes == b.axes
         np.testing.assert_allclose(a.array, b.array, rtol=tol(1e-5), atol=tol(1e-6))

@@ -328,8 +328,8 @@ def test_a_nan_found_a_step_late_names_its_step_and_no_later_state_is_saved(tmp_
             seen.append(r.step)
 
     ckpt = CheckpointerConfig(base_path=str(tmp_path / "ckpt"), keep=[CheckpointInterval(every=2)])
-    with pytest.raises(FloatingPointError,
-                       match=r"train/loss is NaN at step 4; training stopped and the state after this step was not saved"):
+    stopped = r"train/loss is NaN at step 4; training stopped and the state after this step was not saved"
+    with pytest.raises(FloatingPointError, match=stopped):
         trainer.train(fresh(), batches(nan_at=4), to_named=to_named, checkpointer=ckpt.create("nan"), hooks=Hooks())
     assert len(dispatched) == 6  # step 5 was already dispatched when step 4's loss was read
     assert seen == [0, 1, 2, 3]
