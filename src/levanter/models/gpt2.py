@@ -41,7 +41,7 @@ from .layers import (
     remat_policy,
 )
 from .lm_model import LAYERS, LmConfig, LmHeadModel, check_input_length, split_key
-from .token_dot import linear, token_dot, token_dot_kernel
+from .token_dot import linear, token_dot_kernel
 
 __all__ = ["Gpt2Config", "Gpt2Attention", "Gpt2Mlp", "Gpt2Block", "Gpt2LMHeadModel"]
 
@@ -167,19 +167,11 @@ class Gpt2Attention(eqx.Module):
         ``[..., qkv, heads, head_size]`` intermediate is written, split and, in the backward pass, assembled
         again (on a TPU those element-wise passes cost more than the product). A quantized ``c_attn`` keeps
         the one product, so that its kernel (and an fp8 scale's history) sees each step once."""
-        layer = self.c_attn
-        kernel = token_dot_kernel(layer)
-        if kernel is not None:
-            qkv = named(linear(layer, x), "qkv_proj")
+        if token_dot_kernel(self.c_attn) is not None:
+            qkv = named(linear(self.c_attn, x), "qkv_proj")
             return qkv["qkv", 0], qkv["qkv", 1], qkv["qkv", 2]
-        weight = layer.weight * layer.reparam.active_scale
-        parts = []
-        for i, name in enumerate(("query_proj", "key_proj", "value_proj")):
-            out = hax.auto_sharded(token_dot(x, weight["qkv", i], layer.In))
-            if layer.bias is not None:
-                out = hax.auto_sharded(out + layer.bias["qkv", i])
-            parts.append(named(out, name))
-        q, k, v = parts
+        q, k, v = (named(linear(self.c_attn, x, ("qkv", i)), name)
+                   for i, name in enumerate(("query_proj", "key_proj", "value_proj")))
         return q, k, v
 
 

@@ -16,7 +16,7 @@ non-contracted axis with the weight, e.g. under ``vmap``, or has a single outer 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import haliax as hax
 import haliax.nn as hnn
@@ -58,11 +58,14 @@ def token_dot_kernel(layer: hnn.Linear):
     return None if op is None or isinstance(op, DefaultDotGeneralOp) else op
 
 
-def linear(layer: hnn.Linear, x: NamedArray) -> NamedArray:
+def linear(layer: hnn.Linear, x: NamedArray, select: Optional[tuple[str, int]] = None) -> NamedArray:
     """``layer(x)`` computed with :func:`token_dot` (same parameters, same result axes, and the layer's own
-    ``dot_general``, so that a layer quantized by haliax keeps its int8 kernel)."""
-    weight = layer.weight * layer.reparam.active_scale
+    ``dot_general``, so that a layer quantized by haliax keeps its int8 kernel). ``select``: ``(axis, i)``,
+    one entry of an output axis, computed alone from that slice of the weight and bias."""
+    weight, bias = layer.weight * layer.reparam.active_scale, layer.bias
+    if select is not None:
+        weight, bias = weight[select], None if bias is None else bias[select]
     out = hax.auto_sharded(token_dot(x, weight, layer.In, dot_general=token_dot_kernel(layer)))
-    if layer.bias is not None:
-        out = hax.auto_sharded(out + layer.bias)
+    if bias is not None:
+        out = hax.auto_sharded(out + bias)
     return out
