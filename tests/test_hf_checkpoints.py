@@ -115,6 +115,13 @@ def hf_configs():
 PERTURBED = ("qwen2", "qwen3", "qwen3-bias", "mistral", "olmo2", "olmo2-bias")
 
 
+def torch_attention(name: str) -> dict:
+    """transformers' attention for model ``name``, for building and for loading alike. Gemma 2's soft-capped
+    scores need the eager path: the sdpa path ignores the cap, and releases before 5.18 pick sdpa for Gemma 2
+    by default, so a reload that left the choice to transformers would compare two different models."""
+    return {"attn_implementation": "eager"} if name == "gemma2" else {}
+
+
 def torch_logits(model) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor(TOKENS)).logits.numpy()
@@ -133,10 +140,7 @@ def hf_dirs(tmp_path_factory):
     torch.manual_seed(0)
     out = {}
     for name, cfg in hf_configs().items():
-        # Gemma 2's soft-capped scores need transformers' eager attention: its sdpa path ignores the cap, and
-        # releases before 5.18 picked sdpa for Gemma 2 by default.
-        impl = {"attn_implementation": "eager"} if name == "gemma2" else {}
-        model = transformers.AutoModelForCausalLM.from_config(cfg, **impl).eval()
+        model = transformers.AutoModelForCausalLM.from_config(cfg, **torch_attention(name)).eval()
         if name in PERTURBED:
             with torch.no_grad():
                 for p in model.parameters():
@@ -233,7 +237,7 @@ def test_export_loads_in_transformers_and_imports_bit_identically(name, hf_dirs,
     assert len(shards) > 1 and all((out / f).is_file() for f in shards)
     assert not (out / "model.safetensors").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), **torch_attention(name)).eval()
     assert np.abs(torch_logits(reloaded) - hf_dirs[name][1]).max() < 1e-4
     config2, model2 = load_hf_checkpoint(str(out))
     assert config2 == config

@@ -88,8 +88,15 @@ class StorageFault:
 
     code: str  # tensorstore's status code ("NOT_FOUND", "DATA_LOSS", ...), or "OS_ERROR"
     chunk: str | None  # the chunk's file or key, when the message names it
-    cache: str | None  # the directory to delete to rebuild (see :func:`cache_root`)
+    store: str | None  # the store holding the chunk (from the chunk's path), when it looks like one
     detail: str  # the message
+
+    @property
+    def cache(self) -> str | None:
+        """The directory to delete to rebuild (see :func:`cache_root`). Found on demand, for a message:
+        it reads the storage, and classifying a failure (which the loader does for every retry, often
+        while that storage is not answering) must not."""
+        return cache_root(self.store) if self.store else None
 
     @property
     def damaged(self) -> bool:
@@ -125,7 +132,7 @@ def storage_fault(err: BaseException) -> StorageFault | None:
         name = getattr(err, "filename", None)
         chunk = os.fspath(name) if name else None
         code = {2: MISSING, 13: "PERMISSION_DENIED"}.get(err.errno or 0, "UNAVAILABLE")
-        return StorageFault(code, chunk, _cache_of(chunk), err.strerror or str(err))
+        return StorageFault(code, chunk, _store_of(chunk), err.strerror or str(err))
     if not isinstance(err, ValueError):
         return None
     text = status_text(err)
@@ -144,13 +151,13 @@ def storage_fault(err: BaseException) -> StorageFault | None:
     detail = text[m.end():]
     if quoted is not None and '": ' in detail:  # 'Error reading local file "...": <the reason>'
         detail = detail.rsplit('": ', 1)[-1]
-    return StorageFault(code, chunk, _cache_of(chunk), detail)
+    return StorageFault(code, chunk, _store_of(chunk), detail)
 
 
-def _cache_of(chunk: str | None) -> str | None:
-    """The cache holding ``chunk`` (``<store>/<array>/c/<key>``), or None if it does not look like one."""
+def _store_of(chunk: str | None) -> str | None:
+    """The store holding ``chunk`` (``<store>/<array>/c/<key>``), or None if it does not look like one.
+    A string operation: it reads nothing."""
     if not chunk or "/c/" not in chunk:
         return None
     array_dir = chunk.rsplit("/c/", 1)[0]
-    store = array_dir.rsplit("/", 1)[0] if "/" in array_dir else array_dir
-    return cache_root(store)
+    return array_dir.rsplit("/", 1)[0] if "/" in array_dir else array_dir
