@@ -29,7 +29,7 @@ def test_each_file_is_classified_and_counted(tmp_path, capsys):
     (tmp_path / "muon.yaml").write_text("data: !include data/source.yaml\noptimizer:\n  type: muon\n"
                                         "  lr: 0.01\n")
     (tmp_path / "moe.yaml").write_text("model:\n  type: whisper\n")
-    (tmp_path / "fp8.yaml").write_text("trainer:\n  quantization:\n    fp8: true\n")
+    (tmp_path / "harness.yaml").write_text("eval_harness:\n  task_spec: [piqa]\n")
     (tmp_path / "typo.yaml").write_text("trainer:\n  num_train_stepz: 3\n")
     (tmp_path / "sft_mix.yaml").write_text(
         "dataset_type: chat_jsonl\nsupervised_data:\n  a: {cache_dir: gs://b/a, train_urls: [gs://b/a.jsonl]}\n"
@@ -46,12 +46,12 @@ def test_each_file_is_classified_and_counted(tmp_path, capsys):
             rows[m.group(2)] = (m.group(1), m.group(3))
     assert rows["ok.yaml"] == ("parses", "")
     assert rows["muon.yaml"][0] == "refused" and rows["muon.yaml"][1].startswith("optimizer.lr=0.01")
-    assert rows["fp8.yaml"][0] == "refused" and rows["fp8.yaml"][1].startswith("trainer.quantization.fp8=true")
+    assert rows["harness.yaml"][0] == "refused" and rows["harness.yaml"][1].startswith("eval_harness: ")
     assert rows["moe.yaml"] == ("needs family", "whisper")
     assert rows["typo.yaml"][0] == "error" and "num_train_stepz" in rows["typo.yaml"][1]
     assert rows["sft_mix.yaml"] == ("parses", "")
     assert rows["sft_hub.yaml"][0] == "refused" and rows["sft_hub.yaml"][1].startswith("dataset_type='huggingface': ")
-    assert sorted(rows) == ["fp8.yaml", "moe.yaml", "muon.yaml", "ok.yaml", "sft_hub.yaml", "sft_mix.yaml",
+    assert sorted(rows) == ["harness.yaml", "moe.yaml", "muon.yaml", "ok.yaml", "sft_hub.yaml", "sft_mix.yaml",
                             "typo.yaml"]  # not data/source.yaml
     assert lines[-1] == "parses: 2, refused: 3, needs family: 1, error: 1 (of 7)"
 

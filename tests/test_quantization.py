@@ -1,5 +1,7 @@
 """``trainer.quantization``: int8 training of the linear layers through haliax's AQT int8 kernel (the
-parameters stay float), layer selection by ``targets``, and fp8 refused naming the key."""
+parameters stay float), fp8 training with its scales and histories kept in the model (overwritten by the
+backward pass, never seen by the optimizer, checkpointed and exported around), layer selection by
+``targets``, and settings that cannot be honoured refused naming the key."""
 
 from __future__ import annotations
 
@@ -15,12 +17,13 @@ from levanter.config import parse_config
 from levanter.main import train_lm
 from levanter.main.train_lm import lm_loss_fn
 from levanter.models import Gpt2Config
-from levanter.quantization import QuantizationConfig, quantize, quantized_layer_paths
+from levanter.quantization import QuantizationConfig, quantize, quantized_layer_paths, with_fp8
 from levanter.trainer import Trainer, TrainerConfig
 
 TINY = Gpt2Config(seq_len=16, hidden_dim=32, num_heads=4, num_layers=2, gradient_checkpointing=False)
 Vocab = hax.Axis("vocab", 64)
 INT8 = QuantizationConfig(int8=True)
+FP8 = QuantizationConfig(fp8=True, amax_history_length=4)
 
 
 def _model():
@@ -74,6 +77,77 @@ def test_a_tiny_model_trains_with_int8_and_its_step_multiplies_in_int8():
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_inexact_array)))
 
 
+def _fp8_trainer(pdp=-1, n=8):
+    import optax
+
+    tcfg = TrainerConfig(num_train_steps=8, train_batch_size=n, per_device_parallelism=pdp, require_accelerator=False,
+                         mp="f32", quantization=FP8)
+    tcfg.validate()
+    # Weight decay and a clip: neither may touch the fp8 state (it has no gradient, only its next values).
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, weight_decay=0.1))
+    trainer = Trainer(tcfg, optimizer, lm_loss_fn(0.0, eos_id=0, quantization=tcfg.quantization))
+    state = trainer.initial_state(lambda k: with_fp8(TINY.build(Vocab, key=k), FP8), key=jax.random.PRNGKey(0))
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (n, TINY.seq_len), 1, Vocab.size)
+    batch = {"tokens": hax.named(tokens, (hax.Axis("batch", n), TINY.Pos))}
+    with hax.partitioning.set_mesh(trainer.mesh):
+        batch = hax.shard(batch, trainer.compute_mapping)
+    return trainer, state, batch
+
+
+def _split_fp8(model):
+    """(the fp8 state's leaves, the other float leaves) of ``model``."""
+    import haliax.quantization as hq
+
+    state, rest = hq.partition_for_grad_overwrite(eqx.filter(model, eqx.is_inexact_array))
+    return jax.tree.leaves(state), jax.tree.leaves(rest)
+
+
+def test_fp8_state_lives_in_the_model_and_the_optimizer_keeps_nothing_for_it():
+    model = with_fp8(_model(), FP8)
+    assert sorted(p.rsplit(".", 2)[-2] + "." + p.rsplit(".", 1)[-1] for p in quantized_layer_paths(model)) == [
+        "attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]
+    fp8_leaves, weights = _split_fp8(model)
+    assert len(fp8_leaves) == 4 * 6 and len(weights) == len(jax.tree.leaves(eqx.filter(_model(), eqx.is_inexact_array)))
+    assert with_fp8(_model(), None) is not None and quantized_layer_paths(with_fp8(_model(), INT8)) == []
+    _, state, _ = _fp8_trainer()
+    moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
+    assert len(moments) == 2 * len(weights)  # Adam's two moments of each weight, none of the fp8 state
+
+
+def test_a_tiny_model_trains_with_fp8_and_its_scales_follow_the_data():
+    trainer, state, batch = _fp8_trainer()
+    before, _ = _split_fp8(state.model)
+    assert all(float(jnp.abs(x).max()) in (0.0, 1.0) for x in before)  # fresh: unit scales, empty histories
+    losses = []
+    for _ in range(8):
+        state, m = trainer.train_step(state, batch, 8)
+        losses.append(float(m["loss"]))
+    assert all(jnp.isfinite(jnp.array(losses))) and losses[-1] < losses[0] - 0.3, losses
+    after, _ = _split_fp8(state.model)
+    # Every scale moved off 1 and every history (4 entries, 8 steps) is full of positive maxima.
+    assert all(bool(jnp.all(x > 0)) for x in after)
+    assert sum(bool(jnp.any(x != 1.0)) for x in after) == len(after)
+    assert all(x.dtype == jnp.float32 for x in after)
+
+
+def test_an_fp8_step_over_microbatches_equals_the_step_in_one_pass():
+    """Gradients are summed over microbatches; the fp8 state is not a gradient: the scales are the same in
+    every microbatch and the histories' newest entry is the maximum over them, which the one pass gives."""
+    n = 4 * len(jax.devices())  # four microbatches of one sequence per device
+    one_trainer, one, batch = _fp8_trainer(-1, n)
+    micro_trainer, micro, _ = _fp8_trainer(1, n)
+    assert micro_trainer._microbatches(n) == 4
+    one, m1 = one_trainer.train_step(one, batch, n)
+    micro, m4 = micro_trainer.train_step(micro, batch, n)
+    assert abs(float(m1["loss"]) - float(m4["loss"])) < 1e-5
+    (s1, w1), (s4, w4) = _split_fp8(one.model), _split_fp8(micro.model)
+    for a, b in zip(w1, w4):
+        assert float(jnp.abs(a - b).max()) < 1e-5
+    for a, b in zip(s1, s4):
+        assert float((jnp.abs(a - b) / jnp.maximum(jnp.abs(a), 1e-30)).max()) < 1e-5
+    assert all(float(jnp.abs(a).max()) > 0 for a in s1)  # every scale and history was written
+
+
 def test_the_int8_loss_is_close_to_the_float_loss_but_not_equal():
     model = _model()
     tokens = hax.named(jnp.arange(32).reshape(2, 16) % 64, ("batch", "position"))
@@ -98,10 +172,22 @@ def test_upstream_spellings_parse(tmp_path):
     cfg.trainer.validate()
 
 
+def test_upstream_fp8_spellings_parse(tmp_path):
+    cfg = _parse(tmp_path, "  quantization:\n    fp8: true\n    amax_history_length: 16\n    compute_dtype: bfloat16\n"
+                           "    targets: [c_fc]\n")
+    assert cfg.trainer.quantization == QuantizationConfig(fp8=True, amax_history_length=16, compute_dtype="bfloat16",
+                                                          targets=["c_fc"])
+    cfg.trainer.validate()
+
+
 @pytest.mark.parametrize("block, fragment", [
-    ("    fp8: true\n", r"trainer\.quantization\.fp8=true is not supported: .*platform \('(cpu|tpu)'\).*int8: true"),
-    ("    int8: true\n    amax_history_length: 16\n", r"trainer\.quantization\.amax_history_length applies to fp8"),
-    ("    targets: [c_fc]\n", r"trainer\.quantization\.targets is set but int8 is not"),
+    ("    fp8: true\n    int8: true\n", r"trainer\.quantization\.fp8 and trainer\.quantization\.int8 are both true"),
+    ("    int8: true\n    amax_history_length: 16\n", r"trainer\.quantization\.amax_history_length applies to fp8 only"),
+    ("    compute_dtype: bfloat16\n", r"trainer\.quantization\.compute_dtype applies to fp8 only"),
+    ("    fp8: true\n    amax_history_length: 0\n", r"trainer\.quantization\.amax_history_length=0 must be at least 1"),
+    ("    fp8: true\n    compute_dtype: int8\n", r"trainer\.quantization\.compute_dtype='int8' is not a float dtype"),
+    ("    fp8: true\n    compute_dtype: bfloat17\n", r"trainer\.quantization\.compute_dtype='bfloat17' is not a float"),
+    ("    targets: [c_fc]\n", r"trainer\.quantization\.targets is set but neither int8 nor fp8 is"),
     ("    int8: true\n    targets: '(('\n", r"trainer\.quantization\.targets='\(\(' is not a valid regular"),
 ])
 def test_settings_that_cannot_be_honoured_are_refused_before_any_work(tmp_path, block, fragment):
@@ -143,3 +229,46 @@ def test_train_lm_runs_with_int8_and_skip_bad_steps(tmp_path):
     rows = metrics(tmp_path)
     assert len(train_losses(rows)) == 4
     assert [r["train/skipped_step"] for r in rows if "train/skipped_step" in r] == [0, 0, 0, 0]
+
+
+def test_an_fp8_run_resumes_bit_for_bit_exports_its_weights_and_is_resumed_only_as_fp8(tmp_path, capsys):
+    """train_lm with fp8: a run stopped at its step-4 checkpoint and resumed gives the uninterrupted run's losses
+    (the scales and histories are checkpointed); export_lm_to_hf writes the weights without the fp8 state; the
+    same run resumed with fp8 off, or branched from without it, is refused before any work, naming the key."""
+    import dataclasses
+    import json as _json
+
+    from test_train_lm import metrics, tiny_config, train_losses
+
+    from levanter import lm_run
+    from levanter.compat import load_hf_checkpoint
+    from levanter.main import export_lm_to_hf
+
+    fp8 = QuantizationConfig(fp8=True, amax_history_length=16)
+    whole = tiny_config(tmp_path / "whole", steps=8, quantization=fp8)
+    train_lm.main(whole)
+    expected = train_losses(metrics(tmp_path / "whole"))
+    stopped = tiny_config(tmp_path / "parts", steps=4, quantization=fp8)
+    train_lm.main(stopped)
+    train_lm.main(dataclasses.replace(stopped, trainer=dataclasses.replace(stopped.trainer, num_train_steps=8)))
+    resumed = train_losses(metrics(tmp_path / "parts"))
+    assert resumed == expected and len(expected) == 8
+
+    ckpt = tmp_path / "parts" / "ckpt" / "tiny"
+    export_lm_to_hf.cli(["--checkpoint_path", str(ckpt), "--output_dir", str(tmp_path / "hf")])
+    index = tmp_path / "hf" / "model.safetensors"
+    header = _json.loads(index.read_bytes()[8:8 + int.from_bytes(index.read_bytes()[:8], "little")])
+    assert header and not [k for k in header if "dot_general" in k or "scale" in k or "amax" in k]
+    _, exported = load_hf_checkpoint(str(tmp_path / "hf"))
+    assert quantized_layer_paths(exported) == []
+
+    capsys.readouterr()
+    off = dataclasses.replace(stopped.trainer, num_train_steps=12, quantization=None)
+    for trainer in (off, dataclasses.replace(off, id="branch", initialize_from=str(ckpt))):
+        with pytest.raises(SystemExit) as info, lm_run.cli_errors():
+            train_lm.main(dataclasses.replace(stopped, trainer=trainer))
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert "written with trainer.quantization fp8 on (targets=None, amax_history_length=16" in err, err
+        assert "this run has fp8 off" in err and "Traceback" not in err
+    assert train_losses(metrics(tmp_path / "parts")) == expected  # nothing was trained or logged

@@ -395,6 +395,10 @@ def check_branch_model(config: TrainLmConfig, vocab_size: int, branch: Optional[
         origin = draccus.decode(LmConfig, record["model"]) if "model" in record else None
     except (ValueError, OSError, DecodingError):
         return
+    if branch is not None:
+        from levanter.quantization import check_checkpoint_fp8
+
+        check_checkpoint_fp8(record, config.trainer.quantization, f"{branch.key}={branch.path!r}")
     if origin is None or not record.get("vocab_size"):
         return
     theirs = jax.tree_util.tree_flatten_with_path(parameter_shapes(origin, int(record["vocab_size"])))[0]
@@ -415,12 +419,15 @@ def check_branch_model(config: TrainLmConfig, vocab_size: int, branch: Optional[
 
 def model_record(config: TrainLmConfig, vocab_size: int) -> dict:
     """What a checkpoint records about its model, so that ``export_lm_to_hf`` needs nothing but the checkpoint:
-    the model block (with its ``type``), the vocabulary size and ``data.tokenizer``."""
+    the model block (with its ``type``), the vocabulary size, ``data.tokenizer`` and, for an fp8 run, the
+    settings its layers' fp8 state was built with."""
     import draccus
+
+    from levanter.quantization import fp8_record
 
     name = config.model.get_choice_name(type(config.model))
     return {"model": {"type": name, **draccus.encode(config.model)}, "vocab_size": int(vocab_size),
-            "tokenizer": config.data.tokenizer}
+            "tokenizer": config.data.tokenizer, **fp8_record(config.trainer.quantization)}
 
 
 SEED_LIMIT = 2**32  # jax.random.PRNGKey keeps the low 32 bits (without jax_enable_x64)

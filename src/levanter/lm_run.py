@@ -96,6 +96,7 @@ from levanter.tracker.lineage import check_log_lineage, record_log_lineage
 from levanter.lm_loss import lm_loss_fn
 from levanter.memory_plan import check_memory
 from levanter.profiler import StepProfiler
+from levanter.quantization import check_checkpoint_fp8, with_fp8
 from levanter.progress import RunProgress, open_debug_log
 from levanter.tracker import JsonConfig, TrackerError, metrics_destinations
 from levanter.utils import fs
@@ -214,6 +215,8 @@ def main(config: TrainLmConfig, *, fresh_model: Optional[Callable] = None) -> di
             say_finished(tcfg, run_id, point.step, point.path)
             return {"run_id": run_id, "final_step": point.step, "final_loss": None}
         check_resume_averaging(point, tcfg)  # trainer.model_averaging as the checkpoint was written
+        if point is not None:  # and trainer.quantization's fp8 state
+            check_checkpoint_fp8(point.records, tcfg.quantization, f"the checkpoint {point.path} (step {point.step})")
         return _main_locked(config, tokenizer, run_id, point, branch, fresh_model)
     finally:
         lock.release()
@@ -277,7 +280,9 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
     trainer = fit_trainer(compiler, recorded=recorded_pick(tcfg, point))
     picked = {RECORD_KEY: trainer.config.per_device_parallelism} if tcfg.per_device_parallelism == "auto" else {}
     evaluator = make_evaluator(config, trainer, eval_sets, tokenizer, Vocab.size)
-    state = trainer.initial_state(lambda k: config.model.build(Vocab, key=k), key=jax.random.fold_in(model_key, 0))
+    # trainer.quantization.fp8: the layers' scales and histories are part of the model from the start.
+    state = trainer.initial_state(lambda k: with_fp8(config.model.build(Vocab, key=k), tcfg.quantization),
+                                  key=jax.random.fold_in(model_key, 0))
     state = restore(state, point)
     start_step = int(state.step)
     # A branch (trainer.initialize_from / initialize_from_checkpoint_path) starts from another run's checkpoint

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from levanter.checkpoint import ResumePoint
+from levanter.quantization import with_fp8
 from levanter.trainer import Trainer, TrainerState
 from levanter.trainer_config import TrainerConfig
 
@@ -161,7 +162,8 @@ def abstract_state(trainer: Trainer, model_config, vocab_size: int) -> TrainerSt
 
     def init(key):
         # The trainer's own step-0 state (with the averaged copy of trainer.model_averaging, if set).
-        return trainer.fresh_state(trainer.mp.cast_to_param(model_config.build(Vocab, key=key)), key)
+        model = with_fp8(model_config.build(Vocab, key=key), trainer.config.quantization)
+        return trainer.fresh_state(trainer.mp.cast_to_param(model), key)
 
     mapping = trainer.param_mapping
     with hax.partitioning.set_mesh(trainer.mesh), hax.axis_mapping(mapping):

@@ -1,12 +1,14 @@
-"""``trainer.quantization``: int8 training of the linear layers, through haliax's quantization support.
+"""``trainer.quantization``: int8 or fp8 training of the linear layers, through haliax's quantization support.
 
 Upstream Levanter's section, with its keys: ``int8: true`` computes every linear layer's matrix products
 (forward and both backward products) in int8 with haliax's ``Int8DotGeneralOp`` (Google's AQT, per-axis
-absolute-max scales, int32 accumulation); ``targets`` limits that to the layers named (a list of layer
-names such as ``[c_fc, c_proj]``, or a regular expression matched against the dotted path of each layer,
-e.g. ``.*mlp.*``); ``fp8: true`` is upstream's fp8 training.
+absolute-max scales, int32 accumulation); ``fp8: true`` computes them through float8 with haliax's
+``Fp8DotGeneralOp`` (e4m3 for activations and weights, e5m2 for the output gradient, delayed scaling from
+a history of the last ``amax_history_length`` absolute maxima); ``targets`` limits either to the layers named
+(a list of layer names such as ``[c_fc, c_proj]``, or a regular expression matched against the dotted path
+of each layer, e.g. ``.*mlp.*``).
 
-How it is applied here: the parameters stay in their own dtype (float32, or what ``trainer.mp`` says) and
+How int8 is applied: the parameters stay in their own dtype (float32, or what ``trainer.mp`` says) and
 are what the optimizer updates and checkpoints hold; the loss function quantizes the model's linear
 layers each time it is traced (:func:`quantize`), so the step, its gradients and evaluation run through
 the int8 kernels while the stored state is exactly that of an unquantized run. The trade-offs: a
@@ -15,9 +17,15 @@ none); the embedding and the output projection (not ``Linear`` layers here) stay
 upstream's do. Whether int8 is faster depends on the hardware's int8 matrix units (TPU v5e has them; on
 CPU it is a numerics simulation, slower than float32).
 
-fp8 is refused, naming the key, before any work: fp8 training keeps per-layer scale histories that must
-be overwritten from the gradient each step (haliax's ``OverwriteWithGradient``), which this trainer does not
-carry, and CPUs and TPUs up to v5e have no fp8 matrix units in any case.
+How fp8 is applied: its scales and amax histories are state that each step computes in its backward pass
+and the next step reads, so they live in the model from the moment it is built (:func:`with_fp8`), are
+checkpointed with it, and the trainer overwrites them with what the backward pass returns for them instead
+of handing them to the optimizer (haliax's ``OverwriteWithGradient``; :mod:`levanter.trainer`). A checkpoint
+of an fp8 run therefore holds that state and resumes only as an fp8 run with the same layers and history
+length; its weights export to Hugging Face as any other run's. The products are quantized and dequantized
+around a matrix product in the compute dtype (haliax's scheme): on hardware with fp8 matrix units XLA may
+fuse that into an fp8 product; CPUs and TPUs up to v5e have none, so there it simulates fp8's numerics and
+is slower than plain training.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import re
 from typing import List, Optional, Union
 
 import jax
+import jax.numpy as jnp
 from jax.tree_util import GetAttrKey
 
 import haliax.nn as hnn
@@ -39,30 +48,37 @@ class QuantizationConfig:
 
     # Compute the linear layers' matrix products in int8 (haliax's AQT int8 kernel), forward and backward.
     int8: bool = False
-    # Upstream's fp8 training; refused (no fp8 scale state is kept, and CPUs and TPU v5e lack fp8 units).
+    # Compute the linear layers' matrix products through float8 with delayed scaling (haliax's fp8 kernel);
+    # its scales and histories are kept in the model and checkpointed. A simulation on CPUs and TPUs up to v5e.
     fp8: bool = False
     # Layers to quantize: a list of layer names (e.g. [c_fc, c_proj]) or a regex over the dotted layer
     # path (e.g. .*mlp.*); null: every linear layer.
     targets: Optional[Union[List[str], str]] = None
-    # fp8 only (upstream): the length of the scale history; refused unless fp8 were on.
+    # fp8 only: how many steps' absolute maxima each scale is computed from.
     amax_history_length: int = 1024
-    # fp8 only (upstream): the dtype the fp8 products are computed in; refused unless fp8 were on.
+    # fp8 only: the dtype the dequantized products are computed in (e.g. bfloat16); null: the weights' dtype.
     compute_dtype: Optional[str] = None
 
     def check(self, platform: str) -> None:
         """Raise ValueError naming the key for a setting that cannot be honoured on ``platform``."""
-        if self.fp8:
+        if self.fp8 and self.int8:
             raise ValueError(
-                f"trainer.quantization.fp8=true is not supported: fp8 training keeps per-layer scale histories "
-                f"that this trainer does not carry between steps, and this platform ({platform!r}) has no fp8 "
-                "matrix units (neither CPUs nor TPUs up to v5e do). Use trainer.quantization.int8: true for "
-                "quantized training, or remove trainer.quantization"
+                "trainer.quantization.fp8 and trainer.quantization.int8 are both true: a layer computes in one of "
+                "them; set one to false"
             )
-        if self.amax_history_length != 1024 or self.compute_dtype is not None:
+        if not self.fp8 and (self.amax_history_length != 1024 or self.compute_dtype is not None):
             key = "amax_history_length" if self.amax_history_length != 1024 else "compute_dtype"
             raise ValueError(
-                f"trainer.quantization.{key} applies to fp8 only, which is not built here: remove the key"
+                f"trainer.quantization.{key} applies to fp8 only, and fp8 is not on: set "
+                "trainer.quantization.fp8: true or remove the key"
             )
+        if self.amax_history_length < 1:
+            raise ValueError(
+                f"trainer.quantization.amax_history_length={self.amax_history_length} must be at least 1 (the "
+                "number of steps' absolute maxima a scale is computed from)"
+            )
+        if self.compute_dtype is not None:
+            _float_dtype(self.compute_dtype)
         if isinstance(self.targets, str):
             try:
                 re.compile(self.targets)
@@ -71,29 +87,47 @@ class QuantizationConfig:
                     f"trainer.quantization.targets={self.targets!r} is not a valid regular expression ({e}): give "
                     "a regex over the dotted layer path (e.g. '.*mlp.*') or a list of layer names"
                 ) from None
-        if self.targets is not None and not self.int8:
+        if self.targets is not None and not (self.int8 or self.fp8):
             raise ValueError(
-                "trainer.quantization.targets is set but int8 is not: the targets would quantize nothing; "
-                "set trainer.quantization.int8: true or remove targets"
+                "trainer.quantization.targets is set but neither int8 nor fp8 is: the targets would quantize "
+                "nothing; set trainer.quantization.int8: true (or fp8: true) or remove targets"
             )
 
     @property
     def enabled(self) -> bool:
+        """Whether the loss quantizes the model as it is traced (int8; fp8's state is in the model itself)."""
         return self.int8
+
+
+def _float_dtype(name: str):
+    try:
+        dtype = jnp.dtype(name)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 2:
+        raise ValueError(
+            f"trainer.quantization.compute_dtype={name!r} is not a float dtype of 16 or more bits: give e.g. "
+            "bfloat16 or float32, or remove the key to compute in the weights' dtype"
+        )
+    return dtype
 
 
 def _haliax_config(config: QuantizationConfig) -> hq.QuantizationConfig:
     targets = list(config.targets) if isinstance(config.targets, (list, tuple)) else config.targets
+    if config.fp8:
+        dtype = None if config.compute_dtype is None else _float_dtype(config.compute_dtype)
+        return hq.QuantizationConfig(targets=targets, fp8=True, amax_history_length=config.amax_history_length,
+                                     compute_dtype=dtype)
     return hq.QuantizationConfig(targets=targets, int8=config.int8)
 
 
 def quantized_layer_paths(model) -> list[str]:
-    """The dotted paths of ``model``'s linear layers that compute in int8 (their ``dot_general`` is haliax's
-    ``Int8DotGeneralOp``)."""
+    """The dotted paths of ``model``'s linear layers that compute in int8 or fp8 (their ``dot_general`` is
+    haliax's ``Int8DotGeneralOp`` or ``Fp8DotGeneralOp``)."""
     found = []
 
     def visit(path, node):
-        if isinstance(node, hnn.Linear) and isinstance(node.dot_general, hq.Int8DotGeneralOp):
+        if isinstance(node, hnn.Linear) and isinstance(node.dot_general, (hq.Int8DotGeneralOp, hq.Fp8DotGeneralOp)):
             found.append(".".join(k.name if isinstance(k, GetAttrKey) else str(getattr(k, "key", k)) for k in path))
         return node
 
@@ -107,6 +141,55 @@ def quantize(model, config: Optional[QuantizationConfig]):
     run that silently quantized nothing would report int8 training it never did)."""
     if config is None or not config.enabled:
         return model
+    return _quantized(model, config)
+
+
+def with_fp8(model, config: Optional[QuantizationConfig]):
+    """``model`` with the linear layers ``config`` selects computing through fp8, each with its fresh scales
+    and amax histories (part of the model from here on: trained, checkpointed, restored); unchanged when
+    ``config`` is None or fp8 is off. Raises ValueError naming ``trainer.quantization.targets`` when they
+    select no layer."""
+    if config is None or not config.fp8:
+        return model
+    return _quantized(model, config)
+
+
+_FP8_KEYS = ("targets", "amax_history_length", "compute_dtype")
+
+
+def fp8_record(config: Optional[QuantizationConfig]) -> dict:
+    """What a checkpoint records of an fp8 run (``{"fp8": {...}}``; nothing otherwise): the settings that
+    shape its layers' fp8 state, so that a reader of the checkpoint can rebuild the model it holds."""
+    if config is None or not config.fp8:
+        return {}
+    return {"fp8": {k: getattr(config, k) for k in _FP8_KEYS}}
+
+
+def fp8_from_record(record: dict) -> Optional[QuantizationConfig]:
+    """The fp8 settings a checkpoint's metadata records (:func:`fp8_record`), or None for a run without fp8."""
+    fp8 = record.get("fp8")
+    return None if fp8 is None else QuantizationConfig(fp8=True, **{k: fp8[k] for k in _FP8_KEYS if k in fp8})
+
+
+def check_checkpoint_fp8(record: dict, config: Optional[QuantizationConfig], where: str) -> None:
+    """Before any work: raise ValueError naming ``trainer.quantization`` when the checkpoint whose metadata is
+    ``record`` (described by ``where``) holds fp8 state other than this run's settings would build (or none
+    where this run keeps some, or the reverse): its arrays could not be restored into this run's model."""
+    theirs, mine = record.get("fp8"), fp8_record(config).get("fp8")
+    if theirs == mine:
+        return
+
+    def say(fp8):
+        return "fp8 off" if fp8 is None else "fp8 on (" + ", ".join(f"{k}={fp8.get(k)!r}" for k in _FP8_KEYS) + ")"
+
+    raise ValueError(
+        f"{where} was written with trainer.quantization {say(theirs)}, but this run has {say(mine)}: an fp8 "
+        "run's checkpoint holds its layers' fp8 scales and histories, so it is restored only by a run with the "
+        "same fp8 settings. Set trainer.quantization as in the run that wrote it"
+    )
+
+
+def _quantized(model, config: QuantizationConfig):
     quantized = hq.quantize_linear_layers(model, _haliax_config(config))
     if not quantized_layer_paths(quantized):
         raise ValueError(
@@ -117,4 +200,4 @@ def quantize(model, config: Optional[QuantizationConfig]):
     return quantized
 
 
-__all__ = ["QuantizationConfig", "quantize", "quantized_layer_paths"]
+__all__ = ["QuantizationConfig", "check_checkpoint_fp8", "fp8_from_record", "fp8_record", "quantize", "quantized_layer_paths", "with_fp8"]

@@ -43,6 +43,7 @@ import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
+import haliax.quantization as hq
 import jmp
 import optax
 
@@ -131,7 +132,7 @@ class Trainer:
         and, with ``trainer.model_averaging``, the average starting at ``model``'s weights. Traceable (the
         initialisation and the memory plan's ``jax.eval_shape`` call it)."""
         params = eqx.filter(model, eqx.is_inexact_array)
-        opt_state = self.optimizer.init(params)
+        opt_state = self.optimizer.init(_optimized(params))
         return TrainerState(jnp.zeros((), jnp.int32), model, opt_state, key, self._average_start(params))
 
     def _average_start(self, params: Any) -> Any:
@@ -188,7 +189,7 @@ class Trainer:
                 stacked = jax.tree.map(split, batch, is_leaf=lambda x: isinstance(x, hax.NamedArray))
 
                 def body(carry, m):
-                    acc_total, acc_count, acc_extra, acc_grads = carry
+                    acc_total, acc_count, acc_extra, acc_grads, acc_ow = carry
                     micro = jax.tree.map(
                         lambda x: hax.shard(x["microbatch", m], compute_mapping)
                         if isinstance(x, hax.NamedArray)
@@ -197,10 +198,17 @@ class Trainer:
                         is_leaf=lambda x: isinstance(x, hax.NamedArray),
                     )
                     (t, (c, e)), g = grad_fn(params, static, micro)
+                    # fp8's new scales and histories are values, not gradients. Every microbatch computes them
+                    # from the same state: the scales alike, the histories alike but for their newest entry,
+                    # this microbatch's absolute maximum. Their elementwise maximum is what the whole batch in
+                    # one pass would give.
+                    ow, g = hq.partition_for_grad_overwrite(g)
                     return (acc_total + t, acc_count + c, jax.tree.map(jnp.add, acc_extra, e),
-                            jax.tree.map(jnp.add, acc_grads, g)), None
+                            jax.tree.map(jnp.add, acc_grads, g), jax.tree.map(jnp.maximum, acc_ow, ow)), None
 
-                zeros = jax.tree.map(jnp.zeros_like, params)
+                overwrites0, optimized0 = hq.partition_for_grad_overwrite(params)
+                overwrites0 = jax.tree.map(lambda x: jnp.full_like(x, -jnp.inf), overwrites0)
+                zeros = jax.tree.map(jnp.zeros_like, optimized0)
                 first = jax.tree.map(lambda x: x["microbatch", 0] if isinstance(x, hax.NamedArray) else x, stacked,
                                      is_leaf=lambda x: isinstance(x, hax.NamedArray))
                 hessian_batch = first
@@ -209,18 +217,23 @@ class Trainer:
                     lambda s: jnp.zeros(s.shape, jnp.float32),
                     jax.eval_shape(lambda p, b: sum_loss(p, static, b)[1][1], params, first),
                 )
-                (total, count, extra, grads), _ = jax.lax.scan(
-                    body, (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), extra_zeros, zeros),
+                (total, count, extra, grads, overwrites), _ = jax.lax.scan(
+                    body,
+                    (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32), extra_zeros, zeros, overwrites0),
                     jnp.arange(n_micro),
                 )
+            if n_micro == 1:
+                overwrites, grads = hq.partition_for_grad_overwrite(grads)
             denom = jnp.maximum(count, 1.0)
             grads = jax.tree.map(lambda g: g / denom, grads)
             grad_norm = optax.tree.norm(grads)
             # For optimizers that take extra arguments: the step's mean loss (optimizer.skip_bad_steps) and the
             # objective itself, params -> mean loss of one microbatch, for those that differentiate it again
             # (Sophia-H's Hessian-vector products). A transformation that does not read obj_fn never traces it.
+            held = hq.partition_for_grad_overwrite(params)[0]  # fp8's state, which the optimizer does not see
+
             def objective(p):
-                t, (c, _) = sum_loss(p, static, hessian_batch)
+                t, (c, _) = sum_loss(eqx.combine(p, held), static, hessian_batch)
                 return t / jnp.maximum(c, 1.0)
 
             opt_args = (
@@ -228,9 +241,10 @@ class Trainer:
                 if isinstance(optimizer, optax.GradientTransformationExtraArgs)
                 else {}
             )
-            updates, opt_state = optimizer.update(grads, state.opt_state, params, **opt_args)
+            updates, opt_state = optimizer.update(grads, state.opt_state, _optimized(params), **opt_args)
             spike = spike_skipped(opt_state)  # skipped as an outlier (optimizer.skip_bad_steps); applies zero
-            new_params = eqx.apply_updates(params, updates)
+            # fp8's scales and histories take the values the backward pass computed for them (none without fp8).
+            new_params = hq.apply_updates(params, updates, overwrites)
             # A finite loss and gradient can still give a non-finite update (a zero epsilon's 0/0, a learning
             # rate beyond float32's range): the new parameters and optimizer state are checked too, so that
             # no non-finite value is ever applied or checkpointed. One read of the state the step writes
@@ -491,6 +505,12 @@ class Trainer:
     @property
     def stop_requested(self) -> bool:
         return self._stop_requested
+
+
+def _optimized(params: Any) -> Any:
+    """The parameters the optimizer updates: all but the state that the backward pass overwrites (fp8's
+    scales and amax histories, haliax's ``OverwriteWithGradient``), which gets no moments, decay or clipping."""
+    return hq.partition_for_grad_overwrite(params)[1]
 
 
 def named_batch(data, Pos: hax.Axis, batch_axis: str = "batch") -> dict:

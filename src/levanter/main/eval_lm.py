@@ -30,6 +30,7 @@ from typing import Optional
 import levanter.config
 from levanter.checkpoint import read_checkpoint_metadata
 from levanter.lm_config import TrainLmConfig, model_vocab_size, with_hf_model
+from levanter.quantization import fp8_from_record, with_fp8
 
 __all__ = ["EvalLmConfig", "main", "cli_main", "cli"]
 
@@ -90,11 +91,14 @@ def main(config: EvalLmConfig) -> dict:
     trainer = Trainer(dataclasses.replace(tcfg, model_averaging=None), optax.identity(), loss_fn)
     if path is not None:
         vocab_size = model_vocab_size(config, tokenizer)
-        state = trainer.initial_state(lambda k: config.model.build(hax.Axis("vocab", vocab_size), key=k),
+        meta = read_checkpoint_metadata(path)
+        # An fp8 run's checkpoint holds its layers' fp8 state (recorded with its settings): evaluated through it.
+        fp8 = fp8_from_record(meta.get("metadata") or {})
+        state = trainer.initial_state(lambda k: with_fp8(config.model.build(hax.Axis("vocab", vocab_size), key=k), fp8),
                                       key=jax.random.PRNGKey(0))
         state = initialize_from(state, path, optimizer_state=False, key="checkpoint_path")
         model = state.model
-        step = int(read_checkpoint_metadata(path)["step"])
+        step = int(meta["step"])
         where = path
     else:
         from levanter.compat.hf_checkpoints import load_hf_checkpoint

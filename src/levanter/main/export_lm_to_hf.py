@@ -80,6 +80,7 @@ def main(config: ExportLmConfig) -> str:
 
     from levanter.checkpoint import load_checkpoint
     from levanter.compat import HF_SAVE_DTYPES, save_hf_checkpoint
+    from levanter.quantization import fp8_from_record, with_fp8
 
     if not config.checkpoint_path:
         raise ConfigError("checkpoint_path is required: the train_lm checkpoint (step-N directory) to export")
@@ -110,7 +111,9 @@ def main(config: ExportLmConfig) -> str:
         raise ValueError(f"checkpoint {path} has no embedding for a {type(model_config).__name__} model")
 
     Vocab = hax.Axis("vocab", int(vocab))
-    template = jax.eval_shape(lambda k: model_config.build(Vocab, key=k), jax.random.PRNGKey(0))
+    # An fp8 run's checkpoint holds its layers' fp8 state too (recorded with its settings): loaded, not exported.
+    fp8 = fp8_from_record(record)
+    template = jax.eval_shape(lambda k: with_fp8(model_config.build(Vocab, key=k), fp8), jax.random.PRNGKey(0))
     # The parameters are stored in the run's parameter dtype (trainer.mp), float32 unless the run said otherwise.
     dtypes = {rec["dtype"] for rec in doc.get("leaves", []) if rec.get("name", "").startswith("model/")}
     if len(dtypes) == 1:
