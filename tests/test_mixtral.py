@@ -102,6 +102,30 @@ def test_grouped_dispatch_equals_dense(k):
     assert any(float(jnp.abs(a).max()) > 0 for a in leaves_d)  # the gradients are not all zero
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_quantized_experts_run_their_kernel_densely_and_grouped_dispatch_refuses_them(kind):
+    """The dense path computes the experts through their int8 or fp8 kernel; the grouped path's ragged
+    products would read the weights around it, so quantized experts there are an error naming both keys,
+    and experts left out of the targets dispatch grouped as before."""
+    from levanter.quantization import QuantizationConfig, quantize, quantized_layer_paths, with_fp8
+
+    def quantized(model, targets=None):
+        q = QuantizationConfig(**{kind: True}, targets=targets)
+        return with_fp8(model, q) if kind == "fp8" else quantize(model, q)
+
+    x = ids(1)
+    dense = tiny(num_layers=1).build(Vocab, key=jax.random.PRNGKey(0))
+    assert {p.rsplit(".", 1)[-1] for p in quantized_layer_paths(quantized(dense))} >= {"w1", "w2", "w3"}
+    plain = np.asarray(dense(x).array)
+    experts_only = quantized(dense, targets=["w1", "w2", "w3"])
+    assert not np.array_equal(np.asarray(experts_only(x).array), plain)  # the experts' kernel ran
+    grouped = tiny(num_layers=1, moe_dispatch="grouped").build(Vocab, key=jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match=r"model\.moe_dispatch: grouped .*trainer\.quantization.*moe_dispatch: dense"):
+        quantized(grouped)(x)
+    attention_only = quantized(grouped, targets=".*self_attn.*")
+    assert quantized_layer_paths(attention_only) and np.isfinite(np.asarray(attention_only(x).array)).all()
+
+
 def test_router_loss_value_and_its_weight_in_the_training_loss():
     """router_aux_loss = E * sum_e f_e p_e pooled over layers and tokens; compute_training_loss adds
     router_aux_loss_coef x it to the mean cross-entropy, returns it (x count) as a metric; coef 0 leaves the

@@ -69,7 +69,7 @@ from .llama import (
 from .lm_model import LAYERS, LmConfig, check_input_length
 from .mistral import SlidingWindowAttention
 from .rope import rotary_tables
-from .token_dot import linear
+from .token_dot import linear, token_dot_kernel
 
 __all__ = [
     "EXPERTS",
@@ -190,6 +190,14 @@ class MixtralSparseMoe(eqx.Module):
         assigned = hax.sum(one_hot, axis=tuple(a for a in one_hot.axes if a.name != EXPERTS))
         prob_sum = hax.sum(probs, axis=tuple(a for a in probs.axes if a.name != EXPERTS))
         if self.config.moe_dispatch == "grouped":
+            if any(token_dot_kernel(layer) is not None for layer in (self.w1, self.w2, self.w3)):
+                # The ragged products read the weights directly: a quantized expert's kernel (and fp8's state)
+                # would be skipped without a word.
+                raise ValueError(
+                    "model.moe_dispatch: grouped computes the experts with ragged matrix products, which "
+                    "trainer.quantization's int8 and fp8 kernels do not run: set model.moe_dispatch: dense to "
+                    "quantize the experts, or leave w1, w2 and w3 out of trainer.quantization.targets"
+                )
             out = self._grouped(x, weights, chosen)
         else:
             out = self._dense(x, hax.sum(one_hot * weights, axis=TOP_EXPERTS))
