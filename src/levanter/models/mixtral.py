@@ -22,7 +22,9 @@ Two ways to compute the experts (``moe_dispatch``), the same function up to floa
   parallelism XLA gathers the batch's tokens onto every device for them (``config/mixtral_nano.yaml``
   on 8 CPU devices: 324 MiB of compiled temporaries per device against the dense path's 67 MiB). It is
   the path for one device, or for experts so wide that the dense path's extra work dominates; a per-device
-  dispatch (``shard_map`` over the data axis) would remove the gather.
+  dispatch (``shard_map`` over the data axis) would remove the gather. The ragged products read the expert
+  weights directly, so experts that ``trainer.quantization`` (int8 or fp8) selects are refused here: they
+  compute through their kernels on the dense path.
 
 The router load-balancing loss (Switch Transformer's, as ``transformers``' ``load_balancing_loss_func``):
 ``num_local_experts * sum_e f_e * p_e``, where ``f_e`` is the share of all top-k assignments that went to
