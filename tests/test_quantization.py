@@ -16,7 +16,7 @@ import pytest
 from levanter.config import parse_config
 from levanter.main import train_lm
 from levanter.main.train_lm import lm_loss_fn
-from levanter.models import Gpt2Config
+from levanter.models import Gpt2Config, LlamaConfig
 from levanter.quantization import QuantizationConfig, quantize, quantized_layer_paths, with_fp8
 from levanter.trainer import Trainer, TrainerConfig
 
@@ -77,7 +77,7 @@ def test_a_tiny_model_trains_with_int8_and_its_step_multiplies_in_int8():
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_inexact_array)))
 
 
-def _fp8_trainer(pdp=-1, n=8):
+def _fp8_trainer(pdp=-1, n=8, model=TINY):
     import optax
 
     tcfg = TrainerConfig(num_train_steps=8, train_batch_size=n, per_device_parallelism=pdp, require_accelerator=False,
@@ -86,7 +86,7 @@ def _fp8_trainer(pdp=-1, n=8):
     # Weight decay and a clip: neither may touch the fp8 state (it has no gradient, only its next values).
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, weight_decay=0.1))
     trainer = Trainer(tcfg, optimizer, lm_loss_fn(0.0, eos_id=0, quantization=tcfg.quantization))
-    state = trainer.initial_state(lambda k: with_fp8(TINY.build(Vocab, key=k), FP8), key=jax.random.PRNGKey(0))
+    state = trainer.initial_state(lambda k: with_fp8(model.build(Vocab, key=k), FP8), key=jax.random.PRNGKey(0))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (n, TINY.seq_len), 1, Vocab.size)
     batch = {"tokens": hax.named(tokens, (hax.Axis("batch", n), TINY.Pos))}
     with hax.partitioning.set_mesh(trainer.mesh):
@@ -114,17 +114,26 @@ def test_fp8_state_lives_in_the_model_and_the_optimizer_keeps_nothing_for_it():
     assert len(moments) == 2 * len(weights)  # Adam's two moments of each weight, none of the fp8 state
 
 
-def test_a_tiny_model_trains_with_fp8_and_its_scales_follow_the_data():
-    trainer, state, batch = _fp8_trainer()
+# Llama's untied output projection is a linear layer that the loss reads directly: it keeps the plain kernel.
+TINY_LLAMA = LlamaConfig(seq_len=16, hidden_dim=32, intermediate_dim=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                         gradient_checkpointing=False)
+
+
+@pytest.mark.parametrize("model", [TINY, TINY_LLAMA], ids=["gpt2", "llama"])
+def test_a_tiny_model_trains_with_fp8_and_its_scales_follow_the_data(model):
+    trainer, state, batch = _fp8_trainer(model=model)
+    assert not [p for p in quantized_layer_paths(state.model) if "lm_head" in p]
     before, _ = _split_fp8(state.model)
     assert all(float(jnp.abs(x).max()) in (0.0, 1.0) for x in before)  # fresh: unit scales, empty histories
+    assert len(before) == 6 * len(quantized_layer_paths(state.model))
     losses = []
     for _ in range(8):
         state, m = trainer.train_step(state, batch, 8)
         losses.append(float(m["loss"]))
     assert all(jnp.isfinite(jnp.array(losses))) and losses[-1] < losses[0] - 0.3, losses
     after, _ = _split_fp8(state.model)
-    # Every scale moved off 1 and every history (4 entries, 8 steps) is full of positive maxima.
+    # Every scale moved off 1 and every history (4 entries, 8 steps) is full of positive maxima: each layer
+    # that holds fp8 state computes through it.
     assert all(bool(jnp.all(x > 0)) for x in after)
     assert sum(bool(jnp.any(x != 1.0)) for x in after) == len(after)
     assert all(x.dtype == jnp.float32 for x in after)

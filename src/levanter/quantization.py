@@ -13,8 +13,9 @@ are what the optimizer updates and checkpoints hold; the loss function quantizes
 layers each time it is traced (:func:`quantize`), so the step, its gradients and evaluation run through
 the int8 kernels while the stored state is exactly that of an unquantized run. The trade-offs: a
 checkpoint moves freely between quantized and unquantized runs, and int8 adds no state (AQT's int8 keeps
-none); the embedding and the output projection (not ``Linear`` layers here) stay in the compute dtype, as
-upstream's do. Whether int8 is faster depends on the hardware's int8 matrix units (TPU v5e has them; on
+none); the embedding and the output projection stay in the compute dtype, as upstream's do (an untied
+``lm_head`` is a linear layer, but the loss reads its weight directly, so it keeps the plain kernel and, under
+fp8, no state). Whether int8 is faster depends on the hardware's int8 matrix units (TPU v5e has them; on
 CPU it is a numerics simulation, slower than float32).
 
 How fp8 is applied: its scales and amax histories are state that each step computes in its backward pass
@@ -34,6 +35,7 @@ import dataclasses
 import re
 from typing import List, Optional, Union
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.tree_util import GetAttrKey
@@ -154,6 +156,16 @@ def with_fp8(model, config: Optional[QuantizationConfig]):
     return _quantized(model, config)
 
 
+def _without_head_kernel(model):
+    """``model`` with its output projection (an untied ``lm_head`` layer) back on the plain kernel: the loss
+    reads that weight directly (``get_lm_head``, the blockwise loss), so a kernel there would never run, and
+    fp8 would keep a state that no step writes."""
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, hnn.Linear) and not isinstance(head.dot_general, hq.DefaultDotGeneralOp):
+        model = eqx.tree_at(lambda m: m.lm_head.dot_general, model, hq.DefaultDotGeneralOp.init())
+    return model
+
+
 _FP8_KEYS = ("targets", "amax_history_length", "compute_dtype")
 
 
@@ -190,7 +202,7 @@ def check_checkpoint_fp8(record: dict, config: Optional[QuantizationConfig], whe
 
 
 def _quantized(model, config: QuantizationConfig):
-    quantized = hq.quantize_linear_layers(model, _haliax_config(config))
+    quantized = _without_head_kernel(hq.quantize_linear_layers(model, _haliax_config(config)))
     if not quantized_layer_paths(quantized):
         raise ValueError(
             f"trainer.quantization.targets={config.targets!r} matches none of the model's linear layers: give "
