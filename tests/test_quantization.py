@@ -270,6 +270,16 @@ def test_an_fp8_run_resumes_bit_for_bit_exports_its_weights_and_is_resumed_only_
     assert header and not [k for k in header if "dot_general" in k or "scale" in k or "amax" in k]
     _, exported = load_hf_checkpoint(str(tmp_path / "hf"))
     assert quantized_layer_paths(exported) == []
+    # eval_lm rebuilds the fp8 state the checkpoint records (its own config says nothing of fp8) and evaluates
+    # through it: the run's own last evaluation.
+    from levanter.main import eval_lm
+
+    plain = dataclasses.replace(stopped, trainer=dataclasses.replace(stopped.trainer, quantization=None))
+    ecfg = eval_lm.EvalLmConfig(**{f.name: getattr(plain, f.name) for f in dataclasses.fields(plain)},
+                                checkpoint_path=str(ckpt))
+    got = eval_lm.main(ecfg)
+    last = [r["eval/loss"] for r in metrics(tmp_path / "parts") if r.get("step") == 8 and "eval/loss" in r]
+    assert last and got["eval/loss"] == pytest.approx(last[-1], rel=1e-5)
 
     capsys.readouterr()
     off = dataclasses.replace(stopped.trainer, num_train_steps=12, quantization=None)
