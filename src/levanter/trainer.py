@@ -61,7 +61,8 @@ INTERRUPTED_AGAIN_EXIT_CODE = 130  # 128 + SIGINT: a second Ctrl-C, nothing more
 class TrainerState(eqx.Module):
     """Everything a checkpoint holds: ``step`` updates done, the model, the optimizer state, a key and, with
     ``trainer.model_averaging``, the averaged copy of the weights (``averaged_model``: the model's float
-    arrays, None elsewhere; None without averaging, so such a state and its checkpoints have no such leaves)."""
+    arrays that train, None elsewhere; None without averaging, so such a state and its checkpoints have no
+    such leaves)."""
 
     step: jax.Array
     model: Any
@@ -75,7 +76,7 @@ class TrainerState(eqx.Module):
         leaves, when there is one (upstream's ``eval_model``); else the trained model."""
         if self.averaged_model is None:
             return self.model
-        return eqx.combine(self.averaged_model, eqx.filter(self.model, eqx.is_inexact_array, inverse=True))
+        return eqx.combine(self.averaged_model, self.model)  # the averaged weights where there are some
 
 
 class StepMismatchError(RuntimeError):
@@ -97,6 +98,11 @@ class Trainer:
     *sum* (with its token count) so that microbatches combine into the exact step-wide mean. A loss may
     return a third item, a dict of metric sums (e.g. an auxiliary loss times the token count): they are
     summed over microbatches, divided by the step's count and reported in :attr:`StepReport.extra`.
+
+    ``is_trainable(model)``, if given, is an equinox filter spec of the model's leaves that train (a pytree
+    prefix of bools or callables): the others stay fixed, get no gradient and no optimizer state, and are
+    neither averaged nor checked (they still belong to the model and its checkpoints). Default: every float
+    array trains.
     """
 
     def __init__(
@@ -104,10 +110,12 @@ class Trainer:
         config: TrainerConfig,
         optimizer: optax.GradientTransformation,
         loss_fn: Callable[[Any, Any], Tuple[jax.Array, jax.Array]],
+        is_trainable: Optional[Callable[[Any], Any]] = None,
     ):
         self.config = config
         self.optimizer = optimizer
         self.loss_fn = loss_fn
+        self.is_trainable = is_trainable
         self.mesh = config.make_mesh()
         self.mp = jmp.get_policy(config.mp)
         self.compute_mapping = config.compute_axis_mapping
@@ -131,7 +139,7 @@ class Trainer:
         """The state at step 0 around ``model`` (already in the parameter dtype): a fresh optimizer state
         and, with ``trainer.model_averaging``, the average starting at ``model``'s weights. Traceable (the
         initialisation and the memory plan's ``jax.eval_shape`` call it)."""
-        params = eqx.filter(model, eqx.is_inexact_array)
+        params = self.trained(model)
         opt_state = self.optimizer.init(_optimized(params))
         return TrainerState(jnp.zeros((), jnp.int32), model, opt_state, key, self._average_start(params))
 
@@ -146,8 +154,21 @@ class Trainer:
         (``trainer.initialize_from``, ``initialize_from_hf``) averages from the weights it starts from."""
         if self.config.model_averaging is None:
             return state
-        params = eqx.filter(state.model, eqx.is_inexact_array)
+        params = self.trained(state.model)
         return dataclasses.replace(state, averaged_model=self._average_start(params))
+
+    def split_trained(self, model: Any) -> tuple[Any, Any]:
+        """``(trained, rest)``: the model's float arrays that train (see ``is_trainable``), and everything else
+        (frozen arrays, integer arrays, structure), each with None in the other's places."""
+        floats, rest = eqx.partition(model, eqx.is_inexact_array)
+        if self.is_trainable is None:
+            return floats, rest
+        trained, frozen = eqx.partition(floats, self.is_trainable(model))
+        return trained, eqx.combine(frozen, rest)
+
+    def trained(self, model: Any) -> Any:
+        """The model's float arrays that train, None elsewhere (see :meth:`split_trained`)."""
+        return self.split_trained(model)[0]
 
     # -- compiled functions --------------------------------------------------------------------------
     def _microbatches(self, batch_size: int) -> int:
@@ -172,7 +193,7 @@ class Trainer:
         grad_fn = eqx.filter_value_and_grad(sum_loss, has_aux=True)
 
         def step(state: TrainerState, batch):
-            params, static = eqx.partition(state.model, eqx.is_inexact_array)
+            params, static = self.split_trained(state.model)
             if n_micro == 1:
                 (total, (count, extra)), grads = grad_fn(params, static, batch)
                 hessian_batch = batch
