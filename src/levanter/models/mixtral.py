@@ -192,13 +192,15 @@ class MixtralSparseMoe(eqx.Module):
         assigned = hax.sum(one_hot, axis=tuple(a for a in one_hot.axes if a.name != EXPERTS))
         prob_sum = hax.sum(probs, axis=tuple(a for a in probs.axes if a.name != EXPERTS))
         if self.config.moe_dispatch == "grouped":
-            if any(token_dot_kernel(layer) is not None for layer in (self.w1, self.w2, self.w3)):
+            if any(token_dot_kernel(layer) is not None or getattr(layer, "lora_a", None) is not None
+                   for layer in (self.w1, self.w2, self.w3)):
                 # The ragged products read the weights directly: a quantized expert's kernel (and fp8's state)
                 # would be skipped without a word.
                 raise ValueError(
                     "model.moe_dispatch: grouped computes the experts with ragged matrix products, which "
-                    "trainer.quantization's int8 and fp8 kernels do not run: set model.moe_dispatch: dense to "
-                    "quantize the experts, or leave w1, w2 and w3 out of trainer.quantization.targets"
+                    "trainer.quantization's int8 and fp8 kernels and LoRA adapters do not run: set "
+                    "model.moe_dispatch: dense to quantize or adapt the experts, or leave w1, w2 and w3 out of "
+                    "trainer.quantization.targets (lora.target_modules)"
                 )
             out = self._grouped(x, weights, chosen)
         else:

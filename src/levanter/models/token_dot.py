@@ -60,12 +60,18 @@ def token_dot_kernel(layer: hnn.Linear):
 
 def linear(layer: hnn.Linear, x: NamedArray, select: Optional[tuple[str, int]] = None) -> NamedArray:
     """``layer(x)`` computed with :func:`token_dot` (same parameters, same result axes, and the layer's own
-    ``dot_general``, so that a layer quantized by haliax keeps its int8 kernel). ``select``: ``(axis, i)``,
-    one entry of an output axis, computed alone from that slice of the weight and bias."""
+    ``dot_general``, so that a layer quantized by haliax keeps its int8 kernel), plus a LoRA adapter's product
+    where the layer has one. ``select``: ``(axis, i)``, one entry of an output axis, computed alone from that
+    slice of the weight and bias (and of the adapter's ``lora_b``)."""
     weight, bias = layer.weight * layer.reparam.active_scale, layer.bias
     if select is not None:
         weight, bias = weight[select], None if bias is None else bias[select]
     out = hax.auto_sharded(token_dot(x, weight, layer.In, dot_general=token_dot_kernel(layer)))
     if bias is not None:
         out = hax.auto_sharded(out + bias)
+    lora_a = getattr(layer, "lora_a", None)  # a LoRA adapter (levanter.lora.LoraLinear): two thin products beside
+    if lora_a is not None:
+        lora_b = layer.lora_b if select is None else layer.lora_b[select]
+        low = token_dot(token_dot(x, lora_a, layer.In), lora_b, lora_a.axes[-1])
+        out = hax.auto_sharded(out + low * layer.lora_scale)
     return out
