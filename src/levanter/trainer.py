@@ -41,9 +41,9 @@ from typing import Any, Dict, Optional, Tuple
 
 import equinox as eqx
 import haliax as hax
+import haliax.quantization as hq
 import jax
 import jax.numpy as jnp
-import haliax.quantization as hq
 import jmp
 import optax
 
