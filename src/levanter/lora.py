@@ -15,8 +15,10 @@ each layer's dotted path, a list of names a path ends with, or null for every li
 like its weight, and per-layer factors of stacked layers carry the ``layers`` axis like every other
 per-layer array. Trade-offs: the factors are applied beside the layer's product (two extra thin products
 per layer, forward and backward) rather than merged into it, which keeps the base weights untouched and
-exactly recoverable; LoRA dropout is not built (``dropout`` other than 0 is refused), and neither is LoRA
-on top of ``trainer.quantization`` (both claim the layer's product).
+exactly recoverable; LoRA dropout is not built (``dropout`` other than 0 is refused), and a layer that
+already computes through a quantized kernel (``trainer.quantization``'s fp8 state, built into the model) is
+refused rather than adapted. The output projection of models with an untied ``lm_head`` is left alone: the
+loss reads its weight directly, so an adapter there would never run.
 """
 
 from __future__ import annotations
