@@ -34,6 +34,7 @@ import jax
 from jax.tree_util import GetAttrKey
 
 from .models.token_dot import linear
+from .utils.layer_select import check_layer_regex, dotted_path, linear_layer_paths
 
 __all__ = ["LORA_R", "LoraConfig", "LoraLinear", "loraize", "lora_layer_paths", "lora_trainable", "merge_lora"]
 
@@ -62,14 +63,7 @@ class LoraConfig:
             raise ValueError(
                 f"{key}.dropout={self.dropout} is not supported: LoRA dropout is not built here; set {key}.dropout: 0"
             )
-        if isinstance(self.target_modules, str):
-            try:
-                re.compile(self.target_modules)
-            except re.error as e:
-                raise ValueError(
-                    f"{key}.target_modules={self.target_modules!r} is not a valid regular expression ({e}): give a "
-                    "regex over the dotted layer path (e.g. '.*attn.*') or a list of layer names"
-                ) from None
+        check_layer_regex(self.target_modules, f"{key}.target_modules")
 
     @property
     def scale(self) -> float:
@@ -103,11 +97,6 @@ class LoraLinear(hnn.Linear):
         return hnn.Linear(**{**fields, "weight": weight})
 
 
-def _dotted(path) -> str:
-    return ".".join(k.name if isinstance(k, GetAttrKey) else str(getattr(k, "key", getattr(k, "idx", k)))
-                    for k in path)
-
-
 def _axes(spec) -> tuple:
     return (spec,) if isinstance(spec, hax.Axis) else tuple(spec)
 
@@ -131,13 +120,13 @@ def loraize(model, config: LoraConfig, *, key: jax.Array):
                 lambda p, m: adapt(path + (GetAttrKey("stacked"),), blocks + (node.Block,), p, m),
                 node.stacked, is_leaf=_is_layer)
             return dataclasses.replace(node, stacked=inner)
-        if not isinstance(node, hnn.Linear) or isinstance(node, LoraLinear) or not config.matches(_dotted(path)):
+        if not isinstance(node, hnn.Linear) or isinstance(node, LoraLinear) or not config.matches(dotted_path(path)):
             return node
         if path == (GetAttrKey("lm_head"),):
             return node  # the loss reads the output projection's weight directly: an adapter there would not run
         if not isinstance(node.dot_general, hax.quantization.DefaultDotGeneralOp):
             raise ValueError(
-                f"lora: the layer {_dotted(path)} computes through a quantized kernel (trainer.quantization): LoRA "
+                f"lora: the layer {dotted_path(path)} computes through a quantized kernel (trainer.quantization): LoRA "
                 "and quantized training are not built together; remove trainer.quantization"
             )
         R = hax.Axis(LORA_R, config.r)
@@ -164,15 +153,7 @@ def loraize(model, config: LoraConfig, *, key: jax.Array):
 
 def lora_layer_paths(model) -> list[str]:
     """The dotted paths of ``model``'s layers that carry an adapter."""
-    found = []
-
-    def visit(path, node):
-        if isinstance(node, LoraLinear):
-            found.append(_dotted(path))
-        return node
-
-    jax.tree_util.tree_map_with_path(visit, model, is_leaf=lambda x: isinstance(x, hnn.Linear))
-    return found
+    return linear_layer_paths(model, lambda layer: isinstance(layer, LoraLinear))
 
 
 def lora_trainable(model) -> object:

@@ -32,16 +32,15 @@ is slower than plain training.
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import List, Optional, Union
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
-from jax.tree_util import GetAttrKey
 
 import haliax.nn as hnn
 import haliax.quantization as hq
+
+from .utils.layer_select import check_layer_regex, linear_layer_paths
 
 @dataclasses.dataclass(frozen=True)
 class QuantizationConfig:
@@ -81,14 +80,7 @@ class QuantizationConfig:
             )
         if self.compute_dtype is not None:
             _float_dtype(self.compute_dtype)
-        if isinstance(self.targets, str):
-            try:
-                re.compile(self.targets)
-            except re.error as e:
-                raise ValueError(
-                    f"trainer.quantization.targets={self.targets!r} is not a valid regular expression ({e}): give "
-                    "a regex over the dotted layer path (e.g. '.*mlp.*') or a list of layer names"
-                ) from None
+        check_layer_regex(self.targets, "trainer.quantization.targets")
         if self.targets is not None and not (self.int8 or self.fp8):
             raise ValueError(
                 "trainer.quantization.targets is set but neither int8 nor fp8 is: the targets would quantize "
@@ -126,15 +118,8 @@ def _haliax_config(config: QuantizationConfig) -> hq.QuantizationConfig:
 def quantized_layer_paths(model) -> list[str]:
     """The dotted paths of ``model``'s linear layers that compute in int8 or fp8 (their ``dot_general`` is
     haliax's ``Int8DotGeneralOp`` or ``Fp8DotGeneralOp``)."""
-    found = []
-
-    def visit(path, node):
-        if isinstance(node, hnn.Linear) and isinstance(node.dot_general, (hq.Int8DotGeneralOp, hq.Fp8DotGeneralOp)):
-            found.append(".".join(k.name if isinstance(k, GetAttrKey) else str(getattr(k, "key", k)) for k in path))
-        return node
-
-    jax.tree_util.tree_map_with_path(visit, model, is_leaf=lambda x: isinstance(x, hnn.Linear))
-    return found
+    kernels = (hq.Int8DotGeneralOp, hq.Fp8DotGeneralOp)
+    return linear_layer_paths(model, lambda layer: isinstance(layer.dot_general, kernels))
 
 
 def quantize(model, config: Optional[QuantizationConfig]):
