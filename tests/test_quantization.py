@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from accelerator import tol
 from levanter.config import parse_config
 from levanter.main import train_lm
 from levanter.main.train_lm import lm_loss_fn
@@ -77,7 +78,7 @@ def test_a_tiny_model_trains_with_int8_and_its_step_multiplies_in_int8():
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(eqx.filter(state.model, eqx.is_inexact_array)))
 
 
-def _fp8_trainer(pdp=-1, n=8, model=TINY):
+def _fp8_trainer(pdp=-1, n=8, model=TINY, sgd=False):
     import optax
 
     tcfg = TrainerConfig(num_train_steps=8, train_batch_size=n, per_device_parallelism=pdp, require_accelerator=False,
@@ -85,6 +86,8 @@ def _fp8_trainer(pdp=-1, n=8, model=TINY):
     tcfg.validate()
     # Weight decay and a clip: neither may touch the fp8 state (it has no gradient, only its next values).
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3, weight_decay=0.1))
+    if sgd:  # an update linear in the gradient, so that comparing weights compares gradients
+        optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.add_decayed_weights(0.1), optax.sgd(1.0))
     trainer = Trainer(tcfg, optimizer, lm_loss_fn(0.0, eos_id=0, quantization=tcfg.quantization))
     state = trainer.initial_state(lambda k: with_fp8(model.build(Vocab, key=k), FP8), key=jax.random.PRNGKey(0))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (n, TINY.seq_len), 1, Vocab.size)
@@ -143,17 +146,20 @@ def test_an_fp8_step_over_microbatches_equals_the_step_in_one_pass():
     """Gradients are summed over microbatches; the fp8 state is not a gradient: the scales are the same in
     every microbatch and the histories' newest entry is the maximum over them, which the one pass gives."""
     n = 4 * len(jax.devices())  # four microbatches of one sequence per device
-    one_trainer, one, batch = _fp8_trainer(-1, n)
-    micro_trainer, micro, _ = _fp8_trainer(1, n)
+    # SGD, not Adam: Adam moves a weight by about the learning rate whatever the size of its gradient, so a
+    # gradient near zero whose sign the rounding flips (on a TPU) would move it by twice that
+    one_trainer, one, batch = _fp8_trainer(-1, n, sgd=True)
+    micro_trainer, micro, _ = _fp8_trainer(1, n, sgd=True)
     assert micro_trainer._microbatches(n) == 4
     one, m1 = one_trainer.train_step(one, batch, n)
     micro, m4 = micro_trainer.train_step(micro, batch, n)
-    assert abs(float(m1["loss"]) - float(m4["loss"])) < 1e-5
+    # tol: on a TPU the microbatches' float32 sums round differently (1.1e-5 relative on the loss was measured)
+    assert abs(float(m1["loss"]) - float(m4["loss"])) < tol(1e-5) * abs(float(m1["loss"]))
     (s1, w1), (s4, w4) = _split_fp8(one.model), _split_fp8(micro.model)
     for a, b in zip(w1, w4):
-        assert float(jnp.abs(a - b).max()) < 1e-5
+        assert float(jnp.abs(a - b).max()) < tol(1e-5)
     for a, b in zip(s1, s4):
-        assert float((jnp.abs(a - b) / jnp.maximum(jnp.abs(a), 1e-30)).max()) < 1e-5
+        assert float((jnp.abs(a - b) / jnp.maximum(jnp.abs(a), 1e-30)).max()) < tol(1e-5)
     assert all(float(jnp.abs(a).max()) > 0 for a in s1)  # every scale and history was written
 
 
