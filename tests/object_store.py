@@ -13,7 +13,8 @@ The GCS emulator ignores two parts of the JSON API that we rely on: upload preco
 the emulator's answer -- every object in the bucket -- made ``delete_existing`` wipe the bucket). The
 emulator is therefore started through this module (``python tests/object_store.py gcs PORT``), which wraps
 those handlers to answer 412 when a precondition does not hold and to honour the offsets, as GCS does. Its HTTP server is single-threaded: requests are served one at a
-time, which is slow but faithful.
+time, which is slow but faithful. moto is started the same way (``python tests/object_store.py s3 PORT``), so
+that a write with a precondition is checked and stored in one step, as on S3.
 
 :class:`FaultProxy` forwards HTTP requests to a server, answers a seeded fraction of them with 503 and
 delays the others, and counts what it saw: the transient-error and latency half of a real store.
@@ -126,7 +127,7 @@ class S3Server(_Server):
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.env = {**S3_ENV, "AWS_ENDPOINT_URL": self.endpoint}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            [sys.executable, os.path.abspath(__file__), "s3", str(self.port)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             env={**os.environ, **self.env},
@@ -408,8 +409,35 @@ class FaultProxy:
         self.close()
 
 
+def _serve_s3(port: int) -> None:
+    """moto's server (threaded, as ``python -m moto.server`` runs it), with conditional writes made atomic.
+
+    moto checks ``If-None-Match: *`` and then stores the object as two steps, so two racing writers can both
+    win, where S3 lets exactly one (six threads racing for a run lock found two winners). Writes that carry
+    a precondition are therefore served one at a time; everything else stays concurrent."""
+    import threading
+
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+    from werkzeug.serving import run_simple
+
+    os.environ.setdefault("MOTO_PORT", str(port))  # moto builds some URLs it returns from it
+    app = DomainDispatcherApplication(create_backend_app)
+    conditional = threading.Lock()
+
+    def serialized(environ, start_response):
+        if environ.get("REQUEST_METHOD") in ("PUT", "POST") and (
+                "HTTP_IF_NONE_MATCH" in environ or "HTTP_IF_MATCH" in environ):
+            with conditional:
+                return list(app(environ, start_response))
+        return app(environ, start_response)
+
+    run_simple("127.0.0.1", port, serialized, threaded=True, request_handler=MotoRequestHandler)
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "gcs":
         _serve_gcs(int(sys.argv[2]))
+    elif len(sys.argv) == 3 and sys.argv[1] == "s3":
+        _serve_s3(int(sys.argv[2]))
     else:
-        raise SystemExit("usage: python tests/object_store.py gcs PORT")
+        raise SystemExit("usage: python tests/object_store.py gcs|s3 PORT")
