@@ -22,6 +22,7 @@ import sys
 ENTRY_POINTS = [
     "levanter.main.train_lm",
     "levanter.main.sft",
+    "levanter.main.lora_lm",
     "levanter.main.cache_dataset",
     "levanter.main.data_schedule",
     "levanter.main.eval_lm",

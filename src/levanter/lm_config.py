@@ -344,9 +344,15 @@ def hf_exporter(config: TrainLmConfig, run_id: str):
 
 
 def _hf_export_base(config: TrainLmConfig, run_id: str) -> str:
+    return export_base(config, config.hf_save_path, run_id)
+
+
+def export_base(config: TrainLmConfig, path: str, run_id: str) -> str:
+    """Where a run's step-N exports to ``path`` go: ``<path>/<run id>`` (upstream's layout), or ``path`` itself
+    when ``trainer.checkpointer.append_run_id_to_base_path`` is false."""
     if config.trainer.checkpointer.append_run_id_to_base_path:
-        return fs.join(config.hf_save_path, run_id)
-    return config.hf_save_path
+        return fs.join(path, run_id)
+    return path
 
 
 def check_hf_save_path(config: TrainLmConfig, run_id: str) -> None:
@@ -354,8 +360,13 @@ def check_hf_save_path(config: TrainLmConfig, run_id: str) -> None:
     earlier exports (:mod:`levanter.compat.export_guard`): their directory may neither be nor contain the
     working directory, the run's checkpoint, log or cache directories (nor lie inside the checkpoints), and
     every ``step-N`` already there that this run would export must be exactly an earlier export."""
-    if not config.hf_save_path:
-        return
+    if config.hf_save_path:
+        check_export_path(config, run_id, config.hf_save_path, "hf_save_path", config.hf_save_steps)
+
+
+def check_export_path(config: TrainLmConfig, run_id: str, path: str, key: str, every: int) -> None:
+    """:func:`check_hf_save_path` for exports every ``every`` steps (and at the end) to ``path``, the value of
+    the config key ``key`` (also a LoRA run's ``peft_save_path`` and ``merged_hf_save_path``)."""
     from levanter.compat.export_guard import check_export_steps
 
     tcfg, ckpt = config.trainer, config.trainer.checkpointer
@@ -367,15 +378,15 @@ def check_hf_save_path(config: TrainLmConfig, run_id: str) -> None:
     ]
     for c in tcfg.trackers():
         protected += [(key, path, False) for key, path in c.local_dirs(run_id, tcfg.log_dir)]
-    for key, path in (("trainer.load_checkpoint_path", tcfg.load_checkpoint_path),
-                      ("trainer.initialize_from", tcfg.initialize_from),
-                      ("initialize_from_checkpoint_path", config.initialize_from_checkpoint_path)):
-        if path:
-            protected.append((key, path, True))
+    for name, where in (("trainer.load_checkpoint_path", tcfg.load_checkpoint_path),
+                        ("trainer.initialize_from", tcfg.initialize_from),
+                        ("initialize_from_checkpoint_path", config.initialize_from_checkpoint_path)):
+        if where:
+            protected.append((name, where, True))
     protected += [(key, url, False) for key, url, written in _locations(config) if written and "cache" in key]
     last = tcfg.num_train_steps
-    check_export_steps(_hf_export_base(config, run_id), f"hf_save_path={config.hf_save_path!r}",
-                       lambda n: 0 < n <= last and (n % config.hf_save_steps == 0 or n == last), protected)
+    check_export_steps(export_base(config, path, run_id), f"{key}={path!r}",
+                       lambda n: 0 < n <= last and (n % every == 0 or n == last), protected)
 
 
 def check_branch_model(config: TrainLmConfig, vocab_size: int, branch: Optional[BranchOrigin]) -> None:
@@ -417,17 +428,19 @@ def check_branch_model(config: TrainLmConfig, vocab_size: int, branch: Optional[
         )
 
 
-def model_record(config: TrainLmConfig, vocab_size: int) -> dict:
+def model_record(config: TrainLmConfig, vocab_size: int, lora=None) -> dict:
     """What a checkpoint records about its model, so that ``export_lm_to_hf`` needs nothing but the checkpoint:
-    the model block (with its ``type``), the vocabulary size, ``data.tokenizer`` and, for an fp8 run, the
-    settings its layers' fp8 state was built with."""
+    the model block (with its ``type``), the vocabulary size, ``data.tokenizer``, for an fp8 run the settings
+    its layers' fp8 state was built with, and for a LoRA run (``lora``, a :class:`levanter.lora.LoraConfig`)
+    the settings of its adapters."""
     import draccus
 
+    from levanter.lora import lora_record
     from levanter.quantization import fp8_record
 
     name = config.model.get_choice_name(type(config.model))
     return {"model": {"type": name, **draccus.encode(config.model)}, "vocab_size": int(vocab_size),
-            "tokenizer": config.data.tokenizer, **fp8_record(config.trainer.quantization)}
+            "tokenizer": config.data.tokenizer, **fp8_record(config.trainer.quantization), **lora_record(lora)}
 
 
 SEED_LIMIT = 2**32  # jax.random.PRNGKey keeps the low 32 bits (without jax_enable_x64)
@@ -440,4 +453,5 @@ def data_key(config: TrainLmConfig) -> jax.Array:
     return jax.random.split(jax.random.PRNGKey(config.trainer.seed), 4)[0]
 
 
-__all__ = ["SEED_LIMIT", "BranchOrigin", "check_epoch", "check_hf_keys", "check_hf_save_path", "hf_exporter", "hf_init_path", "model_record", "model_vocab_size", "with_hf_model", "TrainLmConfig", "branch_origin", "check_branch_model", "check_storage_access", "data_key", "storage_locations", "validate"]
+__all__ = ["SEED_LIMIT", "BranchOrigin", "check_epoch", "check_export_path", "check_hf_keys", "check_hf_save_path",
+           "export_base", "hf_exporter", "hf_init_path", "model_record", "model_vocab_size", "with_hf_model", "TrainLmConfig", "branch_origin", "check_branch_model", "check_storage_access", "data_key", "storage_locations", "validate"]

@@ -46,6 +46,7 @@ that needs more is refused with the other data-length checks, before the first s
 from __future__ import annotations
 
 __all__ = [
+    "LoraRun",
     "check_data_covers_run",
     "check_data_schedule",
     "cli_errors",
@@ -55,6 +56,7 @@ __all__ = [
 ]
 
 import asyncio
+import dataclasses
 import logging
 import os
 import contextlib
@@ -90,6 +92,9 @@ from levanter.tracker import NoopTracker, check_trackers_writable, init_trackers
 from levanter.lm_config import TrainLmConfig, data_key, validate
 from levanter.lm_config import BranchOrigin, branch_origin, check_branch_model
 from levanter.lm_config import check_hf_save_path, hf_exporter, hf_init_path, model_record, model_vocab_size
+from levanter.lm_config import check_export_path, export_base
+from levanter.lora import LoraConfig, check_checkpoint_lora, join_adapters, loraize, lora_trainable, merge_lora
+from levanter.lora import split_adapters
 from levanter.lm_config import with_hf_model
 from levanter.memory_fit import RECORD_KEY, StepCompiler, fit_trainer, recorded_pick
 from levanter.tracker.lineage import check_log_lineage, record_log_lineage
@@ -172,15 +177,71 @@ def make_evaluator(config: TrainLmConfig, trainer: Trainer, eval_sets: Dict[str,
     return evaluator_for(trainer, config.data, eval_sets, tokenizer, vocab_size, config.model.Pos)
 
 
-def main(config: TrainLmConfig, *, fresh_model: Optional[Callable] = None) -> dict:
+@dataclasses.dataclass(frozen=True)
+class LoraRun:
+    """What a LoRA run (``python -m levanter.main.lora_lm``) adds to its :class:`TrainLmConfig`: the adapters
+    (:mod:`levanter.lora`) put on the model built from ``initialize_from_hf``, which alone train, and where
+    their exports go."""
+
+    # The adapters: which layers, their rank and scale.
+    lora: LoraConfig
+    # The base model as the config names it (adapter_config.json's base_model_name_or_path).
+    base_model: Optional[str] = None
+    # PEFT exports of the adapters: <peft_save_path>/<run id>/step-N.
+    peft_save_path: Optional[str] = None
+    # Exports of the model with the adapters merged into its weights: <merged_hf_save_path>/<run id>/step-N.
+    merged_hf_save_path: Optional[str] = None
+    # Steps between both exports (and one at the end).
+    save_steps: int = 1000
+
+    def adapt(self, model, key):
+        """``model`` with its adapters (drawn from a key of their own)."""
+        return loraize(model, self.lora, key=jax.random.fold_in(key, _LORA_KEY))
+
+    def check_model(self, config: TrainLmConfig, vocab_size: int) -> None:
+        """Before any work: the adapters can be put on the model (``lora.target_modules`` selects a layer, none
+        of them quantized); traced with ``jax.eval_shape``, nothing is allocated."""
+        vocab = hax.Axis("vocab", vocab_size)
+        jax.eval_shape(lambda k: self.adapt(config.model.build(vocab, key=k), k), jax.random.PRNGKey(0))
+
+    def check_paths(self, config: TrainLmConfig, run_id: str) -> None:
+        """Before any work: both exports may replace only earlier exports (:func:`check_export_path`)."""
+        for key, path in (("peft_save_path", self.peft_save_path), ("merged_hf_save_path", self.merged_hf_save_path)):
+            if path:
+                check_export_path(config, run_id, path, key, self.save_steps)
+
+    def exporters(self, config: TrainLmConfig, run_id: str) -> list:
+        """The exporters of ``peft_save_path`` and ``merged_hf_save_path`` that are set."""
+        from levanter.compat import HfExporter, PeftExporter
+
+        last = config.trainer.num_train_steps
+        out = []
+        if self.peft_save_path:
+            out.append(PeftExporter(export_base(config, self.peft_save_path, run_id), every=self.save_steps,
+                                    last_step=last, lora=self.lora, base_model_name_or_path=self.base_model,
+                                    tokenizer=config.data.tokenizer))
+        if self.merged_hf_save_path:
+            out.append(HfExporter(export_base(config, self.merged_hf_save_path, run_id), every=self.save_steps,
+                                  last_step=last, config=config.model, tokenizer=config.data.tokenizer,
+                                  prepare=merge_lora, key="merged_hf_save_path", exported_by="lora_lm"))
+        return out
+
+
+_LORA_KEY = 1  # folded into the model's key for the adapters' initialisation
+
+
+def main(config: TrainLmConfig, *, fresh_model: Optional[Callable] = None, lora: Optional[LoraRun] = None) -> dict:
     """Train; returns a summary ``{"run_id", "final_step", "final_loss"}``. ``fresh_model(model, key)``, if
     given, rewrites the model of a run that starts at step 0 (after any initialisation from a checkpoint),
-    never that of a resumed one: ``sft``'s ``reinit_tokens``."""
+    never that of a resumed one: ``sft``'s ``reinit_tokens``. ``lora``: a LoRA run (``lora_lm``): the
+    adapters are built into the model, the Hugging Face weights loaded beneath them, and only they train."""
     config.trainer.distributed.initialize()  # before anything asks JAX about devices
     config.trainer.apply_jax_config()
     use_prefetch_switch_interval()  # the data loader's read-ahead thread hands reads back sooner
     config = with_hf_model(config)  # initialize_from_hf: the model's shape from the checkpoint's config.json
     tokenizer = validate(config)
+    if lora is not None:  # the layers lora.target_modules selects, from shapes alone
+        lora.check_model(config, model_vocab_size(config, tokenizer))
     check_same_config_everywhere(_config_dict(config))
     tcfg = config.trainer
     run_id = tcfg.run_id()
@@ -196,10 +257,13 @@ def main(config: TrainLmConfig, *, fresh_model: Optional[Callable] = None) -> di
         # anything is written.
         check_log_lineage(_json_log_dirs(tcfg, run_id), tcfg.checkpointer.expanded_path(run_id), run_id)
         check_hf_save_path(config, run_id)
+        if lora is not None:
+            lora.check_paths(config, run_id)
         debug_log = open_debug_log(fs.join(tcfg.log_dir, run_id))
         if debug_log is not None:
             logger.debug("debug log of run %s: %s", run_id, debug_log)
-    check_memory(config, model_vocab_size(config, tokenizer))
+    check_memory(config, model_vocab_size(config, tokenizer), adapt=lora.adapt if lora is not None else None,
+                 is_trainable=lora_trainable if lora is not None else None)
     # The branch's origin resolved once: the shapes checked here are those of the checkpoint loaded below, even
     # if the origin run writes a newer one meanwhile.
     branch = branch_origin(config)
@@ -215,9 +279,11 @@ def main(config: TrainLmConfig, *, fresh_model: Optional[Callable] = None) -> di
             say_finished(tcfg, run_id, point.step, point.path)
             return {"run_id": run_id, "final_step": point.step, "final_loss": None}
         check_resume_averaging(point, tcfg)  # trainer.model_averaging as the checkpoint was written
-        if point is not None:  # and trainer.quantization's fp8 state
-            check_checkpoint_fp8(point.records, tcfg.quantization, f"the checkpoint {point.path} (step {point.step})")
-        return _main_locked(config, tokenizer, run_id, point, branch, fresh_model)
+        if point is not None:  # and trainer.quantization's fp8 state, and the LoRA adapters
+            where = f"the checkpoint {point.path} (step {point.step})"
+            check_checkpoint_fp8(point.records, tcfg.quantization, where)
+            check_checkpoint_lora(point.records, lora.lora if lora is not None else None, where)
+        return _main_locked(config, tokenizer, run_id, point, branch, fresh_model, lora)
     finally:
         lock.release()
 
@@ -235,7 +301,8 @@ def say_finished(tcfg: TrainerConfig, run_id: str, step: int, path: Optional[str
 
 
 def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[ResumePoint],
-                 branch: Optional[BranchOrigin], fresh_model: Optional[Callable] = None) -> dict:
+                 branch: Optional[BranchOrigin], fresh_model: Optional[Callable] = None,
+                 lora: Optional[LoraRun] = None) -> dict:
     """The run itself, under its lock: caches, state (initial, restored from ``point``, or a branch's start
     from ``branch``, its origin as resolved before the lock), the step loop."""
     tcfg = config.trainer
@@ -275,14 +342,19 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
     eos_id = next(iter(eos_ids)) if tokens_only else None
     # The step for the largest batch, compiled ahead of time and checked against the device's memory (it is
     # the run's step then); per_device_parallelism: auto resolved (levanter.memory_fit).
+    adapt = lora.adapt if lora is not None else None  # a LoRA run: the adapters, which alone train
     compiler = StepCompiler(config.model, tcfg, optimizer,
-                            lm_loss_fn(config.z_loss_weight, eos_id, tcfg.quantization), Vocab.size)
+                            lm_loss_fn(config.z_loss_weight, eos_id, tcfg.quantization), Vocab.size,
+                            adapt=adapt, is_trainable=lora_trainable if lora is not None else None)
     trainer = fit_trainer(compiler, recorded=recorded_pick(tcfg, point))
     picked = {RECORD_KEY: trainer.config.per_device_parallelism} if tcfg.per_device_parallelism == "auto" else {}
     evaluator = make_evaluator(config, trainer, eval_sets, tokenizer, Vocab.size)
     # trainer.quantization.fp8: the layers' scales and histories are part of the model from the start.
-    state = trainer.initial_state(lambda k: with_fp8(config.model.build(Vocab, key=k), tcfg.quantization),
-                                  key=jax.random.fold_in(model_key, 0))
+    def build(k):
+        model = with_fp8(config.model.build(Vocab, key=k), tcfg.quantization)
+        return adapt(model, k) if adapt is not None else model
+
+    state = trainer.initial_state(build, key=jax.random.fold_in(model_key, 0))
     state = restore(state, point)
     start_step = int(state.step)
     # A branch (trainer.initialize_from / initialize_from_checkpoint_path) starts from another run's checkpoint
@@ -300,7 +372,12 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
         elif hf_init_path(config) is not None:  # weights from a Hugging Face checkpoint; the optimizer's are fresh
             from levanter.compat import load_hf_weights
 
-            state = eqx.tree_at(lambda s: s.model, state, load_hf_weights(state.model, hf_init_path(config)))
+            if lora is None:
+                model = load_hf_weights(state.model, hf_init_path(config))
+            else:  # the checkpoint's tensors go beneath the adapters, which are new
+                adapters, base = split_adapters(state.model)
+                model = join_adapters(load_hf_weights(base, hf_init_path(config)), adapters)
+            state = eqx.tree_at(lambda s: s.model, state, model)
             logger.info("loaded the weights of Hugging Face checkpoint %s (the optimizer starts fresh)",
                         hf_init_path(config))
             origin = {"hf_checkpoint": hf_init_path(config)}
@@ -318,7 +395,7 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
     tracker.log_hyperparameters({**_config_dict(config), **({"initialized_from": origin} if origin else {})})
     checkpointer = tcfg.checkpointer.create(
         run_id,
-        metadata={"data_schedule": record, **model_record(config, Vocab.size), **picked,
+        metadata={"data_schedule": record, **model_record(config, Vocab.size, lora.lora if lora else None), **picked,
                   **({"initialized_from": origin} if origin else {})},
         barrier=barrier if jax.process_count() > 1 else None,
         process_index=jax.process_index(),
@@ -329,6 +406,10 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
     exporter = hf_exporter(config, run_id)  # hf_save_path: step-N exports beside the checkpoints
     if exporter is not None:
         checkpointer = exporter.wrap(checkpointer)
+    if lora is not None:  # peft_save_path and merged_hf_save_path
+        for extra in lora.exporters(config, run_id):
+            checkpointer = extra.wrap(checkpointer)
+        _log_trainable(trainer, state.model, tracker)
     loader = DataLoader(train_set, schedule, mesh=trainer.mesh, data_axis="data", prefetch_depth=config.prefetch_depth,
                         provenance=True)
     flops_per_token = config.model.flops_per_token(Vocab.size)
@@ -411,6 +492,15 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
         progress.close()
         tracker.finish()
     return {"run_id": run_id, "final_step": int(state.step), "final_loss": last_loss}
+
+
+def _log_trainable(trainer: Trainer, model, tracker) -> None:
+    """The parameter counts of a run that trains part of its model (upstream's summary names)."""
+    total = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)))
+    trained = sum(x.size for x in jax.tree.leaves(trainer.trained(model)))
+    tracker.log_summary({"parameter_count": total, "trainable_parameter_count": trained,
+                         "fraction_trainable": trained / max(total, 1)})
+    logger.info("parameters: %d, of which %d train (%.3e)", total, trained, trained / max(total, 1))
 
 
 def _where(tcfg: TrainerConfig, run_id: str, checkpointer) -> list:

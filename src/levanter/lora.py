@@ -36,7 +36,8 @@ from jax.tree_util import GetAttrKey
 from .models.token_dot import linear
 from .utils.layer_select import check_layer_regex, dotted_path, linear_layer_paths
 
-__all__ = ["LORA_R", "LoraConfig", "LoraLinear", "loraize", "lora_layer_paths", "lora_trainable", "merge_lora"]
+__all__ = ["LORA_R", "LoraConfig", "LoraLinear", "check_checkpoint_lora", "loraize", "lora_from_record",
+           "join_adapters", "lora_layer_paths", "lora_record", "lora_trainable", "merge_lora", "split_adapters"]
 
 LORA_R = "lora_r"  # the factors' rank axis
 
@@ -173,3 +174,71 @@ def merge_lora(model):
     return jax.tree.map(lambda n: n.merged() if isinstance(n, LoraLinear) else n, model,
                         is_leaf=lambda x: isinstance(x, LoraLinear))
 
+
+
+def split_adapters(model) -> tuple:
+    """``(adapters, base)``: the adapters' factors, ``(lora_a, lora_b)`` of each adapted layer in tree order, and
+    the model without them (``lora_a`` and ``lora_b`` None), which holds exactly the tensors of the base model
+    (a Hugging Face checkpoint is loaded into it). :func:`join_adapters` puts them back."""
+    found = []
+
+    def strip(node):
+        if isinstance(node, LoraLinear):
+            found.append((node.lora_a, node.lora_b))
+            return dataclasses.replace(node, lora_a=None, lora_b=None)
+        return node
+
+    base = jax.tree.map(strip, model, is_leaf=lambda x: isinstance(x, LoraLinear))
+    return found, base
+
+
+def join_adapters(base, adapters: list):
+    """``base`` (from :func:`split_adapters`) with the factors ``adapters`` put back, in tree order."""
+    it = iter(adapters)
+
+    def fill(node):
+        if isinstance(node, LoraLinear):
+            a, b = next(it)
+            return dataclasses.replace(node, lora_a=a, lora_b=b)
+        return node
+
+    return jax.tree.map(fill, base, is_leaf=lambda x: isinstance(x, LoraLinear))
+
+
+_RECORD_KEYS = ("target_modules", "r", "alpha")
+
+
+def lora_record(config: Optional[LoraConfig]) -> dict:
+    """What a checkpoint records of a LoRA run (``{"lora": {...}}``; nothing otherwise): the settings that shape
+    its adapters, so that a reader of the checkpoint can rebuild the model it holds."""
+    if config is None:
+        return {}
+    return {"lora": {k: getattr(config, k) for k in _RECORD_KEYS}}
+
+
+def lora_from_record(record: dict) -> Optional[LoraConfig]:
+    """The LoRA settings a checkpoint's metadata records (:func:`lora_record`), or None for a run without."""
+    lora = record.get("lora")
+    return None if lora is None else LoraConfig(**{k: lora[k] for k in _RECORD_KEYS if k in lora})
+
+
+def check_checkpoint_lora(record: dict, config: Optional[LoraConfig], where: str) -> None:
+    """Before any work: raise ValueError naming ``lora`` when the checkpoint whose metadata is ``record``
+    (described by ``where``) holds adapters other than this run's settings would build (or none where this run
+    has some, or the reverse): its arrays could not be restored into this run's model, or would be put to
+    another use (alpha scales what the factors compute)."""
+    theirs, mine = record.get("lora"), lora_record(config).get("lora")
+    if theirs is not None and isinstance(theirs.get("target_modules"), tuple):
+        theirs = {**theirs, "target_modules": list(theirs["target_modules"])}
+    if mine is not None and isinstance(mine.get("target_modules"), tuple):
+        mine = {**mine, "target_modules": list(mine["target_modules"])}
+    if theirs == mine:
+        return
+
+    def say(lora):
+        return "no LoRA adapters" if lora is None else "lora " + ", ".join(f"{k}={lora.get(k)!r}" for k in _RECORD_KEYS)
+
+    raise ValueError(
+        f"{where} was written with {say(theirs)}, but this run has {say(mine)}: a checkpoint is resumed only with "
+        "the adapters it holds. Set lora as in the run that wrote it, or start a new run (another trainer.id)"
+    )

@@ -156,13 +156,17 @@ class StepMemory:
         return "more than the device has" if self.total is None else size(self.total)
 
 
-def abstract_state(trainer: Trainer, model_config, vocab_size: int) -> TrainerState:
-    """The trainer state as ShapeDtypeStructs with the shardings the run gives it (nothing allocated)."""
+def abstract_state(trainer: Trainer, model_config, vocab_size: int, adapt: Optional[Callable] = None) -> TrainerState:
+    """The trainer state as ShapeDtypeStructs with the shardings the run gives it (nothing allocated).
+    ``adapt(model, key)``: the run's change to the built model (a LoRA run's adapters)."""
     Vocab = hax.Axis("vocab", vocab_size)
 
     def init(key):
-        # The trainer's own step-0 state (with the averaged copy of trainer.model_averaging, if set).
+        # The trainer's own step-0 state (with the averaged copy of trainer.model_averaging, if set), optimizer
+        # state and average for the leaves the trainer trains alone.
         model = with_fp8(model_config.build(Vocab, key=key), trainer.config.quantization)
+        if adapt is not None:
+            model = adapt(model, key)
         return trainer.fresh_state(trainer.mp.cast_to_param(model), key)
 
     mapping = trainer.param_mapping
@@ -223,15 +227,19 @@ class StepCompiler:
     optimizer: Any
     loss_fn: Callable
     vocab_size: int
+    # adapt(model, key): the run's change to the built model (a LoRA run's adapters); None: none.
+    adapt: Optional[Callable] = None
+    # The trainer's is_trainable (the leaves that train, with gradients and optimizer state); None: all.
+    is_trainable: Optional[Callable] = None
 
     def trainer(self, tcfg: Optional[TrainerConfig] = None) -> Trainer:
-        return Trainer(tcfg or self.trainer_config, self.optimizer, self.loss_fn)
+        return Trainer(tcfg or self.trainer_config, self.optimizer, self.loss_fn, is_trainable=self.is_trainable)
 
     def inputs(self, trainer: Trainer, model_config=None) -> tuple[Any, Any, int]:
         """``(abstract state, abstract batch, batch size)`` of ``trainer``'s step for the largest batch."""
         model_config = model_config or self.model_config
         batch_size = largest_batch(trainer.config)
-        state = abstract_state(trainer, model_config, self.vocab_size)
+        state = abstract_state(trainer, model_config, self.vocab_size, self.adapt)
         return state, abstract_batch(trainer, model_config.Pos, batch_size), batch_size
 
     def with_microbatch(self, per_device_parallelism: int) -> "StepCompiler":

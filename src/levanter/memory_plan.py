@@ -401,7 +401,8 @@ def format_plan(plan: MemoryPlan, config_path: Optional[str] = None) -> str:
 
 
 # -- the run's estimate from shapes, before anything is allocated ------------------------------------------
-def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tuple[int, str]] = None) -> None:
+def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tuple[int, str]] = None, *,
+                 adapt: Optional[Callable] = None, is_trainable: Optional[Callable] = None) -> None:
     """Refuse a model whose training state cannot fit, before anything is allocated.
 
     The estimate is a lower bound from shapes alone (``jax.eval_shape``: nothing is allocated):
@@ -414,6 +415,9 @@ def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tup
     ``available``: ``(bytes, description)``, by default what the devices (or, for CPU devices, the
     host) have free; no check where that cannot be known. Without this, a huge vocabulary failed with an
     out-of-memory traceback deep in the initialisation, or hung.
+    ``adapt(model, key)`` and ``is_trainable``: the run's change to the built model and the trainer's filter of
+    the leaves that train (a LoRA run's adapters): gradients, optimizer state and the average are counted for
+    those leaves alone, the parameters for all.
     """
     import equinox as eqx
     import jmp
@@ -427,7 +431,16 @@ def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tup
     tcfg = config.trainer
     policy = jmp.get_policy(tcfg.mp)
     param_dtype = policy.param_dtype
-    shapes = parameter_shapes(config.model, vocab_size)
+    if adapt is None:
+        shapes = parameter_shapes(config.model, vocab_size)
+    else:
+        import haliax as hax
+
+        from levanter.models import VOCAB
+
+        shapes = jax.eval_shape(lambda k: adapt(config.model.build(hax.Axis(VOCAB, vocab_size), key=k), k),
+                                jax.random.PRNGKey(0))
+
     def is_float(x) -> bool:
         return isinstance(x, jax.ShapeDtypeStruct) and jnp.issubdtype(x.dtype, jnp.inexact)
 
@@ -436,7 +449,9 @@ def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tup
         eqx.filter(shapes, is_float),
     )
     param_bytes = tree_nbytes(params)
-    opt_bytes = tree_nbytes(jax.eval_shape(config.optimizer.build(tcfg.num_train_steps).init, params))
+    trained = params if is_trainable is None else eqx.filter(params, is_trainable(shapes))
+    trained_bytes = tree_nbytes(trained)
+    opt_bytes = tree_nbytes(jax.eval_shape(config.optimizer.build(tcfg.num_train_steps).init, trained))
     if tcfg.microbatch_size is not None or tcfg.per_device_parallelism == "auto":
         micro = (tcfg.microbatch_size or 1) * tcfg.data_axis_size  # auto: at least one sequence per device
     else:
@@ -445,9 +460,10 @@ def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tup
     blockwise = config.model.cross_entropy_block_size is not None
     logit_dtype = jnp.dtype(jnp.float32 if blockwise else policy.compute_dtype)
     logit_bytes = micro * config.model.seq_len * logit_entries * logit_dtype.itemsize
-    # trainer.model_averaging keeps one more copy of the parameters.
+    # The gradients, and trainer.model_averaging's average, are copies of the trained parameters.
     copies = 3 if tcfg.model_averaging is not None else 2
-    need = (copies * param_bytes + opt_bytes + logit_bytes) // max(jax.process_count(), 1)
+    held = param_bytes + (copies - 1) * trained_bytes
+    need = (held + opt_bytes + logit_bytes) // max(jax.process_count(), 1)
     have, where = available
     if need <= have:
         return
@@ -455,7 +471,7 @@ def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tup
     raise ValueError(
         f"the model cannot fit: training needs at least {_gib(need)} (parameters and gradients"
         f"{' and the averaged copy (trainer.model_averaging)' if copies == 3 else ''} "
-        f"{_gib(copies * param_bytes)}, optimizer state {_gib(opt_bytes)}, {logit_dtype.name} logits of a batch "
+        f"{_gib(held)}, optimizer state {_gib(opt_bytes)}, {logit_dtype.name} logits of a batch "
         f"of {micro} x "
         f"{config.model.seq_len} positions x {logit_entries:,} vocabulary entries {_gib(logit_bytes)}) but "
         f"{where} has "

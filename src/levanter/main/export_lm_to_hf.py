@@ -13,7 +13,8 @@ disk. The output is written all or nothing by :func:`levanter.compat.save_hf_che
 bucket). ``checkpoint_path`` may be a run directory: its latest complete checkpoint is exported.
 ``output_dir`` is checked before the checkpoint is read (:mod:`levanter.compat.export_guard`): it must be new,
 empty or exactly an earlier export (which is replaced), and neither be nor contain the checkpoint or the
-working directory; a directory of the user's files is never replaced.
+working directory; a directory of the user's files is never replaced. A ``lora_lm`` checkpoint (which records
+its adapters' settings) is exported with the adapters merged into the weights.
 
 Bad input (a path without a complete checkpoint, a model block that does not match the arrays, an unknown
 dtype) prints one ``error:`` paragraph and exits with status 2.
@@ -80,6 +81,7 @@ def main(config: ExportLmConfig) -> str:
 
     from levanter.checkpoint import load_checkpoint
     from levanter.compat import HF_SAVE_DTYPES, save_hf_checkpoint
+    from levanter.lora import loraize, lora_from_record, merge_lora
     from levanter.quantization import fp8_from_record, with_fp8
 
     if not config.checkpoint_path:
@@ -113,7 +115,14 @@ def main(config: ExportLmConfig) -> str:
     Vocab = hax.Axis("vocab", int(vocab))
     # An fp8 run's checkpoint holds its layers' fp8 state too (recorded with its settings): loaded, not exported.
     fp8 = fp8_from_record(record)
-    template = jax.eval_shape(lambda k: with_fp8(model_config.build(Vocab, key=k), fp8), jax.random.PRNGKey(0))
+    # A LoRA run's checkpoint holds its adapters (recorded with their settings): merged into the weights.
+    lora = lora_from_record(record)
+
+    def build(k):
+        model = with_fp8(model_config.build(Vocab, key=k), fp8)
+        return model if lora is None else loraize(model, lora, key=k)
+
+    template = jax.eval_shape(build, jax.random.PRNGKey(0))
     # The parameters are stored in the run's parameter dtype (trainer.mp), float32 unless the run said otherwise.
     dtypes = {rec["dtype"] for rec in doc.get("leaves", []) if rec.get("name", "").startswith("model/")}
     if len(dtypes) == 1:
@@ -125,6 +134,8 @@ def main(config: ExportLmConfig) -> str:
         model = load_checkpoint(template, path, subpath="model")
     except CheckpointMismatchError as e:
         raise ValueError(f"the model block does not match checkpoint {path}: {e}") from None
+    if lora is not None:
+        model = merge_lora(model)
     out = save_hf_checkpoint(model, model_config, config.output_dir,
                              tokenizer=tokenizer if config.save_tokenizer else None, dtype=config.save_dtype,
                              max_shard_size=config.max_shard_size,

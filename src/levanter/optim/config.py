@@ -144,12 +144,13 @@ def _inverse_decay(peak: float, floor: float, k: float):
 
 
 def decay_mask(params):
-    """True for matrices (weight decay applies), False for vectors and scalars."""
+    """True for matrices (weight decay applies), False for vectors and scalars (and for the empty places of
+    leaves that do not train: a named array without its array)."""
     import haliax as hax
 
     def is_matrix(x):
         if isinstance(x, hax.NamedArray):
-            return x.array.ndim >= 2
+            return x.array is not None and x.array.ndim >= 2
         return eqx.is_array(x) and x.ndim >= 2
 
     return jax.tree.map(is_matrix, params, is_leaf=lambda x: isinstance(x, hax.NamedArray))

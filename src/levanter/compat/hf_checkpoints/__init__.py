@@ -22,11 +22,13 @@ modules below (not of the family modules: each names its layout ``LAYOUT`` and i
   :mod:`.gemma`, :mod:`.olmo`); its docstring says how to add one;
 * :mod:`.weights` -- our parameters <-> Hugging Face tensors through a family's layout;
 * :mod:`.load` -- reading a checkpoint into our model and merging its shape into a run's config;
-* :mod:`.export` -- writing a checkpoint directory, and the exporter used during training.
+* :mod:`.export` -- writing a checkpoint directory, and the exporter used during training;
+* :mod:`.peft` -- a LoRA run's adapters as a PEFT checkpoint (``adapter_model.safetensors``,
+  ``adapter_config.json``).
 """
 
 from levanter.utils.facade import facade
 
 __all__, __getattr__, __dir__ = facade(
-    __name__, __package__, ("hub", "safetensors_io", "families", "weights", "load", "export")
+    __name__, __package__, ("hub", "safetensors_io", "families", "weights", "load", "export", "peft")
 )

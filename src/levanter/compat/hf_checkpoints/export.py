@@ -20,7 +20,7 @@ import logging
 import os
 import secrets
 import shutil
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -41,12 +41,12 @@ from .safetensors_io import (
 )
 from .weights import to_state_dict
 
-__all__ = ["save_hf_checkpoint", "HfExporter"]
+__all__ = ["save_hf_checkpoint", "HfExporter", "ExportingCheckpointer", "tokenizer_files", "write_export"]
 
 logger = logging.getLogger(__name__)
 
 
-def _tokenizer_files(tokenizer: Optional[str]) -> dict[str, bytes]:
+def tokenizer_files(tokenizer: Optional[str]) -> dict[str, bytes]:
     """The files of a Hugging Face tokenizer (a local directory or tokenizer.json, or a hub id); nothing for
     levanter's own ``byte`` and ``passthrough``."""
     if tokenizer is None or tokenizer in ("byte", "passthrough"):
@@ -132,7 +132,7 @@ def save_hf_checkpoint(model, config: LmConfig, output_dir: str, *, tokenizer: s
     if jax.process_index() == 0:
         check_replaceable(output_dir, label)
     doc = lm_to_hf_config(config, model.Vocab.size)
-    tok_files = _tokenizer_files(tokenizer)
+    tok_files = tokenizer_files(tokenizer)
     state = to_state_dict(model)
     if jax.process_index() != 0:
         return output_dir
@@ -162,7 +162,7 @@ def save_hf_checkpoint(model, config: LmConfig, output_dir: str, *, tokenizer: s
     files[CONFIG_FILE] = json.dumps(doc, indent=2, sort_keys=True).encode()  # last: the commit record
     # The marker first: on an object store every file present from then on is one it lists.
     files = {MARKER: marker_bytes(files, source), **files}
-    _commit(output_dir, files)
+    write_export(output_dir, files)
     return output_dir
 
 
@@ -176,8 +176,11 @@ def _transformers_version() -> str:
         return "4.0.0"
 
 
-def _commit(output_dir: str, files: dict[str, bytes]) -> None:
-    """Write ``files`` (config.json last) into ``output_dir`` all or nothing."""
+def write_export(output_dir: str, files: dict[str, bytes], commit_file: str = CONFIG_FILE) -> None:
+    """Write ``files`` into ``output_dir`` all or nothing: locally a ``.tmp-`` directory renamed into place; on an
+    object store ``commit_file`` (the file a reader needs first: ``config.json``, a PEFT adapter's
+    ``adapter_config.json``) deleted first and written last. The caller has checked that ``output_dir`` may be
+    replaced (:func:`levanter.compat.export_guard.check_replaceable`)."""
     if fs.supports_rename(output_dir):
         final = fs.abspath(output_dir)
         parent = os.path.dirname(final)
@@ -201,7 +204,7 @@ def _commit(output_dir: str, files: dict[str, bytes]) -> None:
         return
     # Object store: no rename. Take away the old commit record first, write everything, the record last.
     url = fs.abspath(output_dir)
-    fs.remove(fs.join(url, CONFIG_FILE))
+    fs.remove(fs.join(url, commit_file))
     try:
         stale = set(fs.listdir(url)) - set(files)
     except FileNotFoundError:
@@ -209,9 +212,9 @@ def _commit(output_dir: str, files: dict[str, bytes]) -> None:
     for name in sorted(stale):
         fs.remove(fs.join(url, name))  # the guard let only an earlier export's files be here
     for name, data in files.items():
-        if name != CONFIG_FILE:
+        if name != commit_file:
             fs.atomic_write_bytes(fs.join(url, name), data)
-    fs.atomic_write_bytes(fs.join(url, CONFIG_FILE), files[CONFIG_FILE])
+    fs.atomic_write_bytes(fs.join(url, commit_file), files[commit_file])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -226,9 +229,13 @@ class HfExporter:
 
     def __init__(self, base_path: str, *, every: int, last_step: int, config: LmConfig,
                  tokenizer: Optional[str] = None, dtype: Optional[str] = None,
-                 max_shard_size: int = DEFAULT_MAX_SHARD_SIZE):
+                 max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, prepare: Optional[Callable] = None,
+                 key: str = "hf_save_path", exported_by: str = "train_lm"):
         self.base_path, self.every, self.last_step = base_path, every, last_step
         self.config, self.tokenizer, self.dtype, self.max_shard_size = config, tokenizer, dtype, max_shard_size
+        # prepare(model): the model to export (a LoRA run's adapters merged into the weights); key names the
+        # config key in errors, exported_by the entry point in the export's marker.
+        self.prepare, self.key, self.exported_by = prepare, key, exported_by
         self.exported: list[str] = []
 
     def due(self, step: int) -> bool:
@@ -239,22 +246,25 @@ class HfExporter:
         if not self.due(step):
             return
         path = fs.join(self.base_path, f"step-{step}")
+        if self.prepare is not None:
+            model = self.prepare(model)
         save_hf_checkpoint(model, self.config, path, tokenizer=self.tokenizer, dtype=self.dtype,
-                           max_shard_size=self.max_shard_size, source={"exported_by": "train_lm", "step": step},
-                           label=f"hf_save_path: the export directory {path!r}")
+                           max_shard_size=self.max_shard_size, source={"exported_by": self.exported_by, "step": step},
+                           label=f"{self.key}: the export directory {path!r}")
         self.exported.append(path)
         logger.info("exported step %d to %s (Hugging Face format)", step, path)
 
-    def wrap(self, checkpointer) -> "_ExportingCheckpointer":
-        return _ExportingCheckpointer(checkpointer, self)
+    def wrap(self, checkpointer) -> "ExportingCheckpointer":
+        return ExportingCheckpointer(checkpointer, self)
 
 
-class _ExportingCheckpointer:
-    """A checkpointer that also hands each step's model to an :class:`HfExporter` (everything else is the
-    wrapped checkpointer's). The model exported is the state's ``eval_model``: with
+class ExportingCheckpointer:
+    """A checkpointer that also hands each step's model to an exporter (anything with ``due(step)`` and
+    ``on_step(model, step)``: :class:`HfExporter`, the PEFT adapters' exporter); everything else is the
+    wrapped checkpointer's. The model exported is the state's ``eval_model``: with
     ``trainer.model_averaging``, the averaged weights (as upstream exports them)."""
 
-    def __init__(self, inner, exporter: HfExporter):
+    def __init__(self, inner, exporter):
         self._inner, self._exporter = inner, exporter
 
     def save_due(self, step: int, *, force: bool = False) -> bool:
