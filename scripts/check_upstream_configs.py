@@ -1,4 +1,4 @@
-"""Check which of upstream Levanter's top-level configs load here as ``train_lm`` (or ``sft``) configs.
+"""Check which of upstream Levanter's top-level configs load here as ``train_lm`` (or ``sft``, ``lora_lm``) configs.
 
     python scripts/check_upstream_configs.py DIR [--verbose]
 
@@ -13,7 +13,11 @@ learning-rate schedule for ``trainer.num_train_steps``. Nothing is trained, toke
 A file whose top-level keys include one only fine-tuning configs have (``supervised_data``,
 ``chat_train_urls``, ``mixture_weights``, ... : ``levanter.sft_config.SFT_KEYS``) is read as ``python -m
 levanter.main.sft`` reads it instead: into ``SFTConfig``, mapped onto the ``TrainLmConfig`` it runs
-(``levanter.sft_config.to_train_lm_config``, whose refusals name the SFT key), then the same checks.
+(``levanter.sft_config.to_train_lm_config``, whose refusals name the SFT key), then the same checks. One with
+a top-level key only LoRA configs have (``lora``, ``peft_save_path``, ``merged_hf_save_path``, ...:
+``LORA_KEYS``) is read as ``python -m levanter.main.lora_lm`` reads it: into ``LoraLmConfig``, mapped onto the
+``TrainLmConfig`` it runs (``levanter.main.lora_lm.to_train_lm_config``, which reads no checkpoint), then the same
+checks.
 
 One line per file, then the counts:
 
@@ -42,8 +46,12 @@ from levanter.config import parse_config  # noqa: E402
 from levanter.refused_keys import check_refused  # noqa: E402
 from levanter.lm_config import TrainLmConfig  # noqa: E402
 from levanter.sft_config import SFT_KEYS, SFTConfig, to_train_lm_config  # noqa: E402
+from levanter.main import lora_lm  # noqa: E402
 
 PARSES, REFUSED, FAMILY, ERROR = "parses", "refused", "needs family", "error"
+# Top-level keys only LoRA configs have: a config carrying one is checked as a LoraLmConfig.
+LORA_KEYS = ("lora", "peft_save_path", "peft_hf_upload", "merged_hf_save_path", "merged_hf_upload",
+             "max_train_length")
 _FAMILY = re.compile(r"`model`: unknown type '([\w.-]+)'")
 _REFUSED_KEY = re.compile(r"([\w.]+=[^\s{\[(]+(?= is not supported)|[\w.]+(?==.*? is not supported))")
 _OTHER_ENTRY = re.compile(r"a config of (upstream's [^,(]+)")
@@ -52,8 +60,11 @@ _OTHER_ENTRY = re.compile(r"a config of (upstream's [^,(]+)")
 def check(path: Path) -> tuple[str, str]:
     """``(outcome, detail)`` for one config file: see the module docstring."""
     try:
-        if is_sft_config(path):
+        keys = top_level_keys(path)
+        if any(k in keys for k in SFT_KEYS):
             config = to_train_lm_config(parse_config(SFTConfig, str(path)))
+        elif any(k in keys for k in LORA_KEYS):
+            config = lora_lm.to_train_lm_config(parse_config(lora_lm.LoraLmConfig, str(path)))
         else:
             config = parse_config(TrainLmConfig, str(path))
         check_refused(config)
@@ -65,8 +76,8 @@ def check(path: Path) -> tuple[str, str]:
     return PARSES, ""
 
 
-def is_sft_config(path: Path) -> bool:
-    """Whether the file's top-level keys make it a fine-tuning config (``levanter.sft_config.SFT_KEYS``)."""
+def top_level_keys(path: Path) -> set:
+    """The file's top-level keys (none when it cannot be read: ``parse_config`` reports that)."""
     import yaml
 
     class _Loader(yaml.SafeLoader):
@@ -76,8 +87,8 @@ def is_sft_config(path: Path) -> bool:
     try:
         raw = yaml.load(path.read_text(), Loader=_Loader)
     except (OSError, yaml.YAMLError):
-        return False  # parse_config reports it
-    return isinstance(raw, dict) and any(k in raw for k in SFT_KEYS)
+        return set()  # parse_config reports it
+    return set(raw) if isinstance(raw, dict) else set()
 
 
 def classify(message: str) -> tuple[str, str]:

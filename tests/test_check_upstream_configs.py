@@ -1,5 +1,6 @@
 """``scripts/check_upstream_configs.py``: each top-level YAML of a directory read as a train_lm config (or,
-by its top-level keys, as a fine-tuning config of ``levanter.main.sft``) and reported as parsing, refused
+by its top-level keys, as a fine-tuning config of ``levanter.main.sft`` or a LoRA config of
+``levanter.main.lora_lm``) and reported as parsing, refused
 (the feature named), needing a model family, or an error, with the counts.
 The configs here are small ones written for the test, shaped like upstream's (``!include`` of a file in a
 subdirectory, relative to the including file)."""
@@ -37,6 +38,12 @@ def test_each_file_is_classified_and_counted(tmp_path, capsys):
         "tokenizer: meta-llama/Llama-3.1-8B-Instruct\ninitialize_from_hf: true\nreinit_tokens: true\n"
         "model: {type: llama, seq_len: 4096}\noptimizer: {lr_schedule: linear, warmup: 0.03}\n")
     (tmp_path / "sft_hub.yaml").write_text("dataset_type: huggingface\nsupervised_data: {cache_dir: c}\n")
+    (tmp_path / "lora_llama.yaml").write_text(
+        "data: {tokenizer: org/llama}\ninitialize_from_hf: org/llama\npeft_save_path: lora_out\n"
+        "max_train_length: 2048\ntrainer:\n  mp: p=f32,c=bfloat16\n  wandb: {project: levanter-lora}\n"
+        "  num_train_steps: 5000\n  train_batch_size: -1\n  per_device_parallelism: 4\n"
+        "  tensor_parallel_axes: [mlp, heads]\noptimizer: {learning_rate: 3e-4, weight_decay: 0.1}\n")
+    (tmp_path / "lora_upload.yaml").write_text("initialize_from_hf: org/llama\npeft_hf_upload: me/adapters\n")
     assert _script().main([str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     rows = {}
@@ -51,9 +58,11 @@ def test_each_file_is_classified_and_counted(tmp_path, capsys):
     assert rows["typo.yaml"][0] == "error" and "num_train_stepz" in rows["typo.yaml"][1]
     assert rows["sft_mix.yaml"] == ("parses", "")
     assert rows["sft_hub.yaml"][0] == "refused" and rows["sft_hub.yaml"][1].startswith("dataset_type='huggingface': ")
-    assert sorted(rows) == ["harness.yaml", "moe.yaml", "muon.yaml", "ok.yaml", "sft_hub.yaml", "sft_mix.yaml",
-                            "typo.yaml"]  # not data/source.yaml
-    assert lines[-1] == "parses: 2, refused: 3, needs family: 1, error: 1 (of 7)"
+    assert rows["lora_llama.yaml"] == ("parses", "")
+    assert rows["lora_upload.yaml"][0] == "refused" and rows["lora_upload.yaml"][1].startswith("peft_hf_upload")
+    assert sorted(rows) == ["harness.yaml", "lora_llama.yaml", "lora_upload.yaml", "moe.yaml", "muon.yaml", "ok.yaml",
+                            "sft_hub.yaml", "sft_mix.yaml", "typo.yaml"]  # not data/source.yaml
+    assert lines[-1] == "parses: 3, refused: 4, needs family: 1, error: 1 (of 9)"
 
 
 def test_a_directory_without_configs_is_an_error(tmp_path, capsys):

@@ -316,3 +316,25 @@ def test_gpt2_adapters_export_for_peft_over_conv1d_weights(tmp_path, targets, na
     fresh = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "base")).eval()
     loaded = peft.PeftModel.from_pretrained(fresh, str(out)).eval()
     assert np.abs(torch_logits(loaded) - ours).max() < tol(1e-4)
+
+
+def test_the_memory_check_counts_gradients_and_optimizer_state_of_the_adapters_alone():
+    """A model whose full training state (parameters, gradients, Adam's two moments: 4 copies) cannot fit in
+    1.5 GiB fits when only its adapters train (the parameters once, plus the adapters' share)."""
+    from levanter.data.config import UrlSingleDatasetLMConfig
+    from levanter.lm_config import TrainLmConfig
+    from levanter.lora import LoraConfig, lora_trainable, loraize
+    from levanter.memory_plan import check_memory
+    from levanter.models import LlamaConfig
+    from levanter.trainer import TrainerConfig
+
+    config = TrainLmConfig(
+        data=UrlSingleDatasetLMConfig(tokenizer="byte"),
+        model=LlamaConfig(seq_len=128, hidden_dim=1024, intermediate_dim=2816, num_layers=8, num_heads=8,
+                          num_kv_heads=8),
+        trainer=TrainerConfig(train_batch_size=8, require_accelerator=False))
+    available = (int(1.5 * 2**30), "the test's budget")
+    with pytest.raises(ValueError, match=r"the model cannot fit: training needs at least 2\.\d GiB"):
+        check_memory(config, 32000, available)
+    check_memory(config, 32000, available, is_trainable=lora_trainable,
+                 adapt=lambda m, k: loraize(m, LoraConfig(r=8), key=k))

@@ -95,7 +95,7 @@ class TrainLmConfig:
         **dict.fromkeys(
             ("peft_save_path", "peft_hf_upload", "merged_hf_save_path", "merged_hf_upload", "lora",
              "max_train_length"),
-            "upstream's LoRA fine-tuning entry point (levanter.main.lora_lm)",
+            "upstream's LoRA fine-tuning entry point (run it with python -m levanter.main.lora_lm)",
         ),
     }
 

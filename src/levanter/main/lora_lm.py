@@ -1,4 +1,4 @@
-"""LoRA fine-tuning of a Hugging Face model: ``python -m levanter.main.lora_lm --config_path config/lora.yaml``.
+"""LoRA fine-tuning of a Hugging Face model: ``python -m levanter.main.lora_lm --config_path lora.yaml``.
 
 The config is upstream Levanter's LoRA YAML (:class:`LoraLmConfig`: ``initialize_from_hf``, ``lora``,
 ``data``, ``trainer``, ``optimizer``, ``peft_save_path``, ``hf_save_steps``, ``merged_hf_save_path``,
