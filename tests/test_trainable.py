@@ -4,6 +4,8 @@ and no average; evaluation sees the averaged trained leaves with the fixed ones.
 
 from __future__ import annotations
 
+import functools
+
 import equinox as eqx
 import haliax as hax
 import jax
@@ -44,13 +46,19 @@ def _run(is_trainable, steps=3):
     return trainer, start, state, reports
 
 
+@functools.lru_cache(maxsize=None)
+def _unfiltered():
+    """The run without a filter, shared by the tests that need it (each run compiles its own step)."""
+    return _run(None)
+
+
 def _leaves(tree):
     return [np.asarray(x) for x in jax.tree.leaves(eqx.filter(tree, eqx.is_inexact_array))]
 
 
 def test_only_the_selected_leaves_train_and_carry_optimizer_state_and_an_average():
     trainer, start, state, reports = _run(only_the_mlps)
-    _, all_start, all_state, all_reports = _run(None)
+    _, all_start, all_state, all_reports = _unfiltered()
     trained0, fixed0 = trainer.split_trained(start.model)
     trained1, fixed1 = trainer.split_trained(state.model)
     assert len(jax.tree.leaves(trained0)) == 4  # c_fc and c_proj, weight and bias
@@ -75,7 +83,7 @@ def test_only_the_selected_leaves_train_and_carry_optimizer_state_and_an_average
 
 
 def test_without_a_filter_every_float_leaf_trains():
-    trainer, start, state, _ = _run(None, steps=1)
+    trainer, start, state, _ = _unfiltered()
     trained, rest = trainer.split_trained(start.model)
     assert not [x for x in jax.tree.leaves(rest) if eqx.is_inexact_array(x)]
     assert all(not np.array_equal(a, b) for a, b in zip(_leaves(start.model), _leaves(state.model))
