@@ -175,8 +175,9 @@ def type_text(t) -> str:
         return "any"
     origin, args = typing.get_origin(t), typing.get_args(t)
     if origin is Union:
-        members = [a for a in args if a is not type(None)]
-        text = " or ".join(type_text(a) for a in members)
+        # Sorted, not in the order written: typing caches a Union by its set of members, so the order
+        # get_args gives is that of whichever equal Union was made first in the process.
+        text = " or ".join(sorted(type_text(a) for a in args if a is not type(None)))
         return text + " or null" if type(None) in args else text
     if origin in (list, typing.List, Sequence, tuple, typing.Tuple):
         inner = [a for a in args if a is not Ellipsis]
