@@ -152,12 +152,11 @@ def steps_of(tmp_path, run_id, key):
 
 @pytest.fixture(scope="module")
 def one_process_reference(tmp_path_factory):
-    """8 steps on one process of 4 devices: what each topology below must reproduce, step by step (one run
-    per session, whichever xdist worker gets each topology)."""
+    """12 steps on one process of 4 devices: what the topologies below must reproduce, step by step."""
     from helpers import once_per_session
 
     def run(d):
-        for rc, err in launch(d, "ref", processes=1, devices_per_process=4, steps=8):
+        for rc, err in launch(d, "ref", processes=1, devices_per_process=4, steps=12):
             assert rc == 0, err[-3000:]
         return {key: steps_of(d, "ref", key) for key in ("train/loss", "data/fingerprint")}
 
@@ -179,26 +178,25 @@ def requests_by_step(tmp_path, run_id):
 
 @pytest.mark.slow
 @pytest.mark.sockets  # a jax.distributed coordinator on 127.0.0.1
-@pytest.mark.parametrize("first, second", [((1, 4), (2, 2)), ((2, 2), (1, 4))])
-def test_two_processes_match_one_process_and_resume_across_topologies(tmp_path, first, second,
-                                                                     one_process_reference):
-    """Four steps on one topology, then a resume to eight on the other, both with 4 devices in all (one process
-    of 4, or two real processes of 2 on 127.0.0.1): every step's loss and data fingerprint equal the
-    one-process reference; each process reads only its own rows of each step; a two-process run releases
-    the run lock when it ends."""
+def test_two_processes_match_one_process_and_resume_across_topologies(tmp_path, one_process_reference):
+    """Four steps on one process of 4 devices, a resume to eight on two real processes of 2 devices each
+    (127.0.0.1), a resume to twelve on one process again: every step's loss and data fingerprint equal the
+    one-process reference; each process reads only its own rows of each step; each resume starts from the
+    previous launch's checkpoint; a two-process run releases the run lock when it ends."""
     from levanter.checkpoint.run_lock import LOCK_FILENAME
 
     requests = {}
-    for (processes, devices), steps in ((first, 4), (second, 8)):
+    for (processes, devices), steps in (((1, 4), 4), ((2, 2), 8), ((1, 4), 12)):
         outs = launch(tmp_path, "el", processes=processes, devices_per_process=devices, steps=steps)
         for rc, err in outs:
             assert rc == 0, err[-3000:]
+        if steps > 4:  # process 0 says where it resumed from
+            assert "resuming from checkpoint" in outs[0][1] and f"step-{steps - 4}" in outs[0][1], outs[0][1][-3000:]
         assert os.path.isdir(tmp_path / "ckpt" / "el" / f"step-{steps}")
         assert not (tmp_path / "ckpt" / "el" / LOCK_FILENAME).exists()
         part = requests_by_step(tmp_path, "el")
         for step in range(steps - 4, steps):
             requests[step] = (processes, part[step])
-    assert "resuming from checkpoint" in outs[0][1] and "step-4" in outs[0][1]
     for step, (processes, by_proc) in requests.items():
         rows = list(range(8 * step, 8 * step + 8))
         if processes == 1:
@@ -208,8 +206,8 @@ def test_two_processes_match_one_process_and_resume_across_topologies(tmp_path, 
     ref = one_process_reference
     assert steps_of(tmp_path, "el", "data/fingerprint") == ref["data/fingerprint"]
     el = steps_of(tmp_path, "el", "train/loss")
-    assert sorted(el) == list(range(8))
-    np.testing.assert_allclose([el[s] for s in range(8)], [ref["train/loss"][s] for s in range(8)], rtol=1e-6)
+    assert sorted(el) == list(range(12))
+    np.testing.assert_allclose([el[s] for s in range(12)], [ref["train/loss"][s] for s in range(12)], rtol=1e-6)
 
 
 @pytest.mark.slow
