@@ -52,7 +52,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-INSTALL = "python3 -m venv .venv && .venv/bin/pip install -q --no-compile -e '.[test]'"
+INSTALL = "python3 -m venv .venv && .venv/bin/pip install -q -e '.[test]'"
 NOT_RUN = re.compile(r"^\s*<!--\s*not-run:\s*(.*?)\s*-->\s*$")
 FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w+-]*)\s*$")
 DOC_TIMEOUT_S = 1200
