@@ -202,6 +202,35 @@ def test_export_lm_to_hf_merges_a_lora_checkpoint(run, tmp_path):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 
+def test_eval_lm_evaluates_a_lora_checkpoint_through_its_adapters(run, hf_llama, tmp_path):
+    """eval_lm rebuilds the adapters a lora_lm checkpoint records: its losses are those of the run's merged
+    export, and not those of the base model the adapters were trained on."""
+    import dataclasses
+
+    from levanter.lm_config import with_hf_model
+    from levanter.main import eval_lm
+
+    tmp, path, _ = run
+    base = with_hf_model(lora_lm.to_train_lm_config(parse_config(lora_lm.LoraLmConfig, path)))
+    common = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    common.update(
+        initialize_from_hf=False,
+        data=dataclasses.replace(base.data, validation_urls=["embedded://python-docs/validation"]),
+        # float32: the adapters' two products and the merged weight's one then agree far below what they move
+        trainer=dataclasses.replace(base.trainer, mp="f32", id="lora-eval", log_dir=str(tmp_path / "logs"),
+                                    max_eval_batches=2),
+    )
+
+    def evaluate(**which):
+        return eval_lm.main(eval_lm.EvalLmConfig(**common, **which))["eval/loss"]
+
+    adapted = evaluate(checkpoint_path=str(tmp / "ckpt" / "lora"))
+    merged = evaluate(hf_checkpoint=str(tmp / "merged" / "lora" / f"step-{STEPS}"))
+    untrained = evaluate(hf_checkpoint=hf_llama)
+    assert adapted == pytest.approx(merged, rel=tol(1e-5))
+    assert abs(adapted - untrained) > 100 * tol(1e-5) * abs(untrained), (adapted, untrained)
+
+
 def test_a_resume_with_other_lora_settings_is_refused(run, capsys):
     tmp, path, _ = run
     with pytest.raises(SystemExit) as e:

@@ -30,6 +30,7 @@ from typing import Optional
 import levanter.config
 from levanter.checkpoint import read_checkpoint_metadata
 from levanter.lm_config import TrainLmConfig, model_vocab_size, with_hf_model
+from levanter.lora import loraize, lora_from_record
 from levanter.quantization import fp8_from_record, with_fp8
 
 __all__ = ["EvalLmConfig", "main", "cli_main", "cli"]
@@ -90,12 +91,25 @@ def main(config: EvalLmConfig) -> dict:
     # model (as much device memory again) that is neither loaded from the checkpoint nor evaluated.
     trainer = Trainer(dataclasses.replace(tcfg, model_averaging=None), optax.identity(), loss_fn)
     if path is not None:
-        vocab_size = model_vocab_size(config, tokenizer)
         meta = read_checkpoint_metadata(path)
-        # An fp8 run's checkpoint holds its layers' fp8 state (recorded with its settings): evaluated through it.
-        fp8 = fp8_from_record(meta.get("metadata") or {})
-        state = trainer.initial_state(lambda k: with_fp8(config.model.build(hax.Axis("vocab", vocab_size), key=k), fp8),
-                                      key=jax.random.PRNGKey(0))
+        record = meta.get("metadata") or {}
+        # The embedding's rows as the checkpoint records them (a run started from a Hugging Face checkpoint has
+        # that checkpoint's, often more than the tokenizer's); else as the config and tokenizer give them.
+        vocab_size = int(record["vocab_size"]) if record.get("vocab_size") else model_vocab_size(config, tokenizer)
+        if vocab_size < tokenizer.vocab_size:
+            raise ValueError(
+                f"checkpoint_path={path!r} has a vocabulary of {vocab_size}, smaller than the data tokenizer's "
+                f"({tokenizer.vocab_size}): set data.tokenizer as in the run that wrote it"
+            )
+        # An fp8 run's checkpoint holds its layers' fp8 state, a lora_lm run's its adapters (each recorded with
+        # its settings): the model is built with them, and evaluated through them.
+        fp8, lora = fp8_from_record(record), lora_from_record(record)
+
+        def build(k):
+            model = with_fp8(config.model.build(hax.Axis("vocab", vocab_size), key=k), fp8)
+            return model if lora is None else loraize(model, lora, key=k)
+
+        state = trainer.initial_state(build, key=jax.random.PRNGKey(0))
         state = initialize_from(state, path, optimizer_state=False, key="checkpoint_path")
         model = state.model
         step = int(meta["step"])
