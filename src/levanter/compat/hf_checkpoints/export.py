@@ -222,7 +222,37 @@ def write_export(output_dir: str, files: dict[str, bytes], commit_file: str = CO
 # ------------------------------------------------------------------------------------------------
 
 
-class HfExporter:
+class StepExporter:
+    """Exports a training run's model to ``<base_path>/step-<N>`` every ``every`` steps and at ``last_step``;
+    subclasses say how (:meth:`write`). :meth:`wrap` puts it behind a checkpointer, whose
+    ``on_step(state, step, force)`` the trainer calls after every step with the state after it."""
+
+    what = "the model"  # in the log line of each export
+
+    def __init__(self, base_path: str, *, every: int, last_step: int, key: str):
+        self.base_path, self.every, self.last_step, self.key = base_path, every, last_step, key
+        self.exported: list[str] = []
+
+    def due(self, step: int) -> bool:
+        """Whether :meth:`on_step` exports the model after ``step`` updates."""
+        return step > 0 and (step % self.every == 0 or step == self.last_step)
+
+    def write(self, model, path: str, step: int) -> None:
+        raise NotImplementedError
+
+    def on_step(self, model, step: int) -> None:
+        if not self.due(step):
+            return
+        path = fs.join(self.base_path, f"step-{step}")
+        self.write(model, path, step)
+        self.exported.append(path)
+        logger.info("exported %s of step %d to %s", self.what, step, path)
+
+    def wrap(self, checkpointer) -> "ExportingCheckpointer":
+        return ExportingCheckpointer(checkpointer, self)
+
+
+class HfExporter(StepExporter):
     """Exports the model of a training run to ``<base_path>/step-<N>`` every ``every`` steps and at
     ``last_step`` (upstream's layout for ``hf_save_path``). :meth:`wrap` puts it behind a checkpointer, whose
     ``on_step(state, step, force)`` the trainer calls after every step with the state after it."""
@@ -231,31 +261,20 @@ class HfExporter:
                  tokenizer: Optional[str] = None, dtype: Optional[str] = None,
                  max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, prepare: Optional[Callable] = None,
                  key: str = "hf_save_path", exported_by: str = "train_lm"):
-        self.base_path, self.every, self.last_step = base_path, every, last_step
+        super().__init__(base_path, every=every, last_step=last_step, key=key)
         self.config, self.tokenizer, self.dtype, self.max_shard_size = config, tokenizer, dtype, max_shard_size
         # prepare(model): the model to export (a LoRA run's adapters merged into the weights); key names the
         # config key in errors, exported_by the entry point in the export's marker.
-        self.prepare, self.key, self.exported_by = prepare, key, exported_by
-        self.exported: list[str] = []
+        self.prepare, self.exported_by = prepare, exported_by
 
-    def due(self, step: int) -> bool:
-        """Whether :meth:`on_step` exports the model after ``step`` updates."""
-        return step > 0 and (step % self.every == 0 or step == self.last_step)
+    what = "the model (Hugging Face format)"
 
-    def on_step(self, model, step: int) -> None:
-        if not self.due(step):
-            return
-        path = fs.join(self.base_path, f"step-{step}")
+    def write(self, model, path: str, step: int) -> None:
         if self.prepare is not None:
             model = self.prepare(model)
         save_hf_checkpoint(model, self.config, path, tokenizer=self.tokenizer, dtype=self.dtype,
                            max_shard_size=self.max_shard_size, source={"exported_by": self.exported_by, "step": step},
                            label=f"{self.key}: the export directory {path!r}")
-        self.exported.append(path)
-        logger.info("exported step %d to %s (Hugging Face format)", step, path)
-
-    def wrap(self, checkpointer) -> "ExportingCheckpointer":
-        return ExportingCheckpointer(checkpointer, self)
 
 
 class ExportingCheckpointer:

@@ -31,10 +31,9 @@ from typing import Optional
 import numpy as np
 
 from levanter.lora import LORA_R, LoraConfig, LoraLinear
-from levanter.utils import fs
 from levanter.utils.layer_select import dotted_path
 
-from .export import ExportingCheckpointer, tokenizer_files, write_export
+from .export import StepExporter, tokenizer_files, write_export
 from .families import STACKED, family_name, family_of
 from .safetensors_io import dtype_table, safetensors_bytes
 
@@ -196,7 +195,7 @@ def save_peft_adapter(model, lora: LoraConfig, output_dir: str, *, base_model_na
     return output_dir
 
 
-class PeftExporter:
+class PeftExporter(StepExporter):
     """Exports a LoRA run's adapters to ``<base_path>/step-<N>`` every ``every`` steps and at ``last_step``
     (upstream's layout for ``peft_save_path``). :meth:`wrap` puts it behind a checkpointer, as
     :class:`.export.HfExporter` does."""
@@ -204,22 +203,12 @@ class PeftExporter:
     def __init__(self, base_path: str, *, every: int, last_step: int, lora: LoraConfig,
                  base_model_name_or_path: Optional[str] = None, tokenizer: Optional[str] = None,
                  key: str = "peft_save_path"):
-        self.base_path, self.every, self.last_step = base_path, every, last_step
-        self.lora, self.base_model, self.tokenizer, self.key = lora, base_model_name_or_path, tokenizer, key
-        self.exported: list[str] = []
+        super().__init__(base_path, every=every, last_step=last_step, key=key)
+        self.lora, self.base_model, self.tokenizer = lora, base_model_name_or_path, tokenizer
 
-    def due(self, step: int) -> bool:
-        return step > 0 and (step % self.every == 0 or step == self.last_step)
+    what = "the LoRA adapters (PEFT format)"
 
-    def on_step(self, model, step: int) -> None:
-        if not self.due(step):
-            return
-        path = fs.join(self.base_path, f"step-{step}")
+    def write(self, model, path: str, step: int) -> None:
         save_peft_adapter(model, self.lora, path, base_model_name_or_path=self.base_model, tokenizer=self.tokenizer,
                           source={"exported_by": "lora_lm", "step": step},
                           label=f"{self.key}: the export directory {path!r}")
-        self.exported.append(path)
-        logger.info("exported the LoRA adapters of step %d to %s (PEFT format)", step, path)
-
-    def wrap(self, checkpointer) -> ExportingCheckpointer:
-        return ExportingCheckpointer(checkpointer, self)
