@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from accelerator import tol
+from accelerator import ON_TPU, tol
 from levanter.config import parse_config
 from levanter.main import train_lm
 from levanter.main.train_lm import lm_loss_fn
@@ -151,16 +151,31 @@ def test_an_fp8_step_over_microbatches_equals_the_step_in_one_pass():
     one_trainer, one, batch = _fp8_trainer(-1, n, sgd=True)
     micro_trainer, micro, _ = _fp8_trainer(1, n, sgd=True)
     assert micro_trainer._microbatches(n) == 4
+    w0 = [jnp.array(w, copy=True) for w in _split_fp8(one.model)[1]]  # the step donates the state
     one, m1 = one_trainer.train_step(one, batch, n)
     micro, m4 = micro_trainer.train_step(micro, batch, n)
     # tol: on a TPU the microbatches' float32 sums round differently (1.1e-5 relative on the loss was measured)
     assert abs(float(m1["loss"]) - float(m4["loss"])) < tol(1e-5) * abs(float(m1["loss"]))
     (s1, w1), (s4, w4) = _split_fp8(one.model), _split_fp8(micro.model)
-    for a, b in zip(w1, w4):
-        assert float(jnp.abs(a - b).max()) < tol(1e-5)
-    for a, b in zip(s1, s4):
-        assert float((jnp.abs(a - b) / jnp.maximum(jnp.abs(a), 1e-30)).max()) < tol(1e-5)
+    update_1 = [a - a0 for a, a0 in zip(w1, w0)]
+    state_error = max(float((jnp.abs(a - b) / jnp.maximum(jnp.abs(a), 1e-30)).max()) for a, b in zip(s1, s4))
+    if not ON_TPU:
+        for a, b in zip(w1, w4):
+            assert float(jnp.abs(a - b).max()) < 1e-5
+        assert state_error < 1e-5
+    else:
+        # fp8 turns last-bit differences into whole fp8 steps: a value that the TPU's per-shape rounding of
+        # a float32 product moves across an e4m3/e5m2 rounding boundary changes by 12-25 %, and so do the
+        # gradients and amax values behind it. On CPU, perturbing the weights by 1e-5 relative moves this
+        # step's update by 0.5 % (norm) and one gradient amax history by 2.4 %; the errors this check is
+        # for are far larger (a state or gradient from the last microbatch only: 24-36 % on the histories;
+        # gradients summed without the 1/4: 75 %).
+        diff = sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(w1, w4)) ** 0.5
+        norm = sum(float(jnp.sum(u ** 2)) for u in update_1) ** 0.5
+        assert diff < 0.05 * norm, f"updates differ by {diff / norm:.2e} of their norm"
+        assert state_error < 0.1, f"the fp8 state differs by {state_error:.2e} (relative)"
     assert all(float(jnp.abs(a).max()) > 0 for a in s1)  # every scale and history was written
+    assert all(float(jnp.abs(u).max()) > 0 for u in update_1)  # every weight moved
 
 
 def test_the_int8_loss_is_close_to_the_float_loss_but_not_equal():
