@@ -42,7 +42,8 @@ class FlatStep:
 
     ``haliax.named_jit`` re-derives, on every call, which leaves are arrays, their shardings and the
     output's shardings: milliseconds of Python per call for a small model's state (docs/performance.md),
-    during which the device waits (the loop fetches each step's loss before it dispatches the next).
+    during which the device idles whenever nothing else is queued: after a step whose state the loop needed
+    (a save, an evaluation), and for any step shorter than that Python.
     Those are fixed for a given structure of ``(state, batch)``, so they are worked out once per
     structure (the output shardings by the same ``infer_resource_partitions`` named_jit uses, from
     ``param_mapping``; inputs keep the shardings they have, as with named_jit) and a call is then a
