@@ -45,7 +45,7 @@ def test_the_marker_parser(tmp_path):
         ("bash", 4, "needs a TPU", "gcloud x\n"), ("text", 8, None, "$ out\n"), ("bash", 12, None, "echo hi\n")]
 
 
-# The whole run takes ~5 minutes on 2 cores (~7 beside the other slow tests): longer than the suite's
+# The whole run takes 5-9 minutes on 2 cores (9-13 beside the other slow tests): longer than the suite's
 # per-test limits (pyproject.toml), which are for a hung test. Here run_guides.py stops the document running
 # at its own limit and reports each block's time; pytest-timeout and the faulthandler dump come after it.
 GUIDES_TIMEOUT_S = 1200
