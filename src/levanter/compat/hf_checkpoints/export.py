@@ -253,9 +253,10 @@ class StepExporter:
 
 
 class HfExporter(StepExporter):
-    """Exports the model of a training run to ``<base_path>/step-<N>`` every ``every`` steps and at
-    ``last_step`` (upstream's layout for ``hf_save_path``). :meth:`wrap` puts it behind a checkpointer, whose
-    ``on_step(state, step, force)`` the trainer calls after every step with the state after it."""
+    """A :class:`StepExporter` writing the model in Hugging Face format (upstream's layout for
+    ``hf_save_path``)."""
+
+    what = "the model (Hugging Face format)"
 
     def __init__(self, base_path: str, *, every: int, last_step: int, config: LmConfig,
                  tokenizer: Optional[str] = None, dtype: Optional[str] = None,
@@ -266,8 +267,6 @@ class HfExporter(StepExporter):
         # prepare(model): the model to export (a LoRA run's adapters merged into the weights); key names the
         # config key in errors, exported_by the entry point in the export's marker.
         self.prepare, self.exported_by = prepare, exported_by
-
-    what = "the model (Hugging Face format)"
 
     def write(self, model, path: str, step: int) -> None:
         if self.prepare is not None:

@@ -196,17 +196,16 @@ def save_peft_adapter(model, lora: LoraConfig, output_dir: str, *, base_model_na
 
 
 class PeftExporter(StepExporter):
-    """Exports a LoRA run's adapters to ``<base_path>/step-<N>`` every ``every`` steps and at ``last_step``
-    (upstream's layout for ``peft_save_path``). :meth:`wrap` puts it behind a checkpointer, as
-    :class:`.export.HfExporter` does."""
+    """A :class:`.export.StepExporter` writing a LoRA run's adapters in PEFT format (upstream's layout for
+    ``peft_save_path``)."""
+
+    what = "the LoRA adapters (PEFT format)"
 
     def __init__(self, base_path: str, *, every: int, last_step: int, lora: LoraConfig,
                  base_model_name_or_path: Optional[str] = None, tokenizer: Optional[str] = None,
                  key: str = "peft_save_path"):
         super().__init__(base_path, every=every, last_step=last_step, key=key)
         self.lora, self.base_model, self.tokenizer = lora, base_model_name_or_path, tokenizer
-
-    what = "the LoRA adapters (PEFT format)"
 
     def write(self, model, path: str, step: int) -> None:
         save_peft_adapter(model, self.lora, path, base_model_name_or_path=self.base_model, tokenizer=self.tokenizer,
