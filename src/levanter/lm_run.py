@@ -52,7 +52,9 @@ __all__ = [
     "cli_errors",
     "make_evaluator",
     "main",
+    "run_config_command",
     "say_finished",
+    "start_command",
 ]
 
 import asyncio
@@ -552,3 +554,31 @@ def cli_errors():
         # the run failed (a coordinator that never answered, unreadable data, a NaN loss, a failed save)
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+
+
+def run_config_command(module_name: str, cli_main: Callable, argv=None) -> None:
+    """The command line of an entry point whose work is ``cli_main`` (a :func:`levanter.config.main`
+    function): ``--help`` (or ``-h``) prints the keys of the config of ``module_name``'s ``cli_main`` and
+    exits 0; anything else is parsed and run under :func:`cli_errors`."""
+    import levanter.config
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--help" in argv or "-h" in argv:
+        levanter.config.print_help(sys.modules[module_name])
+        sys.exit(0)
+    with cli_errors():
+        cli_main(argv=argv)
+
+
+def start_command(cli: Callable[[], None]) -> None:
+    """What ``python -m levanter.main.<entry>`` does once imported: console logging (levanter's INFO on the
+    console, every record in the run's debug log), a debug line when the process re-executed itself for
+    huge-page malloc (:mod:`levanter.utils.malloc`), then ``cli()``."""
+    from levanter.progress import setup_console_logging
+    from levanter.utils.malloc import MARKER
+
+    setup_console_logging()
+    if os.environ.get(MARKER) == "1":
+        logger.debug("re-executed with GLIBC_TUNABLES=%s (levanter/utils/malloc.py; LEVANTER_MALLOC_HUGETLB=0 "
+                     "turns this off)", os.environ.get("GLIBC_TUNABLES"))
+    cli()

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 __all__ = ["main", "cli_main", "cli"]
 
+if __name__ == "__main__":
+    # Before the heavy imports, so that re-executing costs only an interpreter start-up.
+    from levanter.utils.malloc import reexec_with_hugepage_malloc
+
+    reexec_with_hugepage_malloc()
 import logging
-import os
-import sys
 
 import levanter.config
 from levanter import lm_run
@@ -43,18 +46,8 @@ def cli_main(config: SFTConfig):
 
 def cli(argv=None) -> None:
     """The command-line entry point: exit statuses as ``train_lm``'s (:func:`levanter.lm_run.cli_errors`)."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "--help" in argv or "-h" in argv:
-        levanter.config.print_help(sys.modules[__name__])
-        sys.exit(0)
-    with lm_run.cli_errors():
-        cli_main(argv=argv)
+    lm_run.run_config_command(__name__, cli_main, argv)
 
 
 if __name__ == "__main__":
-    from levanter.progress import setup_console_logging
-
-    setup_console_logging()
-    if os.environ.get("LEVANTER_MALLOC_REEXEC") == "1":
-        logger.debug("re-executed with GLIBC_TUNABLES=%s", os.environ.get("GLIBC_TUNABLES"))
-    cli()
+    lm_run.start_command(cli)

@@ -30,7 +30,6 @@ if __name__ == "__main__":
 
     reexec_with_hugepage_malloc()
 import logging
-import os
 import sys
 from typing import Optional
 
@@ -38,8 +37,8 @@ import levanter.config
 from levanter.lm_config import SEED_LIMIT, TrainLmConfig, data_key, validate
 from levanter.lm_loss import lm_loss_fn
 from levanter.lm_run import check_data_covers_run, check_data_schedule, cli_errors, main, make_evaluator, say_finished
+from levanter.lm_run import start_command
 from levanter.memory_plan import FLAG_HELP, format_plan, make_plan, split_plan_args
-from levanter.progress import setup_console_logging
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +75,4 @@ def cli(argv=None) -> None:
         cli_main(argv=argv)
 
 if __name__ == "__main__":
-    setup_console_logging()
-    if os.environ.get("LEVANTER_MALLOC_REEXEC") == "1":
-        logger.debug("re-executed with GLIBC_TUNABLES=%s (levanter/utils/malloc.py; LEVANTER_MALLOC_HUGETLB=0 "
-                    "turns this off)", os.environ.get("GLIBC_TUNABLES"))
-    cli()
+    start_command(cli)

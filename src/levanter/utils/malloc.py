@@ -8,11 +8,12 @@ ask for transparent huge pages (``madvise``) on the memory it maps, which remove
 faults (figures in docs/performance.md). Accelerator
 runs are unaffected either way (their buffers are the device's), so the setting is harmless there.
 
-glibc reads tunables once, when a process starts, so ``python -m levanter.main.train_lm`` re-executes
-itself once, before its heavy imports (the cost of a second interpreter start-up), with the tunable added to
-``GLIBC_TUNABLES``. It does not when the platform is not Linux/glibc >= 2.35, when transparent huge
-pages are disabled (``never``), when ``GLIBC_TUNABLES`` already sets ``glibc.malloc.hugetlb`` (the
-user's value wins, and it also ends the re-execution), or when ``LEVANTER_MALLOC_HUGETLB=0``.
+glibc reads tunables once, when a process starts, so the training commands (``python -m
+levanter.main.train_lm``, ``sft``, ``lora_lm``) re-execute themselves once, before their heavy imports (the
+cost of a second interpreter start-up), with the tunable added to ``GLIBC_TUNABLES``. They do not when the
+platform is not Linux/glibc >= 2.35, when transparent huge pages are disabled (``never``), when
+``GLIBC_TUNABLES`` already sets ``glibc.malloc.hugetlb`` (the user's value wins, and it also ends the
+re-execution), or when ``LEVANTER_MALLOC_HUGETLB=0``.
 ``main(config)`` called from Python is never re-executed.
 """
 
