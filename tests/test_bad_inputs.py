@@ -1201,6 +1201,10 @@ BRANCH_EVAL_CASES = [
                    'prose: {train_urls: ["embedded://python-docs/validation"], tags: [code]}')),
     Case("eval-lm-no-checkpoint", "branching and evaluation", "`eval_lm` with neither `--checkpoint_path` nor "
          "`--hf_checkpoint`", 2, ["--checkpoint_path", "--hf_checkpoint"], entry="eval_lm"),
+    Case("eval-lm-log-dir-unwritable", "branching and evaluation", "`eval_lm` with a `log_dir` under a regular file",
+         2, ["trainer.log_dir", "$TMP/afile/logs/bad-eval", "Not a directory"], entry="eval_lm",
+         args=["--checkpoint_path", "$SHARED/ckpt/bad", "--trainer.log_dir", "$TMP/afile/logs"],
+         setup=block_checkpoint_dir, needs=["checkpoint"]),
 ]
 CASES += BRANCH_EVAL_CASES
 

@@ -160,3 +160,39 @@ def test_library_chatter_goes_to_the_debug_log_only(tmp_path):
     log = (tmp_path / "run" / "debug.log").read_text()
     for line in ("Unable to initialize backend 'tpu'", "a levanter line", "a levanter detail", "after the log opened"):
         assert line in log
+
+
+UNWRITABLE_LOG_SCRIPT = """
+import logging, sys
+from levanter import progress
+progress.setup_console_logging()
+logging.getLogger("levanter.trainer").debug("a record from before")
+try:
+    progress.open_debug_log(sys.argv[1] + "/logs/run")
+except ValueError as e:
+    print("ValueError:", e)
+try:
+    progress.open_command_debug_log("cache_dataset", sys.argv[1] + "/logs")
+except ValueError as e:
+    print("ValueError:", e)
+print(progress.open_debug_log(sys.argv[2]))
+"""
+
+
+def test_a_debug_log_that_cannot_be_written_is_one_error_naming_the_key_and_loses_no_record(tmp_path):
+    """A log directory under a regular file: a ``ValueError`` naming ``trainer.log_dir`` and the path (the
+    command prints it as one ``error:`` line, exit 2), not a traceback; the records buffered so far still
+    reach a debug log opened afterwards."""
+    import subprocess
+
+    (tmp_path / "afile").write_text("a regular file")
+    r = subprocess.run([sys.executable, "-c", UNWRITABLE_LOG_SCRIPT, str(tmp_path / "afile"), str(tmp_path / "ok")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines[0] == (f"ValueError: trainer.log_dir: cannot write the debug log {tmp_path}/afile/logs/run/debug.log "
+                        "(Not a directory). Choose a writable directory.")
+    assert lines[1] == (f"ValueError: cannot write the debug log {tmp_path}/afile/logs/cache_dataset/debug.log "
+                        "(Not a directory). Run cache_dataset from a writable directory.")
+    assert lines[2] == str(tmp_path / "ok" / "debug.log")
+    assert "a record from before" in (tmp_path / "ok" / "debug.log").read_text()

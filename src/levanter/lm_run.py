@@ -530,11 +530,11 @@ def _config_dict(config) -> dict:
 
 
 @contextlib.contextmanager
-def cli_errors():
+def cli_errors(interrupted: str = "interrupted before training started: nothing was saved"):
     """Around an entry point's work: user errors (bad config values, missing or damaged files) print one
     ``error:`` paragraph and exit with status 2; a full disk exits with 74; run failures (a coordinator that
-    never answered, unreadable data, a NaN loss, a failed save) exit with 1; Ctrl-C before the step loop with
-    130. None prints a traceback (``docs/reference/errors.md``)."""
+    never answered, unreadable data, a NaN loss, a failed save) exit with 1; Ctrl-C before the step loop
+    prints ``interrupted`` and exits with 130. None prints a traceback (``docs/reference/errors.md``)."""
     from levanter.memory_fit import device_oom_as_error
 
     try:
@@ -547,7 +547,7 @@ def cli_errors():
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:  # Ctrl-C before the step loop (which checkpoints on it) or while it cleans up
-        print("interrupted before training started: nothing was saved", file=sys.stderr)
+        print(interrupted, file=sys.stderr)
         sys.exit(130)
     except (DistributedStartupError, DataLoadError, DataEndedError, FloatingPointError,
             CheckpointSaveError, TrackerError) as e:

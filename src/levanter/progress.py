@@ -114,22 +114,35 @@ def setup_console_logging() -> None:
     root.addHandler(_buffer)
 
 
-def open_debug_log(directory: str) -> Optional[str]:
+def open_debug_log(directory: str, key: Optional[str] = "trainer.log_dir",
+                   fix: str = "Choose a writable directory.") -> Optional[str]:
     """Write the buffered records, and every later one, to ``<directory>/debug.log`` (appended to, so that
     a resumed run keeps its earlier attempts' records); returns its path, or None when console logging
     was not set up by :func:`setup_console_logging` (``main`` called from Python) or the directory is on
-    an object store (which cannot be appended to)."""
+    an object store (which cannot be appended to). A directory that cannot be written is a ``ValueError``
+    naming ``key`` (the setting that chose it, if any) and saying ``fix``; a full disk an
+    :class:`~levanter.errors.OutOfSpaceError`."""
     global _buffer
     if _buffer is None:
         return None
-    buffer, _buffer = _buffer, None
     root = logging.getLogger()
-    root.removeHandler(buffer)
     if "://" in directory:
+        root.removeHandler(_buffer)
+        _buffer = None
         return None
-    os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, DEBUG_LOG_NAME)
-    handler = _DebugLog(path, encoding="utf-8")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        handler = _DebugLog(path, encoding="utf-8")
+    except OSError as e:
+        from levanter.errors import is_out_of_space, out_of_space_error
+
+        if is_out_of_space(e):
+            raise out_of_space_error("opening the debug log", path) from None
+        prefix = f"{key}: " if key else ""
+        raise ValueError(f"{prefix}cannot write the debug log {path} ({e.strerror or e}). {fix}") from None
+    buffer, _buffer = _buffer, None
+    root.removeHandler(buffer)
     handler.setLevel(logging.DEBUG)
     handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"))
     for record in buffer.records:
@@ -142,7 +155,7 @@ def open_command_debug_log(command: str, log_dir: str = "logs") -> Optional[str]
     """The debug log of a command that has no run of its own (``cache_dataset``, ``export_lm_to_hf``):
     ``<log_dir>/<command>/debug.log``, appended to by every invocation (each record carries its process id).
     None when console logging was not set up (the command called from Python)."""
-    return open_debug_log(os.path.join(log_dir, command))
+    return open_debug_log(os.path.join(log_dir, command), key=None, fix=f"Run {command} from a writable directory.")
 
 
 def _duration(seconds: float) -> str:

@@ -17,7 +17,8 @@ it keeps a debug log of every record (third-party libraries' too) in ``<trainer.
 ``main(config)`` returns the metrics.
 
 Bad input (no checkpoint named, both named, a path without a complete checkpoint, a checkpoint that does
-not fit ``model``, data without validation sources) prints one ``error:`` paragraph and exits with status 2.
+not fit ``model``, data without validation sources, a log directory that cannot be written) prints one ``error:``
+paragraph and exits with status 2; a failed evaluation (unreadable data, a tracker that failed) exits with 1.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def main(config: EvalLmConfig) -> dict:
 
     from levanter.eval import check_eval_set_sizes, format_table, make_evaluator
     from levanter.progress import DEBUG_LOG_NAME, open_debug_log
-    from levanter.tracker import NoopTracker, init_trackers, metrics_destinations
+    from levanter.tracker import NoopTracker, check_trackers_writable, init_trackers, metrics_destinations
     from levanter.utils import fs
     from levanter.checkpoint import initialize_from, resolve_checkpoint
     from levanter.trainer import Trainer
@@ -76,13 +77,19 @@ def main(config: EvalLmConfig) -> dict:
     path = None
     if config.checkpoint_path is not None:
         path = resolve_checkpoint(config.checkpoint_path, "checkpoint_path")
+    # One id for the debug log and the metrics (a generated one differs at every call).
+    run_id = f"{tcfg.run_id()}-eval"
+    opened_debug_log = None
+    if jax.process_index() == 0:
+        # A log directory that cannot be written fails here, naming trainer.log_dir, not after the evaluation.
+        check_trackers_writable(tcfg.trackers(), run_id, tcfg.log_dir)
+        # the console shows levanter's INFO; the debug log of the run <id>-eval keeps every record, third parties' too
+        opened_debug_log = open_debug_log(fs.join(tcfg.log_dir, run_id))
     config.data.build_caches("validation")
     sets = config.data.validation_sets(config.model.seq_len)
     if not sets:
         raise ValueError("data has no validation_urls: there is nothing to evaluate on")
     check_eval_set_sizes(sets, tcfg, config.model.seq_len)
-    # the console shows levanter's INFO; the debug log of the run <id>-eval keeps every record, third parties' too
-    opened_debug_log = jax.process_index() == 0 and open_debug_log(fs.join(tcfg.log_dir, f"{tcfg.run_id()}-eval"))
 
     def loss_fn(model, batch):  # never called: the evaluator computes its own sums
         raise NotImplementedError
@@ -128,7 +135,6 @@ def main(config: EvalLmConfig) -> dict:
     evaluator = make_evaluator(trainer, config.data, sets, tokenizer, vocab_size, config.model.Pos)
     result = evaluator.evaluate(model)
     metrics = result.metrics()
-    run_id = f"{tcfg.run_id()}-eval"
     if jax.process_index() == 0:
         print(f"{where} (step {step})")
         print(format_table(result), flush=True)
@@ -154,13 +160,14 @@ def cli_main(config: EvalLmConfig):
 
 
 def cli(argv=None) -> None:
-    """The command-line entry point: bad input prints one ``error:`` paragraph and exits with status 2."""
+    """The command-line entry point: bad input prints one ``error:`` paragraph and exits with status 2, a
+    failed evaluation (unreadable data, a coordinator that never answered, a tracker that failed) with 1,
+    as ``train_lm`` does (:func:`levanter.lm_run.cli_errors`); no traceback."""
+    from levanter.lm_run import cli_errors
+
     argv = sys.argv[1:] if argv is None else list(argv)
-    try:
+    with cli_errors(interrupted="interrupted: nothing was evaluated or logged"):
         cli_main(argv=argv)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 if __name__ == "__main__":
