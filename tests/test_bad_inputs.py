@@ -304,6 +304,44 @@ def disk_full_tensorstore(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(ckpt, "write_leaf", no_space)
 
 
+def export_disk_full(mp: pytest.MonkeyPatch) -> None:
+    """An export's first safetensors file is written to /dev/full, where the write fails with the kernel's
+    ENOSPC, as on a full disk; every other file (later exports' too: space was freed) is written normally."""
+    from levanter.utils import fs
+
+    write = fs.atomic_write_bytes
+    failed = []
+
+    def atomic_write_bytes(path, data, **kwargs):
+        if str(path).endswith(".safetensors") and not failed:
+            failed.append(path)
+            with open("/dev/full", "wb") as f:
+                f.write(data)
+                f.flush()
+        return write(path, data, **kwargs)
+
+    mp.setattr(fs, "atomic_write_bytes", atomic_write_bytes)
+
+
+def export_on_rerun(tmp: Path, shared: Path) -> None:
+    """The run stopped at its last step's export before checkpointing that step; rerun (with space), it resumes
+    from the step before and writes the export it missed."""
+    from levanter.config import parse_config
+
+    run = tmp / "ckpt" / "bad"
+    assert "step-4" not in [p.name for p in run.iterdir()] and not (tmp / "hf-out" / "bad" / "step-4").exists()
+    result = train_lm.main(parse_config(train_lm.TrainLmConfig, str(tmp / "config.yaml")))
+    assert result["final_step"] == 4
+    assert (tmp / "hf-out" / "bad" / "step-4" / "model.safetensors").is_file()
+    assert (run / "step-4" / "metadata.json").is_file()
+
+
+def no_export_left(tmp: Path, shared: Path) -> None:
+    """Nothing of the export that failed is left: no output directory, no temporary one beside it."""
+    assert not (tmp / "out").exists()
+    assert not [p.name for p in tmp.iterdir() if p.name.startswith(".tmp-")]
+
+
 def metrics_disk_full(mp: pytest.MonkeyPatch) -> None:
     """The run's metrics.jsonl is opened for appending on /dev/full, where every write fails with the
     kernel's ENOSPC, as on a full disk; every other file is written normally."""
@@ -1290,6 +1328,13 @@ HF_CASES = [
          2, ["output_dir='$TMP/ckpt/bad'", "contains the checkpoint being exported", "$TMP/ckpt/bad/step-2"],
          entry="export_lm_to_hf", yaml=None, config_path=None, needs=["checkpoint"], setup=keeping(copy_checkpoint),
          args=EXPORT_ARGS + ["--output_dir", "$TMP/ckpt/bad"], after=untouched),
+    Case("export-disk-full", "hugging face", "the disk fills up while `export_lm_to_hf` writes the weights", 74,
+         ["out of disk space while writing an export at $TMP/out", "Nothing half-written is kept"],
+         entry="export_lm_to_hf", yaml=None, config_path=None, needs=["checkpoint"], setup=copy_checkpoint,
+         patch=export_disk_full, args=EXPORT_ARGS + ["--output_dir", "$TMP/out"], after=no_export_left),
+    Case("hf-save-path-disk-full", "hugging face", "the disk fills up while a run exports to `hf_save_path`", 74,
+         ["out of disk space while writing an export at $TMP/hf-out/bad/step-4", "Nothing half-written is kept"],
+         yaml=BASE + "hf_save_path: $TMP/hf-out\n", patch=export_disk_full, after=export_on_rerun, needs=["cache"]),
     Case("export-to-working-dir", "hugging face", "`export_lm_to_hf --output_dir .`", 2,
          ["output_dir='.' is the working directory ($TMP)"], entry="export_lm_to_hf", yaml=None, config_path=None,
          needs=["checkpoint"], setup=keeping(copy_checkpoint, write_files({"notes.txt": "mine\n"})),

@@ -35,6 +35,7 @@ from levanter.checkpoint import (
 )
 from levanter.compat.export_guard import check_export_dir
 from levanter.config import ConfigError, parse_config, split_config_path
+from levanter.errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError
 from levanter.models import LmConfig
 from levanter.progress import open_command_debug_log, setup_console_logging
 from levanter.utils import fs
@@ -146,7 +147,8 @@ def main(config: ExportLmConfig) -> str:
 
 
 def cli(argv: Optional[Sequence[str]] = None) -> None:
-    """Parse the command line (and ``--config_path``), export; user errors print one ``error:`` paragraph and exit 2."""
+    """Parse the command line (and ``--config_path``), export; user errors print one ``error:`` paragraph and exit 2,
+    a full disk exits 74."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         path, rest = split_config_path(argv)
@@ -155,6 +157,9 @@ def cli(argv: Optional[Sequence[str]] = None) -> None:
         main(config)
         if debug_log is not None:
             print(f"debug log: {debug_log}")
+    except OutOfSpaceError as e:  # nothing half-written is left (the export is written whole or not at all)
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(OUT_OF_SPACE_EXIT_CODE) from None
     except (ConfigError, ValueError, FileNotFoundError, CorruptCheckpointError) as e:
         print(f"error: {fs.redact(str(e))}", file=sys.stderr)
         raise SystemExit(2) from None

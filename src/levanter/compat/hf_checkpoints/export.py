@@ -180,7 +180,19 @@ def write_export(output_dir: str, files: dict[str, bytes], commit_file: str = CO
     """Write ``files`` into ``output_dir`` all or nothing: locally a ``.tmp-`` directory renamed into place; on an
     object store ``commit_file`` (the file a reader needs first: ``config.json``, a PEFT adapter's
     ``adapter_config.json``) deleted first and written last. The caller has checked that ``output_dir`` may be
-    replaced (:func:`levanter.compat.export_guard.check_replaceable`)."""
+    replaced (:func:`levanter.compat.export_guard.check_replaceable`). A full disk is an
+    :class:`~levanter.errors.OutOfSpaceError` naming ``output_dir`` (the commands' exit status 74)."""
+    from levanter.errors import is_out_of_space, out_of_space_error
+
+    try:
+        _write_export(output_dir, files, commit_file)
+    except OSError as e:
+        if not is_out_of_space(e):
+            raise
+        raise out_of_space_error("writing an export", fs.abspath(output_dir)) from None
+
+
+def _write_export(output_dir: str, files: dict[str, bytes], commit_file: str) -> None:
     if fs.supports_rename(output_dir):
         final = fs.abspath(output_dir)
         parent = os.path.dirname(final)
@@ -291,10 +303,13 @@ class ExportingCheckpointer:
         return self._exporter.due(step) or inner
 
     def on_step(self, state, step: int, force: bool = False):
-        out = self._inner.on_step(state, step, force=force)
+        # The export first: one that fails (a full disk) stops the run before a checkpoint of this step exists,
+        # so the rerun resumes from an earlier step and writes this export when it gets here again. A checkpoint
+        # written first would make the rerun start after this step (or, at the last step, find nothing to
+        # train), and the export would never be written.
         if self._exporter.due(step):
             self._exporter.on_step(state.eval_model, step)
-        return out
+        return self._inner.on_step(state, step, force=force)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
