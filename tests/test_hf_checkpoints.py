@@ -491,3 +491,20 @@ def test_qwen_merge_takes_the_shape_and_refuses_another_type(hf_dirs):
         merge_hf_model_config(LlamaConfig(seq_len=32), hf_dirs["qwen3"][0])
     with pytest.raises(ValueError, match="model.head_dim=8 disagrees"):
         merge_hf_model_config(Qwen3Config(seq_len=32, head_dim=8), hf_dirs["qwen3"][0])
+
+
+def test_an_exporter_writes_each_due_step_once(tmp_path):
+    """``hf_save_steps`` 2 of a 5-step run: steps 2, 4 and the last; a step asked twice (a SIGTERM's forced save
+    after the step's own) is written once."""
+    from levanter.compat.hf_checkpoints import HfExporter
+
+    config = Gpt2Config(hidden_dim=32, num_heads=2, num_layers=1, seq_len=16)
+    model = config.build(hax.Axis("vocab", 64), key=jax.random.PRNGKey(0))
+    exporter = HfExporter(str(tmp_path / "hf"), every=2, last_step=5, config=config)
+    written = []
+    for step in (1, 2, 2, 3, 4, 5, 5):
+        exporter.on_step(model, step)
+        written.append(sorted((p.parent.name, p.stat().st_mtime_ns) for p in (tmp_path / "hf").glob("step-*/config.json")))
+    assert exporter.exported == [str(tmp_path / "hf" / f"step-{s}") for s in (2, 4, 5)]
+    assert [name for name, _ in written[-1]] == ["step-2", "step-4", "step-5"]
+    assert written[2] == written[1] and written[6] == written[5]  # the second call for a step wrote nothing

@@ -253,9 +253,10 @@ class StepExporter:
         raise NotImplementedError
 
     def on_step(self, model, step: int) -> None:
-        if not self.due(step):
-            return
         path = fs.join(self.base_path, f"step-{step}")
+        # A step already exported is not written again (a SIGTERM's forced save calls again for the same step).
+        if not self.due(step) or path in self.exported:
+            return
         self.write(model, path, step)
         self.exported.append(path)
         logger.info("exported %s of step %d to %s", self.what, step, path)
