@@ -1355,6 +1355,26 @@ HF_CASES = [
 ]
 CASES += HF_CASES
 
+# -- runs that would train nothing, skip steps, or resume into other settings ----------------------------
+
+
+def no_step_checkpoint(tmp: Path, shared: Path) -> None:
+    """The run stopped before committing any checkpoint."""
+    found = glob.glob(str(tmp / "ckpt/bad/step-*"))
+    assert not found, f"a checkpoint was committed: {found}"
+
+
+RUN_OUTCOME_CASES = [
+    Case("update-vanishes-epsilon", "run outcomes", "`optimizer.epsilon: 1e18`: every update is ~0, nothing trains",
+         2, ["the update at step 0", "too small to change float32 parameters", "optimizer.epsilon=1e+18"],
+         args=["--optimizer.epsilon", "1e18", "--trainer.checkpointer.keep", "[{every: 1}]"], needs=["cache"],
+         after=no_step_checkpoint),
+    Case("learning-rate-zero", "run outcomes", "`optimizer.learning_rate: 0`: no update at all", 2,
+         ["the update at step 0", "learning rate 0", "optimizer.learning_rate is 0"],
+         args=["--optimizer.learning_rate", "0"], needs=["cache"], after=no_step_checkpoint),
+]
+CASES += RUN_OUTCOME_CASES
+
 MIN_CASES = 30
 
 

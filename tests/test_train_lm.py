@@ -1034,3 +1034,49 @@ def test_llama_nano_trains_on_tpu_with_splash_attention(tmp_path):
     losses = train_losses(metrics(tmp_path, "tpu"))
     assert sorted(losses) == list(range(6)) and np.isfinite(list(losses.values())).all(), losses
     assert losses[5] < losses[0], losses
+
+
+def test_the_step_measures_its_update_against_the_parameters():
+    """The step reports its update's global norm and the parameters' (before the step): for one Adam step
+    they are those of the arrays themselves, and a huge epsilon makes the update vanish."""
+    before, after, _, _, metrics = _zero_gradient_rows_step(eps=1e-8)
+    moved = np.sqrt(sum(float(np.sum((b.astype(np.float64) - a) ** 2)) for a, b in zip(before, after)))
+    norm = np.sqrt(sum(float(np.sum(a.astype(np.float64) ** 2)) for a in before))
+    assert float(metrics["param_norm"]) == pytest.approx(norm, rel=1e-5)
+    assert float(metrics["update_norm"]) == pytest.approx(moved, rel=1e-3)
+    _, _, _, _, vanishing = _zero_gradient_rows_step(eps=1e18)
+    assert float(vanishing["update_norm"]) < 1e-9 * float(vanishing["param_norm"])
+
+
+def _report(step=3, *, update_norm=1e-3, param_norm=10.0, grad_norm=0.5, skipped=False, non_finite=False):
+    from levanter.trainer import StepReport
+
+    batch = Batch(step=step, global_offset=0, batch_size=2, data={})
+    return StepReport(step, batch, 2.5, grad_norm, skipped, 0.1, update_norm=update_norm, param_norm=param_norm,
+                      non_finite=non_finite)
+
+
+def test_an_update_too_small_to_count_stops_the_run_naming_the_key():
+    from levanter.lm_run import check_update_moves
+
+    adam = AdamConfig(learning_rate=1e-3, epsilon=1e18)
+    with pytest.raises(ValueError, match=r"the update at step 3 is 1\.0e-24 .*optimizer\.epsilon=1e\+18"):
+        check_update_moves(_report(update_norm=1e-23), 1e-3, adam)
+    with pytest.raises(ValueError, match=r"optimizer\.learning_rate is 0"):
+        check_update_moves(_report(update_norm=0.0), 0.0, AdamConfig(learning_rate=0.0))
+    with pytest.raises(ValueError, match=r"raise optimizer\.learning_rate=1e-20 or lower optimizer\.epsilon=1e-08"):
+        check_update_moves(_report(update_norm=1e-22), 1e-20, AdamConfig(learning_rate=1e-20))
+    check_update_moves(_report(), 1e-3, adam)  # a normal update
+    check_update_moves(_report(update_norm=0.0), 1e-7, adam)  # the warmup's first step: small by design
+    check_update_moves(_report(update_norm=0.0, skipped=True), 1e-3, adam)  # a spike, not applied
+    check_update_moves(_report(update_norm=0.0, grad_norm=0.0), 1e-3, adam)  # no gradient (no loss tokens)
+
+
+def test_a_run_whose_parameters_never_changed_says_so_in_its_summary():
+    from levanter.trainer import StepTally
+
+    tally = StepTally()
+    tally.add(_report(update_norm=0.0))
+    assert tally.warnings() and "the parameters did not change" in tally.warnings()[0]
+    tally.add(_report(update_norm=1e-3))
+    assert tally.warnings() == []

@@ -49,6 +49,7 @@ __all__ = [
     "LoraRun",
     "check_data_covers_run",
     "check_data_schedule",
+    "check_update_moves",
     "cli_errors",
     "make_evaluator",
     "main",
@@ -111,6 +112,7 @@ from levanter.utils.flops import peak_flops_per_device
 from levanter.trainer import (
     DataEndedError,
     StepReport,
+    StepTally,
     Trainer,
     TrainerConfig,
     TrainHooks,
@@ -422,6 +424,7 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
                            enabled=jax.process_index() == 0)
     last_loss = None
     skipping_spikes = bool(config.optimizer.skip_bad_steps)
+    tally = StepTally()  # skipped steps and updates too small to count, for the summary
 
     class Hooks(TrainHooks):
         def on_step(self, r: StepReport) -> None:
@@ -430,6 +433,8 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
             if r.skipped and skipping_spikes and np.isfinite(r.loss) and np.isfinite(r.grad_norm):
                 logger.warning("step %d: loss %.4g or gradient norm %.4g is a spike against the recent steps: "
                                "the update was skipped (optimizer.skip_bad_steps)", step, r.loss, r.grad_norm)
+            check_update_moves(r, lr_schedule(step), config.optimizer)
+            tally.add(r)
             tokens = batch.batch_size * Pos.size
             log = {
                 "train/loss": r.loss,
@@ -488,12 +493,42 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
             state = trainer.train(state, it, to_named=to_named, checkpointer=checkpointer, hooks=Hooks())
         final_step = int(state.step)
         tracker.log_summary({"final_step": final_step, **({"train/loss": last_loss} if last_loss is not None else {})})
-        progress.summary(final_step=final_step, where=_where(tcfg, run_id, checkpointer))
+        warnings = tally.warnings()
+        for w in warnings:  # printed in the summary; recorded in the debug log
+            logger.debug("run summary warning: %s", w)
+        progress.summary(final_step=final_step, where=_where(tcfg, run_id, checkpointer), warnings=warnings)
     finally:
         profiler.stop()
         progress.close()
         tracker.finish()
     return {"run_id": run_id, "final_step": int(state.step), "final_loss": last_loss}
+
+
+def check_update_moves(r: StepReport, lr: float, optimizer) -> None:
+    """Stop the run at a step whose update was applied but is too small to change the parameters (below
+    :data:`levanter.trainer.VANISHING_UPDATE_RATIO` of their norm) although the step had a gradient and the
+    schedule's learning rate ``lr`` was not near its warmup's start or decay's end: the settings make every
+    update vanish (a huge ``optimizer.epsilon``, a learning rate of 0 or 1e-20), and the run would train
+    nothing and exit 0. ValueError (exit 2) naming the key; the state after the step is not saved."""
+    peak = float(optimizer.learning_rate)
+    if not r.update_vanished or r.non_finite or not r.grad_norm > 0:
+        return
+    if peak > 0 and lr < 1e-3 * peak:  # the start of the warmup, the end of a decay: small by design
+        return
+    eps = getattr(optimizer, "epsilon", None)
+    if eps is not None and eps >= 1:
+        fix = (f"optimizer.epsilon={eps:g} drowns the gradient (Adam's update is m / (sqrt(v) + epsilon)): use a "
+               "small epsilon, 1e-8 is usual")
+    elif peak == 0:
+        fix = "optimizer.learning_rate is 0: set a positive learning rate"
+    else:
+        fix = (f"raise optimizer.learning_rate={peak:g}" + (f" or lower optimizer.epsilon={eps:g}" if eps else ""))
+    raise ValueError(
+        f"the update at step {r.step} is {r.update_ratio:.1e} of the parameters' norm (update norm "
+        f"{r.update_norm:.3g}, parameters {r.param_norm:.3g}, train/grad_norm {r.grad_norm:.3g}, learning rate "
+        f"{lr:.3g}): too small to change float32 parameters, so the run would train nothing; training stopped "
+        f"and the state after this step was not saved. {fix}."
+    )
 
 
 def _log_trainable(trainer: Trainer, model, tracker) -> None:

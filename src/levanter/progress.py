@@ -298,8 +298,9 @@ class RunProgress:
             self.last_eval = (step, dict(metrics))
         self._print(line)
 
-    def summary(self, *, final_step: int, where: List[str]) -> None:
-        """Print the end-of-run summary; ``where``: lines saying where metrics and checkpoints went."""
+    def summary(self, *, final_step: int, where: List[str], warnings: List[str] = ()) -> None:
+        """Print the end-of-run summary; ``where``: lines saying where metrics and checkpoints went;
+        ``warnings``: what the run did that its config did not ask for (skipped steps, say), a line each."""
         wall = time.perf_counter() - self._t_start
         if self._steady_seconds > 0:
             tok_s = self._steady_tokens / self._steady_seconds
@@ -312,6 +313,7 @@ class RunProgress:
             lines.append(f"  final train loss {self.last_loss:.4f} (step {self.last_step})")
         if self.last_eval is not None:
             lines.append("  last " + format_eval(*self.last_eval))
+        lines.extend(f"  warning: {w}" for w in warnings)
         lines.extend(f"  {w}" for w in where)
         self.close()
         for line in lines:

@@ -264,6 +264,11 @@ class Trainer:
             )
             updates, opt_state = optimizer.update(grads, state.opt_state, _optimized(params), **opt_args)
             spike = spike_skipped(opt_state)  # skipped as an outlier (optimizer.skip_bad_steps); applies zero
+            # The update's size against the parameters' (two global norms, fused into reads the step makes
+            # anyway): an update far below float32's resolution of the parameters changes nothing, and one
+            # many times their norm is a learning rate out of range (StepReport.update_ratio).
+            update_norm = optax.tree.norm(updates)
+            param_norm = optax.tree.norm(_optimized(params))
             # fp8's scales and histories take the values the backward pass computed for them (none without fp8).
             new_params = hq.apply_updates(params, updates, overwrites)
             # A finite loss and gradient can still give a non-finite update (a zero epsilon's 0/0, a learning
@@ -297,6 +302,7 @@ class Trainer:
             new_state = TrainerState(state.step + 1, model, opt_state, state.training_key, averaged)
             metrics = {"loss": total / denom, "loss_tokens": count, "grad_norm": grad_norm,
                        "update_finite": update_finite, "skipped": jnp.logical_not(finite) | spike,
+                       "update_norm": update_norm, "param_norm": param_norm,
                        "extra": {k: v.astype(jnp.float32) / denom for k, v in extra.items()}}
             return new_state, metrics
 
@@ -386,14 +392,18 @@ class Trainer:
         def report(step: int, batch: Batch, metrics) -> None:
             """Read step ``step``'s metrics (waiting for it to finish), check them, tell the hooks."""
             nonlocal t_prev
-            loss = float(metrics["loss"])
-            grad_norm = float(metrics["grad_norm"])
-            update_finite = bool(metrics["update_finite"])
+            host = jax.device_get(metrics)  # one transfer for the step's scalars
+            loss = float(host["loss"])
+            grad_norm = float(host["grad_norm"])
+            update_finite = bool(host["update_finite"])
             check_finite(loss, step, self.config, grad_norm=grad_norm, update_finite=update_finite)
             now = time.perf_counter()
             dt, t_prev = now - t_prev, now
-            extra = {k: float(v) for k, v in metrics["extra"].items()}
-            hooks.on_step(StepReport(step, batch, loss, grad_norm, bool(metrics["skipped"]), dt, extra))
+            extra = {k: float(v) for k, v in host["extra"].items()}
+            non_finite = not (math.isfinite(loss) and math.isfinite(grad_norm) and update_finite)
+            hooks.on_step(StepReport(step, batch, loss, grad_norm, bool(host["skipped"]), dt, extra,
+                                     update_norm=float(host["update_norm"]), param_norm=float(host["param_norm"]),
+                                     non_finite=non_finite))
 
         def needs_state(done: int) -> bool:
             """Whether the state after ``done`` updates is needed (so the step must finish before the next)."""
@@ -562,6 +572,54 @@ class StepReport:
     seconds: float
     # The loss function's extra metrics (e.g. a mixture of experts' router_aux_loss), means over the step.
     extra: Dict[str, float] = dataclasses.field(default_factory=dict)
+    # Global L2 norms of the step's update (what the optimizer returned, zero for a spike it skipped) and of
+    # the parameters it applies to, before the step.
+    update_norm: float = math.nan
+    param_norm: float = math.nan
+    # Whether the loss, gradient norm or update was not finite (the step was skipped for that, not as a spike).
+    non_finite: bool = False
+
+    @property
+    def update_ratio(self) -> float:
+        """The update's norm over the parameters' (inf for an update of parameters that are all zero)."""
+        if self.param_norm > 0:
+            return self.update_norm / self.param_norm
+        return 0.0 if self.update_norm == 0 else math.inf
+
+    @property
+    def update_vanished(self) -> bool:
+        """Whether the update was applied but too small to change float32 parameters (see
+        :data:`VANISHING_UPDATE_RATIO`)."""
+        return not self.skipped and self.update_ratio < VANISHING_UPDATE_RATIO
+
+
+# An update below this fraction of the parameters' norm changes (almost) none of them: float32 rounds
+# x + u back to x when |u| is under half a unit in the last place, 2^-24 (6e-8) of |x|. A sane step moves
+# the parameters by 1e-5 to 1e-2 of their norm.
+VANISHING_UPDATE_RATIO = 1e-9
+
+
+class StepTally:
+    """What a run's steps did, counted from their :class:`StepReport`s, for the end-of-run summary: a run
+    that trained nothing must say so rather than end like one that trained."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        # applied steps whose update was too small to change the parameters (StepReport.update_vanished)
+        self.vanished = 0
+
+    def add(self, r: StepReport) -> None:
+        self.steps += 1
+        if r.update_vanished:
+            self.vanished += 1
+
+    def warnings(self) -> list:
+        """Lines for the run summary (none for a run whose steps all applied an update that counted)."""
+        out = []
+        if self.steps and self.vanished == self.steps:
+            out.append(f"the parameters did not change: the update of every step ({self.steps}) was below "
+                       f"{VANISHING_UPDATE_RATIO:g} of their norm (a learning rate of 0 at every step?)")
+        return out
 
 
 class TrainHooks:
@@ -670,7 +728,9 @@ __all__ = [
     "DataEndedError",
     "StepMismatchError",
     "StepReport",
+    "StepTally",
     "TrainHooks",
+    "VANISHING_UPDATE_RATIO",
     "Trainer",
     "TrainerConfig",
     "TrainerState",
