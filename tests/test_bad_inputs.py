@@ -1372,6 +1372,17 @@ RUN_OUTCOME_CASES = [
     Case("learning-rate-zero", "run outcomes", "`optimizer.learning_rate: 0`: no update at all", 2,
          ["the update at step 0", "learning rate 0", "optimizer.learning_rate is 0"],
          args=["--optimizer.learning_rate", "0"], needs=["cache"], after=no_step_checkpoint),
+    Case("learning-rate-diverges", "run outcomes", "`optimizer.learning_rate: 1e18`: step 0's update throws the "
+         "weights out of range, step 1's loss is NaN", 1,
+         ["train/loss is NaN at step 1", "The loss was the first value not finite", "Step 0's update was",
+          "optimizer.learning_rate is far too large", "trainer.crash_on_nan: false would skip every later step"],
+         args=["--optimizer.learning_rate", "1e18"], needs=["cache"]),
+    Case("learning-rate-diverges-skipping", "run outcomes", "`learning_rate: 1e18` with `trainer.crash_on_nan: "
+         "false`: every step after step 0 is skipped", 1,
+         ["3 of the run's 4 steps were skipped", "the run did not train", "began at step 1",
+          "optimizer.learning_rate is far too large"],
+         args=["--optimizer.learning_rate", "1e18", "--trainer.crash_on_nan", "false", "--trainer.crash_on_inf",
+               "false"], needs=["cache"]),
 ]
 CASES += RUN_OUTCOME_CASES
 

@@ -1080,3 +1080,41 @@ def test_a_run_whose_parameters_never_changed_says_so_in_its_summary():
     assert tally.warnings() and "the parameters did not change" in tally.warnings()[0]
     tally.add(_report(update_norm=1e-3))
     assert tally.warnings() == []
+
+
+def test_a_non_finite_value_names_what_came_first_and_the_likely_key():
+    from levanter.trainer import check_finite
+
+    with pytest.raises(FloatingPointError, match=r"train/loss is NaN at step 5; .*The loss was the first value not "
+                       r"finite \(train/grad_norm nan\)\. Step 4's update was 3\.0e\+05 times .*optimizer\."
+                       r"learning_rate is far too large.*checkpoint step-4 or earlier.*crash_on_nan: false would "
+                       r"skip every later step"):
+        check_finite(float("nan"), 5, TrainerConfig(), grad_norm=float("nan"), previous=(4, 3e5))
+    with pytest.raises(FloatingPointError, match=r"Step 0's update was too large for float32 to measure .*new "
+                       r"trainer\.id"):
+        check_finite(float("inf"), 1, TrainerConfig(), grad_norm=float("inf"), previous=(0, float("inf")))
+    # An ordinary last update: a rare bad batch is what skipping is for.
+    with pytest.raises(FloatingPointError, match=r"The gradient was the first value not finite\. If it is a rare "
+                       r"bad batch, set trainer\.crash_on_nan: false .*step 6's update was 1\.0e-03"):
+        check_finite(2.0, 7, TrainerConfig(), grad_norm=float("nan"), previous=(6, 1e-3))
+
+
+def test_skipped_steps_are_counted_and_a_run_that_skipped_most_fails():
+    from levanter.trainer import StepTally
+
+    tally = StepTally()
+    tally.add(_report(step=0, update_norm=1e5, param_norm=1.0))  # thrown out of range
+    for s in range(1, 4):
+        tally.add(_report(step=s, skipped=True, non_finite=True))
+    (line,) = tally.warnings()
+    assert "3 of 4 steps were skipped" in line and "the last 3 in a row (from step 1)" in line
+    assert "began at step 1" in tally.failure() and "step 0's update was 1.0e+05 times" in tally.failure()
+
+    rare = StepTally()
+    for s in range(6):
+        rare.add(_report(step=s, skipped=s == 2, non_finite=s == 2))
+    rare.add(_report(step=6, skipped=True))  # a spike (optimizer.skip_bad_steps)
+    assert rare.failure() is None
+    assert rare.warnings() == [
+        "1 of 7 steps were skipped: their loss, gradient or update was not finite (trainer.crash_on_nan / "
+        "crash_on_inf: false)", "1 of 7 steps were skipped as spikes (optimizer.skip_bad_steps)"]

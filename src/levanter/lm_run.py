@@ -492,11 +492,16 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
         with progress.logging_around_bar(), loader.iter_from_step(start_step, tcfg.num_train_steps) as it:
             state = trainer.train(state, it, to_named=to_named, checkpointer=checkpointer, hooks=Hooks())
         final_step = int(state.step)
-        tracker.log_summary({"final_step": final_step, **({"train/loss": last_loss} if last_loss is not None else {})})
+        skips = {"skipped_steps/non_finite": tally.non_finite, "skipped_steps/spikes": tally.spikes}
+        tracker.log_summary({"final_step": final_step, **({"train/loss": last_loss} if last_loss is not None else {}),
+                             **{k: v for k, v in skips.items() if v}})
         warnings = tally.warnings()
         for w in warnings:  # printed in the summary; recorded in the debug log
             logger.debug("run summary warning: %s", w)
         progress.summary(final_step=final_step, where=_where(tcfg, run_id, checkpointer), warnings=warnings)
+        failure = tally.failure()
+        if failure is not None:  # most steps skipped as non-finite: the run did not train (exit 1)
+            raise FloatingPointError(failure)
     finally:
         profiler.stop()
         progress.close()
