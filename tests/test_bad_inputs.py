@@ -1384,6 +1384,29 @@ RUN_OUTCOME_CASES = [
          args=["--optimizer.learning_rate", "1e18", "--trainer.crash_on_nan", "false", "--trainer.crash_on_inf",
                "false"], needs=["cache"]),
 ]
+
+
+def checkpoint_recording_skip_window(tmp: Path, shared: Path) -> None:
+    """The shared step-2 checkpoint, its metadata saying it was written with ``skip_bad_steps: 64``."""
+    meta = copy_checkpoint(tmp, shared) / "metadata.json"
+    doc = json.loads(meta.read_text())
+    doc["metadata"]["skip_bad_steps"] = {"rolling_interval_length": 64, "sigma_factor": 6.0}
+    meta.write_text(json.dumps(doc))
+
+
+RUN_OUTCOME_CASES += [
+    Case("resume-skip-bad-steps-switched-on", "run outcomes", "resuming a run with `optimizer.skip_bad_steps` newly "
+         "switched on", 2,
+         ["$TMP/ckpt/bad/step-2 (step 2)", "optimizer.skip_bad_steps off", "this run has on (a window of 128 steps)",
+          "set optimizer.skip_bad_steps: false", "initialize_from_checkpoint_path: $TMP/ckpt/bad/step-2"],
+         args=["--optimizer.skip_bad_steps", "true"], setup=keeping(resumable_checkpoint), after=untouched,
+         needs=["checkpoint"]),
+    Case("resume-skip-bad-steps-window", "run outcomes", "resuming a `skip_bad_steps: 64` run with "
+         "`skip_bad_steps: 32`", 2,
+         ["optimizer.skip_bad_steps on (a window of 64 steps)", "on (a window of 32 steps)", "another length",
+          "set optimizer.skip_bad_steps: 64"],
+         args=["--optimizer.skip_bad_steps", "32"], setup=checkpoint_recording_skip_window, needs=["checkpoint"]),
+]
 CASES += RUN_OUTCOME_CASES
 
 MIN_CASES = 30

@@ -163,3 +163,24 @@ def test_the_step_keeps_the_old_state_only_where_the_run_skips_non_finite_steps(
     # Keeping the old state is a select per leaf: the four-element parameter and Adam's two moments.
     assert reference >= 3
     assert selects == (0 if crash else reference)
+
+
+def test_a_resume_is_checked_against_the_setting_the_checkpoint_records():
+    """The window's length shapes the optimizer state: a resume that switches the setting on or off, or changes
+    the window, is refused naming the key; the same window (any sigma_factor) resumes. A checkpoint written
+    before the setting was recorded shows it by the window's arrays."""
+    from levanter.optim import check_checkpoint_skip_bad_steps, skip_record
+
+    record = skip_record({"rolling_interval_length": 64, "sigma_factor": 3.0})
+    assert record == {"skip_bad_steps": {"rolling_interval_length": 64, "sigma_factor": 3.0}} and skip_record(False) == {}
+    check_checkpoint_skip_bad_steps(record, True, 64, "ck/step-5", 5)
+    check_checkpoint_skip_bad_steps(record, True, {"rolling_interval_length": 64, "sigma_factor": 9.0}, "ck/step-5", 5)
+    check_checkpoint_skip_bad_steps({}, False, False, "ck/step-5", 5)
+    check_checkpoint_skip_bad_steps({}, True, True, "ck/step-5", 5)  # older checkpoint: window length unknown
+    with pytest.raises(ValueError, match=r"ck/step-5 \(step 5\) was written with optimizer.skip_bad_steps on \(a "
+                       r"window of 64 steps\), but this run has off: .*it holds the window.*skip_bad_steps: 64 as"):
+        check_checkpoint_skip_bad_steps(record, True, False, "ck/step-5", 5)
+    with pytest.raises(ValueError, match=r"skip_bad_steps on, but this run has off: .*skip_bad_steps: true \(with the window"):
+        check_checkpoint_skip_bad_steps({}, True, False, "ck/step-5", 5)
+    with pytest.raises(ValueError, match=r"another length"):
+        check_checkpoint_skip_bad_steps(record, True, 128, "ck/step-5", 5)

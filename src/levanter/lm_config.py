@@ -443,6 +443,25 @@ def model_record(config: TrainLmConfig, vocab_size: int, lora=None) -> dict:
             "tokenizer": config.data.tokenizer, **fp8_record(config.trainer.quantization), **lora_record(lora)}
 
 
+def optimizer_record(config: TrainLmConfig) -> dict:
+    """What a checkpoint records about its optimizer state: ``optimizer.skip_bad_steps``'s window, which the
+    state holds (:func:`levanter.optim.skip_record`)."""
+    from levanter.optim import skip_record
+
+    return skip_record(config.optimizer.skip_bad_steps)
+
+
+def check_resume_optimizer(config: TrainLmConfig, point) -> None:
+    """Before any work: refuse to resume from ``point`` (a :class:`levanter.checkpoint.ResumePoint`) whose
+    optimizer state was written with another ``optimizer.skip_bad_steps`` (on, off, or another window),
+    naming the key and the fix, rather than fail the restore with a list of missing arrays."""
+    from levanter.optim import WINDOW_LEAF, check_checkpoint_skip_bad_steps
+
+    if point is not None:
+        check_checkpoint_skip_bad_steps(point.records, point.holds(WINDOW_LEAF), config.optimizer.skip_bad_steps,
+                                        point.path, point.step)
+
+
 SEED_LIMIT = 2**32  # jax.random.PRNGKey keeps the low 32 bits (without jax_enable_x64)
 
 
@@ -453,5 +472,5 @@ def data_key(config: TrainLmConfig) -> jax.Array:
     return jax.random.split(jax.random.PRNGKey(config.trainer.seed), 4)[0]
 
 
-__all__ = ["SEED_LIMIT", "BranchOrigin", "check_epoch", "check_export_path", "check_hf_keys", "check_hf_save_path",
+__all__ = ["SEED_LIMIT", "BranchOrigin", "check_epoch", "check_resume_optimizer", "optimizer_record", "check_export_path", "check_hf_keys", "check_hf_save_path",
            "export_base", "hf_exporter", "hf_init_path", "model_record", "model_vocab_size", "with_hf_model", "TrainLmConfig", "branch_origin", "check_branch_model", "check_storage_access", "data_key", "storage_locations", "validate"]

@@ -96,6 +96,7 @@ from levanter.lm_config import TrainLmConfig, data_key, validate
 from levanter.lm_config import BranchOrigin, branch_origin, check_branch_model
 from levanter.lm_config import check_hf_save_path, hf_exporter, hf_init_path, model_record, model_vocab_size
 from levanter.lm_config import check_export_path, export_base
+from levanter.lm_config import check_resume_optimizer, optimizer_record
 from levanter.lora import LoraConfig, check_checkpoint_lora, join_adapters, loraize, lora_trainable, merge_lora
 from levanter.lora import split_adapters
 from levanter.lm_config import with_hf_model
@@ -287,6 +288,7 @@ def main(config: TrainLmConfig, *, fresh_model: Optional[Callable] = None, lora:
             where = f"the checkpoint {point.path} (step {point.step})"
             check_checkpoint_fp8(point.records, tcfg.quantization, where)
             check_checkpoint_lora(point.records, lora.lora if lora is not None else None, where)
+        check_resume_optimizer(config, point)  # optimizer.skip_bad_steps as the checkpoint was written
         return _main_locked(config, tokenizer, run_id, point, branch, fresh_model, lora)
     finally:
         lock.release()
@@ -399,7 +401,8 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
     tracker.log_hyperparameters({**_config_dict(config), **({"initialized_from": origin} if origin else {})})
     checkpointer = tcfg.checkpointer.create(
         run_id,
-        metadata={"data_schedule": record, **model_record(config, Vocab.size, lora.lora if lora else None), **picked,
+        metadata={"data_schedule": record, **model_record(config, Vocab.size, lora.lora if lora else None),
+                  **optimizer_record(config), **picked,
                   **({"initialized_from": origin} if origin else {})},
         barrier=barrier if jax.process_count() > 1 else None,
         process_index=jax.process_index(),

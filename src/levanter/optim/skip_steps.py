@@ -17,7 +17,9 @@ as ``loss=``, which the trainer passes to every optimizer that takes extra argum
 :func:`spike_skipped` reads from the new optimizer state whether this step was skipped, for the
 ``train/skipped_step`` metric. The window lives in the optimizer state, so it is checkpointed and a
 resumed run makes the same decisions; the flip side is that a checkpoint written without
-``skip_bad_steps`` does not restore into a run with it (nor the reverse).
+``skip_bad_steps`` does not restore into a run with it (nor the reverse, nor one with another window).
+Checkpoints record the setting (:func:`skip_record`), and :func:`check_checkpoint_skip_bad_steps` refuses such
+a resume before any work, naming the key and the two ways on.
 """
 
 from __future__ import annotations
@@ -158,4 +160,56 @@ def spike_skipped(opt_state) -> jax.Array:
     return jnp.any(jnp.stack(found)) if found else jnp.zeros((), jnp.bool_)
 
 
-__all__ = ["SkipBadSteps", "SkipBadStepsState", "resolve", "skip_bad_steps", "spike_skipped"]
+# A leaf of the window in a checkpoint's optimizer state (the wrapper is the optimizer's outermost part):
+# how a checkpoint written before the setting was recorded shows that it kept one.
+WINDOW_LEAF = "opt_state/grad_norms"
+
+
+def skip_record(value) -> dict:
+    """What a checkpoint records of ``optimizer.skip_bad_steps`` (``{"skip_bad_steps": {...}}``, nothing when
+    off): the window's length shapes the optimizer state it holds."""
+    cfg = resolve(value)
+    if cfg is None:
+        return {}
+    return {"skip_bad_steps": {"rolling_interval_length": cfg.rolling_interval_length,
+                               "sigma_factor": cfg.sigma_factor}}
+
+
+def check_checkpoint_skip_bad_steps(record: dict, holds_window: bool, value, path: str, step: int) -> None:
+    """Before any work: ValueError naming ``optimizer.skip_bad_steps`` when the checkpoint at ``path`` (whose
+    metadata is ``record``; ``holds_window``: whether its optimizer state holds a window, for checkpoints that
+    do not record the setting) was written with the setting off and this run has it on, the reverse, or
+    another window length: its optimizer state could not be restored into this run's."""
+    mine = resolve(value)
+    theirs = record.get("skip_bad_steps")
+    had = theirs is not None or holds_window
+    their_window = theirs.get("rolling_interval_length") if theirs else None
+    if had == (mine is not None) and (mine is None or their_window in (None, mine.rolling_interval_length)):
+        return
+
+    def say(window, on):
+        if not on:
+            return "off"
+        return "on" + (f" (a window of {window} steps)" if window is not None else "")
+
+    if had and mine is not None:
+        why = "its window of recent losses and gradient norms has another length"
+    elif had:
+        why = "it holds the window of recent losses and gradient norms that skip_bad_steps keeps"
+    else:
+        why = "it lacks the window of recent losses and gradient norms that skip_bad_steps keeps"
+    if not had:
+        as_written = "false"
+    else:
+        as_written = str(their_window) if their_window is not None else "true (with the window that run used)"
+    raise ValueError(
+        f"the checkpoint {path} (step {step}) was written with optimizer.skip_bad_steps {say(their_window, had)}, "
+        f"but this run has {say(mine.rolling_interval_length if mine else None, mine is not None)}: the "
+        f"checkpoint's optimizer state cannot be restored into this run: {why}. To resume, set "
+        f"optimizer.skip_bad_steps: {as_written} as the run that wrote it did; to change it, start a new run "
+        f"(another trainer.id) with initialize_from_checkpoint_path: {path} (its weights, a fresh optimizer state)."
+    )
+
+
+__all__ = ["SkipBadSteps", "SkipBadStepsState", "WINDOW_LEAF", "check_checkpoint_skip_bad_steps", "resolve",
+           "skip_bad_steps", "skip_record", "spike_skipped"]
