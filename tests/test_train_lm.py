@@ -1118,3 +1118,22 @@ def test_skipped_steps_are_counted_and_a_run_that_skipped_most_fails():
     assert rare.warnings() == [
         "1 of 7 steps were skipped: their loss, gradient or update was not finite (trainer.crash_on_nan / "
         "crash_on_inf: false)", "1 of 7 steps were skipped as spikes (optimizer.skip_bad_steps)"]
+
+
+def test_a_run_resumed_past_its_last_step_keeps_the_eval_of_that_step(tmp_path):
+    """A 4-step run evaluates at its end; raised to 6 steps it resumes from step 4, whose records the metrics
+    log drops (the steps it redoes): the eval of step 4 is redone, once, with the same values, and the log
+    reads as the two runs' evals at 4 and 6."""
+    first = train_lm.main(tiny_config(tmp_path, steps=4, steps_per_eval=100))
+    assert first["final_step"] == 4
+    evals = {r["step"]: r for r in metrics(tmp_path) if "eval/loss" in r}
+    assert sorted(evals) == [4]
+    meta = json.loads((tmp_path / "ckpt" / "tiny" / "step-4" / "metadata.json").read_text())
+    assert meta["metadata"]["evals"] == {"steps_per_eval": 100, "num_train_steps": 4}
+
+    assert train_lm.main(tiny_config(tmp_path, steps=6, steps_per_eval=100))["final_step"] == 6
+    rows = metrics(tmp_path)
+    resumed = [r for r in rows if "eval/loss" in r]
+    assert [r["step"] for r in resumed] == [4, 6]
+    assert resumed[0] == evals[4]  # the same state, evaluated again
+    assert sorted(train_losses(rows)) == list(range(6))

@@ -392,6 +392,10 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
         if origin is not None:  # trainer.model_averaging: averaged from the weights the branch starts from
             state = trainer.restart_average(state)
 
+    # The run that wrote the checkpoint evaluated its state at this step (its last step, say, which a run
+    # raising num_train_steps resumes from): the trackers drop that eval with the records of the steps the
+    # resumed run redoes, so it is redone, as the trainer redoes one at a resumed step this run evaluates at.
+    redo_eval_at = start_step if point is not None and _evaluated_at(point, start_step, stage_starts) else None
     if jax.process_index() == 0:
         record_log_lineage(_json_log_dirs(tcfg, run_id), tcfg.checkpointer.expanded_path(run_id))
         # resume_step=0 on a fresh start too: lines an earlier attempt logged without checkpointing are dropped.
@@ -402,7 +406,7 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
     checkpointer = tcfg.checkpointer.create(
         run_id,
         metadata={"data_schedule": record, **model_record(config, Vocab.size, lora.lora if lora else None),
-                  **optimizer_record(config), **picked,
+                  **optimizer_record(config), **picked, **_eval_record(tcfg, eval_sets),
                   **({"initialized_from": origin} if origin else {})},
         barrier=barrier if jax.process_count() > 1 else None,
         process_index=jax.process_index(),
@@ -471,6 +475,7 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
         def is_eval_step(self, done: int) -> bool:
             return bool(eval_sets) and (
                 done % tcfg.steps_per_eval == 0 or done == tcfg.num_train_steps or done in stage_starts
+                or done == redo_eval_at
             )
 
         def evaluate(self, model, done: int) -> None:
@@ -510,6 +515,26 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
         progress.close()
         tracker.finish()
     return {"run_id": run_id, "final_step": int(state.step), "final_loss": last_loss}
+
+
+def _eval_record(tcfg: TrainerConfig, eval_sets: Dict[str, AsyncDataset]) -> dict:
+    """What a checkpoint records of when its run evaluated (every ``steps_per_eval`` steps, at
+    ``num_train_steps`` and at the mixture's stage starts, which the data schedule records): a resumed run
+    redoes the eval of the step it resumes at where the run that wrote it evaluated there."""
+    if not eval_sets:
+        return {}
+    return {"evals": {"steps_per_eval": tcfg.steps_per_eval, "num_train_steps": tcfg.num_train_steps}}
+
+
+def _evaluated_at(point: ResumePoint, step: int, stage_starts) -> bool:
+    """Whether the run that wrote ``point`` evaluated the state after ``step`` updates (from its record; a
+    checkpoint without one says nothing, and its run's evals at this step are redone only where this run
+    evaluates anyway)."""
+    evals = point.records.get("evals")
+    if not isinstance(evals, dict):
+        return False
+    every, last = evals.get("steps_per_eval"), evals.get("num_train_steps")
+    return step == last or step in stage_starts or (isinstance(every, int) and every > 0 and step % every == 0)
 
 
 def check_update_moves(r: StepReport, lr: float, optimizer) -> None:
