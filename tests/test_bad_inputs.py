@@ -1406,6 +1406,13 @@ RUN_OUTCOME_CASES += [
          ["optimizer.skip_bad_steps on (a window of 64 steps)", "on (a window of 32 steps)", "another length",
           "set optimizer.skip_bad_steps: 64"],
          args=["--optimizer.skip_bad_steps", "32"], setup=checkpoint_recording_skip_window, needs=["checkpoint"]),
+    Case("eval-lm-without-config", "run outcomes", "`eval_lm --checkpoint_path` with no `--config_path` (so no "
+         "validation data)", 2,
+         ["no validation data to evaluate on", "no --config_path was given",
+          "the model and tokenizer come from the checkpoint's metadata.json", "--config_path config/gpt2_nano.yaml",
+          "--data.validation_urls"],
+         entry="eval_lm", yaml=None, config_path=None, args=["--checkpoint_path", "$SHARED/ckpt/bad"],
+         needs=["checkpoint"]),
 ]
 CASES += RUN_OUTCOME_CASES
 

@@ -274,3 +274,20 @@ def test_the_shipped_nano_configs_evaluate_every_validation_source(name, tmp_pat
     assert [es.name for es in evaluator.eval_sets] == ["prose", "code"]
     for es in evaluator.eval_sets:  # each source holds its max_eval_batches batches
         assert asyncio.run(es.dataset.async_len()) >= cfg.trainer.max_eval_batches * cfg.trainer.eval_batch_size
+
+
+def test_eval_lm_without_a_config_takes_the_model_and_tokenizer_from_the_checkpoint(origin, tmp_path, capsys):
+    """``eval_lm --checkpoint_path ...`` with no --config_path builds the model and the tokenizer the checkpoint's
+    metadata.json records: given only the validation files (and the batch and device settings), it evaluates the
+    origin run's prose source as that run's own eval did."""
+    tmp, cfg = origin
+    eval_lm.cli(["--checkpoint_path", str(tmp / "ckpt" / "origin"),
+                 "--data.validation_urls", '["embedded://python-docs/validation"]',
+                 "--data.cache_dir", str(tmp_path / "cache"), "--trainer.require_accelerator", "false",
+                 "--trainer.train_batch_size", "8", "--trainer.max_eval_batches", "2",
+                 "--trainer.log_dir", str(tmp_path / "logs"), "--trainer.id", "bare"])
+    written = [json.loads(x) for x in open(tmp_path / "logs" / "bare-eval" / "metrics.jsonl")]
+    logged = [r for r in metrics(tmp, "origin") if "eval/loss" in r][-1]
+    assert written[-1]["step"] == 2
+    assert written[-1]["eval/loss"] == pytest.approx(logged["eval/prose/loss"], rel=1e-6)
+    assert "'byte'" not in capsys.readouterr().err  # no tokenizer error: the byte tokenizer was used

@@ -16,6 +16,11 @@ checkpoint's step; 0 for a Hugging Face checkpoint), and says where they went. R
 it keeps a debug log of every record (third-party libraries' too) in ``<trainer.log_dir>/<trainer.id>-eval``.
 ``main(config)`` returns the metrics.
 
+Without ``--config_path`` the model and the tokenizer come from the checkpoint's ``metadata.json`` (which
+records both), unless the command line sets ``model`` or ``data.tokenizer``; the validation data must still
+be named, with the run's config or ``--data.validation_urls``, and a command line naming none is refused
+first, in one error saying so, before the accelerator is required or any tokenizer loaded.
+
 Bad input (no checkpoint named, both named, a path without a complete checkpoint, a checkpoint that does
 not fit ``model``, data without validation sources, a log directory that cannot be written) prints one ``error:``
 paragraph and exits with status 2; a failed evaluation (unreadable data, a tracker that failed) exits with 1.
@@ -34,7 +39,7 @@ from levanter.lm_config import TrainLmConfig, model_vocab_size, with_hf_model
 from levanter.lora import loraize, lora_from_record
 from levanter.quantization import fp8_from_record, with_fp8
 
-__all__ = ["EvalLmConfig", "main", "cli_main", "cli"]
+__all__ = ["EvalLmConfig", "from_checkpoint_record", "main", "cli_main", "cli"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +52,37 @@ class EvalLmConfig(TrainLmConfig):
     hf_checkpoint: Optional[str] = None
 
 
-def main(config: EvalLmConfig) -> dict:
-    """Evaluate; returns ``{metric: value}`` (the ``eval/...`` metrics)."""
+def from_checkpoint_record(config: EvalLmConfig, record: dict) -> EvalLmConfig:
+    """``config`` with the model and tokenizer a checkpoint's metadata ``record`` names, where ``config`` has
+    them at their defaults (a command line without ``--config_path`` that sets neither)."""
+    import draccus
+
+    from levanter.models import LmConfig
+
+    defaults = EvalLmConfig()
+    changed = {}
+    if config.model == defaults.model and isinstance(record.get("model"), dict):
+        changed["model"] = draccus.decode(LmConfig, record["model"])
+    if config.data.tokenizer == defaults.data.tokenizer and isinstance(record.get("tokenizer"), str):
+        config = dataclasses.replace(config, data=dataclasses.replace(config.data, tokenizer=record["tokenizer"]))
+    if changed:
+        config = dataclasses.replace(config, **changed)
+    return config
+
+
+def _names_validation_data(data) -> bool:
+    """Whether ``data`` names any validation files (a single source's ``validation_urls`` or a dataset id; a
+    mixture, which only a config file gives, is judged when its caches are built)."""
+    from levanter.data.config import UrlSingleDatasetLMConfig
+
+    if isinstance(data, UrlSingleDatasetLMConfig):
+        return bool(data.validation_urls) or data.id is not None
+    return True
+
+
+def main(config: EvalLmConfig, *, model_from_checkpoint: bool = False) -> dict:
+    """Evaluate; returns ``{metric: value}`` (the ``eval/...`` metrics). ``model_from_checkpoint``: a command
+    line without ``--config_path``, whose model and tokenizer come from the checkpoint's metadata."""
     import haliax as hax
     import jax
     import optax
@@ -69,14 +103,25 @@ def main(config: EvalLmConfig) -> dict:
             "or a run's checkpoint directory) or --hf_checkpoint (a Hugging Face checkpoint)"
             + (", not both" if config.checkpoint_path is not None else "")
         )
+    path = None
+    if config.checkpoint_path is not None:
+        path = resolve_checkpoint(config.checkpoint_path, "checkpoint_path")
+        if model_from_checkpoint:
+            config = from_checkpoint_record(config, read_checkpoint_metadata(path).get("metadata") or {})
+    if model_from_checkpoint and not _names_validation_data(config.data):
+        # Before the accelerator is required and the (default) tokenizer loaded: that is what the user lacks.
+        origin = (" (the model and tokenizer come from the checkpoint's metadata.json; the data does not)"
+                  if path is not None else "")
+        raise ValueError(
+            "eval_lm has no validation data to evaluate on: data.validation_urls is empty and no --config_path was "
+            f"given{origin}. Give the run's config with --config_path (e.g. --config_path config/gpt2_nano.yaml, "
+            "whose validation sources are evaluated), or name the files with --data.validation_urls"
+        )
     tcfg.validate()
     config.data.eval_tags()
     tokenizer = config.data.the_tokenizer()
     # A run that started from a Hugging Face checkpoint (initialize_from_hf) has that checkpoint's shape.
     config = with_hf_model(config)
-    path = None
-    if config.checkpoint_path is not None:
-        path = resolve_checkpoint(config.checkpoint_path, "checkpoint_path")
     # One id for the debug log and the metrics (a generated one differs at every call).
     run_id = f"{tcfg.run_id()}-eval"
     opened_debug_log = None
@@ -88,7 +133,8 @@ def main(config: EvalLmConfig) -> dict:
     config.data.build_caches("validation")
     sets = config.data.validation_sets(config.model.seq_len)
     if not sets:
-        raise ValueError("data has no validation_urls: there is nothing to evaluate on")
+        raise ValueError("data has no validation_urls: there is nothing to evaluate on; list the validation files "
+                         "in data.validation_urls (or a source's validation_urls)")
     check_eval_set_sizes(sets, tcfg, config.model.seq_len)
 
     def loss_fn(model, batch):  # never called: the evaluator computes its own sums
@@ -165,9 +211,19 @@ def cli(argv=None) -> None:
     as ``train_lm`` does (:func:`levanter.lm_run.cli_errors`); no traceback."""
     from levanter.lm_run import cli_errors
 
+    from levanter.config import split_config_path
+
     argv = sys.argv[1:] if argv is None else list(argv)
     with cli_errors(interrupted="interrupted: nothing was evaluated or logged"):
-        cli_main(argv=argv)
+        if "--help" in argv or "-h" in argv or split_config_path(argv)[0] is not None:
+            cli_main(argv=argv)
+        else:  # no config: the model and tokenizer the checkpoint records
+            _cli_main_bare(argv=argv)
+
+
+@levanter.config.main
+def _cli_main_bare(config: EvalLmConfig):
+    return main(config, model_from_checkpoint=True)
 
 
 if __name__ == "__main__":
