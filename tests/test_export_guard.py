@@ -56,7 +56,9 @@ def test_an_earlier_export_is_replaced_and_carries_its_marker(checkpoint, tmp_pa
     out.mkdir()  # an empty directory is fine
     export_lm_to_hf.cli(["--checkpoint_path", str(checkpoint), "--output_dir", str(out)])
     marker = json.loads((out / MARKER).read_text())
-    assert sorted(p.name for p in out.iterdir()) == marker["files"] == [MARKER, "config.json", "model.safetensors"]
+    # The byte tokenizer's Hugging Face form comes with the weights (tests/test_hf_tokenizer_export.py).
+    assert sorted(p.name for p in out.iterdir()) == marker["files"] == [
+        MARKER, "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
     assert marker["source"]["checkpoint"] == str(checkpoint) and marker["source"]["step"] == 3
     first = tree_bytes(out)
     # Exactly an earlier export: replaced, by the same bytes (the export of the same checkpoint).

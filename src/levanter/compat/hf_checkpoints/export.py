@@ -41,15 +41,62 @@ from .safetensors_io import (
 )
 from .weights import to_state_dict
 
-__all__ = ["save_hf_checkpoint", "HfExporter", "ExportingCheckpointer", "tokenizer_files", "write_export"]
+__all__ = ["save_hf_checkpoint", "HfExporter", "ExportingCheckpointer", "byte_tokenizer_files", "tokenizer_files",
+           "write_export"]
 
 logger = logging.getLogger(__name__)
 
 
+BYTE_EOS_TEXT = "<|endoftext|>"  # the byte tokenizer's end of sequence, id 256 (levanter.ingest.ByteTokenizer)
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """The byte-level pre-tokenizer's map of each byte to a printable character (GPT-2's convention: the
+    printable Latin-1 bytes stand for themselves, the other 68 for the characters from U+0100 on, in order)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def byte_tokenizer_files() -> dict[str, bytes]:
+    """A Hugging Face tokenizer whose ids are levanter's ``byte`` tokenizer's: each UTF-8 byte its own value
+    (0..255), ``<|endoftext|>`` 256 (the EOS). A byte-level BPE with no merges over the 256 byte characters, so
+    ``transformers.AutoTokenizer`` encodes any text to its bytes and decodes ids back to the text; the EOS is
+    a special token, named in tokenizer_config.json (and so config.json's ``eos_token_id``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: b for b, ch in _byte_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([BYTE_EOS_TEXT])
+    if tok.token_to_id(BYTE_EOS_TEXT) != 256:  # the ids must be the byte tokenizer's
+        raise AssertionError(f"the byte tokenizer's EOS got id {tok.token_to_id(BYTE_EOS_TEXT)}, not 256")
+    # split_special_tokens: the text "<|endoftext|>" in a document is its 13 bytes, as levanter's tokenizer reads
+    # it; the EOS id is what a tokenizer appends, not what a document spells.
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": BYTE_EOS_TEXT, "bos_token": None,
+              "unk_token": None, "pad_token": None, "clean_up_tokenization_spaces": False,
+              "split_special_tokens": True}
+    return {"tokenizer.json": tok.to_str().encode(), "tokenizer_config.json": json.dumps(config, indent=2).encode()}
+
+
 def tokenizer_files(tokenizer: Optional[str]) -> dict[str, bytes]:
-    """The files of a Hugging Face tokenizer (a local directory or tokenizer.json, or a hub id); nothing for
-    levanter's own ``byte`` and ``passthrough``."""
-    if tokenizer is None or tokenizer in ("byte", "passthrough"):
+    """The files of a Hugging Face tokenizer (a local directory or tokenizer.json, or a hub id); for
+    levanter's own ``byte`` tokenizer, a Hugging Face tokenizer with the same ids (:func:`byte_tokenizer_files`);
+    nothing for ``passthrough`` (ids with no text; the export says so)."""
+    if tokenizer == "byte":
+        return byte_tokenizer_files()
+    if tokenizer == "passthrough":
+        logger.warning("data.tokenizer is passthrough (token ids with no text form): the export has no tokenizer; "
+                       "give transformers the tokenizer that made the ids")
+        return {}
+    if tokenizer is None:
         return {}
     local = os.path.expanduser(tokenizer)
     if os.path.isfile(local):
