@@ -1137,3 +1137,28 @@ def test_a_run_resumed_past_its_last_step_keeps_the_eval_of_that_step(tmp_path):
     assert [r["step"] for r in resumed] == [4, 6]
     assert resumed[0] == evals[4]  # the same state, evaluated again
     assert sorted(train_losses(rows)) == list(range(6))
+
+
+def test_use_hf_model_config_warns_of_each_key_the_checkpoint_overrides(tmp_path, caplog):
+    """initialize_from_hf with use_hf_model_config: true takes the checkpoint's shape; each key the config set to
+    something else is named in a warning with both values (keys left at their defaults are not)."""
+    from levanter.lm_config import with_hf_model
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4,
+                                                "n_positions": 64, "vocab_size": 300}))
+    (hf / "model.safetensors").write_bytes(b"")
+    base = tiny_config(tmp_path, model=Gpt2Config(hidden_dim=128, num_heads=4, num_layers=2, seq_len=32))
+    config = dataclasses.replace(base, initialize_from_hf=str(hf), use_hf_model_config=True)
+    with caplog.at_level(logging.WARNING, logger="levanter"):
+        merged = with_hf_model(config)
+    assert merged.model.hidden_dim == 64 and merged.model.num_layers == 2
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1, warned  # num_layers: 2 in both; n_positions: the config left it at its default
+    assert "model.hidden_dim=128 in the config is replaced by the checkpoint's 64" in warned[0]
+    assert "use_hf_model_config: true" in warned[0] and str(hf) in warned[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="levanter"):
+        with_hf_model(merged)  # already the checkpoint's: nothing to say
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]

@@ -12,6 +12,7 @@ from one another (``levanter.main.train_lm`` re-exports them under upstream's pa
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import re
 from typing import ClassVar, Dict, Optional, Union
@@ -24,6 +25,8 @@ from levanter.models import LlamaConfig, LmConfig
 from levanter.optim import AdamConfig, OptimizerConfig
 from levanter.trainer_config import TrainerConfig
 from levanter.utils import fs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,7 +314,26 @@ def with_hf_model(config: TrainLmConfig) -> TrainLmConfig:
 
     check_hf_keys(config)
     model, _ = merge_hf_model_config(config.model, path, use_hf_model_config=config.use_hf_model_config)
+    for line in overridden_model_keys(config.model, model):
+        logger.warning("initialize_from_hf=%r with use_hf_model_config: true: %s", path, line)
     return dataclasses.replace(config, model=model)
+
+
+def overridden_model_keys(mine: LmConfig, merged: LmConfig) -> list:
+    """What the checkpoint's config.json replaced of what the run's config set (``model.type``, or a key set to
+    a value other than its default), a line each naming the key and both values: the YAML says one model and
+    the run trains another, which must not go unsaid. Keys the config left at their defaults take the
+    checkpoint's values as a matter of course and are not listed."""
+    if type(mine) is not type(merged):
+        return [f"model.type {mine.get_choice_name(type(mine))} in the config is replaced by the checkpoint's "
+                f"{merged.get_choice_name(type(merged))} (with its shape; the config's shape keys are ignored)"]
+    defaults = type(mine)(seq_len=mine.seq_len)
+    out = []
+    for f in dataclasses.fields(mine):
+        value, theirs = getattr(mine, f.name), getattr(merged, f.name)
+        if value != theirs and value != getattr(defaults, f.name):
+            out.append(f"model.{f.name}={value!r} in the config is replaced by the checkpoint's {theirs!r}")
+    return out
 
 
 def model_vocab_size(config: TrainLmConfig, tokenizer) -> int:
@@ -472,5 +494,6 @@ def data_key(config: TrainLmConfig) -> jax.Array:
     return jax.random.split(jax.random.PRNGKey(config.trainer.seed), 4)[0]
 
 
-__all__ = ["SEED_LIMIT", "BranchOrigin", "check_epoch", "check_resume_optimizer", "optimizer_record", "check_export_path", "check_hf_keys", "check_hf_save_path",
+__all__ = ["SEED_LIMIT", "BranchOrigin", "check_epoch", "check_resume_optimizer", "optimizer_record",
+           "overridden_model_keys", "check_export_path", "check_hf_keys", "check_hf_save_path",
            "export_base", "hf_exporter", "hf_init_path", "model_record", "model_vocab_size", "with_hf_model", "TrainLmConfig", "branch_origin", "check_branch_model", "check_storage_access", "data_key", "storage_locations", "validate"]
