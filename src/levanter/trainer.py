@@ -25,6 +25,12 @@ so Adam's compiled step is the same with or without them.
 
 The train step is compiled once per distinct batch size of the schedule; a compile-count guard raises
 if it ever recompiles for any other reason.
+
+Each step also reports its update's global norm against the parameters' (:attr:`StepReport.update_ratio`):
+an update too small to change float32 parameters means a run that trains nothing, and one larger than the
+parameters a learning rate that throws them out of range, which a later non-finite loss's error names.
+:class:`StepTally` counts what a run's steps did (skipped as non-finite or as spikes, updates that vanished)
+for its end-of-run summary.
 """
 
 from __future__ import annotations
@@ -393,7 +399,7 @@ class Trainer:
         def report(step: int, batch: Batch, metrics) -> None:
             """Read step ``step``'s metrics (waiting for it to finish), check them, tell the hooks."""
             nonlocal t_prev, last_applied
-            host = jax.device_get(metrics)  # one transfer for the step's scalars
+            host = jax.device_get(metrics)  # the step's scalars, fetched together
             loss = float(host["loss"])
             grad_norm = float(host["grad_norm"])
             update_finite = bool(host["update_finite"])
