@@ -33,7 +33,8 @@ Each row writes its checkpoints under a fresh temporary directory, so JAX's pers
 unless ``JAX_COMPILATION_CACHE_DIR`` names a cache. ``--cold-warm`` launches each row twice over one fresh
 cache directory instead (its token caches built first, so that neither launch builds them) and reports
 both launches' time to the first step and their ratio: the second launch loads the programs the first
-compiled. ``--cold-warm`` alone runs ``gpt2_small`` for 3 steps (~3 minutes on a v5e chip).
+compiled. ``--cold-warm`` alone runs ``llama_350m`` (the row that compiles longest) for 3 steps (~5 minutes on
+a v5e chip).
 
 ``--profile`` also writes a ``jax.profiler`` trace of two steps and prints the device's busiest operations
 (from the trace's Perfetto JSON; no TensorBoard needed).
@@ -44,8 +45,8 @@ Usage (on the TPU host, from the project root)::
     python scripts/bench/tpu.py --rows llama_350m --profile
     python scripts/bench/tpu.py --rows gpt2_small -- --model.gradient_checkpointing save_dots
     python scripts/bench/tpu.py --json tpu.json
-    python scripts/bench/tpu.py --cold-warm              # gpt2_small launched twice: first step cold vs warm
-    python scripts/bench/tpu.py --cold-warm --rows llama_350m
+    python scripts/bench/tpu.py --cold-warm              # llama_350m launched twice: first step cold vs warm
+    python scripts/bench/tpu.py --cold-warm --rows gpt2_small
 
 ``--allow-cpu`` runs the same code on CPU with a small matmul (to check the script, not to measure).
 """
@@ -303,7 +304,7 @@ def print_rows(results: list) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", nargs="+", choices=list(ROWS),
-                        help="the rows to run (default: all; with --cold-warm, gpt2_small)")
+                        help="the rows to run (default: all; with --cold-warm, llama_350m)")
     parser.add_argument("--steps", type=int, help="steps logged before the row is measured (default 20; "
                         "with --cold-warm, 3)")
     parser.add_argument("--skip", type=int, help="first steps left out (compile, warm-up; default 4; with "
@@ -327,7 +328,7 @@ def main() -> None:
     quick = args.cold_warm
     args.steps = args.steps if args.steps is not None else (3 if quick else 20)
     args.skip = args.skip if args.skip is not None else (1 if quick else 4)
-    args.rows = args.rows or (["gpt2_small"] if quick else list(ROWS))
+    args.rows = args.rows or (["llama_350m"] if quick else list(ROWS))
     if args.steps <= args.skip:
         parser.error(f"--steps ({args.steps}) must be more than --skip ({args.skip})")
     if args.child:
