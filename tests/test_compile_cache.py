@@ -56,7 +56,7 @@ def test_where_the_cache_goes(tmp_path, monkeypatch, jax_cache_state):
     assert compile_cache.resolve_cache_dir(None, base) == (str(tmp_path / "env-cache"), "env")
     assert compile_cache.resolve_cache_dir("gs://b/cc", base) == ("gs://b/cc", "key")
     assert compile_cache.resolve_cache_dir("off", base) == (None, "key")
-    # a directory the calling program gave JAX is kept too, but not one this module chose by default before
+    # a directory the calling program gave JAX is kept too, but not one an earlier run (from Python) chose
     monkeypatch.delenv(compile_cache.ENV_VAR)
     jax.config.update("jax_compilation_cache_dir", str(tmp_path / "program"))
     assert compile_cache.resolve_cache_dir(None, base) == (str(tmp_path / "program"), "jax")
@@ -65,6 +65,8 @@ def test_where_the_cache_goes(tmp_path, monkeypatch, jax_cache_state):
     other = str(tmp_path / "other-ckpt")
     assert compile_cache.use_compilation_cache(None, other) == os.path.join(other, "jax-cache")
     assert jax.config.jax_compilation_cache_dir == os.path.join(other, "jax-cache")
+    assert compile_cache.use_compilation_cache(str(tmp_path / "given"), base) == str(tmp_path / "given")
+    assert compile_cache.use_compilation_cache(None, base) == os.path.join(base, "jax-cache")
 
 
 def test_off_compiles_without_the_cache_and_a_directory_stores_programs(tmp_path, jax_cache_state):

@@ -74,8 +74,9 @@ _MIN_SIZE_OPTION = "jax_persistent_cache_min_entry_size_bytes"
 _MIN_TIME_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 _MIN_SIZE_ENV = "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"
 
-# The directory this module last chose by default: told apart from one the program or the environment set.
-_our_default: Optional[str] = None
+# The directory this module last pointed JAX at (a run's, from Python): told apart from one the calling
+# program set itself, which a later run with the key null keeps.
+_last_set: Optional[str] = None
 
 
 def default_cache_dir(checkpoint_base_path: str) -> Optional[str]:
@@ -101,7 +102,7 @@ def resolve_cache_dir(value: Optional[str], checkpoint_base_path: str) -> tuple[
     if env:
         return fs.expand_user(env), "env"
     current = jax.config.jax_compilation_cache_dir
-    if current and current != _our_default:
+    if current and current != _last_set:
         return current, "jax"
     return default_cache_dir(checkpoint_base_path), "default"
 
@@ -113,7 +114,7 @@ def use_compilation_cache(value: Optional[str], checkpoint_base_path: str, *, ch
     written is a ``ValueError`` naming the setting that chose it. Call before the run compiles its
     programs; calling it again with another directory (runs started from Python one after another)
     switches JAX to it. Every call starts counting :func:`cache_stats` afresh."""
-    global _our_default
+    global _last_set
     import jax
 
     directory, source = resolve_cache_dir(value, checkpoint_base_path)
@@ -122,12 +123,13 @@ def use_compilation_cache(value: Optional[str], checkpoint_base_path: str, *, ch
     cache_stats().reset(directory)
     if directory is None:
         _switch(None)
+        _last_set = None
         logger.info("persistent compilation cache: off (%s)", KEY if value else "a memory:// checkpoint path")
         return None
     if check:
         _check_writable(directory, source)
     _switch(directory)
-    _our_default = directory if source == "default" else None
+    _last_set = directory
     # What is stored (module docstring): set unless the environment or the program chose other thresholds.
     if _MIN_TIME_ENV not in os.environ and getattr(jax.config, _MIN_TIME_OPTION) == 1.0:  # JAX's default
         jax.config.update(_MIN_TIME_OPTION, MIN_COMPILE_SECONDS)
