@@ -177,3 +177,34 @@ def test_a_second_launch_loads_its_programs_from_the_default_cache(tmp_path):
     hits = _hits(tmp_path, "second")
     assert hits >= len(stored)
     assert f"compilation cache: {cache} ({hits} of " in out and "; 0 written)" in out
+
+
+@pytest.mark.sockets
+@pytest.mark.parametrize("server", ["gcs_server", "s3_server"])
+def test_a_cache_in_a_bucket_stores_and_loads_programs(server, request, monkeypatch, jax_cache_state):
+    """Checkpoints on gs:// (or s3://) put the default cache in the same bucket, where every host of a slice
+    and every relaunch find it: JAX writes and reads it there (through etils' epath)."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    from levanter.utils import fs
+
+    store = request.getfixturevalue(server)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    base = store.url(f"runs-{os.getpid()}-{server}")
+    monkeypatch.delenv(compile_cache.ENV_VAR, raising=False)  # else the session's cache would be kept
+    jax.config.update("jax_compilation_cache_dir", None)
+    directory = compile_cache.use_compilation_cache(None, base)
+    assert directory == f"{base}/jax-cache"
+    stats = compile_cache.cache_stats()
+
+    def program(x):  # one no other test compiles
+        return x * 7.125 - 0.375
+
+    jax.jit(program)(np.ones(11, np.float32)).block_until_ready()
+    assert (stats.lookups, stats.hits, stats.written) == (1, 0, 1)
+    stored = [p for p in fs.listdir(directory) if p.endswith("-cache")]
+    assert len(stored) == 1
+    cc.reset_cache()  # as a new process would: the executable comes from the bucket, not JAX's memory
+    jax.clear_caches()
+    jax.jit(program)(np.ones(11, np.float32)).block_until_ready()
+    assert (stats.lookups, stats.hits, stats.written) == (2, 1, 1)
