@@ -73,7 +73,10 @@ def _configure_xla_cache(config):
     """One persistent XLA compilation cache for the whole session, shared by the xdist workers and every
     ``train_lm`` subprocess the tests start (through the environment): the suite compiles the same tiny
     models' programs many times, and all but the first of each become cache hits. Set here, in the
-    controlling process, before the workers start; ``LEVANTER_TEST_XLA_CACHE=0`` turns it off."""
+    controlling process, before the workers start; ``LEVANTER_TEST_XLA_CACHE=0`` turns it off. A run keeps
+    the directory the environment names (``trainer.jax_compilation_cache_dir`` null); without one, its default
+    goes beside its checkpoints (levanter.utils.compile_cache), which tests put in temporary directories, so no
+    test writes a cache under a home directory."""
     import tempfile
 
     if hasattr(config, "workerinput") or os.environ.get("LEVANTER_TEST_XLA_CACHE") == "0":

@@ -24,7 +24,17 @@ config and watches its ``metrics.jsonl``; once ``--steps`` steps are logged it r
 * **peak HBM**: the device's ``memory_stats()`` after the measured steps: ``peak_bytes_in_use`` (buffers: the
   parameters, optimizer state and batches) and ``peak_bytes_reserved`` (what the TPU runtime also holds for the
   compiled programs' temporaries), against ``bytes_limit``;
-* **data wait**: summed ``data/wait_seconds`` over summed step seconds.
+* **data wait**: summed ``data/wait_seconds`` over summed step seconds;
+* **first step**: ``throughput/time_to_first_step_seconds``, the run's own figure: seconds from the process's
+  start (its imports and the matmul timing included) to the end of its first step, compiles included.
+
+Each row writes its checkpoints under a fresh temporary directory, so JAX's persistent compilation cache
+(by default beside the checkpoints, ``levanter.utils.compile_cache``) starts empty: every row compiles,
+unless ``JAX_COMPILATION_CACHE_DIR`` names a cache. ``--cold-warm`` launches each row twice over one fresh
+cache directory instead (its token caches built first, so that neither launch builds them) and reports
+both launches' time to the first step and their ratio: the second launch loads the programs the first
+compiled. ``--cold-warm`` alone runs ``llama_350m`` (the row that compiles longest) for 3 steps (~5 minutes on
+a v5e chip).
 
 ``--profile`` also writes a ``jax.profiler`` trace of two steps and prints the device's busiest operations
 (from the trace's Perfetto JSON; no TensorBoard needed).
@@ -35,6 +45,8 @@ Usage (on the TPU host, from the project root)::
     python scripts/bench/tpu.py --rows llama_350m --profile
     python scripts/bench/tpu.py --rows gpt2_small -- --model.gradient_checkpointing save_dots
     python scripts/bench/tpu.py --json tpu.json
+    python scripts/bench/tpu.py --cold-warm              # llama_350m launched twice: first step cold vs warm
+    python scripts/bench/tpu.py --cold-warm --rows gpt2_small
 
 ``--allow-cpu`` runs the same code on CPU with a small matmul (to check the script, not to measure).
 """
@@ -43,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import json
 import os
@@ -125,6 +138,7 @@ def child(args: argparse.Namespace, overrides: list) -> None:
     from levanter.ingest.tokenization import load_tokenizer
     from levanter.lm_config import TrainLmConfig, model_vocab_size
     from levanter.main import train_lm
+    from levanter.utils import compile_cache
     from levanter.utils.flops import peak_flops_per_device
 
     platform = jax.default_backend()
@@ -183,6 +197,8 @@ def child(args: argparse.Namespace, overrides: list) -> None:
                 "data_wait": sum(r.get("data/wait_seconds", 0.0) for r in steady) / sum(step_s),
                 "loss_first": rows[0].get("train/loss"), "loss_last": steady[-1].get("train/loss"),
                 "compile_step_seconds": rows[0]["throughput/step_seconds"],
+                "time_to_first_step": rows[0].get("throughput/time_to_first_step_seconds"),
+                "compilation_cache": dataclasses.asdict(compile_cache.cache_stats()),
             }
             if args.profile:
                 ops, module_ms, steps = busiest_ops(trace_dir)
@@ -201,6 +217,45 @@ def child(args: argparse.Namespace, overrides: list) -> None:
 
 
 # -- the parent: one process per row, a table at the end ------------------------------------------------------
+def ensure_caches(name: str) -> None:
+    """The row's token caches, built (or found finished) before a timed launch."""
+    subprocess.run([sys.executable, "-m", "levanter.main.cache_dataset", "--config_path", ROWS[name]], cwd=REPO,
+                   check=True, capture_output=True)
+
+
+def run_cold_warm(name: str, args: argparse.Namespace, overrides: list) -> list:
+    """The row launched twice over one fresh compilation cache: ``[cold, warm]``, each labelled."""
+    ensure_caches(name)
+    with tempfile.TemporaryDirectory(prefix="tpu-bench-jax-cache-") as cache:
+        runs = []
+        for label in ("cold", "warm"):
+            r = run_row(name, args, [*overrides, "--trainer.jax_compilation_cache_dir", cache])
+            r["launch"] = label
+            r["cache_entries"] = len([f for f in os.listdir(cache) if f.endswith("-cache")])
+            runs.append(r)
+    return runs
+
+
+def print_cold_warm(results: list) -> None:
+    print(f"{'row':<16}{'launch':>7}{'first step s':>14}{'loaded':>10}{'written':>9}{'saved s':>9}{'entries':>9}")
+    by_row = collections.defaultdict(dict)
+    for r in results:
+        by_row[r["row"]][r["launch"]] = r
+        if "error" in r:
+            print(f"{r['row']:<16}{r['launch']:>7}  failed: {r['error']}")
+            continue
+        c = r.get("compilation_cache") or {}
+        print(f"{r['row']:<16}{r['launch']:>7}{r['time_to_first_step']:>14.1f}"
+              f"{c.get('hits', 0):>5}/{c.get('lookups', 0):<4}{c.get('written', 0):>9}"
+              f"{c.get('seconds_saved', 0.0):>9.1f}{r['cache_entries']:>9}")
+    for name, runs in by_row.items():
+        cold, warm = runs.get("cold", {}), runs.get("warm", {})
+        if cold.get("time_to_first_step") and warm.get("time_to_first_step"):
+            ratio = warm["time_to_first_step"] / cold["time_to_first_step"]
+            print(f"{name}: the warm launch reached its first step in {ratio:.2f}x the cold launch's time "
+                  f"({warm['time_to_first_step']:.1f} s vs {cold['time_to_first_step']:.1f} s)")
+
+
 def run_row(name: str, args: argparse.Namespace, overrides: list) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--config", ROWS[name], "--steps", str(args.steps),
            "--skip", str(args.skip), *(["--profile"] if args.profile else []),
@@ -218,9 +273,12 @@ def run_row(name: str, args: argparse.Namespace, overrides: list) -> dict:
 
 
 def print_rows(results: list) -> None:
-    head = f"{'row':<16}{'step s':>9}{'tokens/s':>11}{'MFU':>8}{'of matmul':>11}{'peak HBM':>15}{'wait':>8}"
+    head = (f"{'row':<16}{'step s':>9}{'tokens/s':>11}{'MFU':>8}{'of matmul':>11}{'peak HBM':>15}{'wait':>8}"
+            f"{'1st step':>10}")
     print(head)
     for r in results:
+        if "launch" in r:  # --cold-warm
+            r = {**r, "row": f"{r['row']} {r['launch']}"}
         if "error" in r:
             print(f"{r['row']:<16}  failed: {r['error']} {' '.join(r.get('overrides', []))}")
             continue
@@ -228,8 +286,11 @@ def print_rows(results: list) -> None:
         used = max(stats.get("peak_bytes_reserved", 0), r["peak_hbm_bytes"] or 0)
         hbm = f"{used / 2**30:.1f}/{r['hbm_limit_bytes'] / 2**30:.1f} GiB" if used else "?"
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "?"
+        first = r.get("time_to_first_step")
+        first = f"{first:>9.1f}s" if first is not None else f"{'?':>10}"
         print(f"{r['row']:<16}{r['step_seconds']:>9.4f}{r['tokens_per_second']:>11,.0f}{mfu:>8}"
-              f"{100 * r['of_matmul']:>10.1f}%{hbm:>15}{100 * r['data_wait']:>7.2f}%  {' '.join(r['overrides'])}")
+              f"{100 * r['of_matmul']:>10.1f}%{hbm:>15}{100 * r['data_wait']:>7.2f}%{first}  "
+              f"{' '.join(r['overrides'])}")
     rates = [r["matmul_flops"] for r in results if "matmul_flops" in r]
     if rates:
         print(f"bf16 8192^3 matmul: {min(rates) / 1e12:.1f}-{max(rates) / 1e12:.1f} TFLOP/s (per process)")
@@ -242,9 +303,15 @@ def print_rows(results: list) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
-    parser.add_argument("--steps", type=int, default=20, help="steps logged before the row is measured")
-    parser.add_argument("--skip", type=int, default=4, help="first steps left out (compile, warm-up)")
+    parser.add_argument("--rows", nargs="+", choices=list(ROWS),
+                        help="the rows to run (default: all; with --cold-warm, llama_350m)")
+    parser.add_argument("--steps", type=int, help="steps logged before the row is measured (default 20; "
+                        "with --cold-warm, 3)")
+    parser.add_argument("--skip", type=int, help="first steps left out (compile, warm-up; default 4; with "
+                        "--cold-warm, 1)")
+    parser.add_argument("--cold-warm", action="store_true",
+                        help="launch each row twice over one fresh compilation cache; report the time to the "
+                             "first step of both launches and their ratio")
     parser.add_argument("--profile", action="store_true", help="trace two steps, print the busiest device ops")
     parser.add_argument("--trace-dir", help="with --profile: write the trace here (kept) instead of a temporary folder")
     parser.add_argument("--json", help="also write the results here")
@@ -258,12 +325,23 @@ def main() -> None:
         i = argv.index("--")
         argv, overrides = argv[:i], argv[i + 1:]
     args = parser.parse_args(argv)
+    quick = args.cold_warm
+    args.steps = args.steps if args.steps is not None else (3 if quick else 20)
+    args.skip = args.skip if args.skip is not None else (1 if quick else 4)
+    args.rows = args.rows or (["llama_350m"] if quick else list(ROWS))
+    if args.steps <= args.skip:
+        parser.error(f"--steps ({args.steps}) must be more than --skip ({args.skip})")
     if args.child:
         child(args, overrides)
         return
     ensure_tokenizer()
-    results = [run_row(name, args, overrides) for name in args.rows]
-    print_rows(results)
+    if args.cold_warm:
+        results = [r for name in args.rows for r in run_cold_warm(name, args, overrides)]
+        print_rows(results)
+        print_cold_warm(results)
+    else:
+        results = [run_row(name, args, overrides) for name in args.rows]
+        print_rows(results)
     write_json(args.json, results)
 
 

@@ -29,7 +29,9 @@ saved or evaluated, and data that still ends early is an error (exit 1), not a s
 Per step it logs ``train/loss`` (for a mixture of experts, with the weighted router loss, which is also
 logged alone as ``train/router_aux_loss``), ``train/learning_rate``, ``train/grad_norm``,
 ``throughput/tokens_per_second``, ``throughput/step_seconds``, ``throughput/mfu`` (when the device's peak
-FLOP/s is known), ``data/wait_seconds`` and, for mixtures, ``data/source_counts/<source>``; every
+FLOP/s is known), ``data/wait_seconds``, at a process's first step ``throughput/time_to_first_step_seconds``
+(from the process's start: imports, caches, compiles or loads from the persistent compilation cache
+(:mod:`levanter.utils.compile_cache`), the step itself) and, for mixtures, ``data/source_counts/<source>``; every
 ``steps_per_eval`` steps, before the first step of each mixture stage and at the end, for the validation
 sources (:mod:`levanter.eval`): ``eval/<source>/loss`` and ``eval/<source>/bpb`` (bits per byte), the
 micro averages ``eval/loss`` and ``eval/bpb``, the macro averages ``eval/macro_loss`` and
@@ -108,7 +110,7 @@ from levanter.profiler import StepProfiler
 from levanter.quantization import check_checkpoint_fp8, with_fp8
 from levanter.progress import RunProgress, open_debug_log
 from levanter.tracker import JsonConfig, TrackerError, metrics_destinations
-from levanter.utils import fs
+from levanter.utils import compile_cache, fs
 from levanter.utils.flops import peak_flops_per_device
 from levanter.trainer import (
     DataEndedError,
@@ -256,6 +258,7 @@ def main(config: TrainLmConfig, *, fresh_model: Optional[Callable] = None, lora:
         print(f"run id: {run_id} (generated: trainer.id is not set); rerun with --trainer.id {run_id} to resume it",
               flush=True)
     run_dir = tcfg.checkpointer.validate_writable(run_id)
+    tcfg.use_compilation_cache()  # before the run compiles its programs; by default beside the checkpoints
     if jax.process_index() == 0:
         check_trackers_writable(tcfg.trackers(), run_id, tcfg.log_dir)
         # Another run's metrics under this id, and exports over anything but earlier exports: refused before
@@ -467,9 +470,11 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
                 counts = batch.source_counts(len(mixture.names))
                 for name, c in zip(mixture.names, counts.tolist()):
                     log[f"data/source_counts/{name}"] = c
-            tracker.log(log, step=step)
             last_loss = r.loss
             progress.step(step, r.loss, tokens, dt, batch.wait_seconds)
+            if progress.steps_done == 1:  # this process's first step: how long start-up and compiling took
+                log["throughput/time_to_first_step_seconds"] = progress.time_to_first_step
+            tracker.log(log, step=step)
             profiler.after_step(step)
 
         def is_eval_step(self, done: int) -> bool:
@@ -502,6 +507,8 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
         final_step = int(state.step)
         skips = {"skipped_steps/non_finite": tally.non_finite, "skipped_steps/spikes": tally.spikes}
         tracker.log_summary({"final_step": final_step, **({"train/loss": last_loss} if last_loss is not None else {}),
+                             **({"time_to_first_step_seconds": progress.time_to_first_step}
+                                if progress.time_to_first_step is not None else {}),
                              **{k: v for k, v in skips.items() if v}})
         warnings = tally.warnings()
         for w in warnings:  # printed in the summary; recorded in the debug log
@@ -580,6 +587,9 @@ def _where(tcfg: TrainerConfig, run_id: str, checkpointer) -> list:
     log = fs.join(tcfg.log_dir, run_id, "debug.log")
     if not fs.is_url(log) and os.path.exists(log):
         out.append(f"debug log: {log}")
+    cache = compile_cache.cache_stats().summary()  # trainer.jax_compilation_cache_dir: what it held for this run
+    if cache is not None:
+        out.append(cache)
     return out
 
 

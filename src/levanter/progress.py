@@ -14,8 +14,8 @@ Two kinds of output, chosen per stream:
   lines are printed even if a bar is shown on stderr (``train_lm ... > run.log``).
 
 Whatever the output, every evaluation's losses (``eval/...`` metrics, one line) and an end-of-run summary
-(steps, final train loss, last eval losses, wall time, tokens/s, where metrics and checkpoints went) are
-printed to stdout.
+(steps, final train loss, the time from the process's start to its first step, last eval losses, wall time,
+tokens/s, where metrics and checkpoints went) are printed to stdout.
 
 The console shows INFO records of ``levanter`` and warnings of everything else; third-party libraries'
 INFO chatter (JAX's "Unable to initialize backend 'tpu'", say) goes only to the debug log,
@@ -44,6 +44,7 @@ __all__ = [
     "format_eval",
     "RunProgress",
     "DEBUG_LOG_NAME",
+    "seconds_since_process_start",
 ]
 
 CONSOLE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -158,6 +159,22 @@ def open_command_debug_log(command: str, log_dir: str = "logs") -> Optional[str]
     return open_debug_log(os.path.join(log_dir, command), key=None, fix=f"Run {command} from a writable directory.")
 
 
+_IMPORTED = time.monotonic()  # the fallback origin of seconds_since_process_start
+
+
+def seconds_since_process_start() -> float:
+    """Seconds since this process started (the kernel's start time: interpreter start-up, imports and a
+    re-exec for huge-page malloc included, which keeps the process); where ``/proc`` cannot say (not
+    Linux), since this module was imported."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime: ticks after boot
+        return max(time.clock_gettime(time.CLOCK_BOOTTIME) - started, 0.0)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.monotonic() - _IMPORTED
+
+
 def _duration(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "?"
@@ -229,6 +246,8 @@ class RunProgress:
         self.last_loss: Optional[float] = None
         self.last_step: Optional[int] = None
         self.last_eval: Optional[tuple[int, Dict[str, Any]]] = None
+        # seconds from process start until the first step of this process was done (its compiles included)
+        self.time_to_first_step: Optional[float] = None
 
     @contextlib.contextmanager
     def logging_around_bar(self) -> Iterator[None]:
@@ -256,6 +275,8 @@ class RunProgress:
         self._seconds += seconds
         self._wait += wait_seconds
         self.steps_done += 1
+        if self.steps_done == 1:
+            self.time_to_first_step = seconds_since_process_start()
         self.tokens_done += tokens
         self.train_seconds += seconds
         if self.steps_done > 1:  # the first step of a process includes compiling it
@@ -311,6 +332,9 @@ class RunProgress:
                  f"{_duration(wall)} (wall), {speed}"]
         if self.last_loss is not None:
             lines.append(f"  final train loss {self.last_loss:.4f} (step {self.last_step})")
+        if self.time_to_first_step is not None:
+            lines.append(f"  first step done {_duration(self.time_to_first_step)} after the process started "
+                         "(start-up and compiles)")
         if self.last_eval is not None:
             lines.append("  last " + format_eval(*self.last_eval))
         lines.extend(f"  warning: {w}" for w in warnings)

@@ -30,6 +30,7 @@ from .optim.model_averaging import ModelAveragingConfig
 from .quantization import QuantizationConfig
 from .schedule import BatchSchedule, ScheduleStep
 from .tracker import JsonConfig, TrackerConfig, WandbConfig
+from .utils import compile_cache
 
 @dataclasses.dataclass(frozen=True)
 class RayConfig:
@@ -138,7 +139,8 @@ class TrainerConfig:
     )
     # JAX options set before the run ({option: value}, as jax.config.update takes them).
     jax_config: Dict[str, Any] = dataclasses.field(default_factory=dict)
-    # Directory of JAX's persistent compilation cache (a rerun skips compiles); null: none.
+    # JAX's persistent compilation cache (a directory or gs:// URL), from which a relaunch loads its compiled
+    # programs; null: $JAX_COMPILATION_CACHE_DIR if set, else <checkpointer.base_path>/jax-cache; off: none.
     jax_compilation_cache_dir: Optional[str] = None
     # Upstream's replica axis within a slice (hybrid sharding); refused unless 1.
     replica_ici_axis_size: int = refused("replica axes are not built here; leave it at 1", default=1)
@@ -250,14 +252,21 @@ class TrainerConfig:
             )
 
     def apply_jax_config(self) -> None:
-        """Apply ``jax_config`` (``{option: value}``) and the persistent ``jax_compilation_cache_dir``."""
+        """Apply ``jax_config`` (``{option: value}``)."""
         for name, value in self.jax_config.items():
             try:
                 jax.config.update(name, value)
             except (AttributeError, KeyError, ValueError) as e:
                 raise ValueError(f"trainer.jax_config: cannot set {name}={value!r} ({e})") from None
-        if self.jax_compilation_cache_dir:
-            jax.config.update("jax_compilation_cache_dir", self.jax_compilation_cache_dir)
+
+    def use_compilation_cache(self, *, default: bool = True) -> Optional[str]:
+        """Point JAX's persistent compilation cache where ``jax_compilation_cache_dir`` says, before the run
+        compiles its programs (:mod:`levanter.utils.compile_cache`); a directory that cannot be written is a
+        ``ValueError`` naming the key. Returns the directory, None when off. ``default=False`` (``train_lm
+        --dry_run``, which writes nothing of its own): only a directory the key names."""
+        if not default and not self.jax_compilation_cache_dir:
+            return None
+        return compile_cache.use_compilation_cache(self.jax_compilation_cache_dir, self.checkpointer.base_path)
 
     @property
     def microbatch_size(self) -> Optional[int]:

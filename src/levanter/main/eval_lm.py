@@ -130,6 +130,7 @@ def main(config: EvalLmConfig, *, model_from_checkpoint: bool = False) -> dict:
         check_trackers_writable(tcfg.trackers(), run_id, tcfg.log_dir)
         # the console shows levanter's INFO; the debug log of the run <id>-eval keeps every record, third parties' too
         opened_debug_log = open_debug_log(fs.join(tcfg.log_dir, run_id))
+    tcfg.use_compilation_cache()  # before the model and its evaluation compile; by default beside the checkpoints
     config.data.build_caches("validation")
     sets = config.data.validation_sets(config.model.seq_len)
     if not sets:

@@ -52,6 +52,7 @@ def dry_run(config: TrainLmConfig, options, config_path: Optional[str] = None) -
     """Print the memory plan of ``config`` (:mod:`levanter.memory_plan`): nothing is trained or read."""
     config.trainer.distributed.initialize()
     config.trainer.apply_jax_config()
+    config.trainer.use_compilation_cache(default=False)  # a dry run writes nothing beside the checkpoints
     loss = lm_loss_fn(config.z_loss_weight, quantization=config.trainer.quantization)
     print(format_plan(make_plan(config, loss, options), config_path))
 
