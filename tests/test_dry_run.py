@@ -240,3 +240,21 @@ def test_state_that_cannot_fit_is_refused_before_any_compile(tmp_path, capsys, m
             assert fragment in err, err
     assert not [name for name in compiled if "jit_flat" in name]  # the train step was never compiled
     assert os.listdir(tmp_path) == ["small.yaml"]
+
+
+def test_a_refusal_without_a_figure_is_no_figure():
+    """A compiler that refuses the step without saying how much it needs: the plan says it does not fit and
+    shows no figure for the temporaries and the total (never 0 B, never a negative shortfall)."""
+    from levanter.memory_plan import MemoryPlan, format_plan
+
+    plan = MemoryPlan(
+        devices=1, platform="tpu", mesh_shape={"data": 1, "model": 1}, vocab_size=32000, vocab_source="--vocab_size",
+        batch_size=8, seq_len=4096, microbatches=1, param_count=10**9, param_bytes=4 * 10**9, param_dtype="float32",
+        opt_bytes=8 * 10**9, batch_bytes=8 * 4096 * 4, temp_bytes=None, total_bytes=None, device_memory=16 * 2**30,
+        device_memory_source="--device_memory", flops_per_token=6e9, peak_flops=None, peak_source="unknown",
+        step_seconds=None, loss="full logits", compiler_oom="RESOURCE_EXHAUSTED: Ran out of memory")
+    text = format_plan(plan)
+    assert plan.fits is False
+    assert re.search(r"compiled temporaries\s+\?", text) and re.search(r"total\s+\?", text)
+    assert "DOES NOT FIT (the compiler refused the step)" in text
+    assert " 0 B" not in text and "short by -" not in text

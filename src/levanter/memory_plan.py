@@ -320,6 +320,10 @@ def make_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptions) ->
     state, batch, batch_size = compiler.inputs(trainer)
     if memory is None:
         memory = memory_fit.measure(trainer, state, batch, batch_size)
+    if device_memory is None and memory.capacity is not None:
+        # The device does not say, but the compiler that refused the step did: the keys that lower it are
+        # weighed against that.
+        device_memory, memory_source = memory.capacity, "the compiler's capacity"
     if device_memory is not None and not auto_note:
         if memory.fits(device_memory):
             pick, seen = memory_fit.auto_pick(compiler, memory, device_memory)
@@ -420,7 +424,10 @@ def format_plan(plan: MemoryPlan, config_path: Optional[str] = None) -> str:
         f"  batch                 {_size(plan.batch_bytes):>14}",
     ]
     refused = plan.compiler_oom is not None
-    if not refused:
+    if not refused and plan.total_bytes is None:  # a backend without XLA's memory analysis
+        lines += [f"  compiled temporaries  {'?':>14}   (this backend's compiler does not report its memory)",
+                  f"  total                 {'?':>14}"]
+    elif not refused:
         lines += [f"  compiled temporaries  {_size(plan.temp_bytes):>14}   (activations, gradients, logits, scratch)",
                   f"  total                 {_size(plan.total_bytes):>14}"]
     elif plan.total_bytes is not None:  # the compiler's own figure, from its refusal
@@ -438,11 +445,11 @@ def format_plan(plan: MemoryPlan, config_path: Optional[str] = None) -> str:
         source = plan.device_memory_source
         if plan.compiler_capacity is not None:
             # What the compiler budgets the program against: a TPU keeps part of its HBM back.
-            source = ("as the compiler counts it" if plan.device_memory is None else
+            source = ("as the compiler counts it" if plan.device_memory in (None, plan.compiler_capacity) else
                       f"as the compiler counts it; {source}: {_size(plan.device_memory)}")
         if plan.total_bytes is None:
-            verdict = "DOES NOT FIT (the compiler refused the step)"
-        elif plan.fits is not False:
+            verdict = "DOES NOT FIT (the compiler refused the step)" if refused else "no figure to compare"
+        elif plan.fits:
             verdict = f"fits, {plan.total_bytes / limit:.0%} used"
         elif plan.total_bytes > limit:
             verdict = (f"DOES NOT FIT (short by {_size(plan.total_bytes - limit)}), "
