@@ -117,8 +117,8 @@ def compiler_refuses_above(monkeypatch, capacity: int, *, only: str = "jit_flat"
             if total > fake.capacity:
                 fake.refused.append(total)
                 raise jax.errors.JaxRuntimeError(
-                    f"RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
-                    f"({_xla_size(total)}) exceeds available HBM ({_xla_size(fake.capacity)}).")
+                    "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+                    f"temporaries ({_xla_size(total)}) exceeds available HBM ({_xla_size(fake.capacity)}).")
         return executable
 
     monkeypatch.setattr(compiler, "compile_or_get_cached", compile_)

@@ -111,7 +111,8 @@ def test_dry_run_llama_1b_with_8_simulated_devices(tmp_path):
     cmd = [sys.executable, "-m", "levanter.main.train_lm", "--config_path", config,
            "--dry_run", "--vocab_size", "128256", "--device_memory", "80GiB", "--peak_flops", "989e12"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == DOES_NOT_FIT_EXIT_CODE, proc.stderr[-3000:]  # the step as configured does not fit
+    # the step as configured does not fit: the exit status says so
+    assert proc.returncode == DOES_NOT_FIT_EXIT_CODE, proc.stderr[-3000:]
     out = proc.stdout
     assert "8 cpu devices" in out and "128,256 (from --vocab_size" in out
     assert "batch of 512 x 4096 tokens" in out
@@ -143,7 +144,8 @@ optimizer: {learning_rate: 0.01, warmup: 0.0, weight_decay: 0.0, lr_schedule: co
 def _row(text: str, row: str) -> int:
     m = re.search(rf"^  {row}\s+([\d,.]+) (GiB|MiB|KiB|B)\b", text, re.M)
     assert m, f"no {row!r} row in:\n{text}"
-    return int(float(m.group(1).replace(",", "")) * {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}[m.group(2)])
+    scale = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}[m.group(2)]
+    return int(float(m.group(1).replace(",", "")) * scale)
 
 
 @pytest.mark.devices(8)
@@ -173,7 +175,8 @@ def test_a_step_the_compiler_refuses_is_planned_with_its_figure(tmp_path, capsys
     arguments = sum(_row(out, r) for r in ("parameters", "optimizer state", "batch"))
     assert _row(out, "compiled temporaries") == pytest.approx(total - arguments, rel=0.01, abs=2048)
     assert _row(out, "compiled temporaries") > 0
-    m = re.search(r"device memory\s+[\d,.]+ \w+\s+\(as the compiler counts it; --device_memory: [\d,.]+ \w+\): "
+    m = re.search(r"device memory\s+[\d,.]+ \w+\s+"
+                  r"\(as the compiler counts it; --device_memory: [\d,.]+ \w+\): "
                   r"DOES NOT FIT \(short by ([\d,.]+) (MiB|KiB|B)\), (\d+)% used", out)
     assert m, out
     short = float(m.group(1).replace(",", "")) * {"MiB": 2**20, "KiB": 2**10, "B": 1}[m.group(2)]
@@ -199,10 +202,11 @@ def test_a_step_that_nothing_makes_fit_says_how_many_devices_would(tmp_path, cap
     assert e.value.code == DOES_NOT_FIT_EXIT_CODE
     out = capsys.readouterr().out
     assert "DOES NOT FIT (short by" in out and "auto finds no microbatch that fits" in out
-    assert ("all of these together: (trainer.per_device_parallelism: 1, model.gradient_checkpointing: true) -> "
-            in out)
-    m = re.search(r"the parameters, their gradients, the optimizer state and the batch alone need ([\d.]+) KiB per "
-                  r"device: no microbatch, remat policy or loss lowers that; at least (\d+) devices of 24.00 KiB", out)
+    assert ("all of these together: "
+            "(trainer.per_device_parallelism: 1, model.gradient_checkpointing: true) -> " in out)
+    m = re.search(r"the parameters, their gradients, the optimizer state and the batch alone need ([\d.]+) KiB "
+                  r"per device: no microbatch, remat policy or loss lowers that; "
+                  r"at least (\d+) devices of 24.00 KiB", out)
     assert m, out
     # 23,040 float32 parameters, as many gradients and two Adam moments (and the batch): 4 x 90 KiB
     assert float(m.group(1)) > 24 and int(m.group(2)) >= 4 * 23040 * 4 // (24 * 1024)
@@ -248,9 +252,10 @@ def test_a_refusal_without_a_figure_is_no_figure():
     from levanter.memory_plan import MemoryPlan, format_plan
 
     plan = MemoryPlan(
-        devices=1, platform="tpu", mesh_shape={"data": 1, "model": 1}, vocab_size=32000, vocab_source="--vocab_size",
-        batch_size=8, seq_len=4096, microbatches=1, param_count=10**9, param_bytes=4 * 10**9, param_dtype="float32",
-        opt_bytes=8 * 10**9, batch_bytes=8 * 4096 * 4, temp_bytes=None, total_bytes=None, device_memory=16 * 2**30,
+        devices=1, platform="tpu", mesh_shape={"data": 1, "model": 1}, vocab_size=32000,
+        vocab_source="--vocab_size", batch_size=8, seq_len=4096, microbatches=1, param_count=10**9,
+        param_bytes=4 * 10**9, param_dtype="float32", opt_bytes=8 * 10**9, batch_bytes=8 * 4096 * 4,
+        temp_bytes=None, total_bytes=None, device_memory=16 * 2**30,
         device_memory_source="--device_memory", flops_per_token=6e9, peak_flops=None, peak_source="unknown",
         step_seconds=None, loss="full logits", compiler_oom="RESOURCE_EXHAUSTED: Ran out of memory")
     text = format_plan(plan)

@@ -102,8 +102,8 @@ def test_device_out_of_memory_is_told_from_a_full_disk():
 
 def test_xla_out_of_memory_figures():
     # XLA:TPU's two refusals (both in libtpu 0.0.42; the first is what a program too large for the chip gets)
-    text = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (48.00G) "
-            "exceeds available HBM (15.75G).")
+    text = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+            "(48.00G) exceeds available HBM (15.75G).")
     assert oom_figures(text) == (48 * 2**30, int(15.75 * 2**30))
     text = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
             "Used 20.50G of 15.48G hbm. Exceeded hbm capacity by 5.02G.")
@@ -139,7 +139,8 @@ print(json.dumps({"total": m.total, "capacity": m.capacity, "oom": m.oom, "fits"
     # Another process may hold libtpu's lock file (a TPU job, another test run); compiling for a topology
     # needs no chip, so the lock is not needed.
     env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_SKIP_MDS_QUERY="1")
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["total"] == 3 * 12 * 2**30  # x, y and x + y: the figure counts the arguments and the output
@@ -186,8 +187,10 @@ def test_a_step_that_cannot_fit_is_one_error_and_auto_trains(tmp_path, capsys, m
     assert "model.gradient_checkpointing: true ->" in message and "auto" in message and "--dry_run" in message
     assert not (tmp_path / "ckpt" / "fit").exists() or not list((tmp_path / "ckpt" / "fit").glob("step-*"))
 
-    # The plan says the same, and what auto would pick.
-    train_lm.cli(["--config_path", path, "--dry_run", "--device_memory", str(limit)])
+    # The plan says the same, and what auto would pick; its exit status says it does not fit.
+    with pytest.raises(SystemExit) as e:
+        train_lm.cli(["--config_path", path, "--dry_run", "--device_memory", str(limit)])
+    assert e.value.code == DOES_NOT_FIT_EXIT_CODE
     plan = capsys.readouterr().out
     assert "DOES NOT FIT" in plan and "what lowers it" in plan and "per_device_parallelism: auto would pick" in plan
 

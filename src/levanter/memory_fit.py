@@ -436,7 +436,8 @@ def suggestions(compiler: StepCompiler, base: StepMemory, limit: int
     if len(out) >= 2 and combined is not None and not any(s.memory.fits(limit) for s in out):
         # No key alone fits: the smallest microbatch and every model key at once, the most the step's keys do.
         micro = out[0].value if out[0].key == "trainer.per_device_parallelism" else None
-        memory = (compiler if micro is None else compiler.with_microbatch(micro)).compile(model_config=combined)
+        at = compiler if micro is None else compiler.with_microbatch(micro)
+        memory = at.compile(model_config=combined)
         parts = ", ".join(f"{s.key}: {s.value_text}" for s in out)
         logger.info("%s together: the step needs %s per device", parts, memory.describe())
         out.append(Suggestion(TOGETHER, parts, memory))

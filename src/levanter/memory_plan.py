@@ -241,7 +241,8 @@ class MemoryPlan:
     lowers: tuple = ()  # "key: value -> figure" of each key that lowers a step that does not fit
     auto: str = ""  # what per_device_parallelism: auto picks (where the device's memory is known)
     compiler_capacity: Optional[int] = None  # what the compiler said it had for the step, when it refused it
-    state_bytes: int = 0  # parameters, gradients, optimizer state, average and batch: no key of the step lowers it
+    # parameters, gradients, optimizer state, average and batch: what no key of the step lowers
+    state_bytes: int = 0
     whole_state_bytes: int = 0  # the same over all devices together (the batch aside)
 
     @property
@@ -291,7 +292,8 @@ def make_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptions) ->
     # the step lowers (parameters, gradients, optimizer state, the batch's tokens) against the devices.
     available, hint = _plan_available(device_memory, memory_source)
     if available is not None:
-        check_memory(dataclasses.replace(config, trainer=tcfg), vocab_size, available, logits=False, hint=hint)
+        check_memory(dataclasses.replace(config, trainer=tcfg), vocab_size, available, logits=False,
+                     hint=hint)
     optimizer = config.optimizer.build(tcfg.num_train_steps)
     compiler = memory_fit.StepCompiler(config.model, tcfg, optimizer, loss_fn, vocab_size)
     cands = memory_fit.microbatch_candidates(tcfg)
@@ -428,15 +430,17 @@ def format_plan(plan: MemoryPlan, config_path: Optional[str] = None) -> str:
         lines += [f"  compiled temporaries  {'?':>14}   (this backend's compiler does not report its memory)",
                   f"  total                 {'?':>14}"]
     elif not refused:
-        lines += [f"  compiled temporaries  {_size(plan.temp_bytes):>14}   (activations, gradients, logits, scratch)",
+        lines += [f"  compiled temporaries  {_size(plan.temp_bytes):>14}   "
+                  "(activations, gradients, logits, scratch)",
                   f"  total                 {_size(plan.total_bytes):>14}"]
     elif plan.total_bytes is not None:  # the compiler's own figure, from its refusal
-        lines += [f"  compiled temporaries  {_size(plan.temp_bytes):>14}   (the compiler's total less the arguments "
-                  "above: activations, gradients, logits, scratch)",
-                  f"  total                 {_size(plan.total_bytes):>14}   (the compiler's figure: it refused the step)"]
+        lines += [f"  compiled temporaries  {_size(plan.temp_bytes):>14}   "
+                  "(the compiler's total less the arguments above: activations, gradients, logits, scratch)",
+                  f"  total                 {_size(plan.total_bytes):>14}   "
+                  "(the compiler's figure: it refused the step)"]
     else:
-        lines += [f"  compiled temporaries  {'?':>14}   (the compiler refused the step without saying how much "
-                  "it needs)",
+        lines += [f"  compiled temporaries  {'?':>14}   "
+                  "(the compiler refused the step without saying how much it needs)",
                   f"  total                 {'?':>14}"]
     limit = plan.limit
     if limit is None:
@@ -463,7 +467,8 @@ def format_plan(plan: MemoryPlan, config_path: Optional[str] = None) -> str:
         # Nothing the step's keys do can help: the state itself must be spread wider, or be smaller.
         devices = max(-(-plan.whole_state_bytes // limit), plan.devices + 1)
         lines.append(f"  the parameters, their gradients, the optimizer state and the batch alone need "
-                     f"{_size(plan.state_bytes)} per device: no microbatch, remat policy or loss lowers that; "
+                     f"{_size(plan.state_bytes)} per device: no microbatch, remat policy or loss lowers "
+                     "that; "
                      f"at least {devices:,} devices of {_size(limit)} would hold them, or shrink the model "
                      "(model.hidden_dim, model.num_layers)")
     for i, line in enumerate(plan.lowers):  # each compiled ahead of time like the step itself
@@ -590,8 +595,9 @@ def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tup
     micro_key = ", trainer.per_device_parallelism" if logits else ""
     raise ModelCannotFitError(
         f"the model cannot fit: training needs at least {_gib(need)} ({', '.join(parts)}) but {where} has "
-        f"{_gib(have)} free. Shrink the model ({param_count:,} parameters: {vocab_key}={vocab_size:,}, model.hidden_dim, "
-        f"model.num_layers) or the batch (trainer.train_batch_size{micro_key}), or use more devices.{hint}"
+        f"{_gib(have)} free. Shrink the model ({param_count:,} parameters: {vocab_key}={vocab_size:,}, "
+        f"model.hidden_dim, model.num_layers) or the batch (trainer.train_batch_size{micro_key}), or use more "
+        f"devices.{hint}"
     )
 
 

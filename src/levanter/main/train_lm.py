@@ -38,8 +38,8 @@ from levanter.lm_config import SEED_LIMIT, TrainLmConfig, data_key, validate
 from levanter.lm_loss import lm_loss_fn
 from levanter.lm_run import check_data_covers_run, check_data_schedule, cli_errors, main, make_evaluator, say_finished
 from levanter.lm_run import start_command
-from levanter.memory_plan import DOES_NOT_FIT_EXIT_CODE, FLAG_HELP, ModelCannotFitError, format_plan, make_plan
-from levanter.memory_plan import split_plan_args
+from levanter.memory_plan import DOES_NOT_FIT_EXIT_CODE, FLAG_HELP, ModelCannotFitError, format_plan
+from levanter.memory_plan import make_plan, split_plan_args
 
 logger = logging.getLogger(__name__)
 
