@@ -77,3 +77,49 @@ def once_per_session(tmp_path_factory, name, make):
         value = make(type(root)(tempfile.mkdtemp(prefix=f"{name}-", dir=root)))
         done.write_bytes(pickle.dumps(value))
         return value
+
+
+def _xla_size(n: int) -> str:
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n}B"
+
+
+class RefusingCompiler:
+    """What :func:`compiler_refuses_above` installed: ``capacity`` (bytes; may be changed between compiles)
+    and ``refused``, the totals it refused, in order."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.refused: list = []
+
+
+def compiler_refuses_above(monkeypatch, capacity: int, *, only: str = "jit_flat") -> RefusingCompiler:
+    """Make XLA's compiler behave as XLA:TPU's does for a device of ``capacity`` bytes: a program named
+    ``only`` (the train step) whose buffers need more is refused at compile time with the TPU compiler's
+    message (libtpu 0.0.42: "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO
+    temporaries (X) exceeds available HBM (Y)." where X counts the arguments and outputs too). The figure is
+    the CPU compile's own (arguments + outputs - aliased + temporaries), so what fits and what does not is
+    decided by the program, not by the test."""
+    import jax
+    from jax._src import compiler
+
+    real = compiler.compile_or_get_cached  # above the persistent compilation cache
+    fake = RefusingCompiler(capacity)
+
+    def compile_(backend, module, *args, **kwargs):
+        executable = real(backend, module, *args, **kwargs)
+        if only in str(module.operation.attributes["sym_name"]):
+            s = executable.get_compiled_memory_stats()
+            total = (s.argument_size_in_bytes + s.output_size_in_bytes - s.alias_size_in_bytes
+                     + s.temp_size_in_bytes)
+            if total > fake.capacity:
+                fake.refused.append(total)
+                raise jax.errors.JaxRuntimeError(
+                    "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+                    f"temporaries ({_xla_size(total)}) exceeds available HBM ({_xla_size(fake.capacity)}).")
+        return executable
+
+    monkeypatch.setattr(compiler, "compile_or_get_cached", compile_)
+    return fake

@@ -137,20 +137,11 @@ def close_denying_proxy() -> None:
 
 
 def _compile_out_of_memory(monkeypatch) -> None:
-    """XLA refuses to compile the train step for lack of device memory, with the message a TPU gives."""
-    import jax
-    from jax._src import compiler
+    """XLA refuses to compile the train step for lack of device memory, as XLA:TPU does for a device of
+    64 KiB: its message, with the step's own figure (tests/helpers.py)."""
+    from helpers import compiler_refuses_above
 
-    real = compiler.compile_or_get_cached  # above the persistent compilation cache this module turns on
-
-    def compile_(backend, module, *args, **kwargs):
-        if "jit_flat" in str(module.operation.attributes["sym_name"]):  # the train step
-            raise jax.errors.JaxRuntimeError(
-                "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
-                "Used 20.50G of 15.48G hbm. Exceeded hbm capacity by 5.02G.")
-        return real(backend, module, *args, **kwargs)
-
-    monkeypatch.setattr(compiler, "compile_or_get_cached", compile_)
+    compiler_refuses_above(monkeypatch, 64 * 1024)
 
 
 def _write(path: Path, data: str | bytes) -> None:
@@ -1034,6 +1025,9 @@ CASES: list[Case] = [
     Case("log-dir-full", "training values", "the disk holding `log_dir` fills up during the run", 74,
          ["out of disk space while logging metrics", "$TMP/logs/bad/metrics.jsonl"], patch=metrics_disk_full,
          needs=["cache"]),
+    Case("batch-too-big", "training values", "`trainer.train_batch_size: 1000000000000`", 2,
+         ["the model cannot fit", "a batch of 1000000000000 x 32", "trainer.train_batch_size"],
+         args=["--trainer.train_batch_size", "1000000000000"]),
     Case("vocab-too-big", "training values", "`data.vocab_size: 1000000000` (hung at 0% CPU)", 2,
          ["the model cannot fit", "data.vocab_size=1,000,000,000", "GiB", "free"],
          args=["--data.vocab_size", "1000000000"]),
@@ -1046,7 +1040,7 @@ CASES: list[Case] = [
          after=no_checkpoint_left),
     Case("device-out-of-memory", "training values",
          "the device runs out of memory compiling the step (XLA's `RESOURCE_EXHAUSTED`, as a TPU says it)", 2,
-         ["the train step needs 20.50 GiB per device but a device has 15.48 GiB", "RESOURCE_EXHAUSTED",
+         ["the train step needs", "KiB per device but a device has 64.00 KiB", "RESOURCE_EXHAUSTED",
           "trainer.per_device_parallelism", "model.gradient_checkpointing: true", "model.cross_entropy_block_size",
           "model.attn_backend", "--dry_run"], patch=lambda mp: _compile_out_of_memory(mp),
          # On an accelerator that reports its memory the ahead-of-time check meets the refusal first and lists
@@ -1111,6 +1105,18 @@ CASES: list[Case] = [
          "`--dry_run` with a hub tokenizer that is not cached locally and no `--vocab_size`", 2,
          ["data.tokenizer", "'some-org/not-cached-tokenizer'", "--vocab_size"], args=["--dry_run"],
          yaml=edit(BASE, "tokenizer: byte", "tokenizer: some-org/not-cached-tokenizer")),
+    Case("dry-run-batch-too-big", "config file and CLI (more)",
+         "`--dry_run --trainer.train_batch_size 1000000000000` (kept the plan busy for minutes)", 3,
+         ["the model cannot fit", "the tokens of a batch of 1,000,000,000,000 x 32",
+          "16.00 GiB (--device_memory)", "trainer.train_batch_size"],
+         args=["--dry_run", "--device_memory", "16GiB", "--trainer.train_batch_size", "1000000000000"]),
+    Case("dry-run-model-too-big", "config file and CLI (more)",
+         "`--dry_run --model.hidden_dim 1048576 --model.num_layers 10000` (kept the plan busy for minutes)",
+         3,
+         ["the model cannot fit", "parameters and gradients", "16.00 GiB (--device_memory)",
+          "parameters: the tokenizer's vocabulary=257, model.hidden_dim, model.num_layers"],
+         args=["--dry_run", "--device_memory", "16GiB", "--model.hidden_dim", "1048576", "--model.num_layers",
+               "10000"]),
     Case("plan-flag-without-dry-run", "config file and CLI (more)", "`--vocab_size 50000` without `--dry_run`", 2,
          ["--vocab_size", "--dry_run"], args=["--vocab_size", "50000"]),
 ]

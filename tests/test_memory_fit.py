@@ -19,11 +19,13 @@ from levanter.config import parse_config
 from levanter.lm_config import TrainLmConfig
 from levanter.lm_loss import lm_loss_fn
 from levanter.main import train_lm
+from levanter.memory_plan import DOES_NOT_FIT_EXIT_CODE
 from levanter.memory_fit import (
     AUTO_HEADROOM,
     ENV_DEVICE_MEMORY,
     StepCompiler,
     StepMemory,
+    divisors,
     is_resource_exhausted,
     microbatch_candidates,
     oom_figures,
@@ -99,11 +101,58 @@ def test_device_out_of_memory_is_told_from_a_full_disk():
 
 
 def test_xla_out_of_memory_figures():
+    # XLA:TPU's two refusals (both in libtpu 0.0.42; the first is what a program too large for the chip gets)
+    text = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries "
+            "(48.00G) exceeds available HBM (15.75G).")
+    assert oom_figures(text) == (48 * 2**30, int(15.75 * 2**30))
     text = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. "
             "Used 20.50G of 15.48G hbm. Exceeded hbm capacity by 5.02G.")
     need, have = oom_figures(text)
     assert need == int(20.50 * 2**30) and have == int(15.48 * 2**30)
     assert oom_figures("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1234 bytes.") is None
+    # a kernel's scratchpad, not the device's memory
+    assert oom_figures("Ran out of memory in memory space vmem. Used 20.00M of 16.00M vmem.") is None
+
+
+def test_the_tpu_compilers_refusal_is_measured():
+    """A program too large for a TPU v5e chip, compiled with libtpu for that chip's topology on this CPU-only
+    machine: the compiler's real refusal, read as a measurement (its total and its capacity)."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("libtpu is not installed")
+    script = """
+import json, jax, jax.numpy as jnp
+from jax.experimental import topologies
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from levanter.memory_fit import compile_memory
+topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:1x1", chip_config_name="default",
+                                    chips_per_host_bounds=(1, 1, 1), num_slices=1, wrap=(False, False, False))
+s = NamedSharding(Mesh(topo.devices, ("x",)), PartitionSpec())
+a = jax.ShapeDtypeStruct((1024, 1024, 3072), jnp.float32, sharding=s)  # 12 GiB (no padding in the TPU layout)
+m = compile_memory(lambda: jax.jit(lambda x, y: x + y).lower(a, a).compile())
+print(json.dumps({"total": m.total, "capacity": m.capacity, "oom": m.oom, "fits": m.fits(None)}))
+"""
+    # Another process may hold libtpu's lock file (a TPU job, another test run); compiling for a topology
+    # needs no chip, so the lock is not needed.
+    env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_SKIP_MDS_QUERY="1")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["total"] == 3 * 12 * 2**30  # x, y and x + y: the figure counts the arguments and the output
+    assert 15 * 2**30 < got["capacity"] <= 16 * 2**30  # a v5e chip's 16 GiB, less what the runtime keeps
+    assert "RESOURCE_EXHAUSTED" in got["oom"] and not got["fits"]
+
+
+def test_divisors_are_found_up_to_the_square_root():
+    assert divisors(12) == [12, 6, 4, 3, 2, 1] and divisors(1) == [1] and divisors(49) == [49, 7, 1]
+    big = divisors(10**12)  # 2^12 x 5^12: 13 x 13 divisors, found with 10^6 trials, not 10^12
+    assert len(big) == 169 and big[0] == 10**12 and big[-1] == 1
+    assert big == sorted(big, reverse=True) and all(10**12 % d == 0 for d in big)
 
 
 @pytest.mark.devices(8)  # the figures are per device of 8
@@ -111,6 +160,8 @@ def test_candidates_divide_every_batch_of_the_schedule(tmp_path):
     _, cfg = _config(tmp_path, "--trainer.train_batch_size", '[{start: 0, value: 16}, {start: 1, value: 48}]')
     # 2 and 6 per device: microbatches dividing both
     assert microbatch_candidates(cfg.trainer) == [2, 1]
+    _, cfg = _config(tmp_path, "--trainer.train_batch_size", str(8 * 10**12))
+    assert microbatch_candidates(cfg.trainer) == divisors(10**12)  # 10^12 per device
 
 
 @pytest.mark.slow
@@ -136,8 +187,10 @@ def test_a_step_that_cannot_fit_is_one_error_and_auto_trains(tmp_path, capsys, m
     assert "model.gradient_checkpointing: true ->" in message and "auto" in message and "--dry_run" in message
     assert not (tmp_path / "ckpt" / "fit").exists() or not list((tmp_path / "ckpt" / "fit").glob("step-*"))
 
-    # The plan says the same, and what auto would pick.
-    train_lm.cli(["--config_path", path, "--dry_run", "--device_memory", str(limit)])
+    # The plan says the same, and what auto would pick; its exit status says it does not fit.
+    with pytest.raises(SystemExit) as e:
+        train_lm.cli(["--config_path", path, "--dry_run", "--device_memory", str(limit)])
+    assert e.value.code == DOES_NOT_FIT_EXIT_CODE
     plan = capsys.readouterr().out
     assert "DOES NOT FIT" in plan and "what lowers it" in plan and "per_device_parallelism: auto would pick" in plan
 
@@ -188,10 +241,18 @@ def test_the_plan_says_what_auto_picks(tmp_path, capsys, monkeypatch):
                   "--trainer.per_device_parallelism", "auto"])
     out = capsys.readouterr().out
     assert "per_device_parallelism: auto picks 4 (" in out and "1 microbatch;" in out  # 32 / 8 devices fit
-    train_lm.cli(["--config_path", path, "--dry_run", "--device_memory", "1KiB", "--trainer.train_batch_size", "16",
-                  "--trainer.per_device_parallelism", "auto"])
+    # A device one byte short of the step at one sequence per device: larger than the parameters, gradients
+    # and optimizer state (the check from shapes passes), smaller than any microbatch's step.
+    _, cfg = _config(tmp_path, "--trainer.train_batch_size", "16")
+    compiler = StepCompiler(cfg.model, cfg.trainer, cfg.optimizer.build(cfg.trainer.num_train_steps),
+                            lm_loss_fn(0.0, None), 257)
+    limit = compiler.compile(per_device_parallelism=1).total - 1
+    with pytest.raises(SystemExit) as e:
+        train_lm.cli(["--config_path", path, "--dry_run", "--device_memory", str(limit),
+                      "--trainer.train_batch_size", "16", "--trainer.per_device_parallelism", "auto"])
+    assert e.value.code == DOES_NOT_FIT_EXIT_CODE == 3  # a script can gate a launch on the plan
     out = capsys.readouterr().out
     assert "auto finds no microbatch that fits (planned: the smallest, 1 per device)" in out
-    assert "2 microbatches;" in out and "DOES NOT FIT" in out
+    assert "2 microbatches;" in out and "DOES NOT FIT (short by 1 B)" in out
     assert "what lowers it        model.gradient_checkpointing: true ->" in out
     assert not (tmp_path / "logs").exists() and not (tmp_path / "ckpt").exists()

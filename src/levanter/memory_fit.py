@@ -5,8 +5,9 @@ The step is compiled ahead of time for abstract inputs (``jax.ShapeDtypeStruct``
 shardings: nothing is allocated) and XLA's ``memory_analysis()`` says what one device needs at the
 step's peak: its arguments (parameters, optimizer state, batch), the outputs that do not reuse a donated
 argument's buffer, and the temporaries (activations kept for the backward pass, gradients, logits). An
-accelerator's compiler may refuse a program that cannot fit (``RESOURCE_EXHAUSTED`` at compile time, the
-TPU's "Used X of Y hbm"): that counts as a measurement too, with the figure from its message.
+accelerator's compiler may refuse a program that cannot fit (``RESOURCE_EXHAUSTED`` at compile time:
+XLA:TPU's "the total memory required for HLO temporaries (X) exceeds available HBM (Y)", or "Used X of Y
+hbm"): that counts as a measurement too, with the figures from its message (:func:`oom_figures`).
 
 The device's memory (:func:`device_memory`): ``--device_memory`` for a plan, else the environment variable
 ``LEVANTER_DEVICE_MEMORY`` (e.g. ``512MiB``: for tests on CPU, or to keep headroom for something else on
@@ -19,9 +20,11 @@ extra compile where it passes. A step that cannot fit is one :class:`StepDoesNot
 what it needs and what the device has, and the keys that lower it with the figure each alone would give,
 each compiled the same way: ``trainer.per_device_parallelism`` (the largest that fits),
 ``model.gradient_checkpointing: true``, ``model.cross_entropy_block_size`` and ``model.attn_backend:
-jax_flash`` where the model does not use them yet. Those extra compiles happen only on that error path.
+jax_flash`` where the model does not use them yet, and, where none alone fits, all of them together. Those
+extra compiles happen only on that error path.
 
-``auto`` picks the largest per-device microbatch that divides every per-device batch of the schedule and
+``auto`` picks the largest per-device microbatch that divides every per-device batch of the schedule (the
+divisors, found up to the square root: a batch of 10^12 costs a million trials) and
 whose step needs at most ``1 - AUTO_HEADROOM`` of the device's memory (room for the allocator's
 fragmentation and the loader's next batch). The search (:func:`search_microbatch`) compiles the whole batch
 first, then a candidate halfway down; with two figures it predicts the largest candidate that fits
@@ -107,7 +110,17 @@ def size(n: float) -> str:
 
 
 # -- the compiler's out-of-memory errors ---------------------------------------------------------------------
-_USED = re.compile(r"Used ([\d.]+)([KMGT]?)i?B? of ([\d.]+)([KMGT]?)i?B? (\w+)")
+# XLA:TPU's two refusals (libtpu 0.0.42 has both): the one a program gets whose buffers cannot fit at all,
+#   "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (48.00G)
+#   exceeds available HBM (15.75G)."  -- the figure counts the arguments and outputs too: the program's total;
+# and the one from the detailed buffer assignment,
+#   "... Ran out of memory in memory space hbm. Used 20.50G of 15.48G hbm. Exceeded hbm capacity by 5.02G."
+# Only HBM counts: "memory space vmem" is a kernel's scratchpad, not the device's memory.
+_SIZE = r"([\d.]+)\s?([KMGT]?)i?B?"
+_OOM_FORMS = (
+    re.compile(rf"Used {_SIZE} of {_SIZE} hbm\b", re.I),
+    re.compile(rf"required for HLO temporaries \({_SIZE}\) exceeds available HBM \({_SIZE}\)", re.I),
+)
 _SCALE = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
@@ -129,11 +142,15 @@ def is_resource_exhausted(err: BaseException) -> bool:
 
 
 def oom_figures(text: str) -> Optional[tuple[int, int]]:
-    """``(bytes needed, bytes the device has)`` from XLA's "Used 20.5G of 15.48G hbm", if it says so."""
-    m = _USED.search(text)
-    if m is None:
-        return None
-    return int(float(m.group(1)) * _SCALE[m.group(2)]), int(float(m.group(3)) * _SCALE[m.group(4)])
+    """``(bytes the program needs, bytes the compiler has for it)`` from an XLA:TPU refusal ("Used 20.5G of
+    15.48G hbm", or "the total memory required for HLO temporaries (48.00G) exceeds available HBM (15.75G)"),
+    if it says so."""
+    for form in _OOM_FORMS:
+        m = form.search(text)
+        if m is not None:
+            return (int(float(m.group(1)) * _SCALE[m.group(2).upper()]),
+                    int(float(m.group(3)) * _SCALE[m.group(4).upper()]))
+    return None
 
 
 # -- measuring a compiled step -------------------------------------------------------------------------------
@@ -146,6 +163,7 @@ class StepMemory:
     temp: int = 0
     compiled: Any = None  # the executable; None when the compiler refused it
     oom: Optional[str] = None  # the compiler's out-of-memory message
+    capacity: Optional[int] = None  # what the compiler said it had for the program, when it refused it
 
     def fits(self, limit: Optional[int], headroom: float = 0.0) -> bool:
         if limit is None:
@@ -202,13 +220,21 @@ def largest_batch(tcfg: TrainerConfig) -> int:
 
 def measure(trainer: Trainer, state, batch, batch_size: int) -> StepMemory:
     """Compile ``trainer``'s step for ``(state, batch)`` ahead of time and read its memory."""
+    return compile_memory(lambda: trainer.lower_train_step(state, batch, batch_size).compile())
+
+
+def compile_memory(compile_: Callable[[], Any]) -> StepMemory:
+    """What one device needs for the program ``compile_()`` compiles: XLA's ``memory_analysis()`` of the
+    executable, or, where the compiler refuses it for lack of memory, the figures of its message."""
     try:
-        compiled = trainer.lower_train_step(state, batch, batch_size).compile()
+        compiled = compile_()
     except Exception as e:  # noqa: BLE001 -- only the compiler's out-of-memory refusal is a measurement
         if not is_resource_exhausted(e):
             raise
         figures = oom_figures(str(e))
-        return StepMemory(total=figures[0] if figures else None, oom=str(e).strip().splitlines()[0])
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), "RESOURCE_EXHAUSTED")
+        return StepMemory(total=figures[0] if figures else None, oom=first,
+                          capacity=figures[1] if figures else None)
     mem = compiled.memory_analysis()
     if mem is None:  # a backend without the analysis: nothing to compare
         return StepMemory(total=None, compiled=compiled)
@@ -266,7 +292,14 @@ def microbatch_candidates(tcfg: TrainerConfig) -> list[int]:
     g = 0
     for seg in tcfg.batch_schedule.segments:
         g = math.gcd(g, seg.value // dp)
-    return [d for d in range(g, 0, -1) if g % d == 0]
+    return divisors(g)
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` (>= 1), largest first. Found in pairs up to the square root, so a batch of
+    10^12 sequences costs a million trials, not 10^12."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)}, reverse=True)
 
 
 def search_microbatch(measure_at: Callable[[int], StepMemory], candidates: Sequence[int], budget: int,
@@ -314,31 +347,53 @@ def _predict(seen: dict[int, StepMemory], open_: list[int], budget: int) -> Opti
 
 
 # -- what lowers the step --------------------------------------------------------------------------------
+TOGETHER = "all of these together"  # the key of the suggestion that combines the others
+
+
 @dataclasses.dataclass(frozen=True)
 class Suggestion:
     key: str
     value: Any
     memory: StepMemory
 
+    @property
+    def value_text(self) -> str:
+        return str(self.value).lower() if isinstance(self.value, bool) else str(self.value)
+
     def line(self, limit: Optional[int]) -> str:
-        value = str(self.value).lower() if isinstance(self.value, bool) else self.value
         verdict = " (fits)" if limit is not None and self.memory.fits(limit) else ""
+        value = f"({self.value})" if self.key == TOGETHER else self.value_text
         return f"{self.key}: {value} -> {self.memory.describe()}{verdict}"
+
+
+# Remat policies that keep more than each layer's input on the device: full remat (true) keeps less.
+_SAVING_POLICIES = ("dots_saveable", "save_dots", "save_all")
 
 
 def model_alternatives(model_config, vocab_size: int) -> list[tuple[str, Any, Any]]:
     """``(key, value, model config)`` for each model key that lowers the step's memory and that the model
-    does not use yet: remat, the blockwise loss, blockwise attention. A change the architecture refuses
-    (Gemma 2 has no blockwise attention, and no blockwise loss with its logit cap) is not suggested."""
+    does not use yet: full remat (for no remat, or a policy that saves activations), the blockwise loss,
+    blockwise attention. A change the architecture refuses (Gemma 2 has no blockwise attention, and no
+    blockwise loss with its logit cap) is not suggested."""
+    return _alternatives(model_config, vocab_size)[0]
+
+
+def _alternatives(model_config, vocab_size: int) -> tuple[list[tuple[str, Any, Any]], Any]:
+    """:func:`model_alternatives`, and the model config with all of them at once."""
+    from levanter.models.layers import SAVED_NAMES
+
     out = []
+    together: dict = {}
 
     def offer(key: str, value: Any, **changes) -> None:
         try:
             out.append((key, value, dataclasses.replace(model_config, **changes)))
         except ValueError:
-            pass  # the model's own check refuses this key; suggesting it would only lead to that error
+            return  # the model's own check refuses this key; suggesting it would only lead to that error
+        together.update(changes)
 
-    if getattr(model_config, "gradient_checkpointing", True) is False:
+    remat = getattr(model_config, "gradient_checkpointing", True)
+    if remat is False or remat in _SAVING_POLICIES or remat in SAVED_NAMES:
         offer("model.gradient_checkpointing", True, gradient_checkpointing=True)
     if getattr(model_config, "cross_entropy_block_size", 0) is None and vocab_size >= 4096:
         block = min(8192, 1 << int(math.log2(vocab_size // 4)))
@@ -355,23 +410,37 @@ def model_alternatives(model_config, vocab_size: int) -> list[tuple[str, Any, An
             if getattr(model_config, "use_flash_attention", None) is not None:
                 changes["use_flash_attention"] = None
             offer("model.attn_backend", "jax_flash", **changes)
-    return out
+    try:
+        combined = dataclasses.replace(model_config, **together)
+    except ValueError:  # each alone is accepted, not all at once: no combined figure
+        combined = None
+    return out, combined
 
 
 def suggestions(compiler: StepCompiler, base: StepMemory, limit: int
                 ) -> tuple[list[Suggestion], Optional[int]]:
-    """What each key alone makes of a step that does not fit, compiled ahead of time; and the
-    ``per_device_parallelism`` auto would pick (None: none fits)."""
+    """What each key alone makes of a step that does not fit, compiled ahead of time; where none alone
+    fits, what all of them together make of it (one more compile); and the ``per_device_parallelism``
+    auto would pick (None: none fits)."""
     out = []
     pick, seen = auto_pick(compiler, base, limit)
     current = current_microbatch(compiler.trainer_config)
     smaller = pick if pick is not None else min(seen, default=None)
     if smaller is not None and smaller < current:
         out.append(Suggestion("trainer.per_device_parallelism", smaller, seen[smaller]))
-    for key, value, model_config in model_alternatives(compiler.model_config, compiler.vocab_size):
+    alternatives, combined = _alternatives(compiler.model_config, compiler.vocab_size)
+    for key, value, model_config in alternatives:
         memory = compiler.compile(model_config=model_config)
         logger.info("%s: %s: the step needs %s per device", key, value, memory.describe())
         out.append(Suggestion(key, value, memory))
+    if len(out) >= 2 and combined is not None and not any(s.memory.fits(limit) for s in out):
+        # No key alone fits: the smallest microbatch and every model key at once, the most the step's keys do.
+        micro = out[0].value if out[0].key == "trainer.per_device_parallelism" else None
+        at = compiler if micro is None else compiler.with_microbatch(micro)
+        memory = at.compile(model_config=combined)
+        parts = ", ".join(f"{s.key}: {s.value_text}" for s in out)
+        logger.info("%s together: the step needs %s per device", parts, memory.describe())
+        out.append(Suggestion(TOGETHER, parts, memory))
     return out, pick
 
 
@@ -536,6 +605,7 @@ __all__ = [
     "device_memory",
     "current_microbatch",
     "device_oom_as_error",
+    "divisors",
     "does_not_fit",
     "fit_trainer",
     "is_resource_exhausted",

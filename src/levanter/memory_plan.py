@@ -29,11 +29,23 @@ What it can and cannot know:
 * Where the device's memory is known (``--device_memory``, ``LEVANTER_DEVICE_MEMORY``, or the device's
   report), the plan also says what ``trainer.per_device_parallelism: auto`` picks, and, for a step that
   does not fit, what each key that lowers it would make of it, each compiled the same way
-  (:mod:`levanter.memory_fit`: a few more compiles, only then).
+  (:mod:`levanter.memory_fit`: a few more compiles, only then), all of them together where none alone
+  fits, and how many devices would hold a state that no key lowers enough. Such a plan exits with
+  :data:`DOES_NOT_FIT_EXIT_CODE` (3), so a script can gate a launch on it.
+* A compiler that refuses the step for lack of memory (XLA:TPU's ``RESOURCE_EXHAUSTED`` at compile time)
+  gives a figure in its message: the whole program's (arguments and outputs included) against what it had
+  for it. The plan shows that figure as the total, that total less the arguments as the temporaries, and
+  the shortfall against the compiler's capacity (a TPU keeps part of its HBM back); one without a figure
+  is "?", never 0.
+* Before any compile, the plan weighs what no key of the step lowers (parameters, gradients, optimizer
+  state, the batch's tokens; :func:`check_memory` without the logits) against the devices' memory (the
+  plan's device memory times the devices, else what a run would check against: for CPU devices the
+  host's free memory). A model or batch that cannot fit is one :class:`ModelCannotFitError` in
+  milliseconds, instead of a compile that runs for minutes.
 
 Every run (not only ``--dry_run``) also takes the cheapest look first, :func:`check_memory`: a lower bound
 from shapes alone (parameters, gradients, optimizer state, the averaged copy of ``trainer.model_averaging``,
-one microbatch's logits) against what
+the batch's tokens, one microbatch's logits) against what
 the devices, or for CPU devices the host, have free. It compiles nothing, so it refuses a model that
 cannot possibly fit before the caches are built or anything is allocated; the compiled check
 (:func:`levanter.memory_fit.fit_trainer`) comes later and sees the rest.
@@ -66,9 +78,14 @@ memory plan (no training):
   --vocab_size N         vocabulary size when the tokenizer is not available locally
   --peak_flops F         peak FLOP/s of one device (e.g. 989e12); default: known accelerators only
   --step_seconds S       a measured or expected step time: the plan prints the MFU it means
+exit status 3: the step does not fit the device's memory (0: it fits, or the memory is unknown)
 """
 
 _VALUE_FLAGS = ("--device_memory", "--vocab_size", "--peak_flops", "--step_seconds")
+
+# The exit status of a dry run whose plan does not fit the devices' memory (0: it fits, or the memory is
+# unknown), so that a script can gate a launch on the plan; 2 stays a bad config, 1 a failure.
+DOES_NOT_FIT_EXIT_CODE = 3
 
 
 class PlanArgumentError(ValueError):
@@ -210,8 +227,8 @@ class MemoryPlan:
     param_dtype: str
     opt_bytes: int
     batch_bytes: int
-    temp_bytes: int
-    total_bytes: int
+    temp_bytes: Optional[int]  # None: the compiler refused the step without saying how much it needs
+    total_bytes: Optional[int]  # likewise
     device_memory: Optional[int]
     device_memory_source: str
     flops_per_token: float
@@ -223,6 +240,10 @@ class MemoryPlan:
     compiler_oom: Optional[str] = None  # the compiler refused the step for lack of memory (its message)
     lowers: tuple = ()  # "key: value -> figure" of each key that lowers a step that does not fit
     auto: str = ""  # what per_device_parallelism: auto picks (where the device's memory is known)
+    compiler_capacity: Optional[int] = None  # what the compiler said it had for the step, when it refused it
+    # parameters, gradients, optimizer state, average and batch: what no key of the step lowers
+    state_bytes: int = 0
+    whole_state_bytes: int = 0  # the same over all devices together (the batch aside)
 
     @property
     def tokens_per_step(self) -> int:
@@ -233,10 +254,18 @@ class MemoryPlan:
         return self.flops_per_token * self.tokens_per_step / self.devices
 
     @property
+    def limit(self) -> Optional[int]:
+        """The memory the step is compared with: the compiler's own capacity where it refused the step
+        (a TPU keeps part of its HBM back), else the device's."""
+        return self.compiler_capacity if self.compiler_capacity is not None else self.device_memory
+
+    @property
     def fits(self) -> Optional[bool]:
-        if self.device_memory is None:
+        if self.compiler_oom is not None:
+            return False
+        if self.device_memory is None or self.total_bytes is None:
             return None
-        return self.compiler_oom is None and self.total_bytes <= self.device_memory
+        return self.total_bytes <= self.device_memory
 
 
 def _shard_bytes(leaves: Sequence[Any]) -> int:
@@ -255,12 +284,18 @@ def make_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptions) ->
     import jmp
 
     tcfg = dataclasses.replace(config.trainer, require_accelerator=False)  # a plan needs no accelerator
-    tcfg.validate()
+    tcfg.validate()  # the batch against the devices, among the rest
     config.optimizer.lr_scheduler(tcfg.num_train_steps)
     vocab_size, vocab_source = plan_vocab(config, options.vocab_size)
+    device_memory, memory_source = memory_fit.device_memory(options.device_memory)
+    # Shapes alone before any compile (milliseconds, however large the model or the batch): what no key of
+    # the step lowers (parameters, gradients, optimizer state, the batch's tokens) against the devices.
+    available, hint = _plan_available(device_memory, memory_source)
+    if available is not None:
+        check_memory(dataclasses.replace(config, trainer=tcfg), vocab_size, available, logits=False,
+                     hint=hint)
     optimizer = config.optimizer.build(tcfg.num_train_steps)
     compiler = memory_fit.StepCompiler(config.model, tcfg, optimizer, loss_fn, vocab_size)
-    device_memory, memory_source = memory_fit.device_memory(options.device_memory)
     cands = memory_fit.microbatch_candidates(tcfg)
     auto_note, lowers = "", ()
     memory = None
@@ -287,6 +322,10 @@ def make_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptions) ->
     state, batch, batch_size = compiler.inputs(trainer)
     if memory is None:
         memory = memory_fit.measure(trainer, state, batch, batch_size)
+    if device_memory is None and memory.capacity is not None:
+        # The device does not say, but the compiler that refused the step did: the keys that lower it are
+        # weighed against that.
+        device_memory, memory_source = memory.capacity, "the compiler's capacity"
     if device_memory is not None and not auto_note:
         if memory.fits(device_memory):
             pick, seen = memory_fit.auto_pick(compiler, memory, device_memory)
@@ -295,7 +334,6 @@ def make_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptions) ->
             lowers = tuple(s.line(device_memory) for s in found)
         auto_note = (f"per_device_parallelism: auto would pick {pick}" if pick is not None else
                      "per_device_parallelism: auto finds no microbatch that fits")
-    mem = memory.compiled.memory_analysis() if memory.compiled is not None else None
     tokens = batch["tokens"].array
 
     floats = [x for x in jax.tree_util.tree_leaves(state.model) if jnp.issubdtype(x.dtype, jnp.inexact)]
@@ -304,10 +342,22 @@ def make_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptions) ->
     # trainer.model_averaging: the averaged copy of the weights, an argument of the step like the rest.
     averaged_bytes = _shard_bytes(jax.tree_util.tree_leaves(state.averaged_model))
     batch_bytes = _shard_bytes([tokens])
-    temp = int(mem.temp_size_in_bytes) if mem is not None else 0
     # Live at the peak: the arguments (state and batch), the outputs that do not reuse a donated argument's
-    # buffer, and the step's temporaries (memory_fit.measure).
-    total = memory.total if memory.total is not None else 0
+    # buffer, and the step's temporaries (memory_fit.measure). A step the compiler refused has its message's
+    # figure for the whole program (arguments included: the outputs reuse the donated state's buffers), or
+    # none.
+    total = memory.total
+    arguments = param_bytes + opt_bytes + averaged_bytes + batch_bytes
+    if memory.compiled is not None:
+        temp = memory.temp
+    else:
+        temp = max(total - arguments, 0) if total is not None else None
+    # The parameters, their gradients (as large, sharded alike), the optimizer state and the average, with
+    # the batch: what no microbatch, remat policy or loss lowers.
+    state_bytes = 2 * param_bytes + opt_bytes + averaged_bytes + batch_bytes
+    whole_state = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in floats) * 2 + sum(
+        math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+        for x in jax.tree_util.tree_leaves((state.opt_state, state.averaged_model)))
     peak, peak_source = options.peak_flops, "--peak_flops"
     if peak is None:
         peak = peak_flops_per_device(jax.devices()[0])
@@ -324,11 +374,26 @@ def make_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptions) ->
         param_dtype=str(jnp.dtype(jmp.get_policy(tcfg.mp).param_dtype)),
         opt_bytes=opt_bytes, averaged_bytes=averaged_bytes, batch_bytes=batch_bytes, temp_bytes=temp, total_bytes=total,
         device_memory=device_memory, device_memory_source=memory_source,
+        compiler_capacity=memory.capacity, state_bytes=state_bytes, whole_state_bytes=whole_state,
         flops_per_token=float(config.model.flops_per_token(vocab_size)),
         peak_flops=peak, peak_source=peak_source,
         step_seconds=options.step_seconds, loss=loss,
         compiler_oom=memory.oom, lowers=lowers, auto=auto_note,
     )
+
+
+def _plan_available(device_memory: Optional[int], source: str) -> tuple[Optional[Tuple[int, str]], str]:
+    """``((bytes, description), hint)`` of what this process's devices have for :func:`check_memory` in a
+    plan: the device memory the plan compares with, else what a run would check against (for CPU devices,
+    the host's free memory), with a hint on planning for an accelerator instead."""
+    if device_memory is not None:
+        n = jax.local_device_count()
+        return (device_memory * n, f"{n} x {_size(device_memory)} ({source})"), ""
+    found = available_memory()
+    if found is not None and all(d.platform == "cpu" for d in jax.local_devices()):
+        return found, (" To plan for an accelerator's memory instead of this host's, pass --device_memory "
+                       "SIZE (e.g. 16GiB).")
+    return found, ""
 
 
 def _microbatches(tcfg, batch_size: int) -> int:
@@ -359,19 +424,53 @@ def format_plan(plan: MemoryPlan, config_path: Optional[str] = None) -> str:
         *([f"  averaged weights      {_size(plan.averaged_bytes):>14}   (trainer.model_averaging)"]
           if plan.averaged_bytes else []),
         f"  batch                 {_size(plan.batch_bytes):>14}",
-        f"  compiled temporaries  {_size(plan.temp_bytes):>14}   (activations, gradients, logits, scratch)",
-        f"  total                 {_size(plan.total_bytes):>14}",
     ]
-    if plan.device_memory is None:
+    refused = plan.compiler_oom is not None
+    if not refused and plan.total_bytes is None:  # a backend without XLA's memory analysis
+        lines += [f"  compiled temporaries  {'?':>14}   (this backend's compiler does not report its memory)",
+                  f"  total                 {'?':>14}"]
+    elif not refused:
+        lines += [f"  compiled temporaries  {_size(plan.temp_bytes):>14}   "
+                  "(activations, gradients, logits, scratch)",
+                  f"  total                 {_size(plan.total_bytes):>14}"]
+    elif plan.total_bytes is not None:  # the compiler's own figure, from its refusal
+        lines += [f"  compiled temporaries  {_size(plan.temp_bytes):>14}   "
+                  "(the compiler's total less the arguments above: activations, gradients, logits, scratch)",
+                  f"  total                 {_size(plan.total_bytes):>14}   "
+                  "(the compiler's figure: it refused the step)"]
+    else:
+        lines += [f"  compiled temporaries  {'?':>14}   "
+                  "(the compiler refused the step without saying how much it needs)",
+                  f"  total                 {'?':>14}"]
+    limit = plan.limit
+    if limit is None:
         lines.append(f"  device memory         {'?':>14}   {plan.device_memory_source}")
     else:
-        short = _size(plan.total_bytes - plan.device_memory)
-        verdict = "fits" if plan.fits else f"DOES NOT FIT (short by {short})"
-        used = plan.total_bytes / plan.device_memory
-        lines.append(f"  device memory         {_size(plan.device_memory):>14}   "
-                     f"({plan.device_memory_source}): {verdict}, {used:.0%} used")
-    if plan.compiler_oom:
+        source = plan.device_memory_source
+        if plan.compiler_capacity is not None:
+            # What the compiler budgets the program against: a TPU keeps part of its HBM back.
+            source = ("as the compiler counts it" if plan.device_memory in (None, plan.compiler_capacity) else
+                      f"as the compiler counts it; {source}: {_size(plan.device_memory)}")
+        if plan.total_bytes is None:
+            verdict = "DOES NOT FIT (the compiler refused the step)" if refused else "no figure to compare"
+        elif plan.fits:
+            verdict = f"fits, {plan.total_bytes / limit:.0%} used"
+        elif plan.total_bytes > limit:
+            verdict = (f"DOES NOT FIT (short by {_size(plan.total_bytes - limit)}), "
+                       f"{plan.total_bytes / limit:.0%} used")
+        else:  # refused although its figure is within the capacity (fragmentation, reserved memory)
+            verdict = f"DOES NOT FIT (the compiler refused the step), {plan.total_bytes / limit:.0%} used"
+        lines.append(f"  device memory         {_size(limit):>14}   ({source}): {verdict}")
+    if refused:
         lines.append(f"  the compiler refused the step: {plan.compiler_oom[:300]}")
+    if plan.fits is False and limit is not None and plan.state_bytes > limit:
+        # Nothing the step's keys do can help: the state itself must be spread wider, or be smaller.
+        devices = max(-(-plan.whole_state_bytes // limit), plan.devices + 1)
+        lines.append(f"  the parameters, their gradients, the optimizer state and the batch alone need "
+                     f"{_size(plan.state_bytes)} per device: no microbatch, remat policy or loss lowers "
+                     "that; "
+                     f"at least {devices:,} devices of {_size(limit)} would hold them, or shrink the model "
+                     "(model.hidden_dim, model.num_layers)")
     for i, line in enumerate(plan.lowers):  # each compiled ahead of time like the step itself
         lines.append(f"  {'what lowers it' if i == 0 else '':<21} {line}")
     if plan.auto:
@@ -401,13 +500,21 @@ def format_plan(plan: MemoryPlan, config_path: Optional[str] = None) -> str:
 
 
 # -- the run's estimate from shapes, before anything is allocated ------------------------------------------
-def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tuple[int, str]] = None, *,
-                 adapt: Optional[Callable] = None, is_trainable: Optional[Callable] = None) -> None:
-    """Refuse a model whose training state cannot fit, before anything is allocated.
+class ModelCannotFitError(ValueError):
+    """Training a config needs more memory than its devices have, from shapes alone (:func:`check_memory`):
+    a run's user error (exit 2); the verdict of a ``--dry_run`` (:data:`DOES_NOT_FIT_EXIT_CODE`)."""
 
-    The estimate is a lower bound from shapes alone (``jax.eval_shape``: nothing is allocated):
-    parameters and their gradients at the parameter precision (and the averaged copy of
-    ``trainer.model_averaging``), the optimizer's state, and the
+
+def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tuple[int, str]] = None, *,
+                 adapt: Optional[Callable] = None, is_trainable: Optional[Callable] = None,
+                 logits: bool = True, hint: str = "") -> None:
+    """Refuse a model whose training state cannot fit, before anything is allocated
+    (:class:`ModelCannotFitError`).
+
+    The estimate is a lower bound from shapes alone (``jax.eval_shape``: nothing is allocated, and a model
+    of 10^17 parameters is counted in milliseconds): parameters and their gradients at the parameter
+    precision (and the averaged copy of ``trainer.model_averaging``), the optimizer's state, the int32
+    tokens of the largest batch, and the
     logits of one (micro)batch that the loss holds at once: the whole vocabulary in the compute dtype (the
     full loss keeps the logits as the model computes them), or one float32 block of
     ``model.cross_entropy_block_size`` entries. Activations and XLA's temporaries come on top
@@ -418,6 +525,9 @@ def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tup
     ``adapt(model, key)`` and ``is_trainable``: the run's change to the built model and the trainer's filter of
     the leaves that train (a LoRA run's adapters): gradients, optimizer state and the average are counted for
     those leaves alone, the parameters for all.
+    ``logits=False`` leaves the logits out (``--dry_run``: it measures them in the compile, and the keys that
+    lower them are what its plan lists), so only what no key of the step lowers is counted; ``hint`` ends the
+    message.
     """
     import equinox as eqx
     import jmp
@@ -444,6 +554,7 @@ def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tup
     def is_float(x) -> bool:
         return isinstance(x, jax.ShapeDtypeStruct) and jnp.issubdtype(x.dtype, jnp.inexact)
 
+    param_count = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes) if is_float(x))
     params = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, param_dtype) if is_float(x) else None,
         eqx.filter(shapes, is_float),
@@ -452,32 +563,41 @@ def check_memory(config: TrainLmConfig, vocab_size: int, available: Optional[Tup
     trained = params if is_trainable is None else eqx.filter(params, is_trainable(shapes))
     trained_bytes = tree_nbytes(trained)
     opt_bytes = tree_nbytes(jax.eval_shape(config.optimizer.build(tcfg.num_train_steps).init, trained))
+    batch = max(seg.value for seg in tcfg.batch_schedule.segments)
     if tcfg.microbatch_size is not None or tcfg.per_device_parallelism == "auto":
         micro = (tcfg.microbatch_size or 1) * tcfg.data_axis_size  # auto: at least one sequence per device
     else:
-        micro = max(seg.value for seg in tcfg.batch_schedule.segments)
+        micro = batch
+    seq = config.model.seq_len
+    token_bytes = batch * seq * jnp.dtype(jnp.int32).itemsize  # the step's batch argument
     logit_entries = config.model.loss_logit_entries(vocab_size)
     blockwise = config.model.cross_entropy_block_size is not None
     logit_dtype = jnp.dtype(jnp.float32 if blockwise else policy.compute_dtype)
-    logit_bytes = micro * config.model.seq_len * logit_entries * logit_dtype.itemsize
+    logit_bytes = micro * seq * logit_entries * logit_dtype.itemsize if logits else 0
     # The gradients, and trainer.model_averaging's average, are copies of the trained parameters.
     copies = 3 if tcfg.model_averaging is not None else 2
     held = param_bytes + (copies - 1) * trained_bytes
-    need = (held + opt_bytes + logit_bytes) // max(jax.process_count(), 1)
+    need = (held + opt_bytes + token_bytes + logit_bytes) // max(jax.process_count(), 1)
     have, where = available
     if need <= have:
         return
     vocab_key = "data.vocab_size" if config.data.vocab_size is not None else "the tokenizer's vocabulary"
-    raise ValueError(
-        f"the model cannot fit: training needs at least {_gib(need)} (parameters and gradients"
-        f"{' and the averaged copy (trainer.model_averaging)' if copies == 3 else ''} "
-        f"{_gib(held)}, optimizer state {_gib(opt_bytes)}, {logit_dtype.name} logits of a batch "
-        f"of {micro} x "
-        f"{config.model.seq_len} positions x {logit_entries:,} vocabulary entries {_gib(logit_bytes)}) but "
-        f"{where} has "
-        f"{_gib(have)} free. Shrink the model ({vocab_key}={vocab_size:,}, model.hidden_dim, "
-        "model.num_layers) or the batch (trainer.train_batch_size, trainer.per_device_parallelism), or use "
-        "more devices."
+    parts = [
+        f"parameters and gradients"
+        f"{' and the averaged copy (trainer.model_averaging)' if copies == 3 else ''} {_gib(held)}",
+        f"optimizer state {_gib(opt_bytes)}",
+    ]
+    if logits:
+        parts.append(f"{logit_dtype.name} logits of a batch of {micro} x {seq} positions x {logit_entries:,} "
+                     f"vocabulary entries {_gib(logit_bytes)}")
+    if token_bytes * 100 > need:  # the batch itself is a share of the need worth naming
+        parts.append(f"the tokens of a batch of {batch:,} x {seq} {_gib(token_bytes)}")
+    micro_key = ", trainer.per_device_parallelism" if logits else ""
+    raise ModelCannotFitError(
+        f"the model cannot fit: training needs at least {_gib(need)} ({', '.join(parts)}) but {where} has "
+        f"{_gib(have)} free. Shrink the model ({param_count:,} parameters: {vocab_key}={vocab_size:,}, "
+        f"model.hidden_dim, model.num_layers) or the batch (trainer.train_batch_size{micro_key}), or use more "
+        f"devices.{hint}"
     )
 
 
@@ -532,8 +652,10 @@ def _host_available_bytes() -> Optional[int]:
 
 
 __all__ = [
+    "DOES_NOT_FIT_EXIT_CODE",
     "FLAG_HELP",
     "MemoryPlan",
+    "ModelCannotFitError",
     "PlanArgumentError",
     "PlanOptions",
     "available_memory",

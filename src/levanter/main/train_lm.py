@@ -38,7 +38,8 @@ from levanter.lm_config import SEED_LIMIT, TrainLmConfig, data_key, validate
 from levanter.lm_loss import lm_loss_fn
 from levanter.lm_run import check_data_covers_run, check_data_schedule, cli_errors, main, make_evaluator, say_finished
 from levanter.lm_run import start_command
-from levanter.memory_plan import FLAG_HELP, format_plan, make_plan, split_plan_args
+from levanter.memory_plan import DOES_NOT_FIT_EXIT_CODE, FLAG_HELP, ModelCannotFitError, format_plan
+from levanter.memory_plan import make_plan, split_plan_args
 
 logger = logging.getLogger(__name__)
 
@@ -48,20 +49,26 @@ def cli_main(config: TrainLmConfig):
     return main(config)
 
 
-def dry_run(config: TrainLmConfig, options, config_path: Optional[str] = None) -> None:
-    """Print the memory plan of ``config`` (:mod:`levanter.memory_plan`): nothing is trained or read."""
+def dry_run(config: TrainLmConfig, options, config_path: Optional[str] = None) -> Optional[bool]:
+    """Print the memory plan of ``config`` (:mod:`levanter.memory_plan`): nothing is trained or read.
+    Returns whether the step fits the device's memory (None: the memory is unknown)."""
     config.trainer.distributed.initialize()
     config.trainer.apply_jax_config()
     config.trainer.use_compilation_cache(default=False)  # a dry run writes nothing beside the checkpoints
     loss = lm_loss_fn(config.z_loss_weight, quantization=config.trainer.quantization)
-    print(format_plan(make_plan(config, loss, options), config_path))
+    plan = make_plan(config, loss, options)
+    print(format_plan(plan, config_path))
+    return plan.fits
 
 
 def cli(argv=None) -> None:
     """The command-line entry point: user errors (bad config values, missing or damaged files) print one
     paragraph and exit with status 2; run failures (see below) print one paragraph and exit with status 1.
     Neither prints a traceback. ``docs/reference/errors.md`` lists the cases. ``--dry_run`` prints the
-    memory plan instead of training (:data:`levanter.memory_plan.FLAG_HELP`)."""
+    memory plan instead of training (:data:`levanter.memory_plan.FLAG_HELP`) and exits with
+    :data:`~levanter.memory_plan.DOES_NOT_FIT_EXIT_CODE` (3) when the step does not fit the device's memory:
+    the plan's verdict, or, for a model or batch that the shapes alone rule out, one ``error:`` paragraph
+    before anything is compiled."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--help" in argv or "-h" in argv:  # the config's keys, then the memory-plan flags
         levanter.config.print_help(sys.modules[__name__])
@@ -71,7 +78,14 @@ def cli(argv=None) -> None:
         plan, argv = split_plan_args(argv)
         if plan is not None:
             path, rest = levanter.config.split_config_path(argv)
-            dry_run(levanter.config.parse_config(TrainLmConfig, path, rest), plan, path)
+            config = levanter.config.parse_config(TrainLmConfig, path, rest)
+            try:
+                fits = dry_run(config, plan, path)
+            except ModelCannotFitError as e:
+                print(f"error: {e}", file=sys.stderr)
+                sys.exit(DOES_NOT_FIT_EXIT_CODE)
+            if fits is False:
+                sys.exit(DOES_NOT_FIT_EXIT_CODE)
             return
         cli_main(argv=argv)
 
