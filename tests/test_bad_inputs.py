@@ -1253,9 +1253,14 @@ HF_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 48, "
             "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}}
 
 
-def hf_dir(doc: dict, weights: str = "model.safetensors") -> Callable[[Path, Path], None]:
-    """A Hugging Face directory $TMP/hf: config.json ``doc`` and an (empty) weights file named ``weights``."""
-    return write_files({"hf/config.json": json.dumps(doc), f"hf/{weights}": b""})
+# A safetensors file holding no tensors: its 8-byte header length and an empty JSON header.
+NO_TENSORS = (8).to_bytes(8, "little") + b"{}      "
+
+
+def hf_dir(doc: dict, weights: str = "model.safetensors", content: bytes = NO_TENSORS) -> Callable[[Path, Path], None]:
+    """A Hugging Face directory $TMP/hf: config.json ``doc`` and a weights file named ``weights`` holding
+    ``content`` (by default a safetensors file of no tensors: the cases fail before the weights are read)."""
+    return write_files({"hf/config.json": json.dumps(doc), f"hf/{weights}": content})
 
 
 def _drop_model_record(step_dir: Path) -> None:
@@ -1354,6 +1359,16 @@ HF_CASES = [
          setup=keeping(write_files({"exports/bad/step-4/notes.txt": "mine\n", "exports/bad/mine.txt": "mine\n"}))),
 ]
 CASES += HF_CASES
+
+# -- messages that name the key: data, checkpoints and chat files ------------------------------------------
+KEYED_CASES = [
+    Case("hf-init-empty-weights", "hugging face", "`initialize_from_hf` names a checkpoint whose "
+         "`model.safetensors` is empty (a download that did not finish)", 2,
+         ["initialize_from_hf='$TMP/hf'", "$TMP/hf/model.safetensors is empty (0 bytes)", "download or export"],
+         setup=hf_dir(HF_GPT2, content=b""),
+         yaml=edit(BASE, "hidden_dim: 32", "hidden_dim: 64") + "initialize_from_hf: $TMP/hf\n"),
+]
+CASES += KEYED_CASES
 
 MIN_CASES = 30
 
