@@ -1361,12 +1361,28 @@ HF_CASES = [
 CASES += HF_CASES
 
 # -- messages that name the key: data, checkpoints and chat files ------------------------------------------
+def chats_under_conversations(tmp: Path, shared: Path) -> None:
+    """A chat tokenizer, and chat JSON lines whose conversations sit under ``conversations``."""
+    import random
+
+    from chat_data import chat_tokenizer, conversation
+
+    chat_tokenizer(tmp / "tok")
+    rng = random.Random(0)
+    _write(tmp / "chat.jsonl", "".join(json.dumps({"conversations": conversation(rng)}) + "\n" for _ in range(4)))
+
+
 KEYED_CASES = [
     Case("hf-init-empty-weights", "hugging face", "`initialize_from_hf` names a checkpoint whose "
          "`model.safetensors` is empty (a download that did not finish)", 2,
          ["initialize_from_hf='$TMP/hf'", "$TMP/hf/model.safetensors is empty (0 bytes)", "download or export"],
          setup=hf_dir(HF_GPT2, content=b""),
          yaml=edit(BASE, "hidden_dim: 32", "hidden_dim: 64") + "initialize_from_hf: $TMP/hf\n"),
+    Case("sft-messages-field-missing", "fine-tuning and chat data", "an SFT chat file whose conversations sit under "
+         "`conversations` (`messages_field` is `messages`)", 2,
+         ["$TMP/chat.jsonl, line 1", "no key 'messages' (messages_field)", "['conversations']",
+          "messages_field: conversations"], entry="sft", yaml=edit(SFT, "tokenizer: byte", "tokenizer: $TMP/tok"),
+         setup=chats_under_conversations),
 ]
 CASES += KEYED_CASES
 
