@@ -311,3 +311,29 @@ def test_a_bucket_deleted_under_a_reader_is_named_by_its_url(s3_server):
     assert f"chunk {cache}/input_ids/data/c/0 is missing" in message, message
     assert f"The bucket s3://{bucket} no longer exists" in message, message
     assert "to rebuild it" not in message, message
+
+
+@pytest.mark.parametrize("base", STORES, indirect=True)
+def test_every_store_binds_chunk_checksums_to_positions(base):
+    # A finished store records which checksum belongs at which chunk (chunk_checksums.json) on every kind of
+    # storage, memory:// included, and a chunk swapped with another (each passing its own checksum) is
+    # refused at open. On memory:// the record sits in fsspec's memory filesystem, beside the cache's
+    # ledger, and the chunks in tensorstore's memory key-value store: each side is read through its own door.
+    import tensorstore as ts
+
+    from levanter.store import DamagedStoreError
+    from levanter.store.zarr_arrays import CONTEXT
+
+    url = fs.join(base, "input_ids")
+    store = JaggedArrayStore.open(url, mode="w", dtype=np.int32, data_chunk=8, offsets_chunk=8)
+    store.append([np.arange(n, dtype=np.int32) for n in (9, 30, 4)])
+    store.finalize()
+    assert fs.isfile(fs.join(url, "chunk_checksums.json"))
+    JaggedArrayStore.open(url, mode="r", num_rows=3).verify_chunk_positions()
+    chunks = ts.KvStore.open(fs.kvstore_spec(fs.join(url, "data", "c")), context=CONTEXT).result()
+    first, second = chunks.read(b"1").result().value, chunks.read(b"2").result().value
+    assert first != second
+    chunks.write(b"1", second).result()
+    chunks.write(b"2", first).result()
+    with pytest.raises(DamagedStoreError, match="hold the checksum of another position"):
+        JaggedArrayStore.open(url, mode="r", num_rows=3).verify_chunk_positions()
