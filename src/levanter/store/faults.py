@@ -53,8 +53,7 @@ def note_store(path: str | os.PathLike) -> None:
     name them by their full URL (see :func:`storage_fault`). Local paths need nothing."""
     path = os.fspath(path).rstrip("/")
     if fs.is_url(path):
-        _KEY_TO_URL[path.split("://", 1)[1].split("/", 1)[-1] if fs.url_scheme(path) != "memory"
-                    else path.split("://", 1)[1].strip("/")] = path
+        _KEY_TO_URL[fs.kvstore_key(path)] = path
 
 
 def _full_url(chunk: str) -> str:
@@ -66,23 +65,6 @@ def _full_url(chunk: str) -> str:
         if (chunk == key or chunk.startswith(key + "/")) and len(key) > len(best):
             best = key
     return _KEY_TO_URL[best] + chunk[len(best):] if best else chunk
-
-
-def _bucket_gone(url: str) -> bool:
-    """Whether the bucket of the object-store URL ``url`` does not exist (asked afresh, not from a cache of
-    listings); False when it exists or the store cannot tell (a question that fails for another reason)."""
-    if fs.url_scheme(url) not in ("s3", "gs", "gcs"):
-        return False
-    bucket = fs.bucket_and_key(url)[0]
-    try:
-        fsys, _ = fs.filesystem(url)
-        fsys.invalidate_cache(bucket)
-        fsys.ls(bucket, detail=False)
-    except FileNotFoundError:
-        return True
-    except Exception:  # noqa: BLE001 -- unreachable, denied: not known to be gone
-        return False
-    return False
 
 
 def cache_root(store_path: str) -> str:
@@ -151,11 +133,9 @@ class StorageFault:
     def gone_bucket(self) -> str | None:
         """``scheme://bucket`` when the chunk is missing because its whole bucket no longer exists (asked of
         the store on demand, for a message), else None."""
-        if self.code != MISSING or not self.store or not fs.is_url(self.store):
+        if self.code != MISSING or not self.store or not fs.bucket_missing(self.store):
             return None
-        if not _bucket_gone(self.store):
-            return None
-        return f"{fs.url_scheme(self.store)}://{fs.bucket_and_key(self.store)[0]}"
+        return self.store[: self.store.index("://") + 3] + fs.bucket_and_key(self.store)[0]
 
     @property
     def damaged(self) -> bool:
