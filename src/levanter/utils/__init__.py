@@ -1,6 +1,6 @@
 """Utilities every part may import: storage (:mod:`.fs`, the one door over :mod:`.paths`, :mod:`.files`,
 :mod:`.ts_spec` and :mod:`.storage_errors`), the Hugging Face hub's environment (:mod:`.hub`), fault
-injection, huge pages, process liveness, accelerator FLOP/s, linear layers by dotted path
+injection, huge pages, process liveness, whether a stream can show a progress bar (:mod:`.terminal`), accelerator FLOP/s, linear layers by dotted path
 (:mod:`.layer_select`), and the facades of the packages.
 
 Names are loaded on first use: every part imports this package, most only for :mod:`.fs`, and tokenizer
@@ -23,6 +23,7 @@ __all__, __getattr__, __dir__ = facade(
         "flops",
         "malloc",
         "process",
+        "terminal",
         "layer_select",
         "facade",
     ),
