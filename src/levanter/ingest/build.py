@@ -481,7 +481,7 @@ def _build(urls, cache_dir, tokenizer, ledger, wanted, *, text_key, enforce_eos,
         encoder = _encoder(options, tokenizer, eos, sum(todo_bytes.values()))
         # The clock starts once the workers exist: the throughput is the build's, not Ray's start-up.
         report = BuildProgress(
-            f"{fs.basename(fs.parent(cache_dir))}/{fs.basename(cache_dir)}", shard_bytes=todo_bytes,
+            cache_dir, shard_bytes=todo_bytes,  # the cache's path as given, where the user will look for it
             shards_total=len(shards), docs=ledger.total_rows, tokens=ledger.total_tokens,
             backend=options.backend, enabled=progress,
         )
