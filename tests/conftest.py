@@ -88,6 +88,22 @@ def _configure_xla_cache(config):
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """A pytest-xdist worker, its tests and fixtures done: collect its garbage now and freeze the rest
+    (``gc.freeze``). After this hook the worker reports that it finished, the controller closes the
+    connection, and execnet sends the worker a SIGINT if it is still busy 5 s later; pytest's own clean-up
+    then runs a full collection, which on a worker's large heap (JAX's) took longer than that on a loaded
+    machine, so the KeyboardInterrupt landed in JAX's gc callback (``_xla_gc_callback``) and printed a
+    traceback. Collected here, while the controller still waits, the last collection has nothing to do."""
+    if not hasattr(session.config, "workerinput"):
+        return
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_unconfigure(config):
     import shutil
 

@@ -1268,9 +1268,14 @@ HF_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 48, "
             "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}}
 
 
-def hf_dir(doc: dict, weights: str = "model.safetensors") -> Callable[[Path, Path], None]:
-    """A Hugging Face directory $TMP/hf: config.json ``doc`` and an (empty) weights file named ``weights``."""
-    return write_files({"hf/config.json": json.dumps(doc), f"hf/{weights}": b""})
+# A safetensors file holding no tensors: its 8-byte header length and an empty JSON header.
+NO_TENSORS = (8).to_bytes(8, "little") + b"{}      "
+
+
+def hf_dir(doc: dict, weights: str = "model.safetensors", content: bytes = NO_TENSORS) -> Callable[[Path, Path], None]:
+    """A Hugging Face directory $TMP/hf: config.json ``doc`` and a weights file named ``weights`` holding
+    ``content`` (by default a safetensors file of no tensors: the cases fail before the weights are read)."""
+    return write_files({"hf/config.json": json.dumps(doc), f"hf/{weights}": content})
 
 
 def _drop_model_record(step_dir: Path) -> None:
@@ -1430,6 +1435,31 @@ RUN_OUTCOME_CASES += [
          needs=["checkpoint"]),
 ]
 CASES += RUN_OUTCOME_CASES
+# -- messages that name the key: data, checkpoints and chat files ------------------------------------------
+def chats_under_conversations(tmp: Path, shared: Path) -> None:
+    """A chat tokenizer, and chat JSON lines whose conversations sit under ``conversations``."""
+    import random
+
+    from chat_data import chat_tokenizer, conversation
+
+    chat_tokenizer(tmp / "tok")
+    rng = random.Random(0)
+    _write(tmp / "chat.jsonl", "".join(json.dumps({"conversations": conversation(rng)}) + "\n" for _ in range(4)))
+
+
+KEYED_CASES = [
+    Case("hf-init-empty-weights", "hugging face", "`initialize_from_hf` names a checkpoint whose "
+         "`model.safetensors` is empty (a download that did not finish)", 2,
+         ["initialize_from_hf='$TMP/hf'", "$TMP/hf/model.safetensors is empty (0 bytes)", "download or export"],
+         setup=hf_dir(HF_GPT2, content=b""),
+         yaml=edit(BASE, "hidden_dim: 32", "hidden_dim: 64") + "initialize_from_hf: $TMP/hf\n"),
+    Case("sft-messages-field-missing", "fine-tuning and chat data", "an SFT chat file whose conversations sit under "
+         "`conversations` (`messages_field` is `messages`)", 2,
+         ["$TMP/chat.jsonl, line 1", "no key 'messages' (messages_field)", "['conversations']",
+          "messages_field: conversations"], entry="sft", yaml=edit(SFT, "tokenizer: byte", "tokenizer: $TMP/tok"),
+         setup=chats_under_conversations),
+]
+CASES += KEYED_CASES
 
 MIN_CASES = 30
 

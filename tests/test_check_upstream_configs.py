@@ -21,7 +21,12 @@ def _script():
     return module
 
 
-def test_each_file_is_classified_and_counted(tmp_path, capsys):
+def test_each_file_is_classified_and_counted(tmp_path, capsys, monkeypatch):
+    workdir = tmp_path / "work"  # the script's working directory: a check writes nothing there
+    workdir.mkdir()
+    monkeypatch.chdir(workdir)
+    tmp_path = tmp_path / "configs"
+    tmp_path.mkdir()
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "source.yaml").write_text("train_urls: [gs://bucket/train.jsonl]\ntokenizer: gpt2\n")
     (tmp_path / "ok.yaml").write_text(
@@ -63,6 +68,7 @@ def test_each_file_is_classified_and_counted(tmp_path, capsys):
     assert sorted(rows) == ["harness.yaml", "lora_llama.yaml", "lora_upload.yaml", "moe.yaml", "muon.yaml", "ok.yaml",
                             "sft_hub.yaml", "sft_mix.yaml", "typo.yaml"]  # not data/source.yaml
     assert lines[-1] == "parses: 3, refused: 4, needs family: 1, error: 1 (of 9)"
+    assert list(workdir.iterdir()) == []  # not even lora_llama.yaml's relative peft_save_path
 
 
 def test_a_directory_without_configs_is_an_error(tmp_path, capsys):

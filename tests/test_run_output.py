@@ -196,3 +196,34 @@ def test_a_debug_log_that_cannot_be_written_is_one_error_naming_the_key_and_lose
                         "(Not a directory). Run cache_dataset from a writable directory.")
     assert lines[2] == str(tmp_path / "ok" / "debug.log")
     assert "a record from before" in (tmp_path / "ok" / "debug.log").read_text()
+
+
+def test_a_terminal_of_size_zero_gets_progress_lines(monkeypatch):
+    # script -c CMD > file gives the process a pseudo-terminal of size 0x0: isatty() is true, but tqdm draws
+    # nothing at width 0, so the run shows the plain progress lines instead of a bar.
+    import fcntl
+    import select
+    import struct
+    import termios
+
+    master, slave = os.openpty()
+    try:
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 0, 0, 0, 0))
+        tty = os.fdopen(slave, "w", closefd=False)
+        assert tty.isatty()
+        p = progress.RunProgress(3, 0, interval_s=0, out=tty, err=tty)
+        assert p.bar is None and p.lines
+        for s in range(3):
+            p.step(s, 2.0, 10, 0.01, 0.0)
+        tty.flush()
+        shown = ""
+        while select.select([master], [], [], 1.0)[0]:
+            shown += os.read(master, 65536).decode()
+        assert [line.split(" loss")[0] for line in shown.splitlines()] == ["step 1/3", "step 2/3", "step 3/3"], shown
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+        sized = progress.RunProgress(3, 0, interval_s=0, out=tty, err=tty)
+        assert sized.bar is not None and not sized.lines  # the same terminal with a size: the bar
+        sized.close()
+    finally:
+        os.close(slave)
+        os.close(master)

@@ -283,3 +283,57 @@ def test_a_missing_chunk_in_a_bucket_is_refused_at_open(request, server_name):
     fs.remove(fs.join(url, "data", "c", "2"))
     with pytest.raises(DamagedStoreError, match=r"chunk file .*data/c/2 is missing"):
         JaggedArrayStore.open(url, mode="r", num_rows=len(rows))
+
+
+def test_a_bucket_deleted_under_a_reader_is_named_by_its_url(s3_server):
+    # tensorstore names a missing chunk by its key inside the bucket, which reads like a local path; the
+    # error names the chunk's full URL, and a bucket that is gone as gone, not as a cache to delete.
+    from levanter.data.load_errors import DataLoadError
+    from levanter.data.loader import DataLoader
+    from levanter.data.text import TokenSeqDataset
+    from levanter.store import LEDGER_FILENAME
+
+    bucket = f"doomed-{time.monotonic_ns()}"
+    s3_server.create_bucket(bucket)
+    cache = f"s3://{bucket}/cache/train"
+    fs.atomic_write_text(fs.join(cache, LEDGER_FILENAME), "{}")
+    store = JaggedArrayStore.open(fs.join(cache, "input_ids"), mode="w", dtype=np.int32)
+    store.append([np.arange(40, dtype=np.int32)] * 4)
+    store.finalize()
+    reader = TokenSeqDataset(JaggedArrayStore.open(fs.join(cache, "input_ids"), mode="r", num_rows=4), 16)
+    client = s3_server.client()
+    for obj in client.list_objects_v2(Bucket=bucket)["Contents"]:
+        client.delete_object(Bucket=bucket, Key=obj["Key"])
+    client.delete_bucket(Bucket=bucket)
+    with pytest.raises(DataLoadError) as info:
+        next(iter(DataLoader(reader, 2, retries=1, retry_backoff=0.01).iter_from_step(0, 1)))
+    message = str(info.value)
+    assert f"chunk {cache}/input_ids/data/c/0 is missing" in message, message
+    assert f"The bucket s3://{bucket} no longer exists" in message, message
+    assert "to rebuild it" not in message, message
+
+
+@pytest.mark.parametrize("base", STORES, indirect=True)
+def test_every_store_binds_chunk_checksums_to_positions(base):
+    # A finished store records which checksum belongs at which chunk (chunk_checksums.json) on every kind of
+    # storage, memory:// included, and a chunk swapped with another (each passing its own checksum) is
+    # refused at open. On memory:// the record sits in fsspec's memory filesystem, beside the cache's
+    # ledger, and the chunks in tensorstore's memory key-value store: each side is read through its own door.
+    import tensorstore as ts
+
+    from levanter.store import DamagedStoreError
+    from levanter.store.zarr_arrays import CONTEXT
+
+    url = fs.join(base, "input_ids")
+    store = JaggedArrayStore.open(url, mode="w", dtype=np.int32, data_chunk=8, offsets_chunk=8)
+    store.append([np.arange(n, dtype=np.int32) for n in (9, 30, 4)])
+    store.finalize()
+    assert fs.isfile(fs.join(url, "chunk_checksums.json"))
+    JaggedArrayStore.open(url, mode="r", num_rows=3).verify_chunk_positions()
+    chunks = ts.KvStore.open(fs.kvstore_spec(fs.join(url, "data", "c")), context=CONTEXT).result()
+    first, second = chunks.read(b"1").result().value, chunks.read(b"2").result().value
+    assert first != second
+    chunks.write(b"1", second).result()
+    chunks.write(b"2", first).result()
+    with pytest.raises(DamagedStoreError, match="hold the checksum of another position"):
+        JaggedArrayStore.open(url, mode="r", num_rows=3).verify_chunk_positions()

@@ -35,7 +35,7 @@ class TrainLmConfig:
     data: DataConfig = dataclasses.field(default_factory=UrlSingleDatasetLMConfig)
     # Steps, batch sizes, evaluation, checkpoints, trackers, devices.
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
-    # The architecture (type: gpt2 or llama) and its sizes.
+    # The architecture (its type: gpt2, llama, qwen3, ...) and its sizes.
     model: LmConfig = dataclasses.field(default_factory=LlamaConfig)
     # The optimizer and its learning-rate schedule.
     optimizer: OptimizerConfig = dataclasses.field(default_factory=AdamConfig)

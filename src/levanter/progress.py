@@ -3,7 +3,8 @@ and where the details go (the debug log).
 
 Two kinds of output, chosen per stream:
 
-* On a terminal (stderr is a TTY), a ``tqdm`` bar on stderr; while it is shown, log records go through
+* On a terminal (stderr is a TTY of non-zero width: a pseudo-terminal of size 0x0, as ``script -c ... >
+  file`` gives, counts as a file, since tqdm draws nothing there), a ``tqdm`` bar on stderr; while it is shown, log records go through
   ``tqdm.write`` (:func:`tqdm.contrib.logging.logging_redirect_tqdm`), so a line never glues onto the bar,
   and the bar is closed exactly once.
 * Elsewhere (a file, a pipe, a batch job's log), a bar would print nothing useful until it ends, so a
@@ -353,7 +354,7 @@ class RunProgress:
 
 
 def _isatty(stream) -> bool:
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError):
-        return False
+    """A terminal a bar can be drawn on: a TTY of size 0x0 (``script -c ... > file``) counts as a file."""
+    from .utils.terminal import draws_bars
+
+    return draws_bars(stream)

@@ -75,7 +75,7 @@ class DataLoadError(RuntimeError):
         if self.fault is not None:
             f = self.fault
             chunk = f"chunk {f.chunk}" if f.chunk else "a chunk"
-            if f.cache:
+            if f.cache and not f.gone_bucket:  # a gone bucket holds no cache to name
                 chunk += f" of the cache at {f.cache}"
             what = f.what().replace(f"chunk {f.chunk}" if f.chunk else "a chunk", chunk, 1)
             message = (

@@ -228,12 +228,13 @@ def _differing(a, b):
     return {k: a.get(k) for k in keys}, {k: b.get(k) for k in keys}
 
 
-def _doc_batches(shard: str, text_key: str, skip: int, batch_size: int) -> Iterator[tuple[list, list]]:
+def _doc_batches(shard: str, text_key: str, skip: int, batch_size: int,
+                 key_name: str = "text_key") -> Iterator[tuple[list, list]]:
     """``(locations, documents)`` batches of one shard, after skipping ``skip`` documents; a location is
-    what errors call the document (``"line 6"``)."""
+    what errors call the document (``"line 6"``). ``key_name``: the config key that chose ``text_key``."""
     docs: list = []
     where: list = []
-    for k, (loc, doc) in enumerate(iter_located_documents(shard, text_key=text_key)):
+    for k, (loc, doc) in enumerate(iter_located_documents(shard, text_key=text_key, key_name=key_name)):
         if k < skip:
             continue
         docs.append(doc)
@@ -467,7 +468,10 @@ def _build(urls, cache_dir, tokenizer, ledger, wanted, *, text_key, enforce_eos,
         """``(shard, locations, docs)`` in commit order; ``docs`` None marks the end of a shard."""
         for shard in todo:
             skip = ledger.shard_docs.get(shard, 0)
-            for where, docs in _doc_batches(shard, text_key, skip, options.batch_size):
+            # A chat source's record field is its messages_field (so an SFT config and a chat format
+            # section name it), a text source's its text_key.
+            key_name = "messages_field" if chat is not None else "text_key"
+            for where, docs in _doc_batches(shard, text_key, skip, options.batch_size, key_name):
                 yield shard, where, docs
             yield shard, None, None
 
@@ -477,7 +481,7 @@ def _build(urls, cache_dir, tokenizer, ledger, wanted, *, text_key, enforce_eos,
         encoder = _encoder(options, tokenizer, eos, sum(todo_bytes.values()))
         # The clock starts once the workers exist: the throughput is the build's, not Ray's start-up.
         report = BuildProgress(
-            f"{fs.basename(fs.parent(cache_dir))}/{fs.basename(cache_dir)}", shard_bytes=todo_bytes,
+            cache_dir, shard_bytes=todo_bytes,  # the cache's path as given, where the user will look for it
             shards_total=len(shards), docs=ledger.total_rows, tokens=ledger.total_tokens,
             backend=options.backend, enabled=progress,
         )

@@ -1,6 +1,6 @@
 """What a cache build tells its user while it runs: a progress bar on a terminal, log lines elsewhere.
 
-On a terminal (stderr is a TTY) a tqdm bar shows documents, tokens, tokens/s, shards done and an ETA;
+On a terminal (stderr is a TTY of non-zero width) a tqdm bar shows documents, tokens, tokens/s, shards done and an ETA;
 when stderr is a file or a pipe (a batch job, CI) a bar would write thousands of carriage returns into
 the log, so one INFO line is logged every ``interval_s`` seconds instead. Either way the build ends with
 one summary line: documents and tokens of the cache, the time taken and the throughput.
@@ -63,7 +63,11 @@ class BuildProgress:
         self._t0 = time.perf_counter()
         self._last_log = self._t0
         self._bar = None
-        if enabled and (sys.stderr.isatty() if terminal is None else terminal):
+        if terminal is None:
+            from ..utils.terminal import draws_bars
+
+            terminal = draws_bars(sys.stderr)  # a TTY of size 0x0 draws no bar: log lines instead
+        if enabled and terminal:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(desc=f"caching {label}", unit=" docs", initial=docs, file=sys.stderr)

@@ -117,6 +117,14 @@ def _encode_task(key, tokenizer_box: list, eos, docs, shard, where, fault_marker
     return encode(tokenizer, eos, docs, shard, where)
 
 
+_RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+def _drop_default_auth_notice(record: logging.LogRecord) -> bool:
+    """A logging filter: Ray's notice that a local instance chose token authentication by default."""
+    return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
+
+
 class _RayResult:
     def __init__(self, ray, ref):
         self._ray, self._ref = ray, ref
@@ -138,18 +146,27 @@ class RayEncoder:
         ray = _import_ray()
         self._ray = ray
         if not ray.is_initialized():
-            kwargs: dict = {"include_dashboard": False, "log_to_driver": False}
+            # Ray's own INFO lines ("Started a local Ray instance.") stay off the console; its warnings show.
+            kwargs: dict = {"include_dashboard": False, "log_to_driver": False, "logging_level": logging.WARNING}
             if address:
                 kwargs["address"] = address
             else:
                 kwargs["num_cpus"] = num_workers or os.cpu_count() or 1
+                # Ray warns that a local instance uses token authentication, its default, whenever
+                # RAY_AUTH_MODE is unset; the line below says so once instead. (Setting RAY_AUTH_MODE here
+                # would not do: Ray's core reads it when ray is imported, and a mismatch fails the start.)
+                logging.getLogger(_RAY_AUTH_LOGGER).addFilter(_drop_default_auth_notice)
             if address:
                 _check_reachable(address)
             try:
                 ray.init(**kwargs)
             except Exception as e:  # noqa: BLE001 -- whatever stopped Ray from starting is reported alike
                 raise _start_error(address, e) from None
-            logger.info("cache build: started or joined Ray (%s)", address or "local instance")
+            if address:
+                logger.info("cache build: joined Ray at %s", address)
+            else:
+                logger.info("cache build: started a local Ray instance (token authentication unless "
+                            "RAY_AUTH_MODE=disabled)")
         cpus = int(ray.cluster_resources().get("CPU", 1))
         self.workers = min(num_workers, cpus) if num_workers else cpus
         self.window = 2 * max(self.workers, 1)

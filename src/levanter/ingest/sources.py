@@ -292,9 +292,12 @@ def iter_documents(path: str, *, text_key: str = "text") -> Iterator[object]:
         yield doc
 
 
-def iter_located_documents(path: str, *, text_key: str = "text") -> Iterator[tuple[str, object]]:
+def iter_located_documents(path: str, *, text_key: str = "text",
+                           key_name: str = "text_key") -> Iterator[tuple[str, object]]:
     """``(where, document)`` pairs of one shard in file order; ``where`` is ``"line N"`` (1-based, for
-    JSON lines and text files) or ``"row N"`` (1-based, for parquet and Arrow), as error messages name it."""
+    JSON lines and text files) or ``"row N"`` (1-based, for parquet and Arrow), as error messages name it.
+    ``key_name`` is the config key that chose ``text_key`` (``messages_field`` for chat data), which a
+    record or a file without that field names."""
     fmt = detect_format(path)
     if fmt == "txt":
         with _open_text(path) as f:
@@ -341,8 +344,8 @@ def iter_located_documents(path: str, *, text_key: str = "text") -> Iterator[tup
                     )
                 if text_key not in obj:
                     raise SourceError(
-                        f"{path}, line {lineno}: no key {text_key!r} (text_key); keys present: "
-                        f"{sorted(obj)[:10]}"
+                        f"{path}, line {lineno}: no key {text_key!r} ({key_name}); keys present: "
+                        f"{sorted(obj)[:10]}{_key_hint(key_name, obj)}"
                     )
                 yield f"line {lineno}", obj[text_key]
     elif fmt == "parquet":
@@ -357,17 +360,25 @@ def iter_located_documents(path: str, *, text_key: str = "text") -> Iterator[tup
         except Exception as e:  # noqa: BLE001 -- pyarrow raises several types for corrupt files
             raise SourceError(f"{path}: not a readable parquet file ({e})") from e
         if text_key not in pf.schema_arrow.names:
-            raise SourceError(f"{path}: no column {text_key!r} (text_key); columns: {pf.schema_arrow.names}")
+            raise SourceError(f"{path}: no column {text_key!r} ({key_name}); columns: {pf.schema_arrow.names}")
         row = 0
         for batch in pf.iter_batches(columns=[text_key], batch_size=1024):
             for value in batch.column(0).to_pylist():
                 row += 1
                 yield f"row {row}", value
     elif fmt == "arrow":
-        yield from _arrow_documents(path, text_key)
+        yield from _arrow_documents(path, text_key, key_name)
 
 
-def _arrow_documents(path: str, text_key: str) -> Iterator[tuple[str, object]]:
+def _key_hint(key_name: str, record: dict) -> str:
+    """``; set messages_field: conversations`` when exactly one field of ``record`` holds what ``key_name``
+    should name (a list of messages for chat data, a string for text), else nothing."""
+    want = list if key_name == "messages_field" else str
+    fits = [k for k, v in record.items() if isinstance(v, want)]
+    return f"; set {key_name}: {fits[0]}" if len(fits) == 1 else f"; set {key_name} to the field holding each document"
+
+
+def _arrow_documents(path: str, text_key: str, key_name: str = "text_key") -> Iterator[tuple[str, object]]:
     import pyarrow as pa
 
     try:
@@ -375,7 +386,7 @@ def _arrow_documents(path: str, text_key: str) -> Iterator[tuple[str, object]]:
             reader = pa.ipc.open_stream(f)
             names = reader.schema.names
             if text_key not in names:
-                raise SourceError(f"{path}: no column {text_key!r} (text_key); columns: {names}")
+                raise SourceError(f"{path}: no column {text_key!r} ({key_name}); columns: {names}")
             row = 0
             for batch in reader:
                 for value in batch.column(names.index(text_key)).to_pylist():

@@ -3,7 +3,8 @@
 ``X`` may be a whole ``train_lm`` config (its ``data:`` section is used; the rest is not read) or a
 data-only config. Both splits of every source are built (or resumed, or found finished), each with a
 progress bar on a terminal (documents, tokens, tokens/s, shards, ETA; log lines every 10 s elsewhere) and
-a summary line. ``--backend ray`` (with ``--ray_address HOST:PORT`` to join a cluster) tokenizes on Ray:
+a summary line; every record, third-party libraries' included, goes to ``<data.cache_dir>/debug.log``
+(``logs/cache_dataset/debug.log`` for a cache in a bucket), named on the first line. ``--backend ray`` (with ``--ray_address HOST:PORT`` to join a cluster) tokenizes on Ray:
 shorthands for ``cache_options.backend`` and ``cache_options.ray_address``. Overrides such as
 ``--data.cache_dir /tmp/c`` (or, for a data-only config, ``--cache_dir /tmp/c``) work as in training.
 """
@@ -22,7 +23,7 @@ from ..config import ConfigError, describe_error, expand_user_paths, load_yaml_o
 from ..config_doc import EntryPoint, all_fields, format_help
 from ..data.config import DataConfig, LMMixtureDatasetConfig
 from ..errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError
-from ..progress import open_command_debug_log, setup_console_logging
+from ..progress import open_command_debug_log, open_debug_log, setup_console_logging
 from ..utils import fs
 
 __all__ = ["load_data_config", "main", "cli"]
@@ -154,6 +155,20 @@ def load_data_config(config_path: str, args: Sequence[str] = ()) -> DataConfig:
 def main(config: DataConfig) -> dict:
     """Build every cache ``config`` names; returns ``{(source, split): TokenCache}``."""
     config.check_inputs()  # every source's files and cache directory, before any tokenizing
+    return _build_all(config)
+
+
+def _debug_log(config: DataConfig) -> str | None:
+    """Open the command's debug log where the caches are: ``<data.cache_dir>/debug.log`` (appended to by
+    every build into that directory); under ``logs/cache_dataset/`` when the caches are in a bucket, which
+    cannot be appended to. None when console logging was not set up (called from Python)."""
+    cache_dir = config.cache_dir or "cache/"
+    if fs.is_url(cache_dir):
+        return open_command_debug_log("cache_dataset")
+    return open_debug_log(cache_dir, key="data.cache_dir")
+
+
+def _build_all(config: DataConfig) -> dict:
     t0 = time.perf_counter()
     out = {}
     for split in ("train", "validation"):
@@ -183,10 +198,11 @@ def cli(argv: Sequence[str] | None = None) -> None:
         if path is None:
             raise ConfigError("--config_path is required: give a train_lm or data-only config (YAML)")
         config = load_data_config(path, rest)
-        debug_log = open_command_debug_log("cache_dataset")
-        main(config)
+        config.check_inputs()  # before the debug log creates the cache directory
+        debug_log = _debug_log(config)
         if debug_log is not None:
-            print(f"debug log: {debug_log}")
+            print(f"debug log: {debug_log}", flush=True)  # said first, so a build that fails can be looked into
+        _build_all(config)
     except OutOfSpaceError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(OUT_OF_SPACE_EXIT_CODE) from None

@@ -115,15 +115,6 @@ def to_train_lm_config(config: LoraLmConfig, *, seq_len: Optional[int] = None) -
     length = config.max_train_length
     if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 2):
         raise ValueError(f"max_train_length must be a whole number of tokens >= 2, got {length!r}")
-    for key in ("peft_save_path", "merged_hf_save_path"):
-        path = getattr(config, key)
-        if path and not fs.is_url(path):  # buckets: checked with the run's other storage
-            try:
-                fs.probe_writable(path)
-            except OSError as e:
-                raise ValueError(
-                    f"{key}={path!r}: cannot write there ({e.strerror or e}); choose a writable directory"
-                ) from None
     return TrainLmConfig(
         data=config.data,
         trainer=_trainer(config.trainer),
@@ -149,10 +140,20 @@ def _trainer(tcfg: TrainerConfig) -> TrainerConfig:
 
 
 def _lora_run(config: LoraLmConfig) -> lm_run.LoraRun:
+    """The run's LoRA part, its export directories checked writable first (by writing a probe there, which
+    creates a local directory: so this is the run's check, not :func:`to_train_lm_config`'s, which tools
+    that only parse a config call)."""
     for key in ("peft_save_path", "merged_hf_save_path"):
         path = getattr(config, key)
         if path and fs.is_object_store(path):
             fs.check_access(path, key, write=True)
+        elif path and not fs.is_url(path):
+            try:
+                fs.probe_writable(path)
+            except OSError as e:
+                raise ValueError(
+                    f"{key}={path!r}: cannot write there ({e.strerror or e}); choose a writable directory"
+                ) from None
     return lm_run.LoraRun(lora=config.lora, base_model=config.initialize_from_hf,
                           peft_save_path=config.peft_save_path, merged_hf_save_path=config.merged_hf_save_path,
                           save_steps=config.hf_save_steps)

@@ -22,7 +22,19 @@ __all__ = [
     "TrainLmConfig",
     "data_key",
     "validate",
+    "HELP_FIRST",
 ]
+
+# The keys --help (and docs/reference/config.md) list first: what almost every config sets -- the data, the
+# model's type and size, the run's length, batch and learning rate, its id and where it writes.
+HELP_FIRST = (
+    "data.train_urls", "data.validation_urls", "data.cache_dir", "data.tokenizer",
+    "model.type", "model.hidden_dim", "model.num_layers", "model.num_heads", "model.seq_len",
+    "trainer.num_train_steps", "trainer.train_batch_size", "optimizer.learning_rate", "optimizer.warmup",
+    "trainer.steps_per_eval", "trainer.max_eval_batches",
+    "trainer.id", "trainer.log_dir", "trainer.checkpointer.base_path", "trainer.tracker.type",
+    "initialize_from_hf", "hf_save_path",
+)
 
 if __name__ == "__main__":
     # Before the heavy imports, so that re-executing costs only an interpreter start-up.

@@ -7,6 +7,11 @@ that text (or an ``OSError``) into a :class:`StorageFault`: which chunk, which c
 may pass (unavailable), and the advice for the user. The loader retries what may pass and names the
 damaged cache otherwise; opening a store reports damage as :class:`DamagedStoreError`.
 
+On an object store tensorstore names a chunk by its key inside the bucket (``cache/train/input_ids/...``),
+which reads like a local path. Every store opened in this process is noted (:func:`note_store`), and a
+chunk key under one of them is named by its full URL (``s3://bucket/cache/train/...``). A missing chunk of
+a bucket that no longer exists is reported as that, not as a damaged cache.
+
 Trade-off: parsing error text depends on tensorstore's wording, which is not an API; the status code at
 the start is stable, the chunk name is best effort (a message without it names "a chunk"), and an
 unrecognised message is treated as a bug (``None``), never as damage, so no cache is condemned by a
@@ -16,6 +21,7 @@ misread.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 
@@ -24,6 +30,7 @@ from ..utils import fs
 __all__ = [
     "DamagedStoreError",
     "cache_root",
+    "note_store",
     "damaged_error",
     "status_text",
     "StorageFault",
@@ -34,6 +41,30 @@ __all__ = [
 
 class DamagedStoreError(ValueError):
     """A store (or the cache holding it) is missing files or holds unreadable ones: delete it to rebuild."""
+
+
+# The stores opened in this process on an object store or in memory: their key inside the bucket (what
+# tensorstore's messages name) -> their URL. A handful per run; never pruned.
+_KEY_TO_URL: dict[str, str] = {}
+
+
+def note_store(path: str | os.PathLike) -> None:
+    """Remember the store at ``path`` so that failures naming its chunks by their keys inside the bucket
+    name them by their full URL (see :func:`storage_fault`). Local paths need nothing."""
+    path = os.fspath(path).rstrip("/")
+    if fs.is_url(path):
+        _KEY_TO_URL[fs.kvstore_key(path)] = path
+
+
+def _full_url(chunk: str) -> str:
+    """``chunk`` (a key as tensorstore names it) as the URL of a noted store's object, when it is one."""
+    if "://" in chunk or os.path.isabs(chunk):
+        return chunk
+    best = ""
+    for key in _KEY_TO_URL:
+        if (chunk == key or chunk.startswith(key + "/")) and len(key) > len(best):
+            best = key
+    return _KEY_TO_URL[best] + chunk[len(best):] if best else chunk
 
 
 def cache_root(store_path: str) -> str:
@@ -98,6 +129,14 @@ class StorageFault:
         while that storage is not answering) must not."""
         return cache_root(self.store) if self.store else None
 
+    @functools.cached_property
+    def gone_bucket(self) -> str | None:
+        """``scheme://bucket`` when the chunk is missing because its whole bucket no longer exists (asked of
+        the store on demand, for a message), else None."""
+        if self.code != MISSING or not self.store or not fs.bucket_missing(self.store):
+            return None
+        return self.store[: self.store.index("://") + 3] + fs.bucket_and_key(self.store)[0]
+
     @property
     def damaged(self) -> bool:
         """A missing or corrupt chunk: if it outlasts the retries, the cache must be rebuilt."""
@@ -118,6 +157,11 @@ class StorageFault:
 
     def advice(self) -> str:
         where = self.cache or "the cache"
+        gone = self.gone_bucket
+        if gone:
+            return (f"the bucket {gone} no longer exists (deleted, or not visible with these credentials): "
+                    "recreate it and rerun, which rebuilds the cache, or point data.cache_dir at a bucket that "
+                    "exists")
         if self.damaged:
             return f"the cache is damaged: delete {where} to rebuild it"
         if self.code in _UNREADABLE:
@@ -144,7 +188,7 @@ def storage_fault(err: BaseException) -> StorageFault | None:
     if code in ("UNKNOWN", "INTERNAL") and "os_error" not in raw and "OS error" not in raw:
         return None  # an internal failure without an OS error behind it: a bug, not the storage
     quoted = _QUOTED.search(text)
-    chunk = quoted.group(1) if quoted else None
+    chunk = _full_url(quoted.group(1)) if quoted else None
     if chunk is None:
         idx = _CHUNK_INDEX.search(text)
         chunk = f"{{{idx.group(1)}}}" if idx else None

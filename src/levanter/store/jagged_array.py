@@ -60,7 +60,7 @@ import tensorstore as ts
 from ..utils import fs
 from . import batched_reads, chunk_manifest
 from .batched_reads import awaited, read_stacked
-from .faults import MISSING, DamagedStoreError, cache_root, damaged_error, storage_fault
+from .faults import MISSING, DamagedStoreError, cache_root, damaged_error, note_store, storage_fault
 from .zarr_arrays import (
     CONTEXT,
     array_kvstore,
@@ -105,6 +105,7 @@ class JaggedArrayStore:
         writable: bool,
     ):
         self.path = path
+        note_store(path)  # a failed read of one of its chunks names the chunk by its full URL
         self._data = data
         self._offsets = offsets
         self._num_rows = int(num_rows)

@@ -69,6 +69,7 @@ __all__ = [
     "size",
     "probe_writable",
     "check_access",
+    "bucket_missing",
     "remove_stale_temporaries",
 ]
 
@@ -506,6 +507,25 @@ def check_access(url: str | os.PathLike, key: str | None, *, write: bool = False
             probe_writable(url)
         except StorageAccessError as e:
             raise StorageAccessError(f"{key + ': ' if key else ''}{e}") from None
+
+
+def bucket_missing(url: str | os.PathLike) -> bool:
+    """Whether the bucket of the ``gs://`` / ``s3://`` URL ``url`` does not exist, asked afresh (not from
+    a cache of listings): for a message about a read that found nothing. False when it exists, when the
+    store cannot tell (the question fails for another reason), and for ``memory://`` and local paths."""
+    url = os.fspath(url)
+    if not is_url(url) or url_scheme(url) == "memory":
+        return False
+    bucket, _ = bucket_and_key(url)
+    try:
+        fs, _ = filesystem(url)
+        fs.invalidate_cache(bucket)
+        fs.ls(bucket, detail=False)
+    except FileNotFoundError:
+        return True
+    except Exception:  # noqa: BLE001 -- unreachable, denied: not known to be missing
+        return False
+    return False
 
 
 # --------------------------------------------------------------------------------- local leftovers

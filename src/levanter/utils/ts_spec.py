@@ -35,6 +35,7 @@ __all__ = [
     "s3_region",
     "gcs_emulator",
     "kvstore_spec",
+    "kvstore_key",
     "tensorstore_context_spec",
     "endpoint_description",
 ]
@@ -105,6 +106,14 @@ def kvstore_spec(path: str | os.PathLike) -> dict[str, Any]:
         _prepare_tensorstore_gcs()
         return {"driver": "gcs", "bucket": bucket, "path": key}
     raise ValueError(f"{path}: unsupported storage URL scheme {scheme!r} (use a local path, gs://, s3:// or memory://)")
+
+
+def kvstore_key(path: str | os.PathLike) -> str:
+    """The key by which tensorstore's messages name ``path`` (no trailing ``/``): for a bucket the key
+    inside it (``s3://b/cache/x`` -> ``cache/x``), for ``memory://`` the path after the scheme, locally
+    the absolute path."""
+    spec = kvstore_spec(path) if is_url(path) else {"path": abspath(os.fspath(path))}
+    return spec["path"].rstrip("/")
 
 
 def tensorstore_context_spec() -> dict[str, Any]:

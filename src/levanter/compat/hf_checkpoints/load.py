@@ -85,7 +85,7 @@ def merge_hf_model_config(run_model: LmConfig, path_or_id: str, *, use_hf_model_
     """
     root, doc = read_hf_config_dict(path_or_id)
     hf, vocab = hf_config_to_lm(doc, fs.join(root, CONFIG_FILE))
-    check_weight_files(root)
+    check_weight_files(root, key=f"{key}={path_or_id!r}")
     family = family_of(hf)
     hf_type, run_type = family.name, family_name(run_model)
     if type(run_model) is not type(hf):

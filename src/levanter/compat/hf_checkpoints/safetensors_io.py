@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from typing import Any, Iterable, Optional
 
 import numpy as np
@@ -71,10 +72,12 @@ def _read_safetensors_header(path: str) -> tuple[dict, int, Any]:
     """``(header, offset of the data, source)``: source is a memory map (local) or the bytes (URL)."""
     if fs.is_url(path):
         data: Any = fs.read_bytes(path)
+    elif os.path.getsize(fs.abspath(path)) < 8:  # an empty file cannot even be memory-mapped
+        data = b""
     else:
         data = np.memmap(fs.abspath(path), dtype=np.uint8, mode="r")
     if len(data) < 8:
-        raise ValueError(f"{path} is not a safetensors file (shorter than its header)")
+        raise ValueError(_too_short(path, len(data)))
     n = int(np.frombuffer(bytes(data[:8]), dtype="<u8")[0])
     if n > len(data) - 8:
         raise ValueError(f"{path} is not a safetensors file (its header length {n} exceeds the file)")
@@ -83,6 +86,12 @@ def _read_safetensors_header(path: str) -> tuple[dict, int, Any]:
     except (UnicodeDecodeError, ValueError) as e:
         raise ValueError(f"{path} is not a safetensors file ({e})") from None
     return header, 8 + n, data
+
+
+def _too_short(path: str, size: int) -> str:
+    what = "empty (0 bytes)" if size == 0 else f"{size} bytes, shorter than a safetensors header"
+    return (f"{path} is {what}, not a safetensors file: the download or export that wrote it did not finish; "
+            "download or export the checkpoint again")
 
 
 def read_safetensors(path: str, names: Optional[Iterable[str]] = None) -> dict[str, np.ndarray]:
@@ -120,10 +129,19 @@ def safetensors_bytes(tensors: dict[str, np.ndarray], names: dict[str, str]) -> 
     return b"".join(parts)
 
 
-def check_weight_files(root: str) -> None:
-    """Refuse, before any work, a checkpoint without safetensors weights (none, or ``.bin`` files only)."""
-    if not (fs.exists(fs.join(root, SAFE_INDEX)) or fs.exists(fs.join(root, SAFE_WEIGHTS))):
+def check_weight_files(root: str, key: str = "") -> None:
+    """Refuse, before any work, a checkpoint without safetensors weights (none, or ``.bin`` files only), or
+    whose single weights file is too short to be one (an empty ``model.safetensors`` left by a download
+    that did not finish). Only the file's size is asked for: nothing is read. ``key`` (``initialize_from_hf=...``)
+    opens the message."""
+    single = fs.join(root, SAFE_WEIGHTS)
+    if fs.exists(fs.join(root, SAFE_INDEX)):
+        return
+    if not fs.exists(single):
         load_state_dict(root)  # raises the error that says what is there instead
+    size = fs.size(single)
+    if size < 8:
+        raise ValueError(f"{key + ': ' if key else ''}{_too_short(single, size)}")
 
 
 def load_state_dict(root: str) -> dict[str, np.ndarray]:
