@@ -52,7 +52,6 @@ class TaskConfig:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
         if "doct_to_target" in out:
             out.setdefault("doc_to_target", out.pop("doct_to_target"))
-            out.pop("doct_to_target", None)
         return out
 
 

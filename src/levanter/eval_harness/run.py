@@ -25,7 +25,7 @@ import contextlib
 import json
 import logging
 import random
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -140,13 +140,11 @@ def _harness_seeds():
 
 
 class HarnessEvaluator:
-    """The tasks of ``config`` (an ``eval_harness`` section), loaded once; :meth:`evaluate` runs them on a
-    model. ``trainer`` gives the mesh and precision (:class:`levanter.eval_harness.lm.RowScorer`), ``tokenizer``
-    the text's tokens, ``length`` the positions of a packed row (``max_eval_length`` or the model's
-    ``seq_len``), ``batch_size`` the rows per batch."""
+    """The tasks of ``config`` (an ``eval_harness`` section), loaded once, here (their documents read, so a
+    task that cannot load fails before any other work); :meth:`evaluate` runs them on a model. ``prefix``
+    is the section's config key, for errors."""
 
-    def __init__(self, config: LmEvalHarnessConfig, trainer, tokenizer, *, length: int, batch_size: int,
-                 prefix: str = "eval_harness"):
+    def __init__(self, config: LmEvalHarnessConfig, *, prefix: str = "eval_harness"):
         try:
             import lm_eval  # noqa: F401
         except ImportError:
@@ -158,24 +156,21 @@ class HarnessEvaluator:
 
         config.validate(prefix)
         self.config = config
-        self.trainer = trainer
-        self.tokenizer = tokenizer
-        self.length = length
-        self.batch_size = batch_size
         manager = make_task_manager(config.task_spec, config.include_path)
-        # Loaded (documents read, few-shot samplers built) once, before any training step.
         self.tasks: List[Tuple[Any, Dict[str, Any]]] = [
             (t, load_task(manager, t, f"{prefix}.task_spec.{i}")) for i, t in enumerate(config.task_spec)
         ]
 
-    def evaluate(self, model) -> Dict[str, Any]:
+    def evaluate(self, model, trainer, tokenizer, *, length: int, batch_size: int) -> Dict[str, Any]:
         """The harness's report of every task on ``model`` (its ``results``, ``n-samples``, ... dicts, plus
-        ``averages``)."""
+        ``averages``): text tokenized by ``tokenizer``, requests packed into rows of ``length`` positions
+        (``max_eval_length`` or the model's ``seq_len``), ``batch_size`` rows a batch, scored on ``trainer``'s
+        mesh in its precision (:class:`levanter.eval_harness.lm.RowScorer`)."""
         from levanter.eval_harness.lm import LevanterHarnessLM, RowScorer
 
-        scorer = RowScorer(self.trainer, model, batch_size=self.batch_size, length=self.length,
-                           batch_axis=getattr(self.trainer.config, "batch_axis", "batch"))
-        lm = LevanterHarnessLM(scorer, self.tokenizer)
+        scorer = RowScorer(trainer, model, batch_size=batch_size, length=length,
+                           batch_axis=getattr(trainer.config, "batch_axis", "batch"))
+        lm = LevanterHarnessLM(scorer, tokenizer)
         merged: Dict[str, Any] = {}
         for task, loaded in self.tasks:
             report = self._evaluate_one(lm, loaded)
@@ -194,9 +189,21 @@ class HarnessEvaluator:
             t.set_fewshot_seed(seed=1234)
         with _harness_seeds():
             report = evaluate(lm=lm, task_dict=loaded, limit=c.max_examples, bootstrap_iters=c.bootstrap_iters,
-                              log_samples=c.log_samples, apply_chat_template=c.apply_chat_template,
-                              verbosity="WARNING")
+                              log_samples=c.log_samples, apply_chat_template=c.apply_chat_template)
         return dict(report or {})
+
+    @staticmethod
+    def log(report: Dict[str, Any], tracker, step: int, path: Optional[str]) -> Dict[str, float]:
+        """Log the report's metrics (:func:`harness_metrics`) to ``tracker`` at ``step`` and, where ``path``
+        is given (process 0), write the report there as JSON; returns the metrics."""
+        metrics = harness_metrics(report)
+        tracker.log(metrics, step=step)
+        if path is not None:
+            write_report(report, path)
+        shown = ", ".join(f"{k[len('lm_eval/'):]} {v:.4g}" for k, v in metrics.items()
+                          if "/averages/" not in k and not k.endswith(("/sample_len", "_stderr")))
+        logger.info("lm_eval at step %d: %s", step, shown)
+        return metrics
 
 
 def _merge(a: Dict[str, Any], b: Dict[str, Any]) -> Dict[str, Any]:

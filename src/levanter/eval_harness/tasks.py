@@ -67,11 +67,16 @@ def load_task(manager, task: Union[str, TaskConfig], where: str) -> Dict[str, An
             f"{where}: no lm-evaluation-harness task is named {name!r}{hint}. Name one of the harness's tasks, one "
             f"shipped with levanter ({', '.join(SHIPPED_TASKS)}), or one in a directory of eval_harness.include_path"
         )
-    spec = task if isinstance(task, str) else task.to_dict()
     try:
-        loaded = manager.load([spec])
+        loaded = manager.load([name])
     except Exception as e:  # noqa: BLE001 -- the harness and datasets raise many kinds for one cause
         raise _load_error(name, where, e) from None
+    # A TaskConfig's settings go onto each loaded task (a group's subtasks too), as the harness's own
+    # simple_evaluate sets num_fewshot: a dict given to the harness would be read as a whole new task.
+    overrides = {} if isinstance(task, str) else {k: v for k, v in task.to_dict().items() if k != "task"}
+    for t in loaded["tasks"].values():
+        for key, value in overrides.items():
+            t.set_config(key=key, value=value)
     generating = sorted(n for n, t in loaded["tasks"].items() if t.get_config("output_type") == "generate_until")
     if generating:
         raise ValueError(
