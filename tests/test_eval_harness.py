@@ -249,15 +249,32 @@ metric_list: [{metric: acc}]
 
 # -- one process and two agree --------------------------------------------------------------------------------
 
-def launch(tmp: Path, run_id: str, processes: int, devices: int, config: Path):
+EVAL_CONFIG = """\
+eval_harness: {{task_spec: [levanter_mc, levanter_ppl], max_examples: 32}}
+model: {{type: gpt2, hidden_dim: 32, num_heads: 4, num_layers: 2, seq_len: 64, gradient_checkpointing: false}}
+trainer:
+  id: {run_id}
+  require_accelerator: false
+  per_device_eval_parallelism: 2
+  log_dir: {logs}
+  tracker: {{type: json}}
+"""
+
+
+def launch_eval(tmp: Path, run_id: str, processes: int, devices: int, checkpoint: Path) -> dict:
+    """``python -m levanter.main.eval_harness`` on ``checkpoint`` in ``processes`` processes of ``devices``
+    devices each; returns the report process 0 wrote."""
     from test_multihost import free_port
 
+    config = tmp / f"{run_id}.yaml"
+    config.write_text(EVAL_CONFIG.format(run_id=run_id, logs=tmp / "logs"))
     port = free_port()
     procs = []
     for pid in range(processes):
         env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
                "PYTHONPATH": str(REPO / "src")}
-        args = [sys.executable, "-m", "levanter.main.train_lm", "--config_path", str(config), "--trainer.id", run_id]
+        args = [sys.executable, "-m", "levanter.main.eval_harness", "--config_path", str(config),
+                "--checkpoint_path", str(checkpoint)]
         if processes > 1:
             args += ["--trainer.distributed.coordinator_address", f"127.0.0.1:{port}",
                      "--trainer.distributed.num_processes", str(processes), "--trainer.distributed.process_id",
@@ -273,19 +290,22 @@ def launch(tmp: Path, run_id: str, processes: int, devices: int, config: Path):
                 q.kill()
             raise
         assert p.returncode == 0, err[-3000:]
+    return json.loads((tmp / "logs" / f"{run_id}-eval_harness" / "lm_eval_harness_results.3.json").read_text())
 
 
 @pytest.mark.sockets  # a jax.distributed coordinator on 127.0.0.1
 def test_two_processes_score_what_one_process_scores(trained, tmp_path):
+    """The training run (one process, 8 devices) scored its step-3 model; two processes of two devices each,
+    each packing and scoring every batch, score the checkpoint the same: the same decisions, and the same
+    log-likelihoods up to float32 rounding (as tests/test_multihost.py compares losses)."""
     tmp, _ = trained
-    text = NANO_HARNESS.format(tmp=tmp_path, tok=tmp / "tok").replace("num_train_steps: 3", "num_train_steps: 2")
-    (tmp_path / "run.yaml").write_text(text)
-    launch(tmp_path, "one", 1, 4, tmp_path / "run.yaml")
-    launch(tmp_path, "two", 2, 2, tmp_path / "run.yaml")
-    one = {r["step"]: r for r in rows(tmp_path, "one") if "lm_eval/levanter_mc/acc" in r}
-    two = {r["step"]: r for r in rows(tmp_path, "two") if "lm_eval/levanter_mc/acc" in r}
-    assert sorted(one) == sorted(two) == [2]
-    keys = sorted(k for k in one[2] if k.startswith("lm_eval/"))
-    assert keys == sorted(k for k in two[2] if k.startswith("lm_eval/")) and len(keys) > 10
-    for k in keys:
-        assert two[2][k] == pytest.approx(one[2][k], rel=1e-6, abs=0), k
+    one = json.loads((tmp / "logs" / "nano" / "lm_eval_harness_results.3.json").read_text())
+    two = launch_eval(tmp_path, "two", 2, 2, tmp / "ckpt" / "nano")
+    for task in TASKS:
+        numbers = {k: v for k, v in one["results"][task].items() if isinstance(v, float)}
+        assert numbers and sorted(numbers) == sorted(k for k, v in two["results"][task].items() if isinstance(v, float))
+        for k, v in numbers.items():
+            if k.startswith("acc"):
+                assert two["results"][task][k] == v, (task, k)
+            else:
+                assert two["results"][task][k] == pytest.approx(v, rel=1e-6), (task, k)
