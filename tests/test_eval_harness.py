@@ -221,7 +221,15 @@ metric_list: [{{metric: exact_match}}]
         HarnessEvaluator(config)
 
 
-def test_a_hub_task_offline_is_one_error_naming_it_and_the_fix(tmp_path):
+def test_a_hub_task_offline_is_one_error_naming_it_and_the_fix(tmp_path, monkeypatch):
+    import datasets
+    import huggingface_hub.constants
+
+    from levanter.eval_harness import HarnessEvaluator, LmEvalHarnessConfig
+
+    # HF_HUB_OFFLINE=1, as the libraries read it at import
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     tasks = write_task(tmp_path / "tasks", "hub_mc", """\
 task: hub_mc
 dataset_path: someone/some_dataset_that_is_only_on_the_hub
@@ -232,19 +240,12 @@ doc_to_choice: "{{choices}}"
 doc_to_target: answer
 metric_list: [{metric: acc}]
 """)
-    config = tmp_path / "eval.yaml"
-    config.write_text(f"eval_harness: {{task_spec: [hub_mc], include_path: [{tasks}]}}\ndata: {{tokenizer: byte}}\n"
-                      f"model: {{type: gpt2, hidden_dim: 32, num_heads: 4, num_layers: 1, seq_len: 32}}\n"
-                      f"trainer: {{require_accelerator: false, log_dir: {tmp_path / 'logs'}}}\n")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(REPO / "src")}
-    r = subprocess.run([sys.executable, "-m", "levanter.main.eval_harness", "--config_path", str(config),
-                        "--initialize_from_hf", str(tmp_path / "unused")], capture_output=True, text=True, env=env,
-                       timeout=300, cwd=tmp_path)
-    assert r.returncode == 2, r.stderr[-3000:]
-    assert "Traceback" not in r.stderr, r.stderr[-3000:]
-    message = r.stderr[r.stderr.index("error:"):]
-    assert "eval_harness.task_spec.0: task 'hub_mc' reads its data from the Hugging Face Hub" in message
-    assert "eval_harness.include_path" in message
+    config = LmEvalHarnessConfig(task_spec=["levanter_ppl", "hub_mc"], include_path=[str(tasks)])
+    with pytest.raises(ValueError) as e:
+        HarnessEvaluator(config)
+    message = str(e.value)
+    assert message.startswith("eval_harness.task_spec.1: task 'hub_mc' reads its data from the Hugging Face Hub")
+    assert "add that directory to eval_harness.include_path" in message
 
 
 # -- one process and two agree --------------------------------------------------------------------------------
