@@ -125,3 +125,65 @@ def test_upstream_task_entries_parse_and_become_the_harness_task_dicts(tmp_path)
     too_long = TrainLmConfig(model=config.model, eval_harness=LmEvalHarnessConfig(task_spec=["piqa"], max_eval_length=65))
     with pytest.raises(ValueError, match=r"eval_harness.max_eval_length=65 exceeds what the model supports \(64"):
         check_eval_harness(too_long)
+
+
+# Upstream's config/gpt2_small_fast_eval.yaml (its data on gs:// and the Hub): it parses and passes the checks
+# that need no data; its tasks (PIQA, HellaSwag) then need the Hub.
+GPT2_SMALL_FAST_EVAL = """\
+data:
+  configs:
+    owt:
+      train_urls:
+        - "gs://pubmed-mosaic/openwebtext-sharded/openwebtext_train.{1..128}-of-128.jsonl.gz"
+      validation_urls:
+        - "gs://pubmed-mosaic/openwebtext-sharded/openwebtext_val.{1..8}-of-8.jsonl.gz"
+    wikitext:
+      id: dlwh/wikitext_103_detokenized
+  train_weights:
+    owt: 0.6
+    wikitext: 0.4
+  tokenizer: gpt2
+  cache_dir: "gs://levanter-data/tokenized/data_mix"
+
+eval_harness:
+  task_spec: ["piqa", "hellaswag"]
+  max_examples: 2048
+eval_harness_steps: 1000
+
+model:
+  type: gpt2
+  hidden_dim: 768
+  num_heads: 12
+  num_layers: 12
+  seq_len: 1024
+  gradient_checkpointing: true
+  scale_attn_by_inverse_layer_idx: true
+trainer:
+  tracker:
+    project: "levanter"
+    tags: [ "openwebtext+wiki", "gpt2", "itest"]
+
+  mp: p=f32,c=bfloat16
+  model_axis_size: 1
+
+  train_batch_size: 256
+  num_train_steps: 20000
+optimizer:
+  learning_rate: 1E-3
+  weight_decay: 0.1
+  warmup: 0.01
+"""
+
+
+def test_upstream_gpt2_small_fast_eval_parses(tmp_path):
+    from levanter.config import parse_config
+    from levanter.lm_config import TrainLmConfig, check_eval_harness
+    from levanter.refused_keys import check_refused
+
+    path = tmp_path / "gpt2_small_fast_eval.yaml"
+    path.write_text(GPT2_SMALL_FAST_EVAL)
+    config = parse_config(TrainLmConfig, str(path))
+    check_refused(config)
+    check_eval_harness(config)
+    assert config.eval_harness.task_spec == ["piqa", "hellaswag"] and config.eval_harness.max_examples == 2048
+    assert config.eval_harness_steps == 1000

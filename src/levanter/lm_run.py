@@ -37,6 +37,10 @@ micro averages ``eval/loss`` and ``eval/bpb``, the macro averages ``eval/macro_l
 ``macro_bpb`` for a tag on several sources). With ``trainer.model_averaging`` the averaged weights are
 evaluated too, right after, under ``eval/ema/...`` (upstream's names), and ``hf_save_path`` exports them.
 
+With ``eval_harness`` (:mod:`levanter.eval_harness`, the ``eval`` extra) the lm-evaluation-harness tasks run every
+``eval_harness_steps`` steps, before the first step of each mixture stage and at the end: ``lm_eval/<task>/<metric>``
+to the trackers, the report as JSON in the run's log directory; their tasks load before any other work.
+
 With ``epoch: N`` a single source's training data repeats up to N times (the same order each time); a run
 that needs more is refused with the other data-length checks, before the first step.
 
