@@ -30,8 +30,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 TASKS = ["levanter_mc", "levanter_ppl"]
 
-# Upstream's config/gpt2_nano_harness.yaml, with local data and the shipped tasks in place of the Hub's
-# (wikitext, MMLU), the run shortened and the model's sequence shortened to 64 tokens.
+# Upstream's config/gpt2_nano_harness.yaml, with local data (a two-stage curriculum) and the shipped tasks in
+# place of the Hub's (wikitext, MMLU), the run shortened and the model's sequence shortened to 64 tokens.
 NANO_HARNESS = """\
 eval_harness:
   task_spec:
@@ -43,9 +43,15 @@ eval_harness:
   max_examples: 32
 eval_harness_steps: 2
 data:
-  train_urls: ["embedded://python-docs/validation"]
   tokenizer: {tok}
   cache_dir: {tmp}/cache
+  mixture_block_size: null
+  configs:
+    prose: {{train_urls: ["embedded://python-docs/validation"]}}
+    code: {{train_urls: ["embedded://python-code/validation"]}}
+  train_weights:  # a curriculum: its second stage starts at step 1
+    - [0, {{prose: 1.0, code: 0.0}}]
+    - [1, {{prose: 0.5, code: 0.5}}]
 model:
   type: gpt2
   hidden_dim: 32
@@ -107,7 +113,8 @@ def rows(tmp: Path, run_id: str):
 def test_training_logs_the_tasks_at_their_steps_and_the_end(trained):
     tmp, _ = trained
     logged = {r["step"]: r for r in rows(tmp, "nano") if "lm_eval/levanter_mc/acc" in r}
-    assert sorted(logged) == [2, 3]  # every eval_harness_steps (2) and at the end (3)
+    # before the curriculum's second stage (1), every eval_harness_steps (2) and at the end (3)
+    assert sorted(logged) == [1, 2, 3]
     for step, r in logged.items():
         for key in ("lm_eval/levanter_mc/acc", "lm_eval/levanter_mc/acc_norm", "lm_eval/levanter_mc_1shot/acc",
                     "lm_eval/levanter_ppl/bits_per_byte", "lm_eval/levanter_ppl/word_perplexity",
@@ -181,11 +188,12 @@ def test_scores_equal_the_harness_hugging_face_backend(trained, tmp_path, capsys
     assert logged["lm_eval/levanter_ppl/bits_per_byte"] == pytest.approx(
         ours["results"]["levanter_ppl"]["bits_per_byte,none"], rel=1e-6)
 
-    # The export, read back as a Hugging Face checkpoint (initialize_from_hf), scores the same.
+    # The export, read back as a Hugging Face checkpoint (upstream's checkpoint_is_hf, the same as
+    # initialize_from_hf), scores the same.
     fields.update(eval_harness=LmEvalHarnessConfig(task_spec=["levanter_ppl"]),
                   trainer=_replace(cfg.trainer, log_dir=str(tmp_path / "logs-hf"), id="from-hf"))
-    fields.pop("initialize_from_hf", None)
-    from_hf = eval_harness.main(eval_harness.EvalHarnessMainConfig(**fields, initialize_from_hf=str(export)))
+    from_hf = eval_harness.main(eval_harness.EvalHarnessMainConfig(**fields, checkpoint_path=str(export),
+                                                                   checkpoint_is_hf=True))
     assert from_hf["results"]["levanter_ppl"]["bits_per_byte,none"] == pytest.approx(
         ours["results"]["levanter_ppl"]["bits_per_byte,none"], rel=1e-5)
 
