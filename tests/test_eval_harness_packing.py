@@ -187,3 +187,26 @@ def test_upstream_gpt2_small_fast_eval_parses(tmp_path):
     check_eval_harness(config)
     assert config.eval_harness.task_spec == ["piqa", "hellaswag"] and config.eval_harness.max_examples == 2048
     assert config.eval_harness_steps == 1000
+
+
+def test_aliases_rename_a_group_and_its_subtasks_and_averages_weight_by_documents():
+    from levanter.eval_harness.run import compute_averages, harness_metrics, rename_results
+
+    report = {
+        "results": {"mmlu": {"acc,none": 0.5, "alias": "mmlu"}, "mmlu_anatomy": {"acc,none": 0.25},
+                    "mmlu_law": {"acc,none": 0.75, "acc_stderr,none": "N/A"}},
+        "n-samples": {"mmlu_anatomy": {"effective": 30}, "mmlu_law": {"effective": 10}},
+        "group_subtasks": {"mmlu": ["mmlu_anatomy", "mmlu_law"]},
+    }
+    renamed = rename_results(report, "mmlu", "mmlu_1shot")
+    assert sorted(renamed["results"]) == ["mmlu_1shot", "mmlu_anatomy_1shot", "mmlu_law_1shot"]
+    assert renamed["group_subtasks"] == {"mmlu_1shot": ["mmlu_anatomy_1shot", "mmlu_law_1shot"]}
+    assert sorted(rename_results({"results": {"hellaswag": {}}}, "hellaswag", "hs10")["results"]) == ["hs10"]
+    assert rename_results(report, "mmlu", "mmlu") is report
+
+    averages = compute_averages(renamed)  # over the subtasks, which have documents; the group has none
+    assert averages["macro_avg_acc,none"] == pytest.approx((0.25 + 0.75) / 2)
+    assert averages["micro_avg_acc,none"] == pytest.approx((0.25 * 30 + 0.75 * 10) / 40)
+    metrics = harness_metrics({**renamed, "averages": averages})
+    assert metrics["lm_eval/mmlu_law_1shot/acc"] == 0.75 and "lm_eval/mmlu_law_1shot/acc_stderr" not in metrics
+    assert metrics["lm_eval/averages/micro_avg_acc"] == pytest.approx(0.375)
