@@ -7,8 +7,9 @@ this repository). Every ``*.yaml`` directly under DIR is read the way ``python -
 --config_path X`` reads it (``levanter.config.parse_config`` into ``TrainLmConfig``, ``!include`` files
 resolved relative to the including file, so DIR's subdirectories must be there), then put through the checks
 that need neither data, network nor devices: the upstream keys refused when set
-(``levanter.refused_keys.check_refused``), ``trainer.quantization`` on this machine's JAX platform, and the
-learning-rate schedule for ``trainer.num_train_steps``. Nothing is trained, tokenized or downloaded.
+(``levanter.refused_keys.check_refused``), ``trainer.quantization`` on this machine's JAX platform, the
+learning-rate schedule for ``trainer.num_train_steps``, and the ``eval_harness`` section
+(``levanter.lm_config.check_eval_harness``: its tasks are named, not loaded). Nothing is trained, tokenized or downloaded.
 
 A file whose top-level keys include one only fine-tuning configs have (``supervised_data``,
 ``chat_train_urls``, ``mixture_weights``, ... : ``levanter.sft_config.SFT_KEYS``) is read as ``python -m
@@ -44,7 +45,7 @@ import jax  # noqa: E402
 
 from levanter.config import parse_config  # noqa: E402
 from levanter.refused_keys import check_refused  # noqa: E402
-from levanter.lm_config import TrainLmConfig  # noqa: E402
+from levanter.lm_config import TrainLmConfig, check_eval_harness  # noqa: E402
 from levanter.sft_config import SFT_KEYS, SFTConfig, to_train_lm_config  # noqa: E402
 from levanter.main import lora_lm  # noqa: E402
 
@@ -71,6 +72,7 @@ def check(path: Path) -> tuple[str, str]:
         if config.trainer.quantization is not None:
             config.trainer.quantization.check(jax.default_backend())
         config.optimizer.lr_scheduler(config.trainer.num_train_steps)
+        check_eval_harness(config)
     except (ValueError, FileNotFoundError) as e:  # ConfigError is a ValueError
         return classify(str(e))
     return PARSES, ""

@@ -26,6 +26,7 @@ ENTRY_POINTS = [
     "levanter.main.cache_dataset",
     "levanter.main.data_schedule",
     "levanter.main.eval_lm",
+    "levanter.main.eval_harness",
     "levanter.main.export_lm_to_hf",
     "levanter.main.train_tokenizer",
 ]

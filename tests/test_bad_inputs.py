@@ -33,7 +33,7 @@ import pytest
 
 from accelerator import require_devices, require_sockets
 from levanter.main import cache_dataset, data_schedule, export_lm_to_hf, train_lm
-from levanter.main import eval_lm, sft, train_tokenizer
+from levanter.main import eval_harness, eval_lm, sft, train_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "reference" / "errors.md"
@@ -1254,6 +1254,15 @@ BRANCH_EVAL_CASES = [
                    'prose: {train_urls: ["embedded://python-docs/validation"], tags: [code]}')),
     Case("eval-lm-no-checkpoint", "branching and evaluation", "`eval_lm` with neither `--checkpoint_path` nor "
          "`--hf_checkpoint`", 2, ["--checkpoint_path", "--hf_checkpoint"], entry="eval_lm"),
+    Case("harness-task-named-twice", "branching and evaluation", "`eval_harness.task_spec` naming a task twice "
+         "without a `task_alias`", 2, ["eval_harness.task_spec names 'levanter_mc' twice", "task_alias"],
+         yaml=BASE + "eval_harness: {task_spec: [levanter_mc, {task: levanter_mc, num_fewshot: 1}]}\n"),
+    Case("harness-eval-length-too-long", "branching and evaluation", "`eval_harness.max_eval_length` beyond a "
+         "GPT-2's learned positions", 2, ["eval_harness.max_eval_length=64", "(32 positions)"],
+         yaml=BASE + "eval_harness: {task_spec: [levanter_mc], max_eval_length: 64}\n"),
+    Case("eval-harness-no-checkpoint", "branching and evaluation", "`eval_harness` with neither `--checkpoint_path` "
+         "nor `--initialize_from_hf`", 2, ["--checkpoint_path", "--initialize_from_hf"], entry="eval_harness",
+         yaml=BASE + "eval_harness: {task_spec: [levanter_mc]}\n"),
     Case("eval-lm-log-dir-unwritable", "branching and evaluation", "`eval_lm` with a `log_dir` under a regular file",
          2, ["trainer.log_dir", "$TMP/afile/logs/bad-eval", "Not a directory"], entry="eval_lm",
          args=["--checkpoint_path", "$SHARED/ckpt/bad", "--trainer.log_dir", "$TMP/afile/logs"],
@@ -1472,6 +1481,7 @@ def _subst(s: str, tmp: Path, shared: Path, port: int) -> str:
 ENTRIES = {"train_lm": train_lm.cli, "cache_dataset": cache_dataset.cli, "data_schedule": data_schedule.cli,
            "export_lm_to_hf": export_lm_to_hf.cli}
 ENTRIES["eval_lm"] = eval_lm.cli
+ENTRIES["eval_harness"] = eval_harness.cli
 ENTRIES["train_tokenizer"] = train_tokenizer.cli
 ENTRIES["sft"] = sft.cli
 

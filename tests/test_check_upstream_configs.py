@@ -35,7 +35,9 @@ def test_each_file_is_classified_and_counted(tmp_path, capsys, monkeypatch):
     (tmp_path / "muon.yaml").write_text("data: !include data/source.yaml\noptimizer:\n  type: muon\n"
                                         "  lr: 0.01\n")
     (tmp_path / "moe.yaml").write_text("model:\n  type: whisper\n")
-    (tmp_path / "harness.yaml").write_text("eval_harness:\n  task_spec: [piqa]\n")
+    (tmp_path / "harness.yaml").write_text("eval_harness:\n  task_spec: [piqa]\n  max_examples: 32\n"
+                                           "eval_harness_steps: 50\nmodel: {type: gpt2, hidden_dim: 32, num_heads: 4}\n")
+    (tmp_path / "harness_bad.yaml").write_text("eval_harness:\n  task_spec: [piqa, piqa]\n")
     (tmp_path / "typo.yaml").write_text("trainer:\n  num_train_stepz: 3\n")
     (tmp_path / "sft_mix.yaml").write_text(
         "dataset_type: chat_jsonl\nsupervised_data:\n  a: {cache_dir: gs://b/a, train_urls: [gs://b/a.jsonl]}\n"
@@ -58,16 +60,17 @@ def test_each_file_is_classified_and_counted(tmp_path, capsys, monkeypatch):
             rows[m.group(2)] = (m.group(1), m.group(3))
     assert rows["ok.yaml"] == ("parses", "")
     assert rows["muon.yaml"][0] == "refused" and rows["muon.yaml"][1].startswith("optimizer.lr=0.01")
-    assert rows["harness.yaml"][0] == "refused" and rows["harness.yaml"][1].startswith("eval_harness: ")
+    assert rows["harness.yaml"] == ("parses", "")  # upstream's gpt2_nano_harness.yaml, in short
+    assert rows["harness_bad.yaml"][0] == "error" and "eval_harness.task_spec names 'piqa' twice" in rows["harness_bad.yaml"][1]
     assert rows["moe.yaml"] == ("needs family", "whisper")
     assert rows["typo.yaml"][0] == "error" and "num_train_stepz" in rows["typo.yaml"][1]
     assert rows["sft_mix.yaml"] == ("parses", "")
     assert rows["sft_hub.yaml"][0] == "refused" and rows["sft_hub.yaml"][1].startswith("dataset_type='huggingface': ")
     assert rows["lora_llama.yaml"] == ("parses", "")
     assert rows["lora_upload.yaml"][0] == "refused" and rows["lora_upload.yaml"][1].startswith("peft_hf_upload")
-    assert sorted(rows) == ["harness.yaml", "lora_llama.yaml", "lora_upload.yaml", "moe.yaml", "muon.yaml", "ok.yaml",
+    assert sorted(rows) == ["harness.yaml", "harness_bad.yaml", "lora_llama.yaml", "lora_upload.yaml", "moe.yaml", "muon.yaml", "ok.yaml",
                             "sft_hub.yaml", "sft_mix.yaml", "typo.yaml"]  # not data/source.yaml
-    assert lines[-1] == "parses: 3, refused: 4, needs family: 1, error: 1 (of 9)"
+    assert lines[-1] == "parses: 4, refused: 3, needs family: 1, error: 2 (of 10)"
     assert list(workdir.iterdir()) == []  # not even lora_llama.yaml's relative peft_save_path
 
 

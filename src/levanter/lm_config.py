@@ -21,6 +21,7 @@ import jax
 
 from levanter.refused_keys import check_refused, refused
 from levanter.data.config import DataConfig, UrlSingleDatasetLMConfig
+from levanter.eval_harness.config import LmEvalHarnessConfig
 from levanter.models import LlamaConfig, LmConfig
 from levanter.optim import AdamConfig, OptimizerConfig
 from levanter.trainer_config import TrainerConfig
@@ -76,10 +77,10 @@ class TrainLmConfig:
     # order, up to this many times, and a run that needs more is refused before training; 0: read once.
     # A mixture repeats by data.stop_strategy instead.
     epoch: int = 0
-    # Upstream's lm-eval-harness tasks; refused if set (the harness is not built here).
-    eval_harness: Optional[Dict] = refused("the lm-eval-harness is not built here; remove the key")
-    # Steps between lm-eval-harness runs (upstream); refused if set, as eval_harness is.
-    eval_harness_steps: int = refused("the lm-eval-harness is not built here; remove the key", default=10000)
+    # lm-evaluation-harness tasks run on the model during training (levanter.eval_harness; the eval extra).
+    eval_harness: Optional[LmEvalHarnessConfig] = None
+    # Steps between eval_harness runs (they also run at the end and at each mixture stage's start).
+    eval_harness_steps: int = 10000
     # Upstream logs the entropy of the predictions; refused if set.
     log_entropy: bool = refused("prediction entropy is not logged; remove the key", default=False)
     # Upstream's top-level tokenizer (its SFT and conversion configs): sets data.tokenizer when that is left
@@ -143,6 +144,7 @@ def validate(config: TrainLmConfig):
             "positions)"
         )
     config.trainer.validate()
+    check_eval_harness(config)
     check_platform = getattr(config.model, "check_platform", None)
     if check_platform is not None:  # model.attn_backend: a kernel this platform has
         check_platform(jax.default_backend())
@@ -161,6 +163,23 @@ def validate(config: TrainLmConfig):
         )
     config.data.check_inputs()  # missing files and empty globs, before any cache is built
     return tokenizer
+
+
+def check_eval_harness(config: TrainLmConfig) -> None:
+    """``eval_harness`` (its own checks) and ``eval_harness_steps``; ``eval_harness.max_eval_length`` within
+    what the model supports (learned positions)."""
+    if config.eval_harness_steps < 1:
+        raise ValueError(f"eval_harness_steps must be >= 1, got {config.eval_harness_steps}")
+    harness = config.eval_harness
+    if harness is None:
+        return
+    harness.validate("eval_harness")
+    limit = getattr(config.model, "max_seq_len", None)
+    if harness.max_eval_length is not None and limit is not None and harness.max_eval_length > limit:
+        raise ValueError(
+            f"eval_harness.max_eval_length={harness.max_eval_length} exceeds what the model supports ({limit} "
+            "positions): lower it, or leave it null for model.seq_len"
+        )
 
 
 def check_epoch(config: TrainLmConfig) -> None:
@@ -494,6 +513,6 @@ def data_key(config: TrainLmConfig) -> jax.Array:
     return jax.random.split(jax.random.PRNGKey(config.trainer.seed), 4)[0]
 
 
-__all__ = ["SEED_LIMIT", "BranchOrigin", "check_epoch", "check_resume_optimizer", "optimizer_record",
+__all__ = ["SEED_LIMIT", "BranchOrigin", "check_epoch", "check_eval_harness", "check_resume_optimizer", "optimizer_record",
            "overridden_model_keys", "check_export_path", "check_hf_keys", "check_hf_save_path",
            "export_base", "hf_exporter", "hf_init_path", "model_record", "model_vocab_size", "with_hf_model", "TrainLmConfig", "branch_origin", "check_branch_model", "check_storage_access", "data_key", "storage_locations", "validate"]

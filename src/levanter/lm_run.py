@@ -39,6 +39,10 @@ micro averages ``eval/loss`` and ``eval/bpb``, the macro averages ``eval/macro_l
 ``macro_bpb`` for a tag on several sources). With ``trainer.model_averaging`` the averaged weights are
 evaluated too, right after, under ``eval/ema/...`` (upstream's names), and ``hf_save_path`` exports them.
 
+With ``eval_harness`` (:mod:`levanter.eval_harness`, the ``eval`` extra) the lm-evaluation-harness tasks run every
+``eval_harness_steps`` steps, before the first step of each mixture stage and at the end: ``lm_eval/<task>/<metric>``
+to the trackers, the report as JSON in the run's log directory; their tasks load before any other work.
+
 With ``epoch: N`` a single source's training data repeats up to N times (the same order each time); a run
 that needs more is refused with the other data-length checks, before the first step.
 
@@ -53,6 +57,7 @@ __all__ = [
     "check_data_schedule",
     "check_update_moves",
     "cli_errors",
+    "harness_evaluator",
     "make_evaluator",
     "main",
     "run_config_command",
@@ -91,6 +96,7 @@ from levanter.data.mixture import MixtureDataset
 from levanter.data.schedule_record import data_schedule_record, first_difference
 from levanter.eval import Evaluator, check_eval_set_sizes
 from levanter.eval import make_evaluator as evaluator_for
+from levanter.eval_harness.run import results_path
 from levanter.errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError
 from levanter.distributed import DistributedStartupError, barrier, check_same_config_everywhere
 from levanter.tracker import NoopTracker, check_trackers_writable, init_trackers
@@ -176,6 +182,16 @@ def check_data_schedule(point: ResumePoint, record: dict, *, allow: bool) -> Non
             "if you mean it."
         )
     logger.warning("data schedule edited from step %d: %s (checkpoint at step %d)", step, what, start_step)
+
+
+def harness_evaluator(config: TrainLmConfig):
+    """The run's ``eval_harness`` tasks (:class:`levanter.eval_harness.HarnessEvaluator`), loaded now so that a
+    task that cannot load fails before any other work; None without ``eval_harness``."""
+    if config.eval_harness is None:
+        return None
+    from levanter.eval_harness import HarnessEvaluator
+
+    return HarnessEvaluator(config.eval_harness)
 
 
 def make_evaluator(config: TrainLmConfig, trainer: Trainer, eval_sets: Dict[str, AsyncDataset], tokenizer,
@@ -323,6 +339,7 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
     model_key = jax.random.split(key, 4)[2]  # (data, loader, model, training), upstream's order
     dkey = data_key(config)
 
+    harness = harness_evaluator(config)  # eval_harness's tasks, loaded before any other work
     if jax.process_index() == 0:
         # One process builds the caches first; the others then find them finished (on a shared
         # filesystem) or build identical ones of their own (builds are deterministic).
@@ -477,22 +494,44 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
             tracker.log(log, step=step)
             profiler.after_step(step)
 
-        def is_eval_step(self, done: int) -> bool:
+        def validation_due(self, done: int) -> bool:
             return bool(eval_sets) and (
                 done % tcfg.steps_per_eval == 0 or done == tcfg.num_train_steps or done in stage_starts
                 or done == redo_eval_at
             )
 
+        def harness_due(self, done: int) -> bool:
+            return harness is not None and (
+                done % config.eval_harness_steps == 0 or done == tcfg.num_train_steps or done in stage_starts
+            )
+
+        def is_eval_step(self, done: int) -> bool:
+            return self.validation_due(done) or self.harness_due(done)
+
         def evaluate(self, model, done: int) -> None:
-            losses = evaluator.evaluate(model).metrics()  # the eval/... metrics (levanter.eval)
-            tracker.log(losses, step=done)
-            progress.eval(done, losses)
+            if self.validation_due(done):
+                losses = evaluator.evaluate(model).metrics()  # the eval/... metrics (levanter.eval)
+                tracker.log(losses, step=done)
+                progress.eval(done, losses)
+            if self.harness_due(done) and tcfg.model_averaging is None:
+                self.run_harness(model, done)
 
         def evaluate_averaged(self, model, done: int) -> None:
             # trainer.model_averaging: the averaged weights, as upstream logs them (eval/ema/...).
-            losses = evaluator.evaluate(model).metrics(prefix="eval/ema")
-            tracker.log(losses, step=done)
-            progress.eval(done, losses)
+            if self.validation_due(done):
+                losses = evaluator.evaluate(model).metrics(prefix="eval/ema")
+                tracker.log(losses, step=done)
+                progress.eval(done, losses)
+            if self.harness_due(done):  # upstream runs the harness on the averaged weights where there are any
+                self.run_harness(model, done)
+
+        def run_harness(self, model, done: int) -> None:
+            # lm_eval/<task>/<metric>, and the report as JSON; rows of max_eval_length (else model.seq_len)
+            # positions, batches of trainer.eval_batch_size rows.
+            report = harness.evaluate(model, trainer, tokenizer, batch_size=tcfg.eval_batch_size,
+                                      length=config.eval_harness.max_eval_length or config.model.seq_len)
+            path = results_path(tcfg.log_dir, run_id, done) if jax.process_index() == 0 else None
+            harness.log(report, tracker, done, path)
 
         def on_preempt(self) -> None:
             tracker.finish()

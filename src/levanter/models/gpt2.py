@@ -244,13 +244,21 @@ class Gpt2LMHeadModel(LmHeadModel):
     def get_lm_head(self) -> NamedArray:
         return self.wte.weight  # tied: the output projection is the token embedding
 
+    # Learned positions are read by row position: a packed evaluation passes each request's own (pos_ids).
+    absolute_positions = True
+
     def activations(
-        self, input_ids: NamedArray, segment_ids: NamedArray | None = None, *, key=None
+        self, input_ids: NamedArray, segment_ids: NamedArray | None = None, *, key=None,
+        pos_ids: NamedArray | None = None,
     ) -> NamedArray:
+        """As :meth:`LmHeadModel.activations`; ``pos_ids`` (the axes of ``input_ids``), where given, are the
+        rows of the position table each token reads instead of its position in the row (requests packed
+        into one row each start at 0, as they would alone)."""
         Pos = check_input_length(self.config, input_ids)
         k_embed, k_blocks = split_key(key, 2)
 
-        x = self.wte.embed(input_ids) + self.wpe.weight["position", : Pos.size]
+        positions = self.wpe.weight["position", : Pos.size] if pos_ids is None else self.wpe.embed(pos_ids)
+        x = self.wte.embed(input_ids) + positions
         x = hnn.dropout(x, self.config.embed_pdrop, inference=k_embed is None, key=k_embed)
 
         c = self.config

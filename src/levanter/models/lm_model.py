@@ -210,6 +210,9 @@ class LmHeadModel(eqx.Module):
 
     config: eqx.AbstractVar[LmConfig]
     Vocab: eqx.AbstractVar[Axis]
+    # Whether positions come from a table indexed by the position in the row (GPT-2's learned positions);
+    # such a model's ``activations`` takes ``pos_ids``. Rotary models see only relative positions.
+    absolute_positions: ClassVar[bool] = False
 
     @property
     def Pos(self) -> Axis:
