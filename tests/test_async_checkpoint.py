@@ -11,8 +11,8 @@
   current step, exits 75 and resumes bit for bit; a background write that fills the disk stops the run
   with one ``error:`` paragraph and exit status 74.
 
-``LEVANTER_FAULT_DELAY`` (levanter.utils.fault) holds writes open at the ``checkpoint_mid_write`` point,
-so that the loop provably trains on while a write is in flight.
+``fault.holding`` (in-process) and ``LEVANTER_FAULT_DELAY`` (a subprocess) hold writes open at the
+``checkpoint_mid_write`` point, so that the loop provably trains on while a write is in flight.
 """
 
 import datetime
@@ -39,7 +39,7 @@ from levanter.checkpoint import (
 )
 from levanter.checkpoint.layout import step_dirs
 from levanter.errors import OutOfSpaceError
-from levanter.utils import fs
+from levanter.utils import fault, fs
 
 
 def make_state(seed: int) -> dict:
@@ -84,22 +84,23 @@ def train_on(tree) -> dict:
     return arrays
 
 
-def test_on_step_returns_before_the_commit_and_the_checkpoint_is_the_state_at_the_call(tmp_path, monkeypatch):
-    monkeypatch.setenv("LEVANTER_FAULT_DELAY", "checkpoint_mid_write:0.3")  # > 1.5 s per save: 6 leaves
+def test_on_step_returns_before_the_commit_and_the_checkpoint_is_the_state_at_the_call(tmp_path):
+    """The writer is held after its first array (``fault.holding``): ``on_step`` has returned, the write is
+    in flight and nothing is committed; the loop then donates and overwrites the saved state's buffers; once
+    released, the write commits the state as it was at the call. A save that waited for its write would
+    return only after the hold's limit, with the checkpoint committed, and fail the checks below."""
     ck = Checkpointer(str(tmp_path), save_interval=None, keep=[CheckpointInterval(1)])
     state = make_state(1)
     expected = host_bytes(state)
-    t0 = time.perf_counter()
-    assert ck.on_step(state, 1)
-    blocked = time.perf_counter() - t0
-    assert ck.writing and blocked < 1.0, blocked
-    assert discover_latest_checkpoint(str(tmp_path)) is None  # not committed yet...
-    deadline = time.monotonic() + 1.0
-    while not [e for e in os.listdir(tmp_path) if e.startswith(".tmp-step-1-")]:  # ...but being written
-        assert time.monotonic() < deadline, os.listdir(tmp_path)
-        time.sleep(0.01)
-    train_on(state)  # the loop moves on: the saved state's device buffers are donated and overwritten
-    assert state["w"].is_deleted() and state["opt"]["mu"].is_deleted()
+    with fault.holding("checkpoint_mid_write", limit_s=30) as (reached, release):
+        assert ck.on_step(state, 1)
+        assert reached.wait(30)  # the write is under way...
+        assert ck.writing and discover_latest_checkpoint(str(tmp_path)) is None  # ...and not committed
+        assert [e for e in os.listdir(tmp_path) if e.startswith(".tmp-step-1-")], os.listdir(tmp_path)
+        train_on(state)  # the loop moves on: the saved state's device buffers are donated and overwritten
+        assert state["w"].is_deleted() and state["opt"]["mu"].is_deleted()
+        assert ck.writing  # still held: the write waits for nothing the loop does
+        release.set()
     ck.wait_until_finished()
     assert not ck.writing and sorted(os.listdir(tmp_path)) == ["step-1"]
     assert host_bytes(load_checkpoint(make_state(0), str(tmp_path / "step-1"))) == expected

@@ -8,20 +8,28 @@ name) sends that signal instead, to test a handler (Ctrl-C at a known step). Wit
 ``LEVANTER_FAULT_DELAY="name:seconds[,...]"`` every visit of point ``name`` first sleeps that long, to hold
 a moment open (a background checkpoint write that is still running while the next steps train). Unset
 (always, in production) they cost two dict lookups.
+
+In-process tests hold a point with :func:`holding`: every thread that reaches it waits until the test
+releases it, so a test checks what happens *while* a moment lasts (a save returned, its write not yet
+committed) by events rather than by timings.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 
-__all__ = ["fault_point"]
+__all__ = ["fault_point", "holding"]
 
 _ENV = "LEVANTER_FAULT_KILL_AT"
 _DELAY_ENV = "LEVANTER_FAULT_DELAY"
 _hits: Counter = Counter()
+_held: dict[str, tuple[threading.Event, threading.Event, float]] = {}  # name -> (reached, release, limit)
 
 
 def _targets(env: str = _ENV, kind=int) -> dict:
@@ -33,7 +41,25 @@ def _targets(env: str = _ENV, kind=int) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def holding(name: str, *, limit_s: float = 120.0) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """Hold point ``name`` in this process: a thread reaching it sets ``reached`` and waits for ``release``
+    (set by the caller, and on leaving the block). ``limit_s`` bounds the wait, so that code which should
+    not have waited for the held thread shows up as a failed assertion rather than a hung test."""
+    reached, release = threading.Event(), threading.Event()
+    _held[name] = (reached, release, limit_s)
+    try:
+        yield reached, release
+    finally:
+        release.set()
+        _held.pop(name, None)
+
+
 def fault_point(name: str) -> None:
+    held = _held.get(name)
+    if held is not None:
+        held[0].set()
+        held[1].wait(held[2])
     if _DELAY_ENV in os.environ:
         time.sleep(_targets(_DELAY_ENV, float).get(name, 0.0))
     if _ENV not in os.environ:
