@@ -279,3 +279,57 @@ def test_a_background_write_filling_the_disk_stops_the_run_with_one_error(tmp_pa
         assert sorted(e for e in os.listdir(mnt / "full") if e != "run.lock") == ["step-3"]
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.slow
+def test_a_checkpoint_directory_turning_read_only_during_a_background_save_is_one_error(tmp_path):
+    """The checkpoints go to a tmpfs (skipped where mounting one is not allowed) that is remounted read-only
+    while the save of step 6 is in flight (the writer stops itself with SIGSTOP just before its commit, the
+    test remounts and continues it). The run stops with one ``error:`` paragraph naming the directory and
+    exit status 74 -- the run lock, which cannot be removed either, adds no second error -- and once the
+    directory is writable again the rerun resumes from step 3 and ends bit for bit equal to an
+    uninterrupted run."""
+    mnt = tmp_path / "ro"
+    _mount_tmpfs(mnt, "64m")
+    try:
+        ref = run_train(tmp_path, "ref")
+        assert ref.returncode == 0, ref.stderr[-3000:]
+        cfg = tmp_path / "async.yaml"
+        cfg.write_text(YAML.format(cache=tmp_path / "cache", logs=tmp_path / "logs", ckpt=mnt))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LEVANTER_FAULT_")}
+        env.update(XLA_FLAGS="--xla_force_host_platform_device_count=1",
+                   LEVANTER_FAULT_KILL_AT="checkpoint_before_rename:2", LEVANTER_FAULT_SIGNAL="SIGSTOP")
+        proc = subprocess.Popen([sys.executable, "-m", "levanter.main.train_lm", "--config_path", str(cfg),
+                                 "--trainer.id", "ro"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=tmp_path)
+        try:
+            deadline = time.monotonic() + 300
+            while not _stopped(proc.pid):
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+                time.sleep(0.05)
+            subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+            proc.send_signal(signal.SIGCONT)
+            _, stderr = proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        assert proc.returncode == 74, stderr[-3000:]
+        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
+        run_dir = mnt / "ro"
+        assert errors[0].startswith(f"error: {run_dir} is on a read-only filesystem"), errors
+        assert f"saving the checkpoint of step 6 at {run_dir / 'step-6'}" in errors[0], errors
+        assert discover_latest_checkpoint(str(run_dir)) == str(run_dir / "step-3")
+        subprocess.run(["mount", "-o", "remount,rw", str(mnt)], check=True)
+        resumed = run_train(tmp_path, "ro", ckpt=mnt)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert "step-3" in resumed.stderr
+        assert losses(tmp_path, "ro") == losses(tmp_path, "ref")
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

@@ -38,7 +38,7 @@ from levanter.checkpoint.layout import (
 )
 from levanter.checkpoint.serialization import Barrier, io_error_text, prepare_save
 from levanter.config import parse_timedelta
-from levanter.errors import is_out_of_space, out_of_space_error
+from levanter.errors import is_out_of_space, is_read_only_storage, out_of_space_error, read_only_storage_error
 from levanter.utils import fs
 
 __all__ = ["CheckpointInterval", "Checkpointer", "CheckpointerConfig"]
@@ -398,7 +398,13 @@ class Checkpointer:
             for old in superseded:  # only once the new checkpoint is complete
                 if fs.isdir(old):
                     logger.info("deleting superseded temporary checkpoint %s", old)
-                    remove_dir(old)
+                    try:
+                        remove_dir(old)
+                    except OSError as e:
+                        if is_read_only_storage(e):
+                            raise read_only_storage_error("deleting a superseded temporary checkpoint", old,
+                                                          self.base_path) from e
+                        raise
             self.last_save_s = time.perf_counter() - started
 
         if self.asynchronous and prepared is not None:
@@ -422,6 +428,8 @@ class Checkpointer:
         except Exception as e:  # the old metadata.json is intact: the checkpoint stays a temporary one
             if is_out_of_space(e):
                 raise out_of_space_error("marking the checkpoint permanent", path) from e
+            if is_read_only_storage(e):
+                raise read_only_storage_error("marking the checkpoint permanent", path, self.base_path) from e
             why = io_error_text(e)
             if why is None:
                 raise

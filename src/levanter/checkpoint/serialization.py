@@ -27,8 +27,9 @@ Finite values only. :func:`save_checkpoint` first checks every floating-point le
 reduction on the devices, one small transfer back) and refuses a tree holding a NaN or an infinity,
 writing nothing: a poisoned state must never become the checkpoint a rerun resumes from. A full disk
 raises :class:`levanter.errors.OutOfSpaceError` (exit status 74 from the command line), other storage
-errors (after the retries, for transient ones) :class:`CheckpointSaveError` naming the path or URL
-(never credentials); either way the partial write is removed.
+a read-only filesystem :class:`levanter.errors.ReadOnlyStorageError` naming the directory (74 as well), other
+storage errors (after the retries, for transient ones) :class:`CheckpointSaveError` naming the path or URL
+(never credentials); either way the partial write is removed (where the storage still allows it).
 
 Multi-process. Leaves are written with ``jax.experimental.array_serialization``'s ``async_serialize``
 and read with ``async_deserialize``. Each process writes only the shards it can address and only one
@@ -96,7 +97,7 @@ from levanter.checkpoint.tree_format import (
     ts_context,
     write_spec,
 )
-from levanter.errors import is_out_of_space, out_of_space_error
+from levanter.errors import is_out_of_space, is_read_only_storage, out_of_space_error, read_only_storage_error
 from levanter.utils import fs
 from levanter.utils.fault import fault_point
 
@@ -400,6 +401,8 @@ class PreparedSave:
         except Exception as e:
             if is_out_of_space(e):
                 raise out_of_space_error(f"saving the checkpoint of step {step}", final) from e
+            if is_read_only_storage(e):
+                raise read_only_storage_error(f"saving the checkpoint of step {step}", final, fs.parent(final)) from e
             what = io_error_text(e)
             if what is not None:
                 raise CheckpointSaveError(
