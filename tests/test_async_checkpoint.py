@@ -94,6 +94,7 @@ def test_on_step_returns_before_the_commit_and_the_checkpoint_is_the_state_at_th
     expected = host_bytes(state)
     with fault.holding("checkpoint_mid_write", limit_s=30) as (reached, release):
         assert ck.on_step(state, 1)
+        assert ck.last_copy == "device"  # a device snapshot (the CPU backend has room): nothing waited for
         assert reached.wait(30)  # the write is under way...
         assert ck.writing and discover_latest_checkpoint(str(tmp_path)) is None  # ...and not committed
         assert [e for e in os.listdir(tmp_path) if e.startswith(".tmp-step-1-")], os.listdir(tmp_path)
@@ -104,6 +105,21 @@ def test_on_step_returns_before_the_commit_and_the_checkpoint_is_the_state_at_th
     ck.wait_until_finished()
     assert not ck.writing and sorted(os.listdir(tmp_path)) == ["step-1"]
     assert host_bytes(load_checkpoint(make_state(0), str(tmp_path / "step-1"))) == expected
+
+
+def test_the_host_copy_taken_where_the_devices_lack_room_is_the_state_at_the_call(tmp_path):
+    """The other way a background save copies the state (devices without room for a snapshot): to host
+    memory before the call returns; the write after the next steps donated the buffers is bit-exact."""
+    from levanter.checkpoint.serialization import prepare_save
+
+    state = make_state(5)
+    expected = host_bytes(state)
+    prepared = prepare_save(state, 5, str(tmp_path / "step-5"))
+    assert prepared.copy_to_host() > 0
+    train_on(state)
+    assert state["w"].is_deleted()
+    prepared.commit()
+    assert host_bytes(load_checkpoint(make_state(0), str(tmp_path / "step-5"))) == expected
 
 
 def test_a_second_save_waits_for_the_first_and_they_commit_in_order(tmp_path, monkeypatch):

@@ -5,9 +5,9 @@ Permanent checkpoints are taken at the steps the ``keep`` intervals name, plus a
 ``save_interval`` of wall time has passed since the last save. A temporary checkpoint is deleted once a
 newer checkpoint is complete; permanent ones are never deleted. The base path may be a local directory
 or an object-store URL (``gs://``, ``s3://``); :mod:`levanter.checkpoint.layout` says how saves commit
-and deletions proceed on each. Saves run in the background by default, on one process or many: ``on_step``
-returns once the state is copied to host memory, the write
-and commit follow on a worker thread (:mod:`levanter.checkpoint.async_writer`), and
+and deletions proceed on each. Saves run in the background by default, on one process or many:
+``on_step`` returns once the state is copied (on the devices where they have room, else to host memory),
+the write and commit follow on a worker thread (:mod:`levanter.checkpoint.async_writer`), and
 :meth:`Checkpointer.wait_until_finished` waits for them.
 """
 
@@ -228,6 +228,7 @@ class Checkpointer:
         # What the last save cost the caller and the whole save (the benchmark reads them).
         self.last_blocked_s = 0.0
         self.last_save_s = 0.0
+        self.last_copy = ""  # where the last background save copied the state first: "device" or "host"
         self.last_waited_s = 0.0  # of last_blocked_s: the wait for the previous save's write to finish
         if self.process_index == 0:
             delete_stale_temporaries(self.base_path)
@@ -388,7 +389,9 @@ class Checkpointer:
             self.last_save_s = time.perf_counter() - started
 
         if self.asynchronous and prepared is not None:
-            prepared.copy_to_host()
+            # A copy on the devices, dispatched: the loop goes on at once and the writer moves it to the
+            # host (or, where the devices lack room, the host copy here, waited for).
+            self.last_copy = prepared.snapshot()
             self._writer.submit(write, f"save of the checkpoint of step {step} to {path}")
         else:
             write()

@@ -48,7 +48,7 @@ which the others wait for. The caller hands in its process index (``process_inde
 :func:`save_checkpoint` is synchronous: the caller waits for the data to reach storage. It is
 :func:`prepare_save` (checks and collectives, on the calling thread) followed by
 :meth:`PreparedSave.commit`; :class:`~levanter.checkpoint.Checkpointer` runs the commit in the background
-after :meth:`PreparedSave.copy_to_host` (:mod:`levanter.checkpoint.async_writer`).
+after :meth:`PreparedSave.snapshot` (:mod:`levanter.checkpoint.async_writer`).
 
 This module is the save side. What save and load share (leaf names, array specs and chunking, running the
 asynchronous I/O, storage error text) is :mod:`levanter.checkpoint.tree_format`; the load side is
@@ -76,7 +76,7 @@ import tensorstore as ts
 from jax.experimental.array_serialization import serialization as jax_serialization
 
 from levanter.checkpoint.errors import CheckpointSaveError
-from levanter.checkpoint.host_copy import HostShards, host_copies, write_host_shards
+from levanter.checkpoint.host_copy import HostShards, device_snapshot, host_copies, write_host_shards
 from levanter.checkpoint.layout import (
     CHECKPOINT_FORMAT_VERSION,
     METADATA_FILENAME,
@@ -528,19 +528,44 @@ class PreparedSave:
     sync: Any  # _BarrierSync or _KeyValueSync: how the processes agree that every part is written
     token: str
     process_index: int
+    # The values to write are a device snapshot this save owns (snapshot): copied to host memory, then freed.
+    on_device: bool = False
+
+    def snapshot(self) -> str:
+        """Make the save independent of the tree's buffers, so that the caller may donate or change them
+        before :meth:`commit`: a copy on the devices where they have room (dispatched, not waited for;
+        :meth:`commit` or :meth:`copy_to_host` moves it to host memory), else the host copy, waited for.
+        Returns ``"device"`` or ``"host"`` (see :mod:`levanter.checkpoint.host_copy`)."""
+        values = device_snapshot([it.value for it in self.items])
+        if values is None:
+            self.copy_to_host()
+            return "host"
+        for it, value in zip(self.items, values):
+            it.value = value
+        self.on_device = True
+        return "device"
 
     def copy_to_host(self) -> int:
         """Replace the arrays to write by host copies (:mod:`levanter.checkpoint.host_copy`), so that the
-        caller may donate or change the tree's buffers before :meth:`commit`; returns the bytes copied."""
-        values = host_copies([it.value for it in self.items])
+        caller may donate or change the tree's buffers before :meth:`commit`; returns the bytes copied. A
+        device snapshot (:meth:`snapshot`) is deleted once copied, freeing its device memory."""
+        owned, self.on_device = self.on_device, False
+        old = [it.value for it in self.items]
+        values = host_copies(old, private=not owned)
         for it, value in zip(self.items, values):
             it.value = value
+        if owned:
+            for v in old:
+                if isinstance(v, jax.Array):
+                    v.delete()
         return sum(v.nbytes for v in values)
 
     def commit(self) -> str:
         """Write the arrays, then commit (see :mod:`levanter.checkpoint.layout`); returns the path. Storage
         errors are :class:`CheckpointSaveError` (a full disk :class:`~levanter.errors.OutOfSpaceError`)."""
         final, step, started = self.path, self.step, time.perf_counter()
+        if self.on_device:
+            self.copy_to_host()  # a device snapshot: to host memory first, off the training thread
         commit = _commit_by_rename if commits_by_rename(final) else _commit_by_record
         try:
             doc = lambda: _metadata_doc(step, self.is_temporary, self.user_metadata, self.items)  # noqa: E731
