@@ -532,9 +532,9 @@ def _config_dict(config) -> dict:
 @contextlib.contextmanager
 def cli_errors(interrupted: str = "interrupted before training started: nothing was saved"):
     """Around an entry point's work: user errors (bad config values, missing or damaged files) print one
-    ``error:`` paragraph and exit with status 2; a full disk or a read-only filesystem exits with 74; run failures (a coordinator that
-    never answered, unreadable data, a NaN loss, a failed save) exit with 1; Ctrl-C before the step loop
-    prints ``interrupted`` and exits with 130. None prints a traceback (``docs/reference/errors.md``)."""
+    ``error:`` paragraph and exit with status 2; a full disk or a read-only filesystem exits with 74; run
+    failures (a coordinator that never answered, unreadable data, a NaN loss, a failed save) exit with 1;
+    Ctrl-C before the step loop prints ``interrupted`` and exits with 130. None prints a traceback (``docs/reference/errors.md``)."""
     from levanter.memory_fit import device_oom_as_error
 
     try:

@@ -88,8 +88,8 @@ def device_snapshot(values: list[Any]) -> list[Any] | None:
     if not _room_for_a_copy(arrays):
         return None
     # may_alias=False: a copy even where jax could hand back the same buffers.
-    return [jax.device_put(v, v.sharding, may_alias=False) if isinstance(v, jax.Array) else np.array(v, copy=True)
-            for v in values]
+    return [jax.device_put(v, v.sharding, may_alias=False) if isinstance(v, jax.Array)
+            else np.array(v, copy=True) for v in values]
 
 
 def host_copies(values: list[Any], *, private: bool = True) -> list[Any]:

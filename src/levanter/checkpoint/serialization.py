@@ -319,8 +319,8 @@ class _KeyValueSync:
 
     def written(self, error: Exception | None) -> None:
         if self.process_index != 0:
-            why = "" if error is None else (io_error_text(error) or f"{type(error).__name__}: {error}")
-            self.store.set(f"{self.prefix}written/{self.process_index}", why or ("" if error is None else "failed"))
+            why = "" if error is None else (io_error_text(error) or f"{type(error).__name__}: {error}" or "failed")
+            self.store.set(f"{self.prefix}written/{self.process_index}", why)
             if error is not None:
                 raise error
             return
@@ -332,13 +332,17 @@ class _KeyValueSync:
         if error is not None:
             raise error
         if failures:
-            raise CheckpointSaveError(f"{len(failures)} of {jax.process_count()} processes could not write their "
-                                      f"shards ({'; '.join(failures)})")
+            raise CheckpointSaveError(f"{len(failures)} of {jax.process_count()} processes could not write "
+                                      f"their shards ({'; '.join(failures)})")
 
     def failed(self, error: BaseException) -> None:
-        if self.process_index == 0:
-            kind = next((k for k, t in _KINDS.items() if isinstance(error, t)), "error")
-            self.store.set(f"{self.prefix}committed", f"{kind}:{error}" if str(error) else f"{kind}:{type(error).__name__}")
+        if self.process_index != 0:
+            return
+        kind = next((k for k, t in _KINDS.items() if isinstance(error, t)), "error")
+        try:
+            self.store.set(f"{self.prefix}committed", f"{kind}:{str(error) or type(error).__name__}")
+        except Exception as e:  # noqa: BLE001 -- the save's own error is the one to raise
+            logger.warning("could not tell the other processes that the save failed: %s", e)
 
     def committed(self) -> None:
         if self.process_index == 0:
