@@ -267,8 +267,11 @@ def test_kill_9_or_sigterm_during_a_background_write_then_rerun_resumes_bit_for_
     assert not [e for e in entries if e.startswith(".tmp-")], entries
     stopped = max(losses(tmp_path, "term")) + 1  # updates done when the run stopped
     assert stopped >= 3 and f"SIGTERM: checkpointed step {stopped} in {run_dir}" in term.stderr, term.stderr[-3000:]
-    assert {e for e in entries if e.startswith("step-")} == {"step-3", f"step-{stopped}"}
-    for step in (3, stopped):
+    # The save of step 6 may have run too: the signal can come while the loop waits for the write of step 3
+    # at that save (a background save returns at once, so the loop may reach step 6 before the write is done).
+    saved = {int(e.split("-")[1]) for e in entries if e.startswith("step-")}
+    assert {3, stopped} <= saved <= {3, 6, stopped}, saved
+    for step in saved:
         assert read_checkpoint_metadata(str(run_dir / f"step-{step}"))["step"] == step
     resumed = run_train(tmp_path, "term")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
