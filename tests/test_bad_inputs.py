@@ -279,6 +279,30 @@ def disk_full(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(ckpt, "write_leaf", no_space)
 
 
+def checkpoint_dir_read_only(mp: pytest.MonkeyPatch) -> None:
+    """The checkpoint directory's filesystem turns read-only once the run has started (a remount after an
+    I/O error): the background save's writes and the run lock's removal fail with EROFS, as the kernel
+    reports it."""
+    import levanter.checkpoint.serialization as ckpt
+    from levanter.utils import fs
+
+    def erofs(path):
+        return OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+
+    async def read_only(root, item, process_index):
+        raise erofs(os.path.join(root, item.record["name"]))
+
+    remove = fs.remove
+
+    def remove_unless_lock(path, *args, **kwargs):
+        if str(path).endswith("run.lock"):
+            raise erofs(path)
+        return remove(path, *args, **kwargs)
+
+    mp.setattr(ckpt, "write_leaf", read_only)
+    mp.setattr(fs, "remove", remove_unless_lock)
+
+
 def disk_full_tensorstore(mp: pytest.MonkeyPatch) -> None:
     """A full disk as tensorstore reports it: a ValueError whose text carries the errno."""
     import levanter.checkpoint.serialization as ckpt
@@ -827,6 +851,10 @@ CASES: list[Case] = [
     Case("disk-full-on-checkpoint", "runtime", "the disk fills up while a checkpoint is written", 74,
          ["$TMP/ckpt/bad/step-2", "step 2", "No space left on device"], patch=disk_full, after=no_checkpoint_left,
          needs=["cache"]),
+    Case("checkpoint-dir-read-only", "runtime",
+         "the checkpoint directory turns read-only during a background save (and the run lock cannot be removed)",
+         74, ["$TMP/ckpt/bad is on a read-only filesystem", "saving the checkpoint of step 2 at $TMP/ckpt/bad/step-2",
+              "Read-only file system"], patch=checkpoint_dir_read_only, after=no_checkpoint_left, needs=["cache"]),
     # ------------------------------------------------------------------------------------ cache reads
     Case("cache-data-chunk-deleted", "cache reads", "a finished cache with one token chunk file deleted", 2,
          ["the cache at $TMP/cache/train is damaged", "$TMP/cache/train/input_ids/data/c/2 is missing",

@@ -103,3 +103,23 @@ def test_checkpoint_section_measures_both_modes_and_is_reported(run_all, capsys)
     assert head["checkpoint_block_ratio"] == res["block_ratio"]
     printed = capsys.readouterr().out
     assert "Checkpoint save" in printed and "background / synchronous blocking" in printed
+
+
+def test_checkpoint_loop_summary_counts_the_steps_around_each_save():
+    """scripts/bench/checkpoint_loop.py's arithmetic on a run's step times: the steady step leaves out the
+    three steps around each background save, the loss per save is their excess over three steady steps, and
+    the ratio is the median loss over the final synchronous save's time."""
+    sys.path.insert(0, BENCH)
+    import checkpoint_loop
+
+    times = {s: 1.0 for s in range(24)}
+    times[0] = 30.0  # the compile: left out by skip
+    times.update({7: 1.5, 8: 3.0, 9: 1.0, 15: 1.0, 16: 2.0, 17: 1.5})
+    records = [{"step": 8, "copy": "device", "blocked_s": 0.1, "waited_s": 0.0, "write_s": 4.0},
+               {"step": 16, "copy": "host", "blocked_s": 1.0, "waited_s": 0.5, "write_s": 4.0},
+               {"step": 24, "copy": "sync", "blocked_s": 10.0, "waited_s": 0.0, "write_s": None}]
+    res = checkpoint_loop.summarise(times, records, 24, skip=3)
+    assert res["steady_step_s"] == 1.0
+    assert [r["around_s"] for r in res["saves"]] == [[1.5, 3.0, 1.0], [1.0, 2.0, 1.5]]
+    assert [r["lost_s"] for r in res["saves"]] == [2.5, 1.5]
+    assert res["lost_per_save_s"] == 2.0 and res["sync_save_s"] == 10.0 and res["ratio"] == 0.2

@@ -109,16 +109,12 @@ def test_bad_data_configs_name_the_key(tmp_path, yaml_text, fragment):
 
 
 def test_unreachable_hub_tokenizer_fails_fast(monkeypatch):
-    import time
-
     monkeypatch.setenv("HF_ENDPOINT", "https://hub.invalid")  # .invalid never resolves
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     from levanter.ingest import load_tokenizer
 
-    t0 = time.perf_counter()
     with pytest.raises(ValueError, match="gpt2"):
         load_tokenizer("gpt2")
-    assert time.perf_counter() - t0 < 10
 
 
 def test_cache_dataset_cli_reports_errors_without_traceback(tmp_path):

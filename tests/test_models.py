@@ -550,9 +550,7 @@ def test_unrolled_layers_are_the_same_model(name):
 def test_parameter_shapes_match_a_real_build_without_allocating(name):
     """The memory estimate's shapes (jax.eval_shape of build) are the built model's, leaf for leaf, and
     tree_nbytes counts their bytes, at their own dtype or a given one. A 10^9-token vocabulary (128 GB of
-    embedding at float32) is traced in well under a second, since nothing is allocated."""
-    import time
-
+    embedding at float32) is traced without allocating anything."""
     from levanter.models import parameter_shapes, tree_nbytes
 
     cfg = CONFIGS[name]()
@@ -564,10 +562,9 @@ def test_parameter_shapes_match_a_real_build_without_allocating(name):
     n = sum(x.size for x in real if jnp.issubdtype(x.dtype, jnp.inexact))
     assert tree_nbytes(shapes) == sum(x.nbytes for x in real if jnp.issubdtype(x.dtype, jnp.inexact))
     assert tree_nbytes(shapes, jnp.bfloat16) == 2 * n
-    t0 = time.perf_counter()
     huge = parameter_shapes(cfg, 10**9)
     assert tree_nbytes(huge) >= 10**9 * cfg.hidden_dim * 4
-    assert time.perf_counter() - t0 < 10
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(huge))  # shapes, no buffers
 
 
 def test_qwen_attention_parameters():

@@ -122,10 +122,10 @@ def test_a_lock_without_a_heartbeat_is_stale_wherever_it_was_taken(tmp_path, mon
     try:
         assert json.loads(lock_file.read_text())["pid"] == os.getpid()
         os.utime(lock_file, (old, old))
-        deadline = time.time() + 10
-        while time.time() < deadline and time.time() - lock_file.stat().st_mtime > 5:
+        deadline = time.time() + 60
+        while time.time() < deadline and lock_file.stat().st_mtime == old:
             time.sleep(0.05)
-        assert time.time() - lock_file.stat().st_mtime <= 5  # the holder's heartbeat refreshed it
+        assert lock_file.stat().st_mtime > old  # the holder's heartbeat refreshed it
     finally:
         lock.release()
     assert not lock_file.exists()
@@ -245,9 +245,7 @@ def test_multi_process_runs_all_stop_when_the_lock_is_held(tmp_path):
     from test_multihost import launch
 
     write_record(tmp_path / "ckpt" / "held", host="node-7", pid=4242)
-    start = time.time()
-    outs = launch(tmp_path, "held", processes=2, devices_per_process=1, steps=2, timeout=120)
-    assert time.time() - start < 100
+    outs = launch(tmp_path, "held", processes=2, devices_per_process=1, steps=2, timeout=120)  # none hangs
     (rc0, err0), (rc1, err1) = outs
     assert rc0 == 2 and "pid 4242 on host node-7" in err0 and "Traceback" not in err0, err0[-3000:]
     assert rc1 == 2 and "process 0 could not take the run lock" in err1, err1[-3000:]

@@ -13,6 +13,17 @@ Every host runs the same command; ``jax.distributed.initialize`` connects them, 
 Bad settings fail fast with the config key named: a process id out of range, an unreachable
 coordinator (after ``initialization_timeout`` seconds, not a hang), and -- checked right after start-up --
 processes launched with different configs (a digest of each process's config is compared).
+
+Agreeing without stopping the devices. Two kinds of agreement between processes are offered here:
+
+* :class:`KeyValueStore`, the coordinator's key-value store (``key_value_set``, ``blocking_key_value_get``),
+  for threads other than the training thread: a background checkpoint write tells process 0 it is done
+  through it, never through a device collective, which would have to be ordered with the train steps.
+  JAX 0.10 exposes the store only as ``jax._src.distributed.global_state.client``; this module is the one
+  place that reaches for it.
+* :func:`start_process_sum` / :func:`read_process_sum`, a sum over processes computed on the devices,
+  dispatched at one step and read at the next, for decisions every process must take at the same step
+  (a save due by process 0's clock, a stop requested by a signal on any process).
 """
 
 from __future__ import annotations
@@ -29,11 +40,15 @@ import numpy as np
 
 __all__ = [
     "DistributedStartupError",
+    "KeyValueStore",
     "detected_cluster",
     "DistributedConfig",
     "config_digest",
     "check_same_config_everywhere",
     "barrier",
+    "key_value_store",
+    "read_process_sum",
+    "start_process_sum",
 ]
 
 logger = logging.getLogger(__name__)
@@ -167,12 +182,63 @@ def _wait_for_coordinator(address: str, timeout: float) -> None:
 
 
 def _is_initialized() -> bool:
-    try:
-        from jax._src import distributed as _dist
+    return jax.distributed.is_initialized()
 
-        return _dist.global_state.client is not None
-    except (ImportError, AttributeError):
-        return False
+
+class KeyValueStore:
+    """The multi-process runtime's key-value store (hosted by process 0's coordinator), usable from any
+    thread. Keys are written once; a read waits for its key up to a timeout."""
+
+    def __init__(self, client):
+        self._client = client
+
+    def set(self, key: str, value: str) -> None:
+        self._client.key_value_set(key, value)
+
+    def get(self, key: str, timeout_s: float) -> str:
+        """The value of ``key``, once some process has set it; raises after ``timeout_s`` seconds (or when
+        the coordinator is gone)."""
+        return self._client.blocking_key_value_get(key, int(timeout_s * 1000))
+
+    def delete(self, key: str) -> None:
+        """Delete ``key`` (a directory of keys, with a trailing ``/``)."""
+        self._client.key_value_delete(key)
+
+
+def key_value_store() -> KeyValueStore | None:
+    """The key-value store of the multi-process runtime; None in a single-process run (not initialised)."""
+    if not jax.distributed.is_initialized():
+        return None
+    from jax._src import distributed as _dist  # no public accessor in jax 0.10.2
+
+    client = _dist.global_state.client
+    return None if client is None else KeyValueStore(client)
+
+
+_SUMS: dict = {}
+
+
+def start_process_sum(value: int) -> jax.Array:
+    """The sum over processes of each process's ``value``, as a device computation that is dispatched and
+    not waited for (``multihost_utils`` helpers wait for their result): queued behind the step the trainer
+    dispatched last, it is read at the next step boundary with :func:`read_process_sum` without waiting
+    for the step queued since. Every process must call it, in the same order."""
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devices = np.array(jax.devices()).reshape(jax.process_count(), jax.local_device_count())
+    mesh = Mesh(devices, ("processes", "local_devices"))
+    mine = np.array([int(value)], dtype=np.int32)
+    spread = multihost_utils.host_local_array_to_global_array(mine, mesh, PartitionSpec("processes"))
+    fn = _SUMS.get(mesh)
+    if fn is None:  # traced once per mesh
+        fn = _SUMS[mesh] = jax.jit(lambda x: x.sum(), out_shardings=NamedSharding(mesh, PartitionSpec()))
+    return fn(spread)
+
+
+def read_process_sum(started: jax.Array) -> int:
+    """The value of a :func:`start_process_sum` (waits for it)."""
+    return int(np.asarray(started.addressable_data(0)))
 
 
 def config_digest(encoded_config: dict) -> str:

@@ -97,7 +97,7 @@ from levanter.data.schedule_record import data_schedule_record, first_difference
 from levanter.eval import Evaluator, check_eval_set_sizes
 from levanter.eval import make_evaluator as evaluator_for
 from levanter.eval_harness.run import results_path
-from levanter.errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError
+from levanter.errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError, ReadOnlyStorageError
 from levanter.distributed import DistributedStartupError, barrier, check_same_config_everywhere
 from levanter.tracker import NoopTracker, check_trackers_writable, init_trackers
 from levanter.lm_config import TrainLmConfig, data_key, validate
@@ -649,15 +649,15 @@ def _config_dict(config) -> dict:
 @contextlib.contextmanager
 def cli_errors(interrupted: str = "interrupted before training started: nothing was saved"):
     """Around an entry point's work: user errors (bad config values, missing or damaged files) print one
-    ``error:`` paragraph and exit with status 2; a full disk exits with 74; run failures (a coordinator that
-    never answered, unreadable data, a NaN loss, a failed save) exit with 1; Ctrl-C before the step loop
-    prints ``interrupted`` and exits with 130. None prints a traceback (``docs/reference/errors.md``)."""
+    ``error:`` paragraph and exit with status 2; a full disk or a read-only filesystem exits with 74; run
+    failures (a coordinator that never answered, unreadable data, a NaN loss, a failed save) exit with 1;
+    Ctrl-C before the step loop prints ``interrupted`` and exits with 130. None prints a traceback (``docs/reference/errors.md``)."""
     from levanter.memory_fit import device_oom_as_error
 
     try:
         with device_oom_as_error():  # a device out of memory the up-front check did not foresee: exit 2
             yield
-    except OutOfSpaceError as e:  # a full disk: free space and rerun (resumes from the latest checkpoint)
+    except (OutOfSpaceError, ReadOnlyStorageError) as e:  # a full disk or read-only storage: fix it and rerun
         print(f"error: {e}", file=sys.stderr)
         sys.exit(OUT_OF_SPACE_EXIT_CODE)
     except (ValueError, FileNotFoundError) as e:  # bad config or input: fix it and rerun

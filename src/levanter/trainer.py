@@ -54,6 +54,7 @@ import jmp
 import optax
 
 from .data.loader import Batch
+from .distributed import read_process_sum, start_process_sum
 from .optim.skip_steps import spike_skipped
 from .step_dispatch import FlatStep, init_compile_options
 from .trainer_config import TrainerConfig
@@ -371,7 +372,9 @@ class Trainer:
         force=...)`` (forced at the last step; a save returns once the state is copied to host memory and
         writes in the background, and a write that failed is raised by the next ``save_due``/``on_step``).
         On SIGTERM or SIGINT (Ctrl-C) the write in flight is waited for, the state after the step in
-        flight is checkpointed and the process exits with :data:`PREEMPTED_EXIT_CODE`; batches that end
+        flight is checkpointed and the process exits with :data:`PREEMPTED_EXIT_CODE` (multi-process: a
+        signal on any process stops every process at the same step, agreed by :class:`_StopAgreement`,
+        and each exits once the checkpoint is committed); batches that end
         before ``num_train_steps`` checkpoint the last state and raise :class:`DataEndedError` (a short
         run must not exit 0).
 
@@ -393,6 +396,10 @@ class Trainer:
         previous_handler = self.install_sigterm_handler()
         seen_sizes: set[int] = set()
         save_due = getattr(checkpointer, "save_due", None)
+        # Multi-process: a signal reaches each process at its own moment, but all must stop at the same step
+        # (the save and the exit are collective), so the stop is agreed one step ahead (_StopAgreement).
+        agree_stop = _StopAgreement() if jax.process_count() > 1 else None
+        stopping = False
         t_prev = time.perf_counter()
         last_applied: Optional[Tuple[int, float]] = None  # (step, update ratio) of the last step applied
 
@@ -418,11 +425,14 @@ class Trainer:
 
         def needs_state(done: int) -> bool:
             """Whether the state after ``done`` updates is needed (so the step must finish before the next)."""
+            nonlocal stopping
             force = done == num_steps
             # The checkpointer is asked first and at every step: in a multi-process job its time-based
-            # answer is a broadcast that every process must join, whatever else this process knows.
+            # answer is a broadcast that every process must join, whatever else this process knows; so is
+            # the stop agreement.
             saving = save_due is None or save_due(done, force=force)
-            return saving or force or self.stop_requested or hooks.is_eval_step(done)
+            stopping = self.stop_requested if agree_stop is None else agree_stop(done, self.stop_requested)
+            return saving or force or stopping or hooks.is_eval_step(done)
 
         pending = None  # (step, batch, metrics): dispatched, its report not made yet (its state is gone)
         try:
@@ -457,7 +467,7 @@ class Trainer:
                     t_prev = time.perf_counter()  # the evaluation is not the next step's time
                 checkpointer.on_step(state, done, force=done == num_steps)
                 fault_point("train_after_step")
-                if self.stop_requested and done < num_steps:
+                if stopping and done < num_steps:
                     checkpointer.on_step(state, done, force=True)
                     checkpointer.wait_until_finished()
                     hooks.on_preempt()
@@ -823,3 +833,23 @@ __all__ = [
     "named_batch",
 ]
 
+
+
+class _StopAgreement:
+    """Multi-process: whether any process has been asked to stop, the same answer on every process for the
+    same step. The answer for step ``s`` is a sum over processes dispatched at step ``s - 1`` (behind the step
+    queued then, finished by the time it is read), as the checkpointer's time-based decision is: reading it
+    never waits for the step dispatched since. A stop requested on any process therefore takes effect on all
+    of them at the next step boundary but one."""
+
+    def __init__(self):
+        self._ahead: tuple[int, Any] | None = None
+
+    def __call__(self, step: int, requested: bool) -> bool:
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == step:
+            stop = read_process_sum(ahead[1]) > 0
+        else:  # the first step of the loop: agreed at once
+            stop = read_process_sum(start_process_sum(int(requested))) > 0
+        self._ahead = (step + 1, start_process_sum(int(requested)))
+        return stop

@@ -5,9 +5,10 @@ Permanent checkpoints are taken at the steps the ``keep`` intervals name, plus a
 ``save_interval`` of wall time has passed since the last save. A temporary checkpoint is deleted once a
 newer checkpoint is complete; permanent ones are never deleted. The base path may be a local directory
 or an object-store URL (``gs://``, ``s3://``); :mod:`levanter.checkpoint.layout` says how saves commit
-and deletions proceed on each. Saves run in the background by default: ``on_step`` returns once the
-state is copied to host memory, the write and commit follow on a worker thread
-(:mod:`levanter.checkpoint.async_writer`), and :meth:`Checkpointer.wait_until_finished` waits for them.
+and deletions proceed on each. Saves run in the background by default, on one process or many:
+``on_step`` returns once the state is copied (on the devices where they have room, else to host memory),
+the write and commit follow on a worker thread (:mod:`levanter.checkpoint.async_writer`), and
+:meth:`Checkpointer.wait_until_finished` waits for them.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from levanter.checkpoint.layout import (
 )
 from levanter.checkpoint.serialization import Barrier, io_error_text, prepare_save
 from levanter.config import parse_timedelta
-from levanter.errors import is_out_of_space, out_of_space_error
+from levanter.distributed import key_value_store, read_process_sum, start_process_sum
+from levanter.errors import is_out_of_space, is_read_only_storage, out_of_space_error, read_only_storage_error
 from levanter.utils import fs
 
 __all__ = ["CheckpointInterval", "Checkpointer", "CheckpointerConfig"]
@@ -163,36 +165,6 @@ class CheckpointerConfig:
         )
 
 
-def _start_agreement(flag: bool) -> jax.Array:
-    """Process 0's ``flag`` on every process, as a device collective that is dispatched and not waited for
-    (``multihost_utils.broadcast_one_to_all`` waits for its result); :func:`_read_agreement` reads it."""
-    from jax.experimental import multihost_utils
-    from jax.sharding import Mesh, PartitionSpec
-
-    devices = np.array(jax.devices()).reshape(jax.process_count(), jax.local_device_count())
-    mesh = Mesh(devices, ("processes", "local_devices"))
-    mine = np.array([int(flag) if jax.process_index() == 0 else 0], dtype=np.int32)
-    spread = multihost_utils.host_local_array_to_global_array(mine, mesh, PartitionSpec("processes"))
-    return _sum_fn(mesh)(spread)
-
-
-_SUMS: dict = {}
-
-
-def _sum_fn(mesh) -> Callable:
-    """A jitted sum over the processes' entries, its result on every device (one per mesh, traced once)."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    fn = _SUMS.get(mesh)
-    if fn is None:
-        fn = _SUMS[mesh] = jax.jit(lambda x: x.sum(), out_shardings=NamedSharding(mesh, PartitionSpec()))
-    return fn
-
-
-def _read_agreement(agreement: jax.Array) -> bool:
-    return bool(np.asarray(agreement.addressable_data(0)))
-
-
 class Checkpointer:
     """Decides when to save and cleans up temporary checkpoints. Every process must call it alike.
 
@@ -206,9 +178,12 @@ class Checkpointer:
 
     ``asynchronous`` (the default): a save returns once the state is on the host and writes in the
     background (:mod:`levanter.checkpoint.async_writer`); a failed write is raised by the next
-    ``on_step``/``save``/``wait_until_finished``. ``False``: a save returns once it is committed. In a
-    multi-process job saves are synchronous whatever it says: their barriers are device collectives, which
-    must stay on the training thread.
+    ``on_step``/``save``/``wait_until_finished`` (multi-process: the next ``save`` or
+    ``wait_until_finished``, see :meth:`_raise_if_failed`). ``False``: a save returns once it is committed.
+    In a multi-process job each process writes its own shards on its writer thread and the processes agree
+    on the commit through the runtime's key-value store, not a device collective
+    (:func:`levanter.distributed.key_value_store`; the protocol is ``serialization._KeyValueSync``);
+    a synchronous multi-process save agrees through ``barrier``.
     """
 
     def __init__(
@@ -246,11 +221,15 @@ class Checkpointer:
         self._ahead: tuple[int, Any] | None = None
         # Temporary checkpoints to delete once a newer checkpoint is complete.
         self._retire: list[str] = []
-        self.asynchronous = asynchronous and jax.process_count() == 1
+        self.asynchronous = asynchronous
+        # Multi-process background saves agree on their commit through the runtime's key-value store.
+        self._store = key_value_store() if asynchronous and jax.process_count() > 1 else None
         self._writer = BackgroundWriter()
         # What the last save cost the caller and the whole save (the benchmark reads them).
         self.last_blocked_s = 0.0
         self.last_save_s = 0.0
+        self.last_copy = ""  # where the last background save copied the state first: "device" or "host"
+        self.last_waited_s = 0.0  # of last_blocked_s: the wait for the previous save's write to finish
         if self.process_index == 0:
             delete_stale_temporaries(self.base_path)
             if commits_by_rename(self.base_path):
@@ -306,11 +285,11 @@ class Checkpointer:
         ahead, self._ahead = self._ahead, None
         now = self._clock()
         if ahead is not None and ahead[0] == step:
-            due = _read_agreement(ahead[1])
+            due = read_process_sum(ahead[1]) > 0
         else:
             due = self._agree(now - self._last_save_time >= interval)
         since = 0.0 if due else now - self._last_save_time
-        self._ahead = (step + 1, _start_agreement(since >= interval))
+        self._ahead = (step + 1, start_process_sum(int(since >= interval and self.process_index == 0)))
         return due
 
     def _time_due(self, step: int, *, remember: bool = False) -> bool:
@@ -335,8 +314,9 @@ class Checkpointer:
         """Whether ``on_step(tree, step, force=force)`` will do anything with ``tree`` (save it or mark its
         checkpoint permanent). The trainer asks before it dispatches the next step, which may reuse the
         buffers of the state after ``step``: where this says False the state is never needed. First raises
-        the error of a background save that failed since the last call."""
-        self._writer.raise_if_failed()
+        the error of a background save that failed since the last call (single-process; see
+        :meth:`_raise_if_failed`)."""
+        self._raise_if_failed()
         step = int(step)
         permanent = force or _is_permanent_step(self.keep, step)
         if step == self._last_saved_step:
@@ -349,9 +329,9 @@ class Checkpointer:
         Permanent at the ``keep`` steps and when ``force`` is set; temporary when ``save_interval`` has
         passed since the last save (as :meth:`save_due` decided it, if asked about this step). A step
         already saved is not saved again. First raises the error of a background save that failed since
-        the last call.
+        the last call (single-process; see :meth:`_raise_if_failed`).
         """
-        self._writer.raise_if_failed()
+        self._raise_if_failed()
         step = int(step)
         permanent = force or _is_permanent_step(self.keep, step)
         if step == self._last_saved_step:
@@ -371,7 +351,8 @@ class Checkpointer:
         any, has finished); the write, the commit and the deletions follow in the background.
         """
         started = time.perf_counter()
-        self._writer.wait()  # one save in flight at a time: one host copy of the state, saves in order
+        self._writer.wait()  # one save in flight at a time: one extra copy of the state, saves in order
+        self.last_waited_s = time.perf_counter() - started
         if self.before_save is not None:
             self.before_save()
         path = self.path_for_step(step)
@@ -386,7 +367,7 @@ class Checkpointer:
             is_temporary = self._is_temporary(path)
         else:
             prepared = prepare_save(tree, step, path, is_temporary=is_temporary, barrier=self._barrier,
-                                    metadata=self.metadata, process_index=self.process_index)
+                                    metadata=self.metadata, process_index=self.process_index, store=self._store)
         self._last_save_time = self._clock()
         self._last_saved_step = step
         superseded = [old for old in self._retire if old != path] if self.process_index == 0 else []
@@ -398,16 +379,33 @@ class Checkpointer:
             for old in superseded:  # only once the new checkpoint is complete
                 if fs.isdir(old):
                     logger.info("deleting superseded temporary checkpoint %s", old)
-                    remove_dir(old)
+                    try:
+                        remove_dir(old)
+                    except OSError as e:
+                        if is_read_only_storage(e):
+                            raise read_only_storage_error("deleting a superseded temporary checkpoint", old,
+                                                          self.base_path) from e
+                        raise
             self.last_save_s = time.perf_counter() - started
 
         if self.asynchronous and prepared is not None:
-            prepared.copy_to_host()
+            # A copy on the devices, dispatched: the loop goes on at once and the writer moves it to the
+            # host (or, where the devices lack room, the host copy here, waited for).
+            self.last_copy = prepared.snapshot()
             self._writer.submit(write, f"save of the checkpoint of step {step} to {path}")
         else:
             write()
         self.last_blocked_s = time.perf_counter() - started
         return path
+
+    def _raise_if_failed(self) -> None:
+        """Raise the error of a background save that has failed. Multi-process: nothing here -- each process
+        learns of a failure at its own moment, and a process that stopped at one step while the others
+        trained on would leave them waiting in the next step's collectives -- the error is raised by the next
+        save (which waits for the write in flight) or by :meth:`wait_until_finished`, which every process
+        reaches at the same step."""
+        if jax.process_count() == 1:
+            self._writer.raise_if_failed()
 
     def _make_permanent(self, path: str) -> None:
         self._writer.wait()  # the save of ``path`` may still be in flight
@@ -422,6 +420,8 @@ class Checkpointer:
         except Exception as e:  # the old metadata.json is intact: the checkpoint stays a temporary one
             if is_out_of_space(e):
                 raise out_of_space_error("marking the checkpoint permanent", path) from e
+            if is_read_only_storage(e):
+                raise read_only_storage_error("marking the checkpoint permanent", path, self.base_path) from e
             why = io_error_text(e)
             if why is None:
                 raise

@@ -264,7 +264,14 @@ class RunLock:
         if current is None or current.get("token") != self.record["token"]:
             logger.warning("run lock %s is no longer this run's (it was broken by hand?); leaving it", path)
             return
-        fs.retry_transient(fs.remove, path, missing_ok=True, what=f"removing the run lock {path}")
+        try:
+            fs.retry_transient(fs.remove, path, missing_ok=True, what=f"removing the run lock {path}")
+        except (OSError, fs.StorageAccessError) as e:
+            # Release runs as the run ends, often because of an error about the same storage (a directory
+            # that turned read-only): that error is the one to report. The lock left behind is taken over
+            # as stale by the next start on this host, or after STALE_AFTER_SECONDS anywhere.
+            logger.warning("could not remove the run lock %s (%s); the next start of this run takes it over "
+                           "once it is stale, or delete it by hand", path, fs.redact(str(e)))
 
     def __enter__(self) -> "RunLock":
         return self
