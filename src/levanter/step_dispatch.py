@@ -144,7 +144,7 @@ class Precompiled:
                 self._ran = True
                 return out
             except (TypeError, ValueError) as e:
-                logger.debug("the ahead-of-time compiled step does not take these arguments (%s): jit compiles", e)
+                logger.warning("the ahead-of-time compiled step does not take these arguments (%s): jit compiles", e)
                 self._compiled = None
         return self._jitted(*args)
 
