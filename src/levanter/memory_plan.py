@@ -66,9 +66,17 @@ memory plan (no training):
   --vocab_size N         vocabulary size when the tokenizer is not available locally
   --peak_flops F         peak FLOP/s of one device (e.g. 989e12); default: known accelerators only
   --step_seconds S       a measured or expected step time: the plan prints the MFU it means
+  --slice NAME           plan for a TPU slice this machine does not have, compiled by the TPU compiler
+                         on this machine's CPU (levanter.slice_plan; needs libtpu: pip install -e '.[tpu]'):
+                         v5e-N / v6e-N count chips (v5e-8, v5e-256), v4-N / v5p-N count TensorCores, two
+                         per chip (v4-64 is 32 chips). Prints per chip memory against the chip's HBM, FLOPs,
+                         the bytes each kind of collective moves, and, for a step that does not fit, what
+                         would (microbatch, remat, FSDP, a larger slice), each compiled
+  --num_slices N         with --slice: N such slices over the data-center network (DCN), the data axis
+                         across them; the collectives between slices are counted apart
 """
 
-_VALUE_FLAGS = ("--device_memory", "--vocab_size", "--peak_flops", "--step_seconds")
+_VALUE_FLAGS = ("--device_memory", "--vocab_size", "--peak_flops", "--step_seconds", "--slice", "--num_slices")
 
 
 class PlanArgumentError(ValueError):
@@ -81,6 +89,8 @@ class PlanOptions:
     vocab_size: Optional[int] = None
     peak_flops: Optional[float] = None  # per device
     step_seconds: Optional[float] = None
+    slice: Optional[str] = None  # a TPU slice's name (levanter.tpu_slices), planned by levanter.slice_plan
+    num_slices: Optional[int] = None  # with slice: that many slices over DCN
 
 
 def split_plan_args(argv: Sequence[str]) -> tuple[Optional[PlanOptions], list[str]]:
@@ -117,12 +127,29 @@ def split_plan_args(argv: Sequence[str]) -> tuple[Optional[PlanOptions], list[st
         vocab_size=_positive(values.get("--vocab_size"), "--vocab_size", int),
         peak_flops=_positive(values.get("--peak_flops"), "--peak_flops", float),
         step_seconds=_positive(values.get("--step_seconds"), "--step_seconds", float),
+        slice=_slice_name(values.get("--slice")),
+        num_slices=_positive(values.get("--num_slices"), "--num_slices", int),
     )
+    if opts.num_slices is not None and opts.slice is None:
+        raise PlanArgumentError("--num_slices applies to a slice plan: add --slice NAME (e.g. --slice v5e-256)")
     return opts, rest
 
 
+def _slice_name(text: Optional[str]) -> Optional[str]:
+    """The slice's name, checked against levanter.tpu_slices' table (an unknown one lists the known)."""
+    if text is None:
+        return None
+    from levanter.tpu_slices import parse_slice
+
+    try:
+        return parse_slice(text).name
+    except ValueError as e:
+        raise PlanArgumentError(str(e)) from None
+
+
 _EXAMPLES = {
-    "--device_memory": "16GiB", "--vocab_size": "128256", "--peak_flops": "989e12", "--step_seconds": "2.5"
+    "--device_memory": "16GiB", "--vocab_size": "128256", "--peak_flops": "989e12", "--step_seconds": "2.5",
+    "--slice": "v5e-256", "--num_slices": "2",
 }
 def parse_bytes(text: str, flag: str = "--device_memory") -> int:
     """``16GiB`` -> 17179869184; decimal (GB) and binary (GiB) units, or a plain number of bytes."""

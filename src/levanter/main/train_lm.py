@@ -39,6 +39,7 @@ from levanter.lm_loss import lm_loss_fn
 from levanter.lm_run import check_data_covers_run, check_data_schedule, cli_errors, main, make_evaluator, say_finished
 from levanter.lm_run import start_command
 from levanter.memory_plan import FLAG_HELP, format_plan, make_plan, split_plan_args
+from levanter import slice_plan
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +50,15 @@ def cli_main(config: TrainLmConfig):
 
 
 def dry_run(config: TrainLmConfig, options, config_path: Optional[str] = None) -> None:
-    """Print the memory plan of ``config`` (:mod:`levanter.memory_plan`): nothing is trained or read."""
+    """Print the memory plan of ``config`` (:mod:`levanter.memory_plan`): nothing is trained or read. With
+    ``--slice``, the plan for that TPU slice, compiled on this machine (:mod:`levanter.slice_plan`)."""
+    loss = lm_loss_fn(config.z_loss_weight, quantization=config.trainer.quantization)
+    if options.slice is not None:
+        config.trainer.apply_jax_config()
+        print(slice_plan.format_slice_plan(slice_plan.make_slice_plan(config, loss, options), config_path))
+        return
     config.trainer.distributed.initialize()
     config.trainer.apply_jax_config()
-    loss = lm_loss_fn(config.z_loss_weight, quantization=config.trainer.quantization)
     print(format_plan(make_plan(config, loss, options), config_path))
 
 
@@ -68,6 +74,9 @@ def cli(argv=None) -> None:
         sys.exit(0)
     with cli_errors():
         plan, argv = split_plan_args(argv)
+        if plan is not None and plan.slice is not None:
+            slice_plan.require_libtpu()
+            slice_plan.use_cpu_backend()
         if plan is not None:
             path, rest = levanter.config.split_config_path(argv)
             dry_run(levanter.config.parse_config(TrainLmConfig, path, rest), plan, path)
