@@ -1,7 +1,7 @@
 """A memory plan before launch: what one device needs to train a config, found without training it.
 
 ``python -m levanter.main.train_lm --config_path X --dry_run [--device_memory 16GiB] [--vocab_size N]
-[--peak_flops 989e12] [--step_seconds S]`` builds the mesh the config asks for, traces the model and the
+[--peak_flops 989e12] [--step_seconds S] [--slice v5e-256 [--num_slices 2]]`` builds the mesh the config asks for, traces the model and the
 optimizer with ``jax.eval_shape`` (nothing is allocated, however large the model), compiles the train step
 ahead of time for abstract inputs carrying the config's shardings (``jax.jit(...).lower(...).compile()``),
 and prints per device: the parameters, the optimizer state, the averaged copy of the weights
@@ -12,11 +12,13 @@ at a given peak. It reads no data, builds no cache, and needs no accelerator.
 
 What it can and cannot know:
 
-* The mesh is made of the devices JAX sees. To plan for a pod slice on a workstation, simulate its device
-  count on CPU: ``XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu``. The figures are
-  then XLA's CPU compiler's: the same shardings, shapes and remat policy, but another backend's fusion and
-  buffer assignment, so accelerator temporaries differ (typically by tens of percent, not by factors).
-  Compiled on the accelerator itself, they are that accelerator's own.
+* The mesh is made of the devices JAX sees. To plan for a TPU slice from any machine, ``--slice v5e-256``
+  (``--num_slices N`` for several) compiles with the TPU compiler for that slice's devices
+  (:mod:`levanter.slice_plan`; the ``libtpu`` wheel, ``pip install -e '.[tpu]'``): the figures are then
+  the TPU's own. Without it, simulate the device count on CPU:
+  ``XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu``; the figures are then XLA's CPU
+  compiler's: the same shardings, shapes and remat policy, but another backend's fusion and buffer
+  assignment, so accelerator temporaries differ (typically by tens of percent, not by factors).
 * The step is compiled for the largest batch of the schedule (the one that needs the most memory).
 * The vocabulary size comes from the tokenizer when it is at hand without the network (``byte``,
   ``passthrough``, a local ``tokenizer.json``, or a hub tokenizer already in the local Hugging Face
