@@ -458,8 +458,8 @@ def make_slice_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptio
         on_tpu = resolve_attn_backend(requested, platform="tpu", seq_len=config.model.seq_len,
                                       dropout=getattr(config.model, "attn_pdrop", 0.0))
         attention = here if here == on_tpu else (
-            f"{here} (a TPU run uses {on_tpu}, a Pallas kernel that compiles only on a TPU host; its "
-            f"temporaries differ)")
+            f"{here} (model.attn_backend {requested!r}: this machine resolves it to {here}, a TPU run to "
+            f"{on_tpu}; attention's temporaries differ between the two)")
     return SlicePlan(
         slice=spec, num_slices=num_slices, device_kind=devices[0].device_kind,
         mesh_shape=dict(trainer.mesh.shape), vocab_size=vocab_size, vocab_source=vocab_source,
