@@ -58,6 +58,7 @@ def test_slice_names_map_to_topologies():
     assert tpu_slices.parse_slice("v5litepod-8").topology == "v5e:2x4"  # Cloud's accelerator-type name
     v4 = tpu_slices.parse_slice("v4-64")  # TensorCores: 32 chips
     assert (v4.topology, v4.chips, v4.hbm, v4.wrap) == ("v4:2x4x4", 32, 32 * 2**30, (False,) * 3)
+    assert v4.chip_config == "megacore"
     v5p = tpu_slices.parse_slice("v5p-128")  # a whole 4x4x4 cube: a torus
     assert (v5p.topology, v5p.chips, v5p.hbm, v5p.wrap) == ("v5p:4x4x4", 64, 95 * 2**30, (True,) * 3)
     assert tpu_slices.parse_slice("v6e-8").hbm == 32 * 2**30
@@ -66,6 +67,16 @@ def test_slice_names_map_to_topologies():
         with pytest.raises(ValueError, match="valid names: v4-"):
             tpu_slices.parse_slice(bad)
     assert "v5e-256" in tpu_slices.slice_names() and "v4-64" in tpu_slices.slice_names()
+
+
+@needs_libtpu
+def test_slice_devices_are_one_per_chip_in_slice_order():
+    """A v4 chip's two TensorCores are one device (megacore), as a v4 run sees them; several slices come
+    slice after slice (the trainer's data axis runs across them)."""
+    v4 = slice_plan.slice_devices(tpu_slices.parse_slice("v4-16"))
+    assert len(v4) == 8 and {d.device_kind for d in v4} == {"TPU v4"}
+    two = slice_plan.slice_devices(tpu_slices.parse_slice("v5e-4"), num_slices=2)
+    assert [d.slice_index for d in two] == [0] * 4 + [1] * 4
 
 
 HLO = """\

@@ -106,7 +106,7 @@ def slice_devices(spec: tpu_slices.TpuSlice, num_slices: int = 1) -> list:
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     with _quiet_stderr():
         topo = topologies.get_topology_desc(
-            platform="tpu", topology_name=spec.topology, chip_config_name="default",
+            platform="tpu", topology_name=spec.topology, chip_config_name=spec.chip_config,
             chips_per_host_bounds=spec.chips_per_host_bounds(), num_slices=num_slices, wrap=spec.wrap,
         )
     devices = sorted(topo.devices, key=lambda d: (getattr(d, "slice_index", 0), d.id))

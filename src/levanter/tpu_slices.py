@@ -33,6 +33,9 @@ class Generation:
     shapes: dict
     # Chips per host, as libtpu's chips_per_host_bounds (x, y, z).
     host_bounds: tuple
+    # libtpu's chip_config_name: "megacore" makes a v4 chip's two TensorCores one JAX device, as a v4 run
+    # sees them ("default" there would give one device per core); v5p's default is one device per chip.
+    chip_config: str = "default"
 
 
 _2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
@@ -40,7 +43,7 @@ _3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x
        512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
 
 GENERATIONS = {
-    "v4": Generation("v4", 32 * GIB, True, _3D, (2, 2, 1)),
+    "v4": Generation("v4", 32 * GIB, True, _3D, (2, 2, 1), "megacore"),
     "v5p": Generation("v5p", 95 * GIB, True, _3D, (2, 2, 1)),
     "v5e": Generation("v5e", 16 * GIB, False, _2D, (2, 2, 1)),
     "v6e": Generation("v6e", 32 * GIB, False, _2D, (2, 2, 1)),
@@ -59,6 +62,7 @@ class TpuSlice:
     hbm: int  # bytes per chip
     host_bounds: tuple
     wrap: tuple
+    chip_config: str = "default"
 
     @property
     def topology(self) -> str:
@@ -112,7 +116,8 @@ def parse_slice(name: str, flag: str = "--slice") -> TpuSlice:
     torus = g.counts_cores and chips >= 64  # v4 / v5p: a whole 4x4x4 cube or more wraps around
     wrap = tuple([torus] * 3)
     canonical = f"{gen}-{count}"
-    return TpuSlice(canonical, gen, chips, shape, g.hbm, g.host_bounds, wrap if len(dims) == 3 else (False,) * 3)
+    return TpuSlice(canonical, gen, chips, shape, g.hbm, g.host_bounds, wrap if len(dims) == 3 else (False,) * 3,
+                    g.chip_config)
 
 
 __all__ = ["GENERATIONS", "Generation", "TpuSlice", "parse_slice", "slice_names"]
