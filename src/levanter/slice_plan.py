@@ -566,7 +566,8 @@ def format_slice_plan(plan: SlicePlan, config_path: Optional[str] = None) -> str
         *([f"  averaged weights      {_gib(plan.averaged_bytes):>14}   (trainer.model_averaging)"]
           if plan.averaged_bytes else []),
         f"  batch                 {_gib(plan.batch_bytes):>14}",
-        f"  compiled temporaries  {_gib(plan.temp_bytes):>14}   (activations, gradients, logits, scratch)",
+        f"  compiled temporaries  {_gib(None if plan.compiler_oom else plan.temp_bytes):>14}   "
+        "(activations, gradients, logits, scratch)",
         f"  total                 {_gib(plan.total_bytes):>14}",
     ]
     if plan.fits:
