@@ -211,8 +211,9 @@ def test_llama2_7b_fits_the_slices_it_is_planned_for(tmp_path, name, chips):
     assert re.search(r"HBM\s+[\d.]+ GiB\s+\(v[45]e? HBM per chip\): fits", out)
     assert "per_device_parallelism: auto picks" in out
     ici = _collectives(out, "collectives per step, per chip (ICI):")
-    # Remat gathers the bfloat16 weights twice (forward, recomputed forward): at least 2 x 2 bytes each.
-    assert ici["all-gather"] > 2 * 2 * count * (1 - 1 / chips) * 0.9
+    # FSDP brings every chip the bfloat16 weights (twice with remat): as all-gathers, or on v4 partly as
+    # the collective-permutes the compiler decomposes gathers into.
+    assert ici.get("all-gather", 0) + ici.get("collective-permute", 0) > 2 * count
 
 
 @pytest.mark.slow
