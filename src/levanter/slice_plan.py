@@ -125,7 +125,7 @@ def compile_only():
     rotary tables' ``ensure_compile_time_eval``). A slice's devices can be compiled for but not run on, so
     for the plan's compiles the mesh is entered as JAX's resource environment instead (``with mesh:``):
     haliax finds it there, inside and outside a trace, shardings and compiles are the same, and eager
-    operations stay on this machine's CPU. Restored on exit."""
+    operations stay on this machine's CPU. JAX's persistent compilation cache is off inside. Restored on exit."""
     import warnings
 
     import haliax.partitioning
@@ -141,11 +141,16 @@ def compile_only():
             mesh.__exit__(None, None, None)
 
     saved = haliax.partitioning.set_mesh
+    # JAX's persistent compilation cache (JAX_COMPILATION_CACHE_DIR, trainer.jax_compilation_cache_dir) would
+    # store these executables, which no client here can load back: the next plan warned on reading them.
+    cache = jax.config.jax_enable_compilation_cache
     haliax.partitioning.set_mesh = as_resource_env
+    jax.config.update("jax_enable_compilation_cache", False)
     try:
         yield
     finally:
         haliax.partitioning.set_mesh = saved
+        jax.config.update("jax_enable_compilation_cache", cache)
 
 
 class _TrainerOnSlice(TrainerConfig):
