@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -1147,6 +1148,15 @@ CASES: list[Case] = [
                "10000"]),
     Case("plan-flag-without-dry-run", "config file and CLI (more)", "`--vocab_size 50000` without `--dry_run`", 2,
          ["--vocab_size", "--dry_run"], args=["--vocab_size", "50000"]),
+    Case("dry-run-unknown-slice", "config file and CLI (more)", "`--dry_run --slice v5e-7` (no such slice)", 2,
+         ["--slice", "'v5e-7'", "v5e-{1,4,8,16,32,64,128,256} (chips)", "v4-{", "TensorCores, 2 per chip"],
+         args=["--dry_run", "--slice", "v5e-7"]),
+    Case("num-slices-without-slice", "config file and CLI (more)", "`--dry_run --num_slices 2` without `--slice`", 2,
+         ["--num_slices", "--slice NAME"], args=["--dry_run", "--num_slices", "2"]),
+    Case("dry-run-slice-without-libtpu", "config file and CLI (more)",
+         "`--dry_run --slice v5e-8` where the TPU compiler (`libtpu`) is not installed", 2,
+         ["--slice", "libtpu", "pip install -e '.[tpu]'", "libtpu==0.0.42.*"], args=["--dry_run", "--slice", "v5e-8"],
+         patch=lambda mp: mp.setitem(sys.modules, "libtpu", None)),  # hides the installed wheel: import fails
 ]
 
 # -- keys a command does not read, values argparse misreads, included files, value ranges ----------------

@@ -188,8 +188,11 @@ def abstract_state(trainer: Trainer, model_config, vocab_size: int, adapt: Optio
         return trainer.fresh_state(trainer.mp.cast_to_param(model), key)
 
     mapping = trainer.param_mapping
+    # The key is made before the mesh is entered: a mesh of devices this machine only compiles for (a TPU
+    # slice's, levanter.slice_plan) cannot run the key's creation.
+    key = jax.random.PRNGKey(0)
     with hax.partitioning.set_mesh(trainer.mesh), hax.axis_mapping(mapping):
-        shapes = jax.eval_shape(init, jax.random.PRNGKey(0))
+        shapes = jax.eval_shape(init, key)
         shardings = hax.partitioning.infer_resource_partitions(
             shapes, mapping, preserve_existing_shardings=False
         )

@@ -1,7 +1,7 @@
 """A memory plan before launch: what one device needs to train a config, found without training it.
 
 ``python -m levanter.main.train_lm --config_path X --dry_run [--device_memory 16GiB] [--vocab_size N]
-[--peak_flops 989e12] [--step_seconds S]`` builds the mesh the config asks for, traces the model and the
+[--peak_flops 989e12] [--step_seconds S] [--slice v5e-256 [--num_slices 2]]`` builds the mesh the config asks for, traces the model and the
 optimizer with ``jax.eval_shape`` (nothing is allocated, however large the model), compiles the train step
 ahead of time for abstract inputs carrying the config's shardings (``jax.jit(...).lower(...).compile()``),
 and prints per device: the parameters, the optimizer state, the averaged copy of the weights
@@ -12,11 +12,13 @@ at a given peak. It reads no data, builds no cache, and needs no accelerator.
 
 What it can and cannot know:
 
-* The mesh is made of the devices JAX sees. To plan for a pod slice on a workstation, simulate its device
-  count on CPU: ``XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu``. The figures are
-  then XLA's CPU compiler's: the same shardings, shapes and remat policy, but another backend's fusion and
-  buffer assignment, so accelerator temporaries differ (typically by tens of percent, not by factors).
-  Compiled on the accelerator itself, they are that accelerator's own.
+* The mesh is made of the devices JAX sees. To plan for a TPU slice from any machine, ``--slice v5e-256``
+  (``--num_slices N`` for several) compiles with the TPU compiler for that slice's devices
+  (:mod:`levanter.slice_plan`; the ``libtpu`` wheel, ``pip install -e '.[tpu]'``): the figures are then
+  the TPU's own. Without it, simulate the device count on CPU:
+  ``XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu``; the figures are then XLA's CPU
+  compiler's: the same shardings, shapes and remat policy, but another backend's fusion and buffer
+  assignment, so accelerator temporaries differ (typically by tens of percent, not by factors).
 * The step is compiled for the largest batch of the schedule (the one that needs the most memory).
 * The vocabulary size comes from the tokenizer when it is at hand without the network (``byte``,
   ``passthrough``, a local ``tokenizer.json``, or a hub tokenizer already in the local Hugging Face
@@ -78,10 +80,18 @@ memory plan (no training):
   --vocab_size N         vocabulary size when the tokenizer is not available locally
   --peak_flops F         peak FLOP/s of one device (e.g. 989e12); default: known accelerators only
   --step_seconds S       a measured or expected step time: the plan prints the MFU it means
+  --slice NAME           plan for a TPU slice this machine does not have, compiled by the TPU compiler
+                         on this machine's CPU (levanter.slice_plan; needs libtpu: pip install -e '.[tpu]'):
+                         v5e-N / v6e-N count chips (v5e-8, v5e-256), v4-N / v5p-N count TensorCores, two
+                         per chip (v4-64 is 32 chips). Prints per chip memory against the chip's HBM, FLOPs,
+                         the bytes each kind of collective moves, and, for a step that does not fit, what
+                         would (microbatch, remat, FSDP, a larger slice), each compiled
+  --num_slices N         with --slice: N such slices over the data-center network (DCN), the data axis
+                         across them; the collectives between slices are counted apart
 exit status 3: the step does not fit the device's memory (0: it fits, or the memory is unknown)
 """
 
-_VALUE_FLAGS = ("--device_memory", "--vocab_size", "--peak_flops", "--step_seconds")
+_VALUE_FLAGS = ("--device_memory", "--vocab_size", "--peak_flops", "--step_seconds", "--slice", "--num_slices")
 
 # The exit status of a dry run whose plan does not fit the devices' memory (0: it fits, or the memory is
 # unknown), so that a script can gate a launch on the plan; 2 stays a bad config, 1 a failure.
@@ -98,6 +108,8 @@ class PlanOptions:
     vocab_size: Optional[int] = None
     peak_flops: Optional[float] = None  # per device
     step_seconds: Optional[float] = None
+    slice: Optional[str] = None  # a TPU slice's name (levanter.tpu_slices), planned by levanter.slice_plan
+    num_slices: Optional[int] = None  # with slice: that many slices over DCN
 
 
 def split_plan_args(argv: Sequence[str]) -> tuple[Optional[PlanOptions], list[str]]:
@@ -134,12 +146,29 @@ def split_plan_args(argv: Sequence[str]) -> tuple[Optional[PlanOptions], list[st
         vocab_size=_positive(values.get("--vocab_size"), "--vocab_size", int),
         peak_flops=_positive(values.get("--peak_flops"), "--peak_flops", float),
         step_seconds=_positive(values.get("--step_seconds"), "--step_seconds", float),
+        slice=_slice_name(values.get("--slice")),
+        num_slices=_positive(values.get("--num_slices"), "--num_slices", int),
     )
+    if opts.num_slices is not None and opts.slice is None:
+        raise PlanArgumentError("--num_slices applies to a slice plan: add --slice NAME (e.g. --slice v5e-256)")
     return opts, rest
 
 
+def _slice_name(text: Optional[str]) -> Optional[str]:
+    """The slice's name, checked against levanter.tpu_slices' table (an unknown one lists the known)."""
+    if text is None:
+        return None
+    from levanter.tpu_slices import parse_slice
+
+    try:
+        return parse_slice(text).name
+    except ValueError as e:
+        raise PlanArgumentError(str(e)) from None
+
+
 _EXAMPLES = {
-    "--device_memory": "16GiB", "--vocab_size": "128256", "--peak_flops": "989e12", "--step_seconds": "2.5"
+    "--device_memory": "16GiB", "--vocab_size": "128256", "--peak_flops": "989e12", "--step_seconds": "2.5",
+    "--slice": "v5e-256", "--num_slices": "2",
 }
 def parse_bytes(text: str, flag: str = "--device_memory") -> int:
     """``16GiB`` -> 17179869184; decimal (GB) and binary (GiB) units, or a plain number of bytes."""

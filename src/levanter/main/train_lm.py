@@ -52,6 +52,7 @@ from levanter.lm_run import check_data_covers_run, check_data_schedule, cli_erro
 from levanter.lm_run import start_command
 from levanter.memory_plan import DOES_NOT_FIT_EXIT_CODE, FLAG_HELP, ModelCannotFitError, format_plan
 from levanter.memory_plan import make_plan, split_plan_args
+from levanter import slice_plan
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +63,18 @@ def cli_main(config: TrainLmConfig):
 
 
 def dry_run(config: TrainLmConfig, options, config_path: Optional[str] = None) -> Optional[bool]:
-    """Print the memory plan of ``config`` (:mod:`levanter.memory_plan`): nothing is trained or read.
+    """Print the memory plan of ``config`` (:mod:`levanter.memory_plan`): nothing is trained or read. With
+    ``--slice``, the plan for that TPU slice, compiled on this machine (:mod:`levanter.slice_plan`).
     Returns whether the step fits the device's memory (None: the memory is unknown)."""
+    loss = lm_loss_fn(config.z_loss_weight, quantization=config.trainer.quantization)
+    if options.slice is not None:
+        config.trainer.apply_jax_config()
+        plan = slice_plan.make_slice_plan(config, loss, options)
+        print(slice_plan.format_slice_plan(plan, config_path))
+        return plan.fits
     config.trainer.distributed.initialize()
     config.trainer.apply_jax_config()
     config.trainer.use_compilation_cache(default=False)  # a dry run writes nothing beside the checkpoints
-    loss = lm_loss_fn(config.z_loss_weight, quantization=config.trainer.quantization)
     plan = make_plan(config, loss, options)
     print(format_plan(plan, config_path))
     return plan.fits
@@ -88,6 +95,9 @@ def cli(argv=None) -> None:
         sys.exit(0)
     with cli_errors():
         plan, argv = split_plan_args(argv)
+        if plan is not None and plan.slice is not None:
+            slice_plan.require_libtpu()
+            slice_plan.use_cpu_backend()
         if plan is not None:
             path, rest = levanter.config.split_config_path(argv)
             config = levanter.config.parse_config(TrainLmConfig, path, rest)
