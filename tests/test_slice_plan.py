@@ -160,8 +160,10 @@ def test_a_step_that_does_not_fit_lists_compiled_levers(tmp_path, capsys, monkey
     """2 MiB of 'HBM' per chip: the whole batch does not fit; the plan compiles a smaller microbatch and
     larger slices (the first that fits ends the search) and says which fit."""
     monkeypatch.chdir(tmp_path)
-    train_lm.cli(["--config_path", NANO, "--dry_run", "--slice", "v5e-4", "--device_memory", "3MiB", *ONE_LAYER,
-                  "--model.gradient_checkpointing", "true"])
+    with pytest.raises(SystemExit) as exit_:
+        train_lm.cli(["--config_path", NANO, "--dry_run", "--slice", "v5e-4", "--device_memory", "3MiB", *ONE_LAYER,
+                      "--model.gradient_checkpointing", "true"])
+    assert exit_.value.code == 3  # the plan does not fit: a launch script can gate on it
     out = capsys.readouterr().out
     assert re.search(r"HBM\s+3.00 MiB\s+\(--device_memory\): DOES NOT FIT", out)
     levers = out.split("levers (compiled)", 1)[1].split("per_device_parallelism: auto", 1)[0]
@@ -195,12 +197,13 @@ def test_plan_without_a_tpu_prints_nothing_on_stderr_but_its_log(tmp_path):
     assert not os.listdir(tmp_path / "run")
 
 
-def _plan_7b(tmp_path, slice_name: str, *extra: str) -> str:
+def _plan_7b(tmp_path, slice_name: str, *extra: str, status: int = 0) -> str:
+    """The 7B plan's output; ``status``: the exit status expected (3: the plan does not fit)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-m", "levanter.main.train_lm", "--config_path", str(REPO / "config/llama2_7b.yaml"),
            "--dry_run", "--slice", slice_name, "--vocab_size", "32000", *extra]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == status, proc.stderr[-3000:]
     assert not os.listdir(tmp_path)
     return proc.stdout
 
@@ -225,7 +228,7 @@ def test_llama2_7b_fits_the_slices_it_is_planned_for(tmp_path, name, chips):
 @pytest.mark.slow
 @needs_libtpu
 def test_llama2_7b_does_not_fit_a_v5e_8(tmp_path):
-    out = _plan_7b(tmp_path, "v5e-8")
+    out = _plan_7b(tmp_path, "v5e-8", status=3)
     assert "DOES NOT FIT" in out
     levers = out.split("levers (compiled)", 1)[1].split("compute:", 1)[0]
     fits = re.findall(r"--slice: (v5e-\d+) -> [\d.,]+ GiB \(fits\)", levers)
