@@ -1148,7 +1148,8 @@ def test_use_hf_model_config_warns_of_each_key_the_checkpoint_overrides(tmp_path
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4,
                                                 "n_positions": 64, "vocab_size": 300}))
-    (hf / "model.safetensors").write_bytes(b"")
+    header = b"{}"  # a safetensors file of no tensors: the shape comes from config.json, no weights are read
+    (hf / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
     base = tiny_config(tmp_path, model=Gpt2Config(hidden_dim=128, num_heads=4, num_layers=2, seq_len=32))
     config = dataclasses.replace(base, initialize_from_hf=str(hf), use_hf_model_config=True)
     with caplog.at_level(logging.WARNING, logger="levanter"):
