@@ -9,6 +9,8 @@ What it checks, for the documents in the order README.md, then docs/guides/*.md 
 * every ```bash block exits with status 0 (each document's blocks run in one bash process, in order, so a
   variable or ``export`` of one block reaches the next block of the same document, never another document);
 * no document changes or deletes a file that an earlier document wrote (each guide owns its paths);
+  ``--outputs`` writes the files each document created, so that documents run in clones of their own (as
+  ``tests/test_guides.py`` runs them, each after the README's install only) are checked against each other;
 * no tracked file is changed, and every output is git-ignored (``git status --porcelain`` stays empty).
 
 A block that cannot run offline or in CI (a TPU launch, a cloud bucket, a real wandb login) is marked in
@@ -41,6 +43,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import json
 import os
 import re
 import shutil
@@ -117,6 +120,15 @@ def bash_blocks(root: str = REPO, only: Optional[List[str]] = None) -> List[Bloc
 # The debug logs of the commands that have no run of their own (progress.open_command_debug_log): every
 # invocation appends to them by design, so two guides running the same command share them.
 SHARED_LOGS = frozenset({"logs/export_lm_to_hf/debug.log", "logs/cache_dataset/debug.log"})
+# The shipped configs' data caches (``cache/...``): the first run of a config in a checkout builds its cache and
+# every later run reads it unchanged (which the in-order run checks), so documents run in clones of their own
+# may each create them.
+SHARED_PREFIXES = ("cache/",)
+
+
+def may_share(path: str) -> bool:
+    """Whether two documents run in clones of their own may both create ``path``."""
+    return path in SHARED_LOGS or path.startswith(SHARED_PREFIXES)
 
 
 def make_clone(repo: str, dest: str) -> None:
@@ -258,6 +270,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--keep", action="store_true", help="keep the work directory after a pass too")
     p.add_argument("--list", action="store_true", help="print the bash blocks and exit")
     p.add_argument("--timeout", type=float, default=DOC_TIMEOUT_S, help="seconds per document")
+    p.add_argument("--outputs", help="write here a JSON object: each document run -> the files it created "
+                                      "(paths relative to the clone), for a check across documents run apart")
     p.add_argument("--total-timeout", type=float, default=None,
                    help="seconds for all the documents together (default: no limit but --timeout's); the "
                         "document running at the limit is stopped and reported as timed out")
@@ -290,6 +304,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"fresh clone: {clone}" + (f" (.venv -> {venv})" if venv else ""))
 
     owner: Dict[str, str] = {}  # file -> the document that wrote it
+    created: Dict[str, List[str]] = {}  # document -> the files it created
     before = snapshot(clone)
     baseline = set(_git_lines(clone, "status", "--porcelain"))  # the overlaid uncommitted changes
     failures = []
@@ -313,9 +328,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 failures.append(f"{doc} {what} {path}, " + (f"written by {owner[path]}" if path in owner
                                                                else "a file of the repository"))
                 ok = False
-        for path in after:
-            if path not in before:
-                owner[path] = doc
+        created[doc] = sorted(path for path in after if path not in before)
+        for path in created[doc]:
+            owner[path] = doc
         dirty = [line for line in _git_lines(clone, "status", "--porcelain") if line not in baseline]
         if dirty:
             failures.append(f"{doc} left files that are tracked-and-changed or not git-ignored: " + ", ".join(dirty[:10]))
@@ -325,6 +340,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             failures.append(f"{doc}: a block failed; the end of its output ({log}):\n{tail_of_block(log)}")
             break
         before = after
+    if args.outputs:
+        with open(args.outputs, "w") as f:
+            json.dump(created, f, indent=1)
     print(f"{'passed' if not failures else 'FAILED'}: {len([b for b in blocks if b.skip is None])} blocks run, "
           f"{len([b for b in blocks if b.skip])} marked not-run, {time.time() - t_all:.0f} s")
     for f in failures:
