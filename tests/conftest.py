@@ -11,7 +11,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # On CPU the suite compiles far more than it runs (hundreds of tiny programs, each run a few times), so its
 # programs are compiled without LLVM's backend optimizations: the same HLO and the same float semantics (no
-# fast-math either way) in much less time (docs/performance.md, "The test suite on two CPU cores"). Exported,
+# fast-math either way) in much less time (docs/contributing.md). Exported,
 # so the train_lm subprocesses the tests start compile the same way; a run of the guides
 # (scripts/run_guides.py) clears XLA_FLAGS as a user's shell has it, and XLA_FLAGS naming its own level keeps
 # that level.

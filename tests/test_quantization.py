@@ -169,7 +169,7 @@ def test_an_fp8_step_over_microbatches_equals_the_step_in_one_pass():
         # fp8 turns last-bit differences into whole fp8 steps: a value that the TPU's rounding of a float32
         # product moves across an e4m3/e5m2 rounding boundary changes by 12-25 %, and so do the gradients and
         # amax values behind it. The bounds sit between that noise and the faults this check is for, both
-        # measured on CPU (docs/performance.md, "The default test suite on the chip").
+        # measured on CPU (docs/bench/2026-12-06-tpu-test-suite.md).
         diff = sum(float(jnp.sum((a - b) ** 2)) for a, b in zip(w1, w4)) ** 0.5
         norm = sum(float(jnp.sum(u ** 2)) for u in update_1) ** 0.5
         assert diff < 0.05 * norm, f"updates differ by {diff / norm:.2e} of their norm"

@@ -10,7 +10,7 @@ Each backend is one jitted ``value_and_grad`` of a scalar of the attention outpu
 ``vanilla`` mask is materialised inside the step. Temporaries are XLA's
 ``compile().memory_analysis().temp_size_in_bytes``; times are medians of interleaved repeats after a
 warm-up. Goals: blockwise temporaries <= 0.25x vanilla, time <= 1.5x vanilla on CPU. Figures belong in
-docs/performance.md ("Attention backends"); ``run_all.py`` runs this as its ``attention`` section.
+docs/bench/2026-12-03-attention-and-loss.md; ``run_all.py`` runs this as its ``attention`` section.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ blockwise attention + blockwise loss against the materialised kernels, in one pr
    against ``vanilla`` + the full loss, per-device total (state, batch, temporaries). Goal: vanilla needs
    more than 4x the memory.
 
-Figures belong in docs/performance.md ("Long sequences and large vocabularies"); ``run_all.py`` runs this
+Figures belong in docs/bench/2026-12-03-attention-and-loss.md; ``run_all.py`` runs this
 as its ``loss`` section.
 """
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""The benchmark suite: every figure of docs/performance.md, ours and upstream's side by side in one run,
-as tables + JSON.
+"""The benchmark suite: the CPU figures of docs/performance.md (recorded under docs/bench/), ours and upstream's
+side by side in one run, as tables + JSON.
 
     .venv/bin/python scripts/bench/run_all.py --quick --json bench.json     # < 2 minutes on 2 cores
     .venv/bin/python scripts/bench/run_all.py --json bench.json             # more repeats and steps

@@ -3,7 +3,7 @@
 #
 #   scripts/bench/setup_upstream_venv.sh [VENV_DIR]      # default: ~/.cache/levanter-bench/upstream-venv
 #
-# Pins (see shared/reference/environment.md §6): levanter 1.2.dev1644 is broken with jax >= 0.8, so jax and
+# Pins: levanter 1.2.dev1644 is broken with jax >= 0.8, so jax and
 # jaxlib are held at 0.7.2 and flax below 0.12 (0.12 needs jax >= 0.10); GitPython and chex are undeclared
 # dependencies of that wheel. Downloads ~1.7 GB; takes 2-3 minutes with a fast registry.
 # Pass the directory to the benchmark:  .venv/bin/python scripts/bench/train.py --upstream-venv VENV_DIR

@@ -11,8 +11,7 @@ same byte-level tokens as our ``tokenizer: byte``:
 * ``OUT/hf_home/``: a fake Hugging Face hub cache holding ``gpt2`` (a default ``GPT2Config`` plus the
   tokenizer above, no weights). Upstream's gpt2 config hard-codes ``reference_checkpoint="gpt2"`` and
   loads its config and tokenizer from the hub even when training from scratch; with
-  ``HF_HOME=OUT/hf_home HF_HUB_OFFLINE=1`` it finds them here instead (see
-  ``shared/reference/environment.md`` §6, fix B).
+  ``HF_HOME=OUT/hf_home HF_HUB_OFFLINE=1`` it finds them here instead.
 
 Usage (train.py calls it; by hand only for debugging)::
 

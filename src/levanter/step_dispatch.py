@@ -25,8 +25,8 @@ def init_compile_options(mesh) -> dict:
 
     On CPU, XLA's LLVM pipeline spends seconds optimising the random-number code of a small model's init
     (threefry rounds and the normal transform for every parameter), to run it once in milliseconds; at
-    backend optimisation level 0 it compiles several times faster (docs/performance.md). The values are
-    deterministic either way, but not bit-identical between the two levels (LLVM compiles the float
+    backend optimisation level 0 it compiles several times faster (docs/bench/2026-12-03-cpu-levers.md). The
+    values are deterministic either way, but not bit-identical between the two levels (LLVM compiles the float
     code of the normal transform differently), so the level is fixed here for every CPU run.
     Accelerators keep their defaults: their init is not this slow to compile, and large models' init is
     worth optimising.
@@ -41,10 +41,10 @@ class FlatStep:
     sums, over ``(model, inputs)``, with ``donate=False``: the model outlives the call).
 
     ``haliax.named_jit`` re-derives, on every call, which leaves are arrays, their shardings and the
-    output's shardings: milliseconds of Python per call for a small model's state (docs/performance.md),
-    during which the device idles whenever nothing else is queued: after a step whose state the loop needed
-    (a save, an evaluation), and for any step shorter than that Python.
-    Those are fixed for a given structure of ``(state, batch)``, so they are worked out once per
+    output's shardings: milliseconds of Python per call for a small model's state
+    (docs/bench/2026-12-03-cpu-levers.md), during which the device idles whenever nothing else is queued:
+    after a step whose state the loop needed (a save, an evaluation), and for any step shorter than that
+    Python. Those are fixed for a given structure of ``(state, batch)``, so they are worked out once per
     structure (the output shardings by the same ``infer_resource_partitions`` named_jit uses, from
     ``param_mapping``; inputs keep the shardings they have, as with named_jit) and a call is then a
     pytree flatten plus jax's C++ dispatch. A structure with a leaf that is not a ``jax.Array`` (or

@@ -281,7 +281,7 @@ class Trainer:
             # A finite loss and gradient can still give a non-finite update (a zero epsilon's 0/0, a learning
             # rate beyond float32's range): the new parameters and optimizer state are checked too, so that
             # no non-finite value is ever applied or checkpointed. One read of the state the step writes
-            # anyway, a small share of the step (docs/performance.md).
+            # anyway, a small share of the step (docs/bench/2026-12-03-cpu-levers.md).
             new_floats = [x for x in jax.tree.leaves((new_params, opt_state)) if eqx.is_inexact_array(x)]
             update_finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in new_floats]))
             # The state after a non-finite loss, gradient or update is never evaluated or saved: where the config

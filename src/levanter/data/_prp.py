@@ -10,8 +10,8 @@ splitmix64-style round function, plus *cycle walking* (re-encrypt until the valu
 ``2**(2h) < 4n``. Large requests are vectorised over numpy ``uint64`` arrays (wrap-around
 arithmetic); a request of a few indices -- what a mixture asks of each source per step -- is mapped
 with plain Python ints instead, because a Feistel pass is some 60 numpy calls whose fixed cost
-dominates for small arrays (docs/performance.md; the two paths break even near 48 indices, so the int
-path takes up to 32). Both paths compute the same function; the tests compare them exhaustively on
+dominates for small arrays (docs/bench/2026-12-03-cpu-levers.md; the two paths break even near 48 indices, so
+the int path takes up to 32). Both paths compute the same function; the tests compare them exhaustively on
 small domains.
 
 Seeds are derived, never drawn: :func:`derive_seed` hashes a parent seed and a path of ints

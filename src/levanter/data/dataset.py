@@ -24,8 +24,8 @@ windows of a store answers with a :class:`ReadPlan` -- the store views to read a
 turns the rows read into what ``get_batch`` would have returned -- instead of reading; index-mapping
 wrappers pass it through. A mixture asks each source for a plan and reads all sources' windows in
 *one* tensorstore operation per step, where separate reads would cost a future, a callback on a
-tensorstore thread and an event-loop wake-up each (docs/performance.md). Datasets that cannot plan
-return None and are read with ``get_batch``; both ways return the same data. ``plan_reads(steps,
+tensorstore thread and an event-loop wake-up each (docs/bench/2026-12-03-cpu-levers.md). Datasets that cannot
+plan return None and are read with ``get_batch``; both ways return the same data. ``plan_reads(steps,
 indices)`` plans several steps' reads at once: the loader reads a group of upcoming steps ahead with
 one plan (:mod:`levanter.data.read_ahead`), and a mixture asks each source once for all of them.
 ``plan_read_groups`` plans several consecutive groups of steps with the index math of all of them in one
@@ -127,7 +127,8 @@ class ReadPlan:
     ``row_key``, when not None, promises that ``finish`` works row by row (``finish`` of stacked rows is
     the stack of ``finish`` of each row) and equals the ``finish`` of every plan with an equal key. A
     mixture whose sources' plans share a key reads their views in batch order and finishes the whole
-    batch once, instead of finishing each source and merging the columns (docs/performance.md).
+    batch once, instead of finishing each source and merging the columns
+    (docs/bench/2026-12-03-cpu-levers.md).
 
     ``block``, when not None, stands for ``views`` (then empty): one view of shape ``(n, ...)`` whose
     rows are the n examples in order (an index-array view; see ``TokenSeqDataset.plan_reads``).

@@ -65,7 +65,7 @@ T = TypeVar("T")
 # The interpreter's GIL switch interval that a process running a prefetching loader should use. The
 # prefetch thread is busy with short Python steps while tensorstore's threads wait for the GIL to hand
 # back finished reads; at CPython's default 5 ms a finished read can wait that long. Shorter intervals
-# bring the reads back sooner until switching itself costs more (docs/performance.md).
+# bring the reads back sooner until switching itself costs more (docs/bench/2026-12-03-cpu-levers.md).
 # Applications set it (``train_lm`` does, through :func:`use_prefetch_switch_interval`); the loader itself
 # never changes process-wide interpreter settings.
 PREFETCH_SWITCH_INTERVAL = 0.001
@@ -291,7 +291,7 @@ class DataLoader(Generic[T]):
         if len(examples) != len(rows):
             raise ValueError(f"dataset returned {len(examples)} examples for {len(rows)} indices at step {step}")
         # Inline, not in a worker thread: building the arrays costs less than a thread hop and back
-        # (docs/performance.md); the loop is blocked only that long.
+        # (docs/bench/2026-12-03-cpu-levers.md); the loop is blocked only that long.
         data = self._assemble(examples, rows, bs)
         provenance = None
         if where is not None:
@@ -310,8 +310,9 @@ class DataLoader(Generic[T]):
         if fast is not None:
             aval, devices, slices = fast
             # The same call jax.make_array_from_callback ends in, without its per-call validation and
-            # sharding bookkeeping (a large share of a small batch's cost: docs/performance.md);
-            # aval, devices and slices come from a first make_array_from_callback of this shape.
+            # sharding bookkeeping (a large share of a small batch's cost:
+            # docs/bench/2026-12-03-cpu-levers.md); aval, devices and slices come from a first
+            # make_array_from_callback of this shape.
             return _batched_device_put(aval, self.sharding, [leaf[sl] for sl in slices], devices)
 
         def cb(index):

@@ -166,7 +166,7 @@ class Prefetcher:
         # ``waiting``, both published before the producer re-checks ``taken``); with room for half the
         # window it finds out by itself (``_ROOM_POLL_SECONDS``). A wake-up from here is a syscall
         # after which this thread needs the GIL back while the producer, just woken, fetches a burst of
-        # steps: that wait was the tail of the consumer's data wait (docs/performance.md).
+        # steps: that wait was the tail of the consumer's data wait (docs/bench/2026-12-03-cpu-levers.md).
         if self.waiting and self.launched - self.taken <= self.depth // 4:
             self._nudge()
         return item

@@ -12,9 +12,9 @@ its share of the plan's provenance, computed by the same pass. Any dataset that
 :data:`GROUPS_AHEAD` groups after it are being read, so a group is read while the ones before it are
 served.
 
-Why (figures in ``docs/performance.md``): a tensorstore operation costs several times the reading of a
-short window, so small batches read alone pay mostly for operations; 128 rows coalesce batches of up to
-64 rows, and 16 steps of 8 rows. The index math costs mostly per pass, not per index, so 128 steps are
+Why (figures in ``docs/bench/2026-12-03-cpu-levers.md``): a tensorstore operation costs several times the
+reading of a short window, so small batches read alone pay mostly for operations; 128 rows coalesce batches of
+up to 64 rows, and 16 steps of 8 rows. The index math costs mostly per pass, not per index, so 128 steps are
 planned in one pass. A group read only when due stalled the loader once per group: hence groups in
 flight ahead. Memory stays bounded by ``(GROUPS_AHEAD + 1) * COALESCE_ROWS`` rows whatever the dataset
 or step.

@@ -18,7 +18,7 @@ per step), and position ``t`` is trained only where token ``t + 1`` is an assist
 always ships its loss mask (never ``tokens_only``), since the device cannot derive it. A
 ``CausalLmDataset(..., tokens_only=True)`` ships the tokens alone and leaves the other two to the
 device, inside the jitted step (``train_lm`` does this): one host array and one transfer per step
-instead of three, and no host cumsum (docs/performance.md).
+instead of three, and no host cumsum (docs/bench/2026-12-03-cpu-levers.md).
 
 Token ids are checked against the vocabulary where a :class:`TokenSeqDataset` is given ``vocab_size``
 (``train_lm``'s datasets are): an id outside ``[0, vocab_size)`` can only come from a damaged cache (a
@@ -49,7 +49,7 @@ __all__ = [
 # (``JaggedArrayStore.window_block``) instead of a view each: making a view costs Python per window, and
 # tensorstore reads short windows from an index array with no more CPU than from separate views. It
 # walks an index array element by element, though, so for long windows separate views are cheaper
-# (the crossover was measured at 64-128 tokens: docs/performance.md).
+# (the crossover was measured at 64-128 tokens: docs/bench/2026-12-03-cpu-levers.md).
 BLOCK_MAX_SEQ_LEN = 64
 
 

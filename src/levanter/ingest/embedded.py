@@ -34,10 +34,10 @@ verbatim inside python-code training text.
 Trade-off: the content depends on the installed Python (version, distro patches). That is the price
 of needing no download; :func:`corpus_fingerprint` hashes the Python version and the selected file
 list with sizes, so a cache built from another stdlib is detected rather than silently reused.
-Parsing every module for docstrings takes seconds (docs/performance.md), so built corpora are memoised
-per process (a few MB of strings), and a materialised split records what it was made from (a hidden stamp
-beside it: the corpus fingerprint and the file's SHA-256), so a later process that finds the file whole and
-the fingerprint unchanged uses it without building the corpus again (a stdlib file edited in place to the
+Parsing every module for docstrings takes seconds (docs/bench/2026-12-03-cpu-levers.md), so built corpora are
+memoised per process (a few MB of strings), and a materialised split records what it was made from (a hidden
+stamp beside it: the corpus fingerprint and the file's SHA-256), so a later process that finds the file whole
+and the fingerprint unchanged uses it without building the corpus again (a stdlib file edited in place to the
 same size goes unnoticed there, as it does for the fingerprint itself).
 
 URLs: ``embedded://<name>/<split>`` (``embedded://python-docs/train``) names a split;

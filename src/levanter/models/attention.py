@@ -160,8 +160,8 @@ def causal_attention(
     # [..., heads, position, head_size] and the scores are [..., heads, position, key_position] with the
     # softmax axis innermost. Left in the projections' [..., position, heads, ...] order, XLA on CPU
     # transposes the (seq_len x seq_len per head) scores around the mask and softmax instead, in the
-    # forward and the backward pass (docs/performance.md). Only the small q/k/v/output tensors are
-    # transposed here.
+    # forward and the backward pass (docs/bench/2026-12-03-cpu-levers.md). Only the small q/k/v/output tensors
+    # are transposed here.
     head_axes = (KV_HEADS, Q_PER_GROUP) if grouped else (HEADS,)
     if dropout > 0.0 and key is not None:
         return _attention_with_dropout(q, k, v, mask, scale, head_axes, dropout, key, out_dtype)
@@ -222,7 +222,7 @@ def softmax_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array)
     the small output instead of another pass over the ``Q x K`` scores, and a masked entry has
     probability exactly 0, so the mask needs no pass of its own either. On CPU, where these passes over
     memory dominate a small model's attention, this is faster than JAX's derivative of the same forward
-    (docs/performance.md); the gradients agree to float32 rounding (tests/test_models.py).
+    (docs/bench/2026-12-03-cpu-levers.md); the gradients agree to float32 rounding (tests/test_models.py).
     """
     return _attention_fwd(q, k, v, mask)[0]
 
@@ -253,7 +253,7 @@ ATTN_BACKENDS = ("default", "vanilla", "jax_flash", "splash", "cudnn")
 _BACKEND_PLATFORMS = {"splash": ("tpu",), "cudnn": ("gpu", "cuda")}
 DEFAULT_FLASH_BLOCK_SIZE = 512
 # On CPU, `default` picks blockwise attention from this sequence length on: below it the materialised
-# scores are small and the single fused kernel is faster (docs/performance.md, "Attention backends").
+# scores are small and the single fused kernel is faster (docs/bench/2026-12-03-attention-and-loss.md).
 CPU_BLOCKWISE_MIN_SEQ_LEN = 2048
 
 

@@ -91,7 +91,7 @@ SAVED_NAMES: dict[str, tuple[str, ...]] = {
 # "full", "save_all" and "nested" are haliax's other named policies, accepted as upstream does; the names of
 # SAVED_NAMES save each layer's input plus the activations listed there, recomputing the rest (MaxText's policies
 # of those names: on a TPU, saving the attention projections and output costs a few GiB and spares the backward
-# pass their matmuls and the attention kernel's forward; docs/performance.md has the figures).
+# pass their matmuls and the attention kernel's forward; docs/bench/2026-12-06-tpu-v5e.md has the figures).
 REMAT_POLICIES = (
     "nothing_saveable", "dots_saveable", "save_dots", "offload", "recompute", "full", "save_all", "nested",
     *SAVED_NAMES,

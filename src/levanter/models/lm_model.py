@@ -82,7 +82,7 @@ class LmConfig(abc.ABC, draccus.ChoiceRegistry):
     positive number computes it over blocks of that many
     vocabulary entries (:func:`blockwise_next_token_loss`), so that only one ``[tokens, block]`` slice of
     logits is ever live. Same loss and gradients up to float rounding; the backward pass recomputes the
-    block logits (docs/performance.md).
+    block logits (docs/bench/2026-12-03-attention-and-loss.md).
     """
 
     # Tokens per training sequence (the context length).

@@ -5,7 +5,7 @@ A transformer's projections contract ``embed`` (or ``mlp``, or ``heads x head_si
 weight gradient as a contraction over *two* axes (``batch`` and ``position``), and on CPU it copies the
 activations into a transposed layout to do it. Merging ``batch x position`` into one axis first (a free
 reshape of a row-major array) turns every projection, forward and backward, into a plain matrix
-product, which XLA on CPU runs without the copies (docs/performance.md). The merged axis
+product, which XLA on CPU runs without the copies (docs/bench/2026-12-03-cpu-levers.md). The merged axis
 keeps the name of the activation's first axis, normally ``batch``, so the axis mapping still shards it
 over the data axis: each device holds the same whole sequences as before, and no collective is added.
 

@@ -12,7 +12,7 @@ by wrapping :func:`read_view`.
 Trade-off: one-dimensional views are concatenated into one flat read and reshaped afterwards
 (:class:`_Reshaped`), which needs equal lengths, checked only when the result arrives; that is the
 cheapest view to build per window, and one read that fills the result directly is faster than per-window
-reads stacked afterwards (docs/performance.md).
+reads stacked afterwards (docs/bench/2026-12-03-cpu-levers.md).
 """
 
 from __future__ import annotations
@@ -84,7 +84,8 @@ def read_stacked(views: Sequence[ts.TensorStore]):
     views (token windows) are concatenated and the result reshaped: a plain slice is the cheapest view
     to make (less Python per window than an origin-0 one), and ``ts.stack`` needs origin 0. Both are
     one read that fills the result directly -- faster than per-window reads stacked afterwards, and far
-    faster than one index-array read, which walks an int64 index per element (docs/performance.md).
+    faster than one index-array read, which walks an int64 index per element
+    (docs/bench/2026-12-03-cpu-levers.md).
     """
     views = list(views)
     if views and views[0].rank == 1:

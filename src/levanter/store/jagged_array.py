@@ -44,8 +44,8 @@ views of many stores in one operation (:func:`read_stacked`, :func:`read_blocks`
 Their public names are re-exported by :mod:`levanter.store`, not here.
 
 Trade-off: chunks are not compressed by default. A random window decodes a whole chunk, and on local
-disk that costs more than the bytes saved (docs/performance.md). ``codec="zstd"`` is there for remote
-storage.
+disk that costs more than the bytes saved (docs/bench/2026-12-03-cpu-levers.md). ``codec="zstd"`` is there for
+remote storage.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ __all__ = ["JaggedArrayStore", "DEFAULT_DATA_CHUNK", "DEFAULT_OFFSETS_CHUNK"]
 # whole-chunk read: smaller chunks mean less read amplification, larger ones fewer files. Chunk buffers
 # are also what a prefetching loader holds, so with large chunks its memory grows with the number of
 # distinct chunks, i.e. with the dataset. 2**14 (64 KiB) is the compromise: 1B tokens is ~61k chunk
-# files (the measurements are in docs/performance.md).
+# files (the measurements are in docs/bench/2026-12-03-cpu-levers.md).
 DEFAULT_DATA_CHUNK = 2**14
 # Offsets are read two per row at random rows, so their chunks are kept small too: 2**13 int64 is
 # 64 KiB per chunk, and a million rows still fit in ~120 files.

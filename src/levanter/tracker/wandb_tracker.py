@@ -16,8 +16,8 @@ The fields are upstream Levanter's, so upstream ``tracker: {type: wandb, ...}`` 
   logged at a step lower than the run's last step; so after a restart from step ``k`` the steps between
   ``k`` and the crash keep the values of the first attempt. Rewinding a run is an online-only wandb
   feature and is not used here.
-* ``wandb`` is imported inside ``init``: the import is slow (docs/performance.md), and parsing a config,
-  or a run using other trackers, should not pay for it.
+* ``wandb`` is imported inside ``init``: the import is slow (docs/bench/2026-12-03-cpu-levers.md), and parsing
+  a config, or a run using other trackers, should not pay for it.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ step at batch 32). glibc serves an allocation that large with a fresh ``mmap`` a
 ``free``, so every step the kernel faults in the whole buffer as zeroed 4 KiB pages, a large share of
 a small model's step on CPU. glibc's tunable ``glibc.malloc.hugetlb=1`` (glibc >= 2.35) makes malloc
 ask for transparent huge pages (``madvise``) on the memory it maps, which removes nearly all of those
-faults (figures in docs/performance.md). Accelerator
+faults (figures in docs/bench/2026-12-03-cpu-levers.md). Accelerator
 runs are unaffected either way (their buffers are the device's), so the setting is harmless there.
 
 glibc reads tunables once, when a process starts, so the training commands (``python -m
