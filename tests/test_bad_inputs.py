@@ -272,7 +272,7 @@ def free_port() -> int:
 
 
 def disk_full(mp: pytest.MonkeyPatch) -> None:
-    import levanter.checkpoint.serialization as ckpt
+    import levanter.checkpoint.leaf_writes as ckpt
 
     async def no_space(root, item, process_index):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(root, item.record["name"]))
@@ -284,7 +284,7 @@ def checkpoint_dir_read_only(mp: pytest.MonkeyPatch) -> None:
     """The checkpoint directory's filesystem turns read-only once the run has started (a remount after an
     I/O error): the background save's writes and the run lock's removal fail with EROFS, as the kernel
     reports it."""
-    import levanter.checkpoint.serialization as ckpt
+    import levanter.checkpoint.leaf_writes as ckpt
     from levanter.utils import fs
 
     def erofs(path):
@@ -306,7 +306,7 @@ def checkpoint_dir_read_only(mp: pytest.MonkeyPatch) -> None:
 
 def disk_full_tensorstore(mp: pytest.MonkeyPatch) -> None:
     """A full disk as tensorstore reports it: a ValueError whose text carries the errno."""
-    import levanter.checkpoint.serialization as ckpt
+    import levanter.checkpoint.leaf_writes as ckpt
 
     async def no_space(root, item, process_index):
         chunk = os.path.join(root, item.record["name"], "c", "0", "0")

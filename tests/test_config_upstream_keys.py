@@ -13,7 +13,7 @@ import pytest
 
 from levanter.config import ConfigError, parse_config
 from levanter.refused_keys import check_refused
-from levanter.ingest.build import CacheOptions
+from levanter.ingest.cache_options import CacheOptions
 from levanter.main import train_lm
 from levanter.optim import AdamConfig
 from levanter.tracker import TensorboardConfig, WandbConfig

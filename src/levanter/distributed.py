@@ -19,8 +19,8 @@ Agreeing without stopping the devices. Two kinds of agreement between processes 
 * :class:`KeyValueStore`, the coordinator's key-value store (``key_value_set``, ``blocking_key_value_get``),
   for threads other than the training thread: a background checkpoint write tells process 0 it is done
   through it, never through a device collective, which would have to be ordered with the train steps.
-  JAX 0.10 exposes the store only as ``jax._src.distributed.global_state.client``; this module is the one
-  place that reaches for it.
+  JAX 0.10 exposes the store only as ``jax._src.distributed.global_state.client``; ``_runtime_client``
+  here is the one place that reaches for it.
 * :func:`start_process_sum` / :func:`read_process_sum`, a sum over processes computed on the devices,
   dispatched at one step and read at the next, for decisions every process must take at the same step
   (a save due by process 0's clock, a stop requested by a signal on any process).
@@ -205,13 +205,23 @@ class KeyValueStore:
         self._client.key_value_delete(key)
 
 
+def _runtime_client():
+    """The client of the runtime's coordinator that ``jax.distributed.initialize`` made, or None.
+
+    The one use of JAX's private API in the project: jax 0.10.2 has no public accessor for this client
+    (``jax.distributed`` exports only ``initialize``, ``is_initialized`` and ``shutdown``; JAX's own
+    ``multihost_utils`` and array serialization read the same private attribute). Replace it here when
+    JAX makes the key-value store public."""
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state.client
+
+
 def key_value_store() -> KeyValueStore | None:
     """The key-value store of the multi-process runtime; None in a single-process run (not initialised)."""
     if not jax.distributed.is_initialized():
         return None
-    from jax._src import distributed as _dist  # no public accessor in jax 0.10.2
-
-    client = _dist.global_state.client
+    client = _runtime_client()
     return None if client is None else KeyValueStore(client)
 
 

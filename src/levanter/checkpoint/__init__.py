@@ -2,8 +2,9 @@
 
 - :mod:`~levanter.checkpoint.serialization`: the pytree <-> TensorStore format (:func:`save_checkpoint`,
   :func:`load_checkpoint`): bit-exact, checksummed, finite values only, multi-process; the save side is
-  there, the load side in :mod:`~levanter.checkpoint.restore`, what both share (leaf names, array specs)
-  in :mod:`~levanter.checkpoint.tree_format`.
+  there (what it writes in :mod:`~levanter.checkpoint.leaf_writes`, how the processes agree in
+  :mod:`~levanter.checkpoint.process_sync`), the load side in :mod:`~levanter.checkpoint.restore`, what
+  both share (leaf names, array specs) in :mod:`~levanter.checkpoint.tree_format`.
 - :mod:`~levanter.checkpoint.layout`: the layout of a run's checkpoints on local disk or an object store
   (``gs://``, ``s3://``): ``step-N`` directories, ``metadata.json``, the all-or-nothing commit (a renamed
   ``.tmp-`` directory on POSIX storage; ``metadata.json`` written last as the commit record on object
@@ -27,7 +28,9 @@ __all__, __getattr__, __dir__ = facade(
     (
         "errors",
         "layout",
+        "leaf_writes",
         "policy",
+        "process_sync",
         "run_lock",
         "restore",
         "serialization",

@@ -37,7 +37,9 @@ from levanter.checkpoint.layout import (
     resolve_path,
     step_dirs,
 )
-from levanter.checkpoint.serialization import Barrier, io_error_text, prepare_save
+from levanter.checkpoint.process_sync import Barrier
+from levanter.checkpoint.serialization import prepare_save
+from levanter.checkpoint.tree_format import io_error_text
 from levanter.config import parse_timedelta
 from levanter.distributed import key_value_store, read_process_sum, start_process_sum
 from levanter.errors import is_out_of_space, is_read_only_storage, out_of_space_error, read_only_storage_error
@@ -182,7 +184,7 @@ class Checkpointer:
     ``wait_until_finished``, see :meth:`_raise_if_failed`). ``False``: a save returns once it is committed.
     In a multi-process job each process writes its own shards on its writer thread and the processes agree
     on the commit through the runtime's key-value store, not a device collective
-    (:func:`levanter.distributed.key_value_store`; the protocol is ``serialization._KeyValueSync``);
+    (:func:`levanter.distributed.key_value_store`; the protocol is ``process_sync.KeyValueSync``);
     a synchronous multi-process save agrees through ``barrier``.
     """
 

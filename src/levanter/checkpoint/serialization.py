@@ -40,7 +40,7 @@ directory, or writing ``metadata.json`` under the final prefix) once every proce
 shards. On an object store process 0 first removes what an earlier, uncommitted save of the same step
 left, and the others do not write before that is done. The processes agree on these moments through
 ``barrier`` (a synchronous save: device barriers on the training thread) or, for a background save,
-through the runtime's key-value store (``store``; :class:`_KeyValueSync`): every process records that
+through the runtime's key-value store (``store``; :class:`~levanter.checkpoint.process_sync.KeyValueSync`): every process records that
 its shards are written or why not, process 0 commits only if all say written and records the outcome,
 which the others wait for. The caller hands in its process index (``process_index``, by default
 ``jax.process_index()``). On load each process reads only the slices its own devices need.
@@ -50,14 +50,15 @@ which the others wait for. The caller hands in its process index (``process_inde
 :meth:`PreparedSave.commit`; :class:`~levanter.checkpoint.Checkpointer` runs the commit in the background
 after :meth:`PreparedSave.snapshot` (:mod:`levanter.checkpoint.async_writer`).
 
-This module is the save side. What save and load share (leaf names, array specs and chunking, running the
-asynchronous I/O, storage error text) is :mod:`levanter.checkpoint.tree_format`; the load side is
-:mod:`levanter.checkpoint.restore`.
+This module is the save side: its checks and its commit. What it writes (the stored leaves, their finite
+check) is :mod:`levanter.checkpoint.leaf_writes`; how the processes agree on its moments is
+:mod:`levanter.checkpoint.process_sync`. What save and load share (leaf names, array specs and chunking,
+running the asynchronous I/O, storage error text) is :mod:`levanter.checkpoint.tree_format`; the load side
+is :mod:`levanter.checkpoint.restore`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import json
 import logging
@@ -72,11 +73,9 @@ from typing import Any
 
 import jax
 import numpy as np
-import tensorstore as ts
-from jax.experimental.array_serialization import serialization as jax_serialization
 
 from levanter.checkpoint.errors import CheckpointSaveError
-from levanter.checkpoint.host_copy import HostShards, device_snapshot, host_copies, write_host_shards
+from levanter.checkpoint.host_copy import device_snapshot, host_copies
 from levanter.checkpoint.layout import (
     CHECKPOINT_FORMAT_VERSION,
     METADATA_FILENAME,
@@ -87,41 +86,17 @@ from levanter.checkpoint.layout import (
     remove_dir,
     resolve_path,
 )
-from levanter.checkpoint.tree_format import (
-    chunk_shape,
-    finish_all,
-    io_error_text,
-    is_key_dtype,
-    is_stored_leaf,
-    leaf_name,
-    run_coroutine,
-    shape_dtype,
-    summarise,
-    ts_context,
-    write_spec,
-)
+from levanter.checkpoint.leaf_writes import LeafToWrite, non_finite_leaves, prepare_leaves, write_all
+from levanter.checkpoint.process_sync import Barrier, BarrierSync, KeyValueSync, no_barrier
+from levanter.checkpoint.tree_format import io_error_text, run_coroutine, summarise
 from levanter.distributed import KeyValueStore
-from levanter.errors import (
-    OutOfSpaceError,
-    ReadOnlyStorageError,
-    is_out_of_space,
-    is_read_only_storage,
-    out_of_space_error,
-    read_only_storage_error,
-)
+from levanter.errors import is_out_of_space, is_read_only_storage, out_of_space_error, read_only_storage_error
 from levanter.utils import fs
 from levanter.utils.fault import fault_point
 
-__all__ = ["Barrier", "PreparedSave", "prepare_save", "save_checkpoint",
-           "write_leaf"]
+__all__ = ["PreparedSave", "prepare_save", "save_checkpoint"]
 
 logger = logging.getLogger(__name__)
-
-Barrier = Callable[[str], None]
-
-
-def _no_barrier(name: str) -> None:
-    return None
 
 
 def _shared_token() -> str:
@@ -134,122 +109,7 @@ def _shared_token() -> str:
     return f"{value:08x}"
 
 
-# ---------------------------------------------------------------------------------------------------
-# Save
-# ---------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _ToWrite:
-    record: dict
-    value: Any  # what goes on disk: the array, or a typed key array's key_data
-
-
-def _prepare_leaves(tree: Any) -> list[_ToWrite]:
-    out = []
-    seen: set[str] = set()
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if not is_stored_leaf(leaf):
-            continue
-        name = leaf_name(path)
-        if name in seen:  # cannot happen with injective names; a guard against silent overwrites
-            raise ValueError(f"two leaves map to the same checkpoint entry {name!r}")
-        seen.add(name)
-        shape, dtype = shape_dtype(leaf)
-        record: dict[str, Any] = {
-            "name": name,
-            "keypath": jax.tree_util.keystr(path),
-            "shape": list(shape),
-            "dtype": str(dtype),
-            "kind": "numpy" if not isinstance(leaf, jax.Array) else "jax",
-        }
-        value = leaf
-        if isinstance(leaf, jax.Array) and is_key_dtype(dtype):
-            value = jax.random.key_data(leaf)
-            record["key_impl"] = str(jax.random.key_impl(leaf))
-        elif isinstance(leaf, np.generic):
-            value = np.asarray(leaf)
-        record["stored_shape"] = [int(d) for d in value.shape]
-        record["stored_dtype"] = np.dtype(value.dtype).name
-        out.append(_ToWrite(record, value))
-    return out
-
-
-async def write_leaf(root: str, item: _ToWrite, process_index: int) -> None:
-    """Write one leaf under ``root``: this process's replica-0 shards, or a host value (process 0 only)."""
-    directory = fs.join(root, item.record["name"])
-    context = ts_context(root)
-    value = item.value
-    multi = jax.process_count() > 1
-    if isinstance(value, HostShards):  # a device array copied to the host before a background save
-        chunk = chunk_shape(value.shard_shape, value.dtype.itemsize)
-        spec = write_spec(directory, value.shape, value.dtype, chunk)
-        await write_host_shards(value, spec, context, creates_metadata=jax.process_index() == 0)
-        return
-    if isinstance(value, jax.Array) and not (multi and value.is_fully_addressable):
-        shard_shape = value.sharding.shard_shape(value.shape)
-        chunk = chunk_shape(shard_shape, value.dtype.itemsize)
-        spec = write_spec(directory, value.shape, value.dtype, chunk)
-        # primary_host=0: only process 0 creates zarr.json; every process writes its own replica-0 shards.
-        await jax_serialization.async_serialize(value, spec, primary_host=0, context=context)
-        return
-    # A host value (numpy leaf, or a process-local jax array in a multi-process job): each process
-    # may hold its own copy, so process 0's is the one written.
-    if process_index != 0:
-        return
-    host = np.asarray(value)
-    spec = write_spec(directory, host.shape, host.dtype, chunk_shape(host.shape, host.dtype.itemsize))
-    store = await ts.open(spec, create=True, open=True, context=context)
-    await store.write(host)
-
-
-async def _write_all(root: str, items: list[_ToWrite], process_index: int) -> None:
-    tasks = [asyncio.ensure_future(write_leaf(root, it, process_index)) for it in items]
-    try:
-        for i, done in enumerate(asyncio.as_completed(tasks)):
-            await done
-            if i < len(tasks) - 1:
-                fault_point("checkpoint_mid_write")
-    except Exception:
-        await finish_all(tasks)  # let the other writes settle, then report this failure
-        raise
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
-@jax.jit
-def _all_finite_flags(xs: list) -> jax.Array:
-    return jax.numpy.stack([jax.numpy.all(jax.numpy.isfinite(x)) for x in xs])
-
-
-def _non_finite_leaves(items: list[_ToWrite]) -> list[str]:
-    """Key paths of the floating-point leaves that hold a NaN or an infinity.
-
-    Device arrays are reduced on their devices (one compiled all-finite reduction per group of leaves on
-    the same devices, one small transfer back); host values on the host.
-    """
-    multi = jax.process_count() > 1
-    bad: list[str] = []
-    groups: dict[Any, list[_ToWrite]] = {}
-    for it in items:
-        if not jax.dtypes.issubdtype(it.value.dtype, np.inexact):
-            continue
-        value = it.value
-        if isinstance(value, jax.Array) and not (multi and value.is_fully_addressable):
-            groups.setdefault(frozenset(value.sharding.device_set), []).append(it)
-        elif not np.all(np.isfinite(np.asarray(value))):
-            bad.append(it.record["keypath"] or it.record["name"])
-    for group in groups.values():
-        flags = _all_finite_flags([it.value for it in group])
-        flags = np.asarray(flags.addressable_data(0))
-        bad += [it.record["keypath"] or it.record["name"] for it, ok in zip(group, flags) if not ok]
-    return bad
-
-
-def _metadata_doc(step: int, is_temporary: bool, user_metadata: dict, items: list[_ToWrite]) -> dict:
+def _metadata_doc(step: int, is_temporary: bool, user_metadata: dict, items: list[LeafToWrite]) -> dict:
     return {
         "format_version": CHECKPOINT_FORMAT_VERSION,
         "step": step,
@@ -260,112 +120,18 @@ def _metadata_doc(step: int, is_temporary: bool, user_metadata: dict, items: lis
     }
 
 
-class _BarrierSync:
-    """Multi-process agreement of a save through ``barrier`` (a device collective in a synchronous save,
-    on the training thread; nothing in a single-process save)."""
-
-    def __init__(self, barrier: Barrier, name: str, token: str):
-        self.barrier, self.name, self.token = barrier, name, token
-
-    def cleared(self, error: Exception | None) -> None:
-        if error is not None:
-            raise error
-        self.barrier(f"levanter_checkpoint_cleared_{self.name}_{self.token}")
-
-    def written(self, error: Exception | None) -> None:
-        if error is not None:
-            raise error
-        self.barrier(f"levanter_checkpoint_written_{self.name}_{self.token}")
-
-    def failed(self, error: BaseException) -> None:
-        pass
-
-    def committed(self) -> None:
-        self.barrier(f"levanter_checkpoint_committed_{self.name}_{self.token}")
-
-
-# What a failed save's record says about the error, so that every process raises the same kind of error.
-_KINDS = {"no-space": OutOfSpaceError, "read-only": ReadOnlyStorageError}
-
-
-class _KeyValueSync:
-    """Multi-process agreement of a background save through the runtime's key-value store, from the writer
-    threads (:mod:`levanter.checkpoint.async_writer`), never a device collective.
-
-    Every process but 0 records under ``<prefix>written/<process>`` that its shards are written (an empty
-    value) or why they are not; process 0 reads every record before it commits, and commits only if all
-    of them are empty and its own write succeeded. It then records the outcome under
-    ``<prefix>committed``, which the other processes wait for: a save is finished on every process only
-    once it is committed (or known to have failed, each process raising the error). A process killed
-    mid-write never records anything, so process 0 never commits that save: the previous checkpoint stays
-    the latest.
-    """
-
-    def __init__(self, store: KeyValueStore, name: str, token: str, process_index: int, timeout_s: float):
-        self.store, self.process_index, self.timeout_s = store, process_index, timeout_s
-        self.prefix = f"levanter/checkpoint/{name}/{token}/"
-
-    def cleared(self, error: Exception | None) -> None:
-        """Object stores: process 0 has removed an earlier uncommitted save of the step (or failed to)."""
-        key = f"{self.prefix}cleared"
-        if self.process_index == 0:
-            self.store.set(key, "" if error is None else (io_error_text(error) or str(error) or "failed"))
-            if error is not None:
-                raise error
-            return
-        why = self.store.get(key, self.timeout_s)
-        if why:
-            raise CheckpointSaveError(f"process 0 could not clear the way for the save ({why})")
-
-    def written(self, error: Exception | None) -> None:
-        if self.process_index != 0:
-            why = "" if error is None else (io_error_text(error) or f"{type(error).__name__}: {error}" or "failed")
-            self.store.set(f"{self.prefix}written/{self.process_index}", why)
-            if error is not None:
-                raise error
-            return
-        failures = []
-        for p in range(1, jax.process_count()):  # every process has stopped writing into the save by now
-            why = self.store.get(f"{self.prefix}written/{p}", self.timeout_s)
-            if why:
-                failures.append(f"process {p}: {why}")
-        if error is not None:
-            raise error
-        if failures:
-            raise CheckpointSaveError(f"{len(failures)} of {jax.process_count()} processes could not write "
-                                      f"their shards ({'; '.join(failures)})")
-
-    def failed(self, error: BaseException) -> None:
-        if self.process_index != 0:
-            return
-        kind = next((k for k, t in _KINDS.items() if isinstance(error, t)), "error")
-        try:
-            self.store.set(f"{self.prefix}committed", f"{kind}:{str(error) or type(error).__name__}")
-        except Exception as e:  # noqa: BLE001 -- the save's own error is the one to raise
-            logger.warning("could not tell the other processes that the save failed: %s", e)
-
-    def committed(self) -> None:
-        if self.process_index == 0:
-            self.store.set(f"{self.prefix}committed", "")
-            return
-        outcome = self.store.get(f"{self.prefix}committed", self.timeout_s)
-        if outcome:
-            kind, _, message = outcome.partition(":")
-            raise _KINDS.get(kind, CheckpointSaveError)(message)
-
-
-def _write_then_agree(root: str, items: list[_ToWrite], process_index: int, sync) -> None:
+def _write_then_agree(root: str, items: list[LeafToWrite], process_index: int, sync) -> None:
     """Write this process's part under ``root``, then report it (``sync.written``), whether it failed or not:
     process 0 learns of every failure before it cleans up or commits."""
     error = None
     try:
-        run_coroutine(_write_all(root, items, process_index))
+        run_coroutine(write_all(root, items, process_index))
     except Exception as e:  # noqa: BLE001 -- reported to process 0, then raised
         error = e
     sync.written(error)
 
 
-def _commit_by_rename(final: str, items: list[_ToWrite], doc: Callable[[], dict], sync, token: str,
+def _commit_by_rename(final: str, items: list[LeafToWrite], doc: Callable[[], dict], sync, token: str,
                       process_index: int) -> None:
     """POSIX storage: write into ``.tmp-<name>-<token>``, then rename it to ``final``."""
     parent, name = os.path.split(final)
@@ -390,7 +156,7 @@ def _commit_by_rename(final: str, items: list[_ToWrite], doc: Callable[[], dict]
         raise
 
 
-def _commit_by_record(final: str, items: list[_ToWrite], doc: Callable[[], dict], sync, token: str,
+def _commit_by_record(final: str, items: list[LeafToWrite], doc: Callable[[], dict], sync, token: str,
                       process_index: int) -> None:
     """Object stores: write the arrays under ``final`` itself, then ``metadata.json`` (the commit record)."""
     is_leader = process_index == 0
@@ -468,7 +234,7 @@ def prepare_save(
     (the finite check, the shared token) runs here, on the calling thread.
 
     ``store`` (a multi-process background save): the processes agree on the commit through this key-value
-    store instead of ``barrier`` (:class:`_KeyValueSync`), so that :meth:`PreparedSave.commit` may run on
+    store instead of ``barrier`` (:class:`KeyValueSync`), so that :meth:`PreparedSave.commit` may run on
     any thread; ``store_timeout_s`` bounds each wait for another process's record."""
     process_index = jax.process_index() if process_index is None else process_index
     final = resolve_path(checkpoint_path)
@@ -486,8 +252,8 @@ def prepare_save(
     if is_complete(final):
         raise FileExistsError(f"a complete checkpoint already exists at {final}")
 
-    items = _prepare_leaves(tree)
-    bad = _non_finite_leaves(items)
+    items = prepare_leaves(tree)
+    bad = non_finite_leaves(items)
     if bad:
         raise CheckpointSaveError(
             f"not saving the checkpoint of step {step} to {final}: {summarise(bad, 3)} "
@@ -497,9 +263,9 @@ def prepare_save(
     token = _shared_token()
     name = fs.basename(final)
     if store is not None and jax.process_count() > 1:
-        sync = _KeyValueSync(store, name, token, process_index, store_timeout_s)
+        sync = KeyValueSync(store, name, token, process_index, store_timeout_s)
     else:
-        sync = _BarrierSync(barrier or _no_barrier, name, token)
+        sync = BarrierSync(barrier or no_barrier, name, token)
     return PreparedSave(final, step, items, is_temporary, user_metadata, sync, token, process_index)
 
 
@@ -526,10 +292,10 @@ class PreparedSave:
 
     path: str
     step: int
-    items: list[_ToWrite]
+    items: list[LeafToWrite]
     is_temporary: bool
     user_metadata: dict
-    sync: Any  # _BarrierSync or _KeyValueSync: how the processes agree that every part is written
+    sync: Any  # BarrierSync or KeyValueSync: how the processes agree that every part is written
     token: str
     process_index: int
     # The values to write are a device snapshot this save owns (snapshot): copied to host memory, then freed.

@@ -9,7 +9,9 @@ The package is split by concept; the names below are its public surface:
 * :mod:`~levanter.config.durations`: :func:`parse_timedelta` (``15m``, ``30s``), registered with draccus
   for every ``datetime.timedelta`` field when this package is imported;
 * :mod:`~levanter.config.cli`: the :func:`main` decorator that makes a ``main(config)`` function an entry
-  point, ``--config_path`` and ``--help``.
+  point and ``--config_path``;
+* :mod:`~levanter.config.help`: ``--help`` (:func:`print_help`, :func:`print_help_for`), below both the
+  decorator and :func:`parse_config`, which print it.
 
 What each key means (``--help``, ``docs/reference/config.md``) is :mod:`levanter.config_doc`; the marker for
 upstream keys refused when set is :mod:`levanter.refused_keys`.
@@ -20,4 +22,4 @@ duration decoder must be registered before any config is parsed.
 
 from levanter.utils.facade import facade
 
-__all__, __getattr__, __dir__ = facade(__name__, __package__, ("cli", "durations", "explain", "loading"))
+__all__, __getattr__, __dir__ = facade(__name__, __package__, ("cli", "durations", "explain", "help", "loading"))

@@ -5,10 +5,7 @@
 wrapped function directly with a config object. A user error (a missing, unreadable or malformed file, a
 key given twice, an unknown key, a value of the wrong type) is printed as one ``error:`` paragraph naming
 the file or the override and the key, without a traceback, and the command exits with status 2.
-``--help`` prints every key with its type, default and description (:mod:`levanter.config_doc`).
-
-Trade-off: the help generator is imported only when help is asked for, so starting a run never pays for
-reading the config classes' source.
+``--help`` prints every key with its type, default and description (:mod:`levanter.config.help`).
 """
 
 from __future__ import annotations
@@ -20,9 +17,10 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from .explain import ConfigError
+from .help import print_help
 from .loading import parse_config
 
-__all__ = ["split_config_path", "main", "print_help_for", "print_help"]
+__all__ = ["split_config_path", "main"]
 
 T = TypeVar("T")
 
@@ -80,31 +78,3 @@ def main(fn: Callable[[T], object]) -> Callable[..., object]:
 
     wrapper.config_class = config_class  # type: ignore[attr-defined]  # for --help and the config reference
     return wrapper
-
-
-def print_help_for(config_class) -> None:
-    """``--help`` for a command that parses ``config_class``: the running module's (or else a loaded command
-    module's) where it documents that class, else a listing of the class's keys."""
-    from ..config_doc import EntryPoint, entry_point, format_help
-
-    main_module = sys.modules.get("__main__")
-    commands = [m for n, m in sorted(sys.modules.items()) if n.startswith("levanter.main.") and m is not None]
-    for module in [main_module, *commands]:
-        try:
-            entry = entry_point(module)
-        except (ValueError, TypeError):
-            continue
-        if entry.config_class is config_class:
-            break
-    else:
-        name = getattr(getattr(main_module, "__spec__", None), "name", None) or "levanter"
-        entry = EntryPoint(name, (config_class.__doc__ or "").strip().split("\n")[0], config_class)
-    print(format_help(entry), end="")
-
-
-def print_help(module) -> None:
-    """Print ``--help`` for the command module ``module``: every key once, with its type, default and the
-    comment above its dataclass field (:mod:`levanter.config_doc`)."""
-    from ..config_doc import entry_point, format_help
-
-    print(format_help(entry_point(module)), end="")

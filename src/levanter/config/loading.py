@@ -34,6 +34,7 @@ from levanter.cli_args import join_dash_values, suggest_key
 from levanter.utils import fs
 
 from .explain import ConfigError, describe_error
+from .help import print_help_for
 
 __all__ = ["load_yaml", "load_yaml_origins", "parse_config", "expand_user_paths", "LOCAL_PATH_KEYS"]
 
@@ -238,8 +239,6 @@ def parse_config(
     command-line overrides."""
     args = join_dash_values(args)
     if "--help" in args or "-h" in args:
-        from .cli import print_help_for  # cli imports this module: imported on use
-
         print_help_for(config_class)
         raise SystemExit(0)
     raw: dict = {}

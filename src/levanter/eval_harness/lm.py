@@ -70,11 +70,11 @@ class RowScorer:
             from levanter.step_dispatch import FlatStep
 
             mp = self.trainer.mp
-            quantization = getattr(self.trainer.config, "quantization", None)
+            quantization = self.trainer.config.quantization
 
             def score(model, batch):
                 model = quantize(mp.cast_to_compute(model), quantization)
-                kwargs = {"pos_ids": batch["positions"]} if getattr(model, "absolute_positions", False) else {}
+                kwargs = {"pos_ids": batch["positions"]} if model.absolute_positions else {}
                 hidden = model.activations(batch["tokens"], batch["segment_ids"], **kwargs)
                 Batch, Pos = batch["tokens"].axes
                 h = hidden.rearrange((Batch.name, Pos.name, model.Embed.name)).array
@@ -152,9 +152,9 @@ class LevanterHarnessLM(TemplateLM):
         self.levanter_tokenizer = tokenizer
         self.max_segments = max_segments
         self._hf_tokenizer = None
-        if getattr(tokenizer, "eos_token_id", None) is None and getattr(tokenizer, "bos_token_id", None) is None:
+        if tokenizer.eos_token_id is None and tokenizer.bos_token_id is None:
             raise ValueError(
-                f"tokenizer {getattr(tokenizer, 'name', tokenizer)!r} has neither an EOS nor a BOS token: the harness "
+                f"tokenizer {tokenizer.name!r} has neither an EOS nor a BOS token: the harness "
                 "conditions a document's first token on one of them"
             )
 
@@ -166,7 +166,7 @@ class LevanterHarnessLM(TemplateLM):
 
     @property
     def prefix_token_id(self) -> int:
-        bos = getattr(self.levanter_tokenizer, "bos_token_id", None)
+        bos = self.levanter_tokenizer.bos_token_id
         return bos if bos is not None else self.eot_token_id
 
     @property
@@ -175,7 +175,7 @@ class LevanterHarnessLM(TemplateLM):
 
     @property
     def tokenizer_name(self) -> str:
-        return str(getattr(self.levanter_tokenizer, "name", "levanter")).replace("/", "__")
+        return str(self.levanter_tokenizer.name).replace("/", "__")
 
     def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None, **kwargs) -> List[int]:
         if add_special_tokens:
@@ -211,8 +211,8 @@ class LevanterHarnessLM(TemplateLM):
         )
 
     def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
-        template = getattr(self.levanter_tokenizer, "chat_template", None)
-        backend = getattr(self.levanter_tokenizer, "backend", None)
+        template = self.levanter_tokenizer.chat_template
+        backend = self.levanter_tokenizer.backend
         if not template or backend is None:
             raise ValueError(
                 f"eval_harness.apply_chat_template is set but tokenizer {self.tokenizer_name!r} has no chat template "
@@ -227,7 +227,7 @@ class LevanterHarnessLM(TemplateLM):
 
     @property
     def chat_template(self):  # what the harness records of the template (a property in lm_eval's LM)
-        return getattr(self.levanter_tokenizer, "chat_template", None) or ""
+        return self.levanter_tokenizer.chat_template or ""
 
     # -- scoring ------------------------------------------------------------------------------------------
     def score_tokens(self, requests: Sequence[Tuple[Sequence[int], Sequence[int]]]) -> List[Tuple[float, bool]]:

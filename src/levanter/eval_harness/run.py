@@ -169,7 +169,7 @@ class HarnessEvaluator:
         from levanter.eval_harness.lm import LevanterHarnessLM, RowScorer
 
         scorer = RowScorer(trainer, model, batch_size=batch_size, length=length,
-                           batch_axis=getattr(trainer.config, "batch_axis", "batch"))
+                           batch_axis=trainer.config.batch_axis)
         lm = LevanterHarnessLM(scorer, tokenizer)
         merged: Dict[str, Any] = {}
         for task, loaded in self.tasks:

@@ -11,9 +11,11 @@
 * :mod:`~levanter.ingest.embedded`: the embedded default corpus (Python's own docs and code).
 * :mod:`~levanter.ingest.tokenize_worker`: the tokenizer side of a build, run in pool workers.
 * :mod:`~levanter.ingest.build`: :func:`build_or_load_cache`, which tokenizes documents into a
-  :class:`~levanter.store.cache.TokenCache`, resumes interrupted builds and refuses caches whose settings
-  or input files changed; :mod:`~levanter.ingest.ray_backend` tokenizes its batches on Ray and
-  :mod:`~levanter.ingest.progress` reports its progress.
+  :class:`~levanter.store.cache.TokenCache` and resumes interrupted builds;
+  :mod:`~levanter.ingest.cache_check` refuses caches whose settings or input files changed;
+  :mod:`~levanter.ingest.cache_options` is the ``cache_options`` section;
+  :mod:`~levanter.ingest.encoders` decides who tokenizes a batch (this process, a process pool, or Ray
+  through :mod:`~levanter.ingest.ray_backend`) and :mod:`~levanter.ingest.progress` reports progress.
 
 Ingest sits above :mod:`levanter.store` (it writes caches through it) and below :mod:`levanter.data`
 (which builds caches from configs and reads them). Names are loaded on first use: tokenizer pool
@@ -30,8 +32,11 @@ __all__, __getattr__, __dir__ = facade(
     __package__,
     (
         "build",
+        "cache_check",
+        "cache_options",
         "chat",
         "embedded",
+        "encoders",
         "errors",
         "identity",
         "hf_sources",

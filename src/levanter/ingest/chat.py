@@ -59,10 +59,10 @@ def resolve_chat_template(tokenizer, configured: Optional[str], *, mask_user_tur
     """The template a chat source is rendered with: ``configured``, else the tokenizer's own; refused (naming
     ``what``, the config key) when there is none, or when it has no generation block and user turns are
     masked."""
-    template = configured if configured is not None else getattr(tokenizer, "chat_template", None)
+    template = configured if configured is not None else tokenizer.chat_template
     if not template:
         raise ValueError(
-            f"{what}: no chat template: the tokenizer {getattr(tokenizer, 'name', tokenizer)!r} has none (no "
+            f"{what}: no chat template: the tokenizer {tokenizer.name!r} has none (no "
             "chat_template in its tokenizer_config.json); set format.chat_template or data.chat_template "
             "(chat_template in a fine-tuning config) to a Jinja template"
         )
@@ -99,7 +99,7 @@ class ChatTokenizer:
 
     def _transformers(self):
         if self._hf is None:
-            backend = getattr(self.base, "backend", None)
+            backend = self.base.backend
             if backend is None:
                 raise ValueError(
                     f"chat-formatted data needs a Hugging Face tokenizer (a tokenizer.json), not {self.name!r}"

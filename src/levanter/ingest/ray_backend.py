@@ -1,7 +1,7 @@
 """The Ray side of a cache build: batches of documents tokenized by Ray tasks, on one machine or a cluster.
 
-Only *who tokenizes a batch* differs from the process pool: the builder (:mod:`levanter.ingest.build`)
-reads the shards, submits batches here, and commits the results to the store and the ledger in
+Only *who tokenizes a batch* differs from the process pool (:mod:`levanter.ingest.encoders`): the
+builder (:mod:`levanter.ingest.build`) reads the shards, submits batches here, and commits the results to the store and the ledger in
 submission order, exactly as with the pool -- so a Ray build is byte-identical to a process-pool build.
 The driver reads every input file and ships documents to the tasks: files on the driver's disk (and the
 embedded corpus) work on a cluster whose nodes cannot see them, at the price of the driver's bandwidth;

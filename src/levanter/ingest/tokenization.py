@@ -61,6 +61,13 @@ class Tokenizer(abc.ABC):
     vocab_size: int
     eos_token_id: int | None
     bos_token_id: int | None
+    # The Jinja chat template the tokenizer ships with (tokenizer_config.json), if any.
+    chat_template: str | None = None
+
+    @property
+    def backend(self):
+        """The wrapped Hugging Face ``tokenizers.Tokenizer``; None for a tokenizer that has none."""
+        return None
 
     @abc.abstractmethod
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:

@@ -84,7 +84,7 @@ def encode(tokenizer, eos: int | None, docs: list, shard: str, where: list[str])
             mask = np.insert(mask, ends, np.uint8(0))
             lengths = lengths + 1
         return flat.astype(np.int32, copy=False), lengths, mask
-    if getattr(tokenizer, "name", None) == "passthrough":
+    if tokenizer.name == "passthrough":
         rows = []
         for k, doc in enumerate(docs):
             ids = isinstance(doc, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in doc)

@@ -8,8 +8,10 @@ one short, stable namespace (``fs.join``, ``fs.atomic_write_bytes``, ``fs.kvstor
 * :mod:`levanter.utils.storage_errors`: transient vs. permanent errors, the retry loop, the access-error
   message (credentials redacted);
 * :mod:`levanter.utils.ts_spec`: endpoints from the environment and tensorstore's kvstore and context specs;
-* :mod:`levanter.utils.files`: files and small objects (read, list, atomic and create-if-absent writes,
-  deletes) and the start-up access checks.
+* :mod:`levanter.utils.fs_clients`: the fsspec client of an object-store path, and streaming opens;
+* :mod:`levanter.utils.files`: files and small objects (read, list, stat, delete);
+* :mod:`levanter.utils.atomic_writes`: atomic replacement, create-if-absent, leftovers of interrupted writes;
+* :mod:`levanter.utils.access_checks`: the start-up access checks.
 
 Trade-off: a facade costs one indirection when reading the code, and patching ``fs.<name>`` does not
 reach the modules that use it internally; in exchange the many call sites never change when a concept
@@ -20,4 +22,8 @@ from __future__ import annotations
 
 from .facade import facade
 
-__all__, __getattr__, __dir__ = facade(__name__, __package__, ("paths", "storage_errors", "ts_spec", "files"))
+__all__, __getattr__, __dir__ = facade(
+    __name__,
+    __package__,
+    ("paths", "storage_errors", "ts_spec", "fs_clients", "files", "atomic_writes", "access_checks"),
+)

@@ -3,7 +3,7 @@
 Endpoints follow the ecosystem's conventions, so one config runs against the cloud or a local server:
 
 * S3-compatible stores: ``AWS_ENDPOINT_URL`` (with ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
-  ``AWS_REGION``). s3fs is given ``endpoint_url`` explicitly (:mod:`levanter.utils.files`). tensorstore's
+  ``AWS_REGION``). s3fs is given ``endpoint_url`` explicitly (:mod:`levanter.utils.fs_clients`). tensorstore's
   ``s3`` kvstore ignores ``AWS_ENDPOINT_URL`` (an open then hangs trying the real AWS endpoint), so
   :func:`kvstore_spec` puts ``endpoint`` and ``aws_region`` into the spec; tensorstore reads the keys from
   ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``.

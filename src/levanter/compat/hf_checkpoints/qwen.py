@@ -13,7 +13,7 @@ from __future__ import annotations
 from levanter.models import LmConfig, Qwen2Config, Qwen3Config
 
 from .families import L, HfFamily, Layout, hf_int, register_family
-from .llama import LLAMA_SHAPE_FIELDS, llama_fields_from_hf, llama_fields_to_hf, llama_layout
+from .llama import LLAMA_SHAPE_FIELDS, llama_fields_from_hf, llama_fields_to_hf, llama_layout, refuse_unexportable
 
 __all__ = ["QWEN2_LAYOUT", "QWEN3_LAYOUT", "qwen2_from_hf", "qwen3_from_hf", "qwen2_to_hf", "qwen3_to_hf"]
 
@@ -57,15 +57,6 @@ def qwen3_from_hf(doc: dict, where: str) -> tuple[LmConfig, int]:
     return cfg, hf_int(doc, where, "vocab_size")
 
 
-def _refuse_unexportable(config: LmConfig, name: str) -> None:
-    if config.use_bias or not getattr(config, "use_layer_norm_weight", True):
-        extra = " (attention_bias gives the attention projections biases)" if name == "Qwen3" else ""
-        raise ValueError(
-            f"model.use_bias true or model.use_layer_norm_weight false cannot be exported: Hugging Face {name} has "
-            f"no MLP or norm biases and always has norm weights{extra}"
-        )
-
-
 def _common_to_hf(config: LmConfig, vocab_size: int) -> dict:
     assert isinstance(config, (Qwen2Config, Qwen3Config))
     return {**llama_fields_to_hf(config, vocab_size), "use_sliding_window": False, "max_window_layers": config.num_layers,
@@ -73,13 +64,14 @@ def _common_to_hf(config: LmConfig, vocab_size: int) -> dict:
 
 
 def qwen2_to_hf(config: LmConfig, vocab_size: int) -> dict:
-    _refuse_unexportable(config, "Qwen2")
+    assert isinstance(config, Qwen2Config)
+    refuse_unexportable(config, "Qwen2")
     return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **_common_to_hf(config, vocab_size)}
 
 
 def qwen3_to_hf(config: LmConfig, vocab_size: int) -> dict:
-    _refuse_unexportable(config, "Qwen3")
     assert isinstance(config, Qwen3Config)
+    refuse_unexportable(config, "Qwen3", " (attention_bias gives the attention projections biases)")
     return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **_common_to_hf(config, vocab_size),
             "attention_bias": config.attention_bias}
 
