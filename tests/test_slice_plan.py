@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from levanter import slice_plan, tpu_slices
+from levanter.memory import slice_plan, tpu_slices
 from levanter.main import train_lm
 
 REPO = Path(__file__).resolve().parent.parent

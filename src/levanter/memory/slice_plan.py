@@ -44,9 +44,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from levanter import memory_fit, tpu_slices
+from levanter.memory import fit as memory_fit, tpu_slices
 from levanter.lm_config import TrainLmConfig
-from levanter.memory_plan import PlanArgumentError, PlanOptions, plan_vocab
+from levanter.memory.plan import PlanArgumentError, PlanOptions, plan_vocab
 from levanter.trainer_config import TrainerConfig
 from levanter.utils.flops import peak_flops_per_device
 

@@ -64,7 +64,7 @@ import jax
 import jax.numpy as jnp
 
 from levanter.lm_config import TrainLmConfig
-from levanter import memory_fit
+from levanter.memory import fit as memory_fit
 from levanter.utils.flops import peak_flops_per_device
 
 FLAG_HELP = """\
@@ -142,7 +142,7 @@ def split_plan_args(argv: Sequence[str]) -> tuple[Optional[PlanOptions], list[st
             raise PlanArgumentError(f"{', '.join(values)} only applies to a memory plan: add --dry_run")
         return None, rest
     opts = PlanOptions(
-        device_memory=parse_bytes(values["--device_memory"]) if "--device_memory" in values else None,
+        device_memory=_device_memory_flag(values["--device_memory"]) if "--device_memory" in values else None,
         vocab_size=_positive(values.get("--vocab_size"), "--vocab_size", int),
         peak_flops=_positive(values.get("--peak_flops"), "--peak_flops", float),
         step_seconds=_positive(values.get("--step_seconds"), "--step_seconds", float),
@@ -158,7 +158,7 @@ def _slice_name(text: Optional[str]) -> Optional[str]:
     """The slice's name, checked against levanter.tpu_slices' table (an unknown one lists the known)."""
     if text is None:
         return None
-    from levanter.tpu_slices import parse_slice
+    from levanter.memory.tpu_slices import parse_slice
 
     try:
         return parse_slice(text).name
@@ -170,8 +170,8 @@ _EXAMPLES = {
     "--device_memory": "16GiB", "--vocab_size": "128256", "--peak_flops": "989e12", "--step_seconds": "2.5",
     "--slice": "v5e-256", "--num_slices": "2",
 }
-def parse_bytes(text: str, flag: str = "--device_memory") -> int:
-    """``16GiB`` -> 17179869184; decimal (GB) and binary (GiB) units, or a plain number of bytes."""
+def _device_memory_flag(text: str, flag: str = "--device_memory") -> int:
+    """``--device_memory``'s bytes (:func:`levanter.memory.fit.parse_bytes`), a bad size a flag error."""
     try:
         return memory_fit.parse_bytes(text, flag)
     except ValueError as e:
@@ -691,7 +691,6 @@ __all__ = [
     "check_memory",
     "format_plan",
     "make_plan",
-    "parse_bytes",
     "plan_vocab",
     "split_plan_args",
 ]
