@@ -24,4 +24,4 @@ platform before anything starts a backend).
 
 from levanter.utils.facade import facade
 
-__all__, __getattr__, __dir__ = facade(__name__, __package__, ("fit", "plan", "slice_plan", "tpu_slices"), lazy=True)
+__all__, __getattr__, __dir__ = facade(__name__, __package__, ("step", "levers", "fit", "shapes", "flags", "plan", "tpu_slices", "tpu_compile", "hlo", "slice_plan"), lazy=True)

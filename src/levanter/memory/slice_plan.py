@@ -4,14 +4,14 @@ does not have, from the TPU compiler itself.
 With the TPU compiler (the ``libtpu`` wheel, ``pip install -e '.[tpu]'``) installed, JAX describes the
 devices of a named TPU topology on any machine (``jax.experimental.topologies.get_topology_desc``), and
 ``jax.jit(...).lower(...).compile()`` compiles for them; nothing runs and nothing is allocated. The plan
-compiles the real train step (:class:`levanter.memory_fit.StepCompiler`, the trainer's own step, shardings
+compiles the real train step (:class:`levanter.memory.step.StepCompiler`, the trainer's own step, shardings
 and mesh) over those devices and reads, per chip: the memory of the parameters, optimizer state, batch
-and the compiler's temporaries against the chip's HBM (:mod:`levanter.tpu_slices`); the FLOPs; and the
+and the compiler's temporaries against the chip's HBM (:mod:`levanter.memory.tpu_slices`); the FLOPs; and the
 bytes each kind of collective moves in a step, parsed from the compiled HLO, with the transfers between
-slices (DCN) apart from those inside a slice (ICI).
+slices (DCN) apart from those inside a slice (ICI) (:mod:`levanter.memory.hlo`).
 
 The mesh is the trainer's (``data`` x ``model``, :meth:`TrainerConfig.make_mesh`) over the slice's devices
-in JAX's order: with several slices the ``data`` axis runs across them (slice-major), so the parameters'
+(:mod:`levanter.memory.tpu_compile`) in JAX's order: with several slices the ``data`` axis runs across them (slice-major), so the parameters'
 FSDP all-gathers and the gradients' reductions cross the data-center network where they span slices. The
 compiler splits each such collective into its part inside a slice and a transfer between slices; the plan
 counts the two apart.
@@ -23,7 +23,7 @@ trip counts of the loops around it). Wire bytes depend on the algorithm (a ring 
 them); the figures are for comparing configs and slices, not for a network model.
 
 Where a step does not fit, the plan compiles what would: ``per_device_parallelism`` (the search
-:func:`levanter.memory_fit.auto_pick` runs), the model keys :func:`levanter.memory_fit.suggestions`
+:func:`levanter.memory.levers.auto_pick` runs), the model keys :func:`levanter.memory.levers.suggestions`
 knows (remat, the blockwise loss, blockwise attention), ``trainer.fsdp_axis`` where the parameters are not
 sharded, and the next larger slices of the same generation (up to :data:`LARGER_SLICES` of them): each
 figure from a compile, never an estimate.
@@ -31,336 +31,32 @@ figure from a compile, never an estimate.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import os
-import re
-import tempfile
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh
 
-from levanter.memory import fit as memory_fit, tpu_slices
 from levanter.lm_config import TrainLmConfig
-from levanter.memory.plan import PlanArgumentError, PlanOptions, plan_vocab
-from levanter.trainer_config import TrainerConfig
+from levanter.memory.flags import PlanOptions, plan_vocab
+from levanter.memory.hlo import KINDS, Collectives, collectives
+from levanter.memory.levers import AUTO_HEADROOM, Suggestion, attention_dropout, auto_pick, microbatch_candidates
+from levanter.memory.levers import suggestions
+from levanter.memory.step import StepCompiler, StepMemory, shard_bytes, size
+from levanter.memory.tpu_compile import compile_only, on_slice, slice_devices
+from levanter.memory.tpu_slices import GENERATIONS, TpuSlice, parse_slice
+from levanter.models import resolve_attn_backend
 from levanter.utils.flops import peak_flops_per_device
 
-LIBTPU_HINT = "pip install -e '.[tpu]' (or pip install 'libtpu==0.0.42.*', the version jax[tpu]==0.10.2 pins)"
 LARGER_SLICES = 2  # larger slices a plan that does not fit compiles, at most
-KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
 
-# -- the slice's devices ----------------------------------------------------------------------------------
-def require_libtpu() -> None:
-    """The TPU compiler must be importable; otherwise one error saying how to install it (exit 2)."""
-    try:
-        import libtpu  # noqa: F401 -- a small wrapper; the compiler itself loads when a topology is asked for
-    except ImportError:
-        raise PlanArgumentError(
-            f"--slice compiles the train step with the TPU compiler, the libtpu package, which is not "
-            f"installed: {LIBTPU_HINT}; the plan then runs on this machine's CPU"
-        ) from None
-
-
-def use_cpu_backend() -> None:
-    """Run everything but the slice's compiles on this machine's CPU (unless ``JAX_PLATFORMS`` says
-    otherwise): with libtpu installed, JAX would otherwise look for a local TPU first, and on a machine
-    without one print libtpu's start-up errors. Must run before JAX's backends start."""
-    if not os.environ.get("JAX_PLATFORMS"):
-        jax.config.update("jax_platforms", "cpu")
-
-
-@contextlib.contextmanager
-def _quiet_stderr():
-    """Keep libtpu's start-up chatter on a machine without TPUs (its missing worker hostnames and
-    accelerator type, harmless for compiling) off the terminal; shown with the error if the call fails."""
-    with tempfile.TemporaryFile() as buf:
-        saved = os.dup(2)
-        os.dup2(buf.fileno(), 2)
-        try:
-            yield
-        except BaseException as e:
-            os.dup2(saved, 2)
-            buf.seek(0)
-            said = buf.read().decode(errors="replace").strip()
-            if said:
-                e.add_note(f"libtpu said: {said[-2000:]}")
-            raise
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
-def slice_devices(spec: tpu_slices.TpuSlice, num_slices: int = 1) -> list:
-    """The devices of ``num_slices`` slices of ``spec``, in JAX's order (slice-major), for compiling only."""
-    from jax.experimental import topologies
-
-    require_libtpu()
-    # Compiling opens no TPU: the plan may run beside a training job that holds this host's chips, or
-    # beside another plan, which libtpu's one-process lock (/tmp/libtpu_lockfile) would otherwise refuse.
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    with _quiet_stderr():
-        topo = topologies.get_topology_desc(
-            platform="tpu", topology_name=spec.topology, chip_config_name=spec.chip_config,
-            chips_per_host_bounds=spec.chips_per_host_bounds(), num_slices=num_slices, wrap=spec.wrap,
-        )
-    devices = sorted(topo.devices, key=lambda d: (getattr(d, "slice_index", 0), d.id))
-    if len(devices) != spec.chips * num_slices:
-        raise RuntimeError(f"libtpu described {len(devices)} devices for {num_slices} x {spec.topology}, "
-                           f"expected {spec.chips * num_slices} (one per chip)")
-    return devices
-
-
-@contextlib.contextmanager
-def compile_only():
-    """Inside: the trainer's mesh context makes JAX compile for the mesh without running on it.
-
-    ``jax.set_mesh`` (what ``haliax.partitioning.set_mesh`` enters) also makes the mesh the place where
-    eager operations run, and a trace runs some eagerly (haliax's check whether it is being traced, the
-    rotary tables' ``ensure_compile_time_eval``). A slice's devices can be compiled for but not run on, so
-    for the plan's compiles the mesh is entered as JAX's resource environment instead (``with mesh:``):
-    haliax finds it there, inside and outside a trace, shardings and compiles are the same, and eager
-    operations stay on this machine's CPU. JAX's persistent compilation cache is off inside. Restored on exit."""
-    import warnings
-
-    import haliax.partitioning
-
-    @contextlib.contextmanager
-    def as_resource_env(mesh):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # `with mesh:`: deprecated, still supported
-            mesh.__enter__()
-        try:
-            yield
-        finally:
-            mesh.__exit__(None, None, None)
-
-    saved = haliax.partitioning.set_mesh
-    # JAX's persistent compilation cache (JAX_COMPILATION_CACHE_DIR, trainer.jax_compilation_cache_dir) would
-    # store these executables, which no client here can load back: the next plan warned on reading them.
-    cache = jax.config.jax_enable_compilation_cache
-    haliax.partitioning.set_mesh = as_resource_env
-    jax.config.update("jax_enable_compilation_cache", False)
-    try:
-        yield
-    finally:
-        haliax.partitioning.set_mesh = saved
-        jax.config.update("jax_enable_compilation_cache", cache)
-
-
-class _TrainerOnSlice(TrainerConfig):
-    """The trainer's config with its mesh over a TPU slice's devices instead of this machine's; the same
-    keys, axes and mappings (``make_mesh``'s shape, ``data_axis_size``), only the devices differ."""
-
-    slice_devices: tuple = ()
-
-    @property
-    def data_axis_size(self) -> int:
-        return len(self.slice_devices) // self.model_axis_size
-
-    def make_mesh(self) -> Mesh:
-        devices = np.empty(len(self.slice_devices), dtype=object)
-        devices[:] = self.slice_devices
-        return Mesh(devices.reshape(self.data_axis_size, self.model_axis_size), ("data", "model"))
-
-    def validate(self) -> None:
-        n = len(self.slice_devices)
-        if self.model_axis_size < 1 or n % self.model_axis_size:
-            raise ValueError(f"trainer.model_axis_size={self.model_axis_size} does not divide the slice's "
-                             f"{n} chips")
-        # The base checks with the same data axis over a model axis of 1 (they count this machine's devices
-        # for the model axis only, checked above against the slice's).
-        TrainerConfig.validate(on_slice(self, self.slice_devices[: self.data_axis_size], model_axis_size=1))
-
-
-def on_slice(tcfg: TrainerConfig, devices: Sequence[Any], **changes) -> TrainerConfig:
-    """``tcfg`` (with ``changes``) whose trainer builds its mesh over ``devices``."""
-    base = {f.name: getattr(tcfg, f.name) for f in dataclasses.fields(TrainerConfig)}
-    base.update(changes)
-    cls = type("TrainerConfigOnSlice", (_TrainerOnSlice,), {"slice_devices": tuple(devices)})
-    return cls(**base)
-
-
-# -- collectives in the compiled HLO -------------------------------------------------------------------------
-_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4,
-                "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1,
-                "f8e4m3b11fnuz": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "c64": 8, "c128": 16, "token": 0}
-_ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
-_COMP_HEAD = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
-_CALLS = re.compile(r"\b(?:calls|body|to_apply|branch_computations|true_computation|false_computation)="
-                    r"\{?%?([\w.\-, %]+)\}?")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-
-
-def _bytes_of(types: str) -> int:
-    total = 0.0
-    for dtype, dims in _ARRAY.findall(types):
-        if dtype not in _DTYPE_BYTES:
-            continue
-        total += math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dtype]
-    return int(total)
-
-
-@dataclasses.dataclass
-class Collectives:
-    """Bytes (per chip, per step) and counts of each kind of collective, inside a slice and between slices."""
-
-    ici: dict = dataclasses.field(default_factory=lambda: {k: 0 for k in KINDS})
-    dcn: dict = dataclasses.field(default_factory=lambda: {k: 0 for k in KINDS})
-    ici_count: dict = dataclasses.field(default_factory=lambda: {k: 0 for k in KINDS})
-    dcn_count: dict = dataclasses.field(default_factory=lambda: {k: 0 for k in KINDS})
-
-
-def collectives(hlo: str) -> Collectives:
-    """The collectives of a compiled (optimized) HLO module, each weighted by how often it runs in a step.
-
-    A computation runs as often as the instructions that call it: the entry once, a while loop's body its
-    ``known_trip_count`` times per run of the loop. The TPU compiler's asynchronous collective fusions copy
-    one collective into its start, its continuations and its done; only the start counts (the copies whose
-    ``async_collective_fusion_config`` starts at -1, or that have none). ``-done`` halves of async pairs
-    are skipped. Transfers between slices are the ``send``s the compiler marks for the megascale runtime
-    (``_xla_megascale_transfer_type``), sized by the larger of the send's and the matching receive's data.
-    """
-    comps: dict[str, list[str]] = {}
-    entry = None
-    current = None
-    for line in hlo.splitlines():
-        if current is None:
-            m = _COMP_HEAD.match(line)
-            if m and "=" not in line.split("{")[0].split("(")[0]:
-                current = m.group(2)
-                comps[current] = []
-                if m.group(1):
-                    entry = current
-            continue
-        if line.strip() == "}":
-            current = None
-            continue
-        comps[current].append(line)
-    if entry is None:
-        return Collectives()
-    # Calls: computation -> [(callee, times per run of the caller)].
-    calls: dict[str, list[tuple[str, int]]] = {}
-    for name, lines in comps.items():
-        out = []
-        for line in lines:
-            m = _INSTR.match(line)
-            if m is None:
-                continue
-            op = m.group(3)
-            trip = 1
-            if op == "while":
-                t = _TRIP.search(line)
-                cond = re.search(r"condition=%?([\w.\-]+)", line)
-                trip = int(t.group(1)) if t else _trip_from_condition(comps.get(cond.group(1), []) if cond else [])
-            for cm in _CALLS.finditer(line):
-                key = cm.group(0).split("=")[0]
-                for callee in re.split(r"[,\s]+", cm.group(1)):
-                    callee = callee.strip().lstrip("%")
-                    if callee in comps:
-                        out.append((callee, trip if key == "body" else 1))
-        calls[name] = out
-    runs: dict[str, int] = {}
-
-    def visit(name: str, times: int, depth: int = 0) -> None:
-        if depth > 64:
-            return
-        runs[name] = runs.get(name, 0) + times
-        for callee, k in calls.get(name, ()):
-            visit(callee, times * k, depth + 1)
-
-    visit(entry, 1)
-    out = Collectives()
-    recv_bytes: dict[str, int] = {}
-    sends: list[tuple[str, str, int, int]] = []
-    for name, lines in comps.items():
-        times = runs.get(name, 0)
-        if not times:
-            continue
-        for line in lines:
-            m = _INSTR.match(line)
-            if m is None:
-                continue
-            result_type, op, rest = m.group(2), m.group(3), m.group(4)
-            if op in ("send", "recv") and "_xla_megascale_transfer_type" in line:
-                rv = re.search(r'_xla_host_transfer_rendezvous="([^"]+)"', line)
-                key = rv.group(1) if rv else m.group(1)
-                data = _bytes_of(result_type.split("u32[]")[0])
-                if op == "recv":
-                    recv_bytes[key] = max(recv_bytes.get(key, 0), data)
-                else:
-                    kind = re.search(r'_xla_megascale_transfer_type="([A-Z_]+)"', line).group(1)
-                    sends.append((key, kind.lower().replace("_", "-"), data, times))
-                continue
-            base = op[:-len("-start")] if op.endswith("-start") else op
-            if base not in KINDS:
-                continue
-            if base == "all-reduce" and name.startswith("all-reduce-scatter"):
-                base = "reduce-scatter"  # the TPU's fused all-reduce + slice: a reduce-scatter
-            flag = re.search(r'"async_collective_fusion_config":\{"flag_start":"(-?\d+)"', line)
-            if flag is not None and flag.group(1) != "-1":
-                continue
-            operands = rest.split("), ")[0]
-            size = max(_bytes_of(result_type), _operand_bytes(operands, lines))
-            out.ici[base] += size * times
-            out.ici_count[base] += times
-    for key, kind, data, times in sends:
-        if kind not in out.dcn:
-            kind = {"allgather": "all-gather", "allreduce": "all-reduce"}.get(kind.replace("-", ""), kind)
-        if kind not in out.dcn:
-            out.dcn[kind] = 0
-            out.dcn_count[kind] = 0
-        out.dcn[kind] += max(data, recv_bytes.get(key, 0)) * times
-        out.dcn_count[kind] += times
-    return out
-
-
-def _trip_from_condition(lines: list[str]) -> int:
-    """A loop's trip count from its condition, ``counter < constant(N)`` (the form scans compile to);
-    1 when the bound is not a constant (the figures are then lower bounds)."""
-    constants = {}
-    for line in lines:
-        m = _INSTR.match(line)
-        if m is not None and m.group(3) == "constant":
-            value = re.match(r"\s*(-?\d+)\)", m.group(4))
-            if value:
-                constants[m.group(1)] = int(value.group(1))
-    for line in lines:
-        if "ROOT" in line and " compare(" in line and "direction=LT" in line:
-            args = re.findall(r"%([\w.\-]+)", line.split(" compare(", 1)[1].split(")", 1)[0])
-            bound = [constants[a] for a in args[1:] if a in constants]
-            if bound:
-                return max(bound[0], 1)
-    return 1
-
-
-def _operand_bytes(operands: str, lines: list[str]) -> int:
-    """Bytes of an instruction's operands, from their types when printed inline, else their definitions."""
-    inline = _bytes_of(operands)
-    if inline:
-        return inline
-    total = 0
-    for name in re.findall(r"%([\w.\-]+)", operands):
-        for line in lines:
-            m = _INSTR.match(line)
-            if m is not None and m.group(1) == name:
-                total += _bytes_of(m.group(2))
-                break
-    return total
-
-
-# -- the plan ----------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class SlicePlan:
     """Per-chip figures (bytes, FLOPs) of the train step compiled for a TPU slice."""
 
-    slice: tpu_slices.TpuSlice
+    slice: TpuSlice
     num_slices: int
     device_kind: str
     mesh_shape: dict
@@ -402,22 +98,14 @@ class SlicePlan:
         return self.batch_size * self.seq_len
 
 
-class _CountingCompiler(memory_fit.StepCompiler):
-    """:class:`levanter.memory_fit.StepCompiler` that counts its compiles (the plan prints how many)."""
+class _CountingCompiler(StepCompiler):
+    """:class:`levanter.StepCompiler` that counts its compiles (the plan prints how many)."""
 
     counter: list = []
 
-    def compile(self, **kwargs) -> memory_fit.StepMemory:
+    def compile(self, **kwargs) -> StepMemory:
         self.counter.append(1)
         return super().compile(**kwargs)
-
-
-def _shard_bytes(leaves: Sequence[Any]) -> int:
-    total = 0
-    for x in leaves:
-        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
-        total += math.prod(shape) * jnp.dtype(x.dtype).itemsize
-    return total
 
 
 def make_slice_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptions) -> SlicePlan:
@@ -426,7 +114,7 @@ def make_slice_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptio
     import time
 
     start = time.perf_counter()
-    spec = tpu_slices.parse_slice(options.slice)
+    spec = parse_slice(options.slice)
     num_slices = options.num_slices or 1
     devices = slice_devices(spec, num_slices)
     tcfg = on_slice(dataclasses.replace(config.trainer, require_accelerator=False), devices)
@@ -443,7 +131,7 @@ def make_slice_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptio
     with compile_only():
         memory, compiler, auto = _fit(compiler, limit)
         if not memory.fits(limit):
-            found, pick = memory_fit.suggestions(compiler, memory, limit)
+            found, pick = suggestions(compiler, memory, limit)
             lowers = [s.line(limit) for s in found] + _more_levers(compiler, limit, spec, num_slices)
             if not auto:
                 auto = (f"per_device_parallelism: auto would pick {pick}" if pick is not None else
@@ -453,27 +141,22 @@ def make_slice_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptio
     compiled = memory.compiled
     floats = [x for x in jax.tree_util.tree_leaves(state.model) if jnp.issubdtype(x.dtype, jnp.inexact)]
     per_device = trainer.config.microbatch_size or batch_size // trainer.config.data_axis_size
-    requested = getattr(config.model, "attention_backend", None)
-    attention = ""
-    if requested is not None:
-        from levanter.models import resolve_attn_backend
-
-        here = resolve_attn_backend(requested, platform="cpu", seq_len=config.model.seq_len,
-                                    dropout=getattr(config.model, "attn_pdrop", 0.0))
-        on_tpu = resolve_attn_backend(requested, platform="tpu", seq_len=config.model.seq_len,
-                                      dropout=getattr(config.model, "attn_pdrop", 0.0))
-        attention = here if here == on_tpu else (
-            f"{here} (model.attn_backend {requested!r}: this machine resolves it to {here}, a TPU run to "
-            f"{on_tpu}; attention's temporaries differ between the two)")
+    requested = config.model.attention_backend
+    dropout = attention_dropout(config.model)
+    here = resolve_attn_backend(requested, platform="cpu", seq_len=config.model.seq_len, dropout=dropout)
+    on_tpu = resolve_attn_backend(requested, platform="tpu", seq_len=config.model.seq_len, dropout=dropout)
+    attention = here if here == on_tpu else (
+        f"{here} (model.attn_backend {requested!r}: this machine resolves it to {here}, a TPU run to "
+        f"{on_tpu}; attention's temporaries differ between the two)")
     return SlicePlan(
         slice=spec, num_slices=num_slices, device_kind=devices[0].device_kind,
         mesh_shape=dict(trainer.mesh.shape), vocab_size=vocab_size, vocab_source=vocab_source,
         batch_size=batch_size, seq_len=config.model.seq_len,
         microbatches=batch_size // (per_device * trainer.config.data_axis_size), per_device=per_device,
-        param_count=sum(math.prod(x.shape) for x in floats), param_bytes=_shard_bytes(floats),
-        opt_bytes=_shard_bytes(jax.tree_util.tree_leaves(state.opt_state)),
-        averaged_bytes=_shard_bytes(jax.tree_util.tree_leaves(state.averaged_model)),
-        batch_bytes=_shard_bytes([batch["tokens"].array]), temp_bytes=memory.temp, total_bytes=memory.total,
+        param_count=sum(math.prod(x.shape) for x in floats), param_bytes=shard_bytes(floats),
+        opt_bytes=shard_bytes(jax.tree_util.tree_leaves(state.opt_state)),
+        averaged_bytes=shard_bytes(jax.tree_util.tree_leaves(state.averaged_model)),
+        batch_bytes=shard_bytes([batch["tokens"].array]), temp_bytes=memory.temp, total_bytes=memory.total,
         hbm=limit, hbm_source=limit_source, compiler_oom=memory.oom,
         flops_per_token=float(config.model.flops_per_token(vocab_size)),
         peak_flops=options.peak_flops or peak_flops_per_device(devices[0]),
@@ -483,16 +166,16 @@ def make_slice_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptio
     )
 
 
-def _fit(compiler, limit: int) -> tuple[memory_fit.StepMemory, Any, str]:
+def _fit(compiler, limit: int) -> tuple[StepMemory, Any, str]:
     """``(the step's figures, the compiler of the microbatch planned, what auto picks)``: as
-    :func:`levanter.memory_plan.make_plan` decides them, against the chip's memory."""
+    :func:`levanter.memory.plan.make_plan` decides them, against the chip's memory."""
     tcfg = compiler.trainer_config
     if tcfg.per_device_parallelism == "auto":
-        cands = memory_fit.microbatch_candidates(tcfg)
+        cands = microbatch_candidates(tcfg)
         memory = compiler.with_microbatch(cands[0]).compile()
         pick, found = cands[0], cands[0]
-        if not memory.fits(limit, memory_fit.AUTO_HEADROOM):
-            found, seen = memory_fit.auto_pick(compiler.with_microbatch(cands[0]), memory, limit)
+        if not memory.fits(limit, AUTO_HEADROOM):
+            found, seen = auto_pick(compiler.with_microbatch(cands[0]), memory, limit)
             pick = found if found is not None else min(seen)
             memory = seen[pick]
         compiler = compiler.with_microbatch(pick)
@@ -502,27 +185,27 @@ def _fit(compiler, limit: int) -> tuple[memory_fit.StepMemory, Any, str]:
         return memory, compiler, f"per_device_parallelism: auto picks {pick} ({memory.describe()} per chip)"
     memory = compiler.compile()
     if not memory.fits(limit):
-        return memory, compiler, ""  # memory_fit.suggestions searches the microbatch with the other levers
-    pick, _ = memory_fit.auto_pick(compiler, memory, limit)
+        return memory, compiler, ""  # suggestions searches the microbatch with the other levers
+    pick, _ = auto_pick(compiler, memory, limit)
     note = (f"per_device_parallelism: auto would pick {pick}" if pick is not None else
             "per_device_parallelism: auto finds no microbatch that fits")
     return memory, compiler, note
 
 
-def _more_levers(compiler, limit: int, spec: tpu_slices.TpuSlice, num_slices: int) -> list[str]:
-    """What the slice adds to :func:`levanter.memory_fit.suggestions`: FSDP where the parameters are not
+def _more_levers(compiler, limit: int, spec: TpuSlice, num_slices: int) -> list[str]:
+    """What the slice adds to :func:`levanter.suggestions`: FSDP where the parameters are not
     sharded, and the next larger slices (each compiled; the first that fits ends the search)."""
     out = []
     tcfg = compiler.trainer_config
     if not tcfg.fsdp_axis:
         sharded = dataclasses.replace(tcfg, fsdp_axis="embed")
         figure = dataclasses.replace(compiler, trainer_config=sharded).compile()
-        out.append(memory_fit.Suggestion("trainer.fsdp_axis", "embed", figure).line(limit))
-    gen = tpu_slices.GENERATIONS[spec.generation]
+        out.append(Suggestion("trainer.fsdp_axis", "embed", figure).line(limit))
+    gen = GENERATIONS[spec.generation]
     larger = [c for c in sorted(gen.shapes) if c > spec.chips][:LARGER_SLICES]
     for chips in larger:
         name = f"{spec.generation}-{chips * 2 if gen.counts_cores else chips}"
-        bigger = tpu_slices.parse_slice(name)
+        bigger = parse_slice(name)
         devices = slice_devices(bigger, num_slices)
         moved = on_slice(tcfg, devices)
         try:
@@ -532,12 +215,12 @@ def _more_levers(compiler, limit: int, spec: tpu_slices.TpuSlice, num_slices: in
             break
         per_device = tcfg.microbatch_size
         if per_device is not None:
-            cands = memory_fit.microbatch_candidates(moved)
+            cands = microbatch_candidates(moved)
             per_device = max((d for d in cands if d <= per_device), default=cands[-1])
             moved = dataclasses.replace(moved, per_device_parallelism=per_device)
         figure = dataclasses.replace(compiler, trainer_config=moved).compile()
         what = f"{per_device} per chip" if per_device else "the whole batch"
-        line = memory_fit.Suggestion("--slice", name, figure).line(limit)
+        line = Suggestion("--slice", name, figure).line(limit)
         out.append(f"{line} ({what}, {bigger.chips * num_slices} chips)")
         if figure.fits(limit):
             break
@@ -545,7 +228,7 @@ def _more_levers(compiler, limit: int, spec: tpu_slices.TpuSlice, num_slices: in
 
 
 def _gib(n: Optional[float]) -> str:
-    return "?" if n is None else memory_fit.size(n)
+    return "?" if n is None else size(n)
 
 
 def format_slice_plan(plan: SlicePlan, config_path: Optional[str] = None) -> str:
@@ -578,7 +261,7 @@ def format_slice_plan(plan: SlicePlan, config_path: Optional[str] = None) -> str
     if plan.fits:
         verdict = f"fits, {plan.total_bytes / plan.hbm:.0%} used"
     elif plan.total_bytes is not None:
-        verdict = f"DOES NOT FIT (short by {memory_fit.size(plan.total_bytes - plan.hbm)})"
+        verdict = f"DOES NOT FIT (short by {size(plan.total_bytes - plan.hbm)})"
     else:
         verdict = "DOES NOT FIT"
     lines.append(f"  HBM                   {_gib(plan.hbm):>14}   ({plan.hbm_source}): {verdict}")
@@ -624,18 +307,4 @@ def format_slice_plan(plan: SlicePlan, config_path: Optional[str] = None) -> str
     return "\n".join(lines)
 
 
-__all__ = [
-    "KINDS",
-    "LARGER_SLICES",
-    "LIBTPU_HINT",
-    "Collectives",
-    "SlicePlan",
-    "collectives",
-    "compile_only",
-    "format_slice_plan",
-    "make_slice_plan",
-    "on_slice",
-    "require_libtpu",
-    "slice_devices",
-    "use_cpu_backend",
-]
+__all__ = ["LARGER_SLICES", "SlicePlan", "format_slice_plan", "make_slice_plan"]
