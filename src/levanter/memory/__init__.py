@@ -14,9 +14,9 @@ compiler's out-of-memory refusal, says one device needs), serves every user:
 - :mod:`~levanter.memory.shapes`: the cheapest look, a lower bound from shapes alone (:func:`check_memory`),
   before anything is compiled;
 - :mod:`~levanter.memory.slice_plan`: ``train_lm --dry_run --slice NAME``, the step compiled by the TPU
-  compiler for a slice this machine does not have (its devices and mesh in :mod:`~levanter.memory.tpu_compile`,
-  the slice table in :mod:`~levanter.memory.tpu_slices`, the collectives read from the compiled HLO in
-  :mod:`~levanter.memory.hlo`).
+  compiler for a slice this machine does not have (its devices and mesh in
+  :mod:`~levanter.memory.tpu_compile`, the slice table in :mod:`~levanter.memory.tpu_slices`, the
+  collectives read from the compiled HLO in :mod:`~levanter.memory.hlo`).
 
 Lazy: importing the package imports none of its modules (the entry point's ``--slice`` must choose JAX's
 platform before anything starts a backend).
@@ -24,4 +24,9 @@ platform before anything starts a backend).
 
 from levanter.utils.facade import facade
 
-__all__, __getattr__, __dir__ = facade(__name__, __package__, ("step", "levers", "fit", "shapes", "flags", "plan", "tpu_slices", "tpu_compile", "hlo", "slice_plan"), lazy=True)
+__all__, __getattr__, __dir__ = facade(
+    __name__,
+    __package__,
+    ("step", "levers", "fit", "shapes", "flags", "plan", "tpu_slices", "tpu_compile", "hlo", "slice_plan"),
+    lazy=True,
+)

@@ -59,7 +59,8 @@ class PlanOptions:
     vocab_size: Optional[int] = None
     peak_flops: Optional[float] = None  # per device
     step_seconds: Optional[float] = None
-    slice: Optional[str] = None  # a TPU slice's name (levanter.memory.tpu_slices), planned by levanter.memory.slice_plan
+    # A TPU slice's name (levanter.memory.tpu_slices), planned by levanter.memory.slice_plan.
+    slice: Optional[str] = None
     num_slices: Optional[int] = None  # with slice: that many slices over DCN
 
 
@@ -106,7 +107,8 @@ def split_plan_args(argv: Sequence[str]) -> tuple[Optional[PlanOptions], list[st
 
 
 def _slice_name(text: Optional[str]) -> Optional[str]:
-    """The slice's name, checked against levanter.memory.tpu_slices' table (an unknown one lists the known)."""
+    """The slice's name, checked against the table of levanter.memory.tpu_slices (an unknown one lists
+    the known)."""
     if text is None:
         return None
     from levanter.memory.tpu_slices import parse_slice

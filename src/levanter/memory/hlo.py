@@ -134,7 +134,8 @@ def _runs(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
             if m.group(3) == "while":
                 t = _TRIP.search(line)
                 cond = re.search(r"condition=%?([\w.\-]+)", line)
-                trip = int(t.group(1)) if t else _trip_from_condition(comps.get(cond.group(1), []) if cond else [])
+                body = comps.get(cond.group(1), []) if cond else []
+                trip = int(t.group(1)) if t else _trip_from_condition(body)
             for cm in _CALLS.finditer(line):
                 key = cm.group(0).split("=")[0]
                 for callee in re.split(r"[,\s]+", cm.group(1)):
@@ -155,7 +156,8 @@ def _runs(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
     return runs
 
 
-def _add_transfers(out: Collectives, sends: list[tuple[str, str, int, int]], recv_bytes: dict[str, int]) -> None:
+def _add_transfers(out: Collectives, sends: list[tuple[str, str, int, int]],
+                   recv_bytes: dict[str, int]) -> None:
     """The transfers between slices (``(rendezvous key, kind, bytes, times)`` of each send) into ``out.dcn``,
     each sized by the larger of its send's and its receive's data."""
     for key, kind, data, times in sends:

@@ -1,4 +1,4 @@
-"""What lowers a train step's memory, each figure from a compile, and ``trainer.per_device_parallelism: auto``.
+"""What lowers a train step's memory, each figure from a compile, and ``per_device_parallelism: auto``.
 
 The keys that lower a step that does not fit (:func:`suggestions`), each compiled ahead of time like the
 step itself (:class:`levanter.memory.step.StepCompiler`): ``trainer.per_device_parallelism`` (the largest
@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 
 from levanter.memory.step import StepCompiler, StepMemory, largest_batch
-from levanter.models import LmConfig
+from levanter.models import Gpt2Config, LmConfig, resolve_attn_backend
 from levanter.trainer_config import TrainerConfig
 
 logger = logging.getLogger(__name__)
@@ -136,14 +136,11 @@ def model_alternatives(model_config: LmConfig, vocab_size: int) -> list[tuple[st
 
 def attention_dropout(model_config: LmConfig) -> float:
     """The model's attention dropout: GPT-2's ``attn_pdrop``; the other architectures have none."""
-    from levanter.models import Gpt2Config
-
     return model_config.attn_pdrop if isinstance(model_config, Gpt2Config) else 0.0
 
 
 def _alternatives(model_config: LmConfig, vocab_size: int) -> tuple[list[tuple[str, Any, Any]], Any]:
     """:func:`model_alternatives`, and the model config with all of them at once."""
-    from levanter.models import resolve_attn_backend
     from levanter.models.layers import SAVED_NAMES
 
     out = []

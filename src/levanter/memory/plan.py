@@ -1,14 +1,14 @@
 """A memory plan before launch: what one device needs to train a config, found without training it.
 
 ``python -m levanter.main.train_lm --config_path X --dry_run [--device_memory 16GiB] [--vocab_size N]
-[--peak_flops 989e12] [--step_seconds S] [--slice v5e-256 [--num_slices 2]]`` builds the mesh the config asks for, traces the model and the
-optimizer with ``jax.eval_shape`` (nothing is allocated, however large the model), compiles the train step
-ahead of time for abstract inputs carrying the config's shardings (``jax.jit(...).lower(...).compile()``),
-and prints per device: the parameters, the optimizer state, the averaged copy of the weights
-(``trainer.model_averaging``, when set), the batch, the compiled step's temporaries
-(XLA's ``memory_analysis()``: activations kept for the backward pass, gradients, logits, scratch) and the
-total against the device memory; then the training FLOPs per token and what they mean for the step time
-at a given peak. It reads no data, builds no cache, and needs no accelerator.
+[--peak_flops 989e12] [--step_seconds S] [--slice v5e-256 [--num_slices 2]]`` builds the mesh the config
+asks for, traces the model and the optimizer with ``jax.eval_shape`` (nothing is allocated, however large
+the model), compiles the train step ahead of time for abstract inputs carrying the config's shardings
+(``jax.jit(...).lower(...).compile()``), and prints per device: the parameters, the optimizer state, the
+averaged copy of the weights (``trainer.model_averaging``, when set), the batch, the compiled step's
+temporaries (XLA's ``memory_analysis()``: activations kept for the backward pass, gradients, logits,
+scratch) and the total against the device memory; then the training FLOPs per token and what they mean for
+the step time at a given peak. It reads no data, builds no cache, and needs no accelerator.
 
 What it can and cannot know:
 
@@ -162,7 +162,8 @@ def make_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptions) ->
     return MemoryPlan(
         devices=jax.device_count(), platform=jax.devices()[0].platform,
         mesh_shape=dict(trainer.mesh.shape), vocab_size=vocab_size, vocab_source=vocab_source,
-        batch_size=batch_size, seq_len=config.model.seq_len, microbatches=_microbatches(trainer.config, batch_size),
+        batch_size=batch_size, seq_len=config.model.seq_len,
+        microbatches=_microbatches(trainer.config, batch_size),
         param_dtype=str(jnp.dtype(jmp.get_policy(tcfg.mp).param_dtype)), **figures,
         total_bytes=memory.total, device_memory=limit, device_memory_source=memory_source,
         compiler_capacity=memory.capacity,
@@ -173,7 +174,8 @@ def make_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptions) ->
     )
 
 
-def _plan_auto(compiler: StepCompiler, limit: Optional[int]) -> tuple[StepCompiler, Optional[StepMemory], str, tuple]:
+def _plan_auto(compiler: StepCompiler, limit: Optional[int]
+               ) -> tuple[StepCompiler, Optional[StepMemory], str, tuple]:
     """``per_device_parallelism: auto`` planned as the run would resolve it: ``(the compiler of the
     microbatch planned, its figures or None, what auto picks, the keys that lower a step nothing fits)``."""
     if limit is None:
@@ -188,7 +190,8 @@ def _plan_auto(compiler: StepCompiler, limit: Optional[int]) -> tuple[StepCompil
         memory = seen[pick]
     compiler = compiler.with_microbatch(pick)
     if found is None and not memory.fits(limit, AUTO_HEADROOM):
-        note = f"per_device_parallelism: auto finds no microbatch that fits (planned: the smallest, {pick} per device)"
+        note = (f"per_device_parallelism: auto finds no microbatch that fits (planned: the smallest, "
+                f"{pick} per device)")
         return compiler, memory, note, tuple(x.line(limit) for x in suggestions(compiler, memory, limit)[0])
     return compiler, memory, f"per_device_parallelism: auto picks {pick} ({memory.describe()})", ()
 

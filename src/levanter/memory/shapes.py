@@ -127,7 +127,8 @@ def _state_shapes(config: TrainLmConfig, vocab_size: int, param_dtype, adapt: Op
     )
     param_bytes = tree_nbytes(params)
     trained = params if is_trainable is None else eqx.filter(params, is_trainable(shapes))
-    opt_bytes = tree_nbytes(jax.eval_shape(config.optimizer.build(config.trainer.num_train_steps).init, trained))
+    optimizer = config.optimizer.build(config.trainer.num_train_steps)
+    opt_bytes = tree_nbytes(jax.eval_shape(optimizer.init, trained))
     return param_count, param_bytes, tree_nbytes(trained), opt_bytes
 
 

@@ -1,26 +1,24 @@
 """``train_lm --dry_run --slice v5e-256 [--num_slices 2]``: the memory plan for a TPU slice this machine
 does not have, from the TPU compiler itself.
 
-With the TPU compiler (the ``libtpu`` wheel, ``pip install -e '.[tpu]'``) installed, JAX describes the
-devices of a named TPU topology on any machine (``jax.experimental.topologies.get_topology_desc``), and
-``jax.jit(...).lower(...).compile()`` compiles for them; nothing runs and nothing is allocated. The plan
-compiles the real train step (:class:`levanter.memory.step.StepCompiler`, the trainer's own step, shardings
-and mesh) over those devices and reads, per chip: the memory of the parameters, optimizer state, batch
-and the compiler's temporaries against the chip's HBM (:mod:`levanter.memory.tpu_slices`); the FLOPs; and the
-bytes each kind of collective moves in a step, parsed from the compiled HLO, with the transfers between
-slices (DCN) apart from those inside a slice (ICI) (:mod:`levanter.memory.hlo`).
+The plan compiles the real train step (:class:`levanter.memory.step.StepCompiler`, the trainer's own step,
+shardings and mesh) for the slice's devices, described by the TPU compiler (libtpu) on this machine's CPU
+(:mod:`levanter.memory.tpu_compile`: nothing runs and nothing is allocated), and reads, per chip: the
+memory of the parameters, optimizer state, batch and the compiler's temporaries against the chip's HBM
+(:mod:`levanter.memory.tpu_slices`); the FLOPs; and the bytes each kind of collective moves in a step,
+parsed from the compiled HLO (:mod:`levanter.memory.hlo`), with the transfers between slices (DCN) apart
+from those inside a slice (ICI).
 
 The mesh is the trainer's (``data`` x ``model``, :meth:`TrainerConfig.make_mesh`) over the slice's devices
-(:mod:`levanter.memory.tpu_compile`) in JAX's order: with several slices the ``data`` axis runs across them (slice-major), so the parameters'
+in JAX's order: with several slices the ``data`` axis runs across them (slice-major), so the parameters'
 FSDP all-gathers and the gradients' reductions cross the data-center network where they span slices. The
 compiler splits each such collective into its part inside a slice and a transfer between slices; the plan
 counts the two apart.
 
 What the figures are: memory is what the TPU compiler reports for this program on that chip
-(``memory_analysis()``); FLOPs are the model's count (``flops_per_token``); a collective's bytes are the larger of its input and output
-buffer on one chip (the data it gathers, reduces or exchanges), times the times it runs in a step (the
-trip counts of the loops around it). Wire bytes depend on the algorithm (a ring sends about (n-1)/n of
-them); the figures are for comparing configs and slices, not for a network model.
+(``memory_analysis()``); FLOPs are the model's count (``flops_per_token``); a collective's bytes are the
+larger of its input and output buffer on one chip, times the times it runs in a step, for comparing
+configs and slices, not a network model.
 
 Where a step does not fit, the plan compiles what would: ``per_device_parallelism`` (the search
 :func:`levanter.memory.levers.auto_pick` runs), the model keys :func:`levanter.memory.levers.suggestions`
@@ -41,8 +39,8 @@ import jax.numpy as jnp
 from levanter.lm_config import TrainLmConfig
 from levanter.memory.flags import PlanOptions, plan_vocab
 from levanter.memory.hlo import KINDS, Collectives, collectives
-from levanter.memory.levers import AUTO_HEADROOM, Suggestion, attention_dropout, auto_pick, microbatch_candidates
-from levanter.memory.levers import suggestions
+from levanter.memory.levers import AUTO_HEADROOM, Suggestion, attention_dropout, auto_pick
+from levanter.memory.levers import microbatch_candidates, suggestions
 from levanter.memory.step import StepCompiler, StepMemory, shard_bytes, size
 from levanter.memory.tpu_compile import compile_only, on_slice, slice_devices
 from levanter.memory.tpu_slices import GENERATIONS, TpuSlice, parse_slice

@@ -83,6 +83,7 @@ def size(n: float) -> str:
             return f"{n / scale:,.2f} {unit}"
     return f"{n:,.0f} B"
 
+
 def shard_bytes(leaves: Sequence[Any]) -> int:
     """Bytes one device holds of ``leaves`` (ShapeDtypeStructs with shardings): the largest shard."""
     total = 0
