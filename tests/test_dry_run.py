@@ -20,8 +20,7 @@ from helpers import compiler_refuses_above
 from levanter.config import parse_config
 from levanter.lm_loss import lm_loss_fn
 from levanter.main import train_lm
-from levanter.memory_fit import StepCompiler
-from levanter.memory_plan import DOES_NOT_FIT_EXIT_CODE, parse_bytes, split_plan_args
+from levanter.memory import DOES_NOT_FIT_EXIT_CODE, StepCompiler, parse_bytes, split_plan_args
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -249,7 +248,7 @@ def test_state_that_cannot_fit_is_refused_before_any_compile(tmp_path, capsys, m
 def test_a_refusal_without_a_figure_is_no_figure():
     """A compiler that refuses the step without saying how much it needs: the plan says it does not fit and
     shows no figure for the temporaries and the total (never 0 B, never a negative shortfall)."""
-    from levanter.memory_plan import MemoryPlan, format_plan
+    from levanter.memory import MemoryPlan, format_plan
 
     plan = MemoryPlan(
         devices=1, platform="tpu", mesh_shape={"data": 1, "model": 1}, vocab_size=32000,

@@ -133,7 +133,7 @@ def test_gemma2_decodes_and_refuses_what_it_cannot_run():
 def test_memory_suggestions_leave_out_what_gemma2_refuses():
     """A step that does not fit is answered with keys that lower it; for Gemma 2 those are only the ones its
     config accepts (no blockwise loss under the logit cap), never a config that would fail its own check."""
-    from levanter.memory_fit import model_alternatives
+    from levanter.memory import model_alternatives
 
     keys = [k for k, _, _ in model_alternatives(tiny2(seq_len=512, gradient_checkpointing=False), 50_000)]
     assert keys == ["model.gradient_checkpointing"]

@@ -353,7 +353,7 @@ def test_the_memory_check_counts_gradients_and_optimizer_state_of_the_adapters_a
     from levanter.data.config import UrlSingleDatasetLMConfig
     from levanter.lm_config import TrainLmConfig
     from levanter.lora import LoraConfig, lora_trainable, loraize
-    from levanter.memory_plan import check_memory
+    from levanter.memory import check_memory
     from levanter.models import LlamaConfig
     from levanter.trainer import TrainerConfig
 

@@ -22,7 +22,7 @@ import pytest
 
 from accelerator import tol
 from levanter.lm_loss import lm_loss_fn
-from levanter.memory_plan import check_memory
+from levanter.memory import check_memory
 from levanter.models import Gpt2Config, LlamaConfig, blockwise_next_token_loss, next_token_loss
 from levanter.models.loss import blockwise_logsumexp
 from levanter.trainer import Trainer, TrainerConfig

@@ -19,9 +19,9 @@ from levanter.config import parse_config
 from levanter.lm_config import TrainLmConfig
 from levanter.lm_loss import lm_loss_fn
 from levanter.main import train_lm
-from levanter.memory_plan import DOES_NOT_FIT_EXIT_CODE
-from levanter.memory_fit import (
+from levanter.memory import (
     AUTO_HEADROOM,
+    DOES_NOT_FIT_EXIT_CODE,
     ENV_DEVICE_MEMORY,
     StepCompiler,
     StepMemory,
@@ -128,7 +128,7 @@ def test_the_tpu_compilers_refusal_is_measured():
 import json, jax, jax.numpy as jnp
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from levanter.memory_fit import compile_memory
+from levanter.memory import compile_memory
 topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:1x1", chip_config_name="default",
                                     chips_per_host_bounds=(1, 1, 1), num_slices=1, wrap=(False, False, False))
 s = NamedSharding(Mesh(topo.devices, ("x",)), PartitionSpec())
@@ -195,7 +195,7 @@ def test_a_step_that_cannot_fit_is_one_error_and_auto_trains(tmp_path, capsys, m
     assert "DOES NOT FIT" in plan and "what lowers it" in plan and "per_device_parallelism: auto would pick" in plan
 
     # With auto the same config trains, with a microbatch that fits, recorded in its checkpoints.
-    with caplog.at_level(logging.WARNING, logger="levanter.memory_fit"):
+    with caplog.at_level(logging.WARNING, logger="levanter.memory.fit"):
         train_lm.cli(["--config_path", path, "--trainer.per_device_parallelism", "auto"])
     meta = json.loads((tmp_path / "ckpt" / "fit" / "step-2" / "metadata.json").read_text())
     pick = meta["metadata"]["per_device_parallelism"]
@@ -203,7 +203,7 @@ def test_a_step_that_cannot_fit_is_one_error_and_auto_trains(tmp_path, capsys, m
     assert (pick == 1) == (compiler.compile(per_device_parallelism=2).total > limit * (1 - AUTO_HEADROOM))
     # A resumed run takes the recorded pick.
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="levanter.memory_fit"):
+    with caplog.at_level(logging.WARNING, logger="levanter.memory.fit"):
         train_lm.cli(["--config_path", path, "--trainer.per_device_parallelism", "auto",
                       "--trainer.num_train_steps", "3"])
     assert f"auto -> {pick} sequences per device per microbatch (recorded in the run's checkpoint" in caplog.text

@@ -161,7 +161,7 @@ def test_memory_plan_counts_the_averaged_copy(tmp_path):
     own row and in its total; the estimate from shapes counts it too."""
     import dataclasses
 
-    from levanter.memory_plan import PlanOptions, check_memory, make_plan
+    from levanter.memory import PlanOptions, check_memory, make_plan
 
     from test_train_lm import tiny_config
 
@@ -173,7 +173,7 @@ def test_memory_plan_counts_the_averaged_copy(tmp_path):
     off, on = plans[False], plans[True]
     assert off.averaged_bytes == 0 and on.averaged_bytes == on.param_bytes > 0
     assert on.total_bytes >= off.total_bytes + on.param_bytes
-    from levanter.memory_plan import format_plan
+    from levanter.memory import format_plan
 
     assert "averaged weights" in format_plan(on) and "averaged weights" not in format_plan(off)
     c = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, model_averaging=EmaModelAveragingConfig()))

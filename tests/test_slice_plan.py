@@ -1,5 +1,5 @@
 """``train_lm --dry_run --slice NAME``: the train step compiled by the TPU compiler for a named slice on
-this CPU machine (levanter.slice_plan), and the slice table (levanter.tpu_slices).
+this CPU machine (levanter.memory.slice_plan), and the slice table (levanter.memory.tpu_slices).
 
 The plans here compile one-layer nano models (seconds each); the 7B ones (config/llama2_7b.yaml) are
 slow-marked subprocesses. Every test that compiles needs the TPU compiler, the libtpu wheel
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from levanter import slice_plan, tpu_slices
+from levanter.memory import hlo, slice_plan, tpu_compile, tpu_slices
 from levanter.main import train_lm
 
 REPO = Path(__file__).resolve().parent.parent
@@ -73,9 +73,9 @@ def test_slice_names_map_to_topologies():
 def test_slice_devices_are_one_per_chip_in_slice_order():
     """A v4 chip's two TensorCores are one device (megacore), as a v4 run sees them; several slices come
     slice after slice (the trainer's data axis runs across them)."""
-    v4 = slice_plan.slice_devices(tpu_slices.parse_slice("v4-16"))
+    v4 = tpu_compile.slice_devices(tpu_slices.parse_slice("v4-16"))
     assert len(v4) == 8 and {d.device_kind for d in v4} == {"TPU v4"}
-    two = slice_plan.slice_devices(tpu_slices.parse_slice("v5e-4"), num_slices=2)
+    two = tpu_compile.slice_devices(tpu_slices.parse_slice("v5e-4"), num_slices=2)
     assert [d.slice_index for d in two] == [0] * 4 + [1] * 4
 
 
@@ -113,7 +113,7 @@ ENTRY %main (a: f32[1024]) -> f32[1024] {
 def test_collectives_are_weighted_by_loop_trips():
     """A hand-written module: the loop body's collectives count 12 times (its condition's bound), each at
     the larger of input and output; a transfer between slices at the larger of its send and receive."""
-    c = slice_plan.collectives(HLO)
+    c = hlo.collectives(HLO)
     assert c.ici["all-gather"] == 12 * 4096 * 4 and c.ici_count["all-gather"] == 12
     assert c.ici["all-reduce"] == 12 * 1024 * 4
     assert c.ici["reduce-scatter"] == 1024 * 4 and c.ici_count["reduce-scatter"] == 1  # its f32 input

@@ -23,7 +23,7 @@ from levanter.data.loader import Batch, DataLoader
 from levanter.lm_loss import lm_loss_fn
 from levanter import lm_run
 from levanter.main import train_lm
-from levanter.memory_plan import available_memory, check_memory
+from levanter.memory import available_memory, check_memory
 from levanter.models import Gpt2Config, LlamaConfig
 from levanter.optim import AdamConfig
 from levanter.schedule import ScheduleStep

@@ -11,7 +11,7 @@ blockwise attention + blockwise loss against the materialised kernels, in one pr
    Temporaries are XLA's ``compile().memory_analysis().temp_size_in_bytes``; times are medians of
    interleaved repeats after a warm-up. Goals: blockwise temporaries <= 0.1x, time <= 1.2x the full loss.
 2. **Llama** -- the train step of a small Llama at sequence 2,048 compiled ahead of time by the memory
-   plan (``levanter.memory_plan``, nothing allocated): ``attn_backend: jax_flash`` + blockwise loss
+   plan (``levanter.memory``, nothing allocated): ``attn_backend: jax_flash`` + blockwise loss
    against ``vanilla`` + the full loss, per-device total (state, batch, temporaries). Goal: vanilla needs
    more than 4x the memory.
 
@@ -93,7 +93,7 @@ def run_llama(cfg: dict) -> dict:
     from levanter.data.config import UrlSingleDatasetLMConfig
     from levanter.lm_config import TrainLmConfig
     from levanter.lm_loss import lm_loss_fn
-    from levanter.memory_plan import PlanOptions, make_plan
+    from levanter.memory import PlanOptions, make_plan
     from levanter.models import LlamaConfig
     from levanter.trainer import TrainerConfig
 

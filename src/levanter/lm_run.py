@@ -108,10 +108,10 @@ from levanter.lm_config import check_resume_optimizer, optimizer_record
 from levanter.lora import LoraConfig, check_checkpoint_lora, join_adapters, loraize, lora_trainable, merge_lora
 from levanter.lora import split_adapters
 from levanter.lm_config import with_hf_model
-from levanter.memory_fit import RECORD_KEY, StepCompiler, fit_trainer, recorded_pick
+from levanter.memory import RECORD_KEY, StepCompiler, fit_trainer, recorded_pick
 from levanter.tracker.lineage import check_log_lineage, record_log_lineage
 from levanter.lm_loss import lm_loss_fn
-from levanter.memory_plan import check_memory
+from levanter.memory import check_memory
 from levanter.profiler import StepProfiler
 from levanter.quantization import check_checkpoint_fp8, with_fp8
 from levanter.progress import RunProgress, open_debug_log
@@ -652,7 +652,7 @@ def cli_errors(interrupted: str = "interrupted before training started: nothing 
     ``error:`` paragraph and exit with status 2; a full disk or a read-only filesystem exits with 74; run
     failures (a coordinator that never answered, unreadable data, a NaN loss, a failed save) exit with 1;
     Ctrl-C before the step loop prints ``interrupted`` and exits with 130. None prints a traceback (``docs/reference/errors.md``)."""
-    from levanter.memory_fit import device_oom_as_error
+    from levanter.memory import device_oom_as_error
 
     try:
         with device_oom_as_error():  # a device out of memory the up-front check did not foresee: exit 2

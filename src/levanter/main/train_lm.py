@@ -50,9 +50,9 @@ from levanter.lm_config import SEED_LIMIT, TrainLmConfig, data_key, validate
 from levanter.lm_loss import lm_loss_fn
 from levanter.lm_run import check_data_covers_run, check_data_schedule, cli_errors, main, make_evaluator, say_finished
 from levanter.lm_run import start_command
-from levanter.memory_plan import DOES_NOT_FIT_EXIT_CODE, FLAG_HELP, ModelCannotFitError, format_plan
-from levanter.memory_plan import make_plan, split_plan_args
-from levanter import slice_plan
+from levanter.memory import DOES_NOT_FIT_EXIT_CODE, FLAG_HELP, ModelCannotFitError, format_plan
+from levanter.memory import format_slice_plan, make_plan, make_slice_plan, require_libtpu, split_plan_args
+from levanter.memory import use_cpu_backend
 
 logger = logging.getLogger(__name__)
 
@@ -63,14 +63,14 @@ def cli_main(config: TrainLmConfig):
 
 
 def dry_run(config: TrainLmConfig, options, config_path: Optional[str] = None) -> Optional[bool]:
-    """Print the memory plan of ``config`` (:mod:`levanter.memory_plan`): nothing is trained or read. With
-    ``--slice``, the plan for that TPU slice, compiled on this machine (:mod:`levanter.slice_plan`).
+    """Print the memory plan of ``config`` (:mod:`levanter.memory.plan`): nothing is trained or read. With
+    ``--slice``, the plan for that TPU slice, compiled on this machine (:mod:`levanter.memory.slice_plan`).
     Returns whether the step fits the device's memory (None: the memory is unknown)."""
     loss = lm_loss_fn(config.z_loss_weight, quantization=config.trainer.quantization)
     if options.slice is not None:
         config.trainer.apply_jax_config()
-        plan = slice_plan.make_slice_plan(config, loss, options)
-        print(slice_plan.format_slice_plan(plan, config_path))
+        plan = make_slice_plan(config, loss, options)
+        print(format_slice_plan(plan, config_path))
         return plan.fits
     config.trainer.distributed.initialize()
     config.trainer.apply_jax_config()
@@ -84,8 +84,8 @@ def cli(argv=None) -> None:
     """The command-line entry point: user errors (bad config values, missing or damaged files) print one
     paragraph and exit with status 2; run failures (see below) print one paragraph and exit with status 1.
     Neither prints a traceback. ``docs/reference/errors.md`` lists the cases. ``--dry_run`` prints the
-    memory plan instead of training (:data:`levanter.memory_plan.FLAG_HELP`) and exits with
-    :data:`~levanter.memory_plan.DOES_NOT_FIT_EXIT_CODE` (3) when the step does not fit the device's memory:
+    memory plan instead of training (:data:`levanter.memory.flags.FLAG_HELP`) and exits with
+    :data:`~levanter.memory.flags.DOES_NOT_FIT_EXIT_CODE` (3) when the step does not fit the device's memory:
     the plan's verdict, or, for a model or batch that the shapes alone rule out, one ``error:`` paragraph
     before anything is compiled."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -96,8 +96,8 @@ def cli(argv=None) -> None:
     with cli_errors():
         plan, argv = split_plan_args(argv)
         if plan is not None and plan.slice is not None:
-            slice_plan.require_libtpu()
-            slice_plan.use_cpu_backend()
+            require_libtpu()
+            use_cpu_backend()
         if plan is not None:
             path, rest = levanter.config.split_config_path(argv)
             config = levanter.config.parse_config(TrainLmConfig, path, rest)

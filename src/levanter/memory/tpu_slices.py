@@ -1,7 +1,7 @@
 """TPU slices by the names users type (``v5e-256``, ``v4-64``, ``v5p-128``, ``v6e-8``): the topology the TPU
 compiler takes, the chips per host, the torus wrap, and each chip's memory.
 
-One table, read by ``train_lm --dry_run --slice NAME`` (:mod:`levanter.slice_plan`), which compiles the
+One table, read by ``train_lm --dry_run --slice NAME`` (:mod:`levanter.memory.slice_plan`), which compiles the
 train step for a slice the machine it runs on does not have. The names follow Google Cloud's accelerator
 types: ``v5e-N`` and ``v6e-N`` count chips (``v5litepod-N`` and ``v6e-N`` are the same slices), ``v4-N`` and
 ``v5p-N`` count TensorCores, two per chip, so ``v4-64`` is 32 chips (``v4:2x4x4``). Only the shapes Cloud
