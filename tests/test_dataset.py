@@ -8,11 +8,11 @@ import pytest
 from levanter.data.dataset import (
     AsyncDataset,
     BlockShufflingDataset,
-    DatasetExhausted,
     EpochDataset,
     ListAsyncDataset,
     PermutationDataset,
 )
+from levanter.data.read_plan import DatasetExhausted
 
 
 class StepRecorder(AsyncDataset):
@@ -122,7 +122,7 @@ def test_shuffles_are_deterministic_and_seeded():
 
 
 def test_stacked_batches_flow_through_mixture_in_position_order():
-    from levanter.data.dataset import StackedBatch
+    from levanter.data.read_plan import StackedBatch
     from levanter.data.mixture import MixtureDataset
 
     class Columnar(ListAsyncDataset):

@@ -62,7 +62,7 @@ def test_the_loss_mask_marks_exactly_the_assistant_tokens(tmp_path, tok_dir):
     seq_len = 16
     ds = data._dataset(cache, seq_len)
     n = len(ds.dataset)
-    plan = asyncio.run(ds.plan_read(0, list(range(n))))
+    (plan,) = asyncio.run(ds.plan([0], [list(range(n))]))
     from levanter.store import read_stacked
 
     batch = plan.finish(read_stacked(plan.views).result()).tree

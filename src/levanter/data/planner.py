@@ -384,7 +384,7 @@ def dump_rows(train_set: AsyncDataset, schedule: BatchSchedule, start: int, end:
             else:
                 n = loop.run_until_complete(train_set.async_len())
                 if stop > n:
-                    from .dataset import DatasetExhausted
+                    from .read_plan import DatasetExhausted
 
                     raise DatasetExhausted(f"step {step} needs global index {stop - 1}, but the data has {n}")
                 src, src_index = np.zeros_like(idx), idx
