@@ -144,7 +144,8 @@ def test_train_lm_trains_past_one_epoch(tmp_path, capsys):
 
 
 def test_epoch_is_checked_before_any_work(tmp_path):
-    from levanter.data.config import LMDatasetSourceConfig, LMMixtureDatasetConfig
+    from levanter.data.config import LMMixtureDatasetConfig
+    from levanter.data.source_config import LMDatasetSourceConfig
     from levanter.lm_config import validate
 
     from test_train_lm import tiny_config

@@ -15,7 +15,8 @@ import pytest
 
 from chat_data import chat_tokenizer, write_chats
 from levanter.config import parse_config
-from levanter.data.config import LMMixtureDatasetConfig, LmDatasetFormat, UrlSingleDatasetLMConfig
+from levanter.data.config import LMMixtureDatasetConfig, UrlSingleDatasetLMConfig
+from levanter.data.source_config import LmDatasetFormat
 from levanter.ingest import CacheMismatchError, load_tokenizer
 from levanter.main import sft
 from levanter.sft_config import SFTConfig, to_train_lm_config

@@ -13,7 +13,7 @@ cheap and no part of it imports another through this file:
 * the loader (:mod:`.loader`; read-ahead in :mod:`.read_ahead`, the prefetching thread in :mod:`.prefetch`,
   retries and the load error in :mod:`.load_errors`): :class:`DataLoader`, :class:`Batch`,
   :class:`DataLoadError`;
-* configs (:mod:`.config`), fingerprints (:mod:`.fingerprint`), the schedule record
+* configs (:mod:`.config`; a source's section in :mod:`.source_config`), fingerprints (:mod:`.fingerprint`), the schedule record
   (:mod:`.schedule_record`), and seeds and permutations (``seed_from_key``, ``derive_seed``,
   ``FeistelPermutation``).
 """
@@ -34,6 +34,7 @@ __all__, __getattr__, __dir__ = facade(
         "load_errors",
         "prefetch",
         "read_ahead",
+        "source_config",
         "config",
         "planner",
         "fingerprint",
