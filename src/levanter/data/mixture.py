@@ -425,6 +425,6 @@ class MixtureDataset(AsyncDataset[T]):
 
     async def get_batch(self, step: int, indices: Sequence[int]) -> Sequence[T]:
         (plan,) = await self.plan([step], [indices])
-        if plan is None:  # past the end: the draws say so
-            await self._draws([as_int(step)], [as_index_array(indices)])
+        if plan is None:  # past the end (plan checked the step): the draws say so
+            await self._draws([step], [as_index_array(indices)])
         return await plan.read()
