@@ -7,7 +7,8 @@ import json
 import pytest
 
 from levanter.checkpoint import CheckpointerConfig, CheckpointInterval
-from levanter.data.config import LMDatasetSourceConfig, LMMixtureDatasetConfig
+from levanter.data.config import LMMixtureDatasetConfig
+from levanter.data.source_config import LMDatasetSourceConfig
 from levanter.main import train_lm
 from levanter.models import Gpt2Config
 from levanter.optim import AdamConfig

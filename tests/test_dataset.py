@@ -8,11 +8,11 @@ import pytest
 from levanter.data.dataset import (
     AsyncDataset,
     BlockShufflingDataset,
-    DatasetExhausted,
     EpochDataset,
     ListAsyncDataset,
     PermutationDataset,
 )
+from levanter.data.read_plan import DatasetExhausted
 
 
 class StepRecorder(AsyncDataset):
@@ -122,7 +122,7 @@ def test_shuffles_are_deterministic_and_seeded():
 
 
 def test_stacked_batches_flow_through_mixture_in_position_order():
-    from levanter.data.dataset import StackedBatch
+    from levanter.data.read_plan import StackedBatch
     from levanter.data.mixture import MixtureDataset
 
     class Columnar(ListAsyncDataset):
@@ -188,3 +188,39 @@ def test_every_wrapper_exposes_the_index_map_it_reads_through():
                     (await ds.index_map())(np.array([n]))
 
     asyncio.run(check())
+
+
+class _WindowsOnly:
+    """A token store that reads windows but cannot hand out views of them (not a WindowStore)."""
+
+    def __init__(self, tokens):
+        self.tokens, self.path, self.data_size = tokens, "memory://windows-only", tokens.size
+
+    async def read_windows(self, starts, length):
+        return np.stack([self.tokens[s : s + length] for s in np.asarray(starts).tolist()])
+
+
+def test_a_store_without_views_is_read_with_get_batch_and_a_mixture_still_gives_provenance():
+    """``TokenSeqDataset`` plans only over a ``WindowStore``; over any other token store its ``plan`` says
+    None and its rows come from ``get_batch``. A mixture of such sources still answers a one-step plan
+    (each source read, merged), so the loader's batches carry their provenance from the read's own pass,
+    and they equal the sources' own rows."""
+    from levanter.data.loader import DataLoader
+    from levanter.data.mixture import MixtureDataset
+    from levanter.data.text import TokenSeqDataset, TokenStore, WindowStore
+    from levanter.schedule import BatchSchedule
+
+    stores = [_WindowsOnly(np.arange(400, dtype=np.int32) + 1000 * k) for k in range(2)]
+    assert isinstance(stores[0], TokenStore) and not isinstance(stores[0], WindowStore)
+    sources = {f"s{k}": TokenSeqDataset(s, 4).shuffle(key=k) for k, s in enumerate(stores)}
+    assert asyncio.run(sources["s0"].plan([0, 1], [[0, 1], [2]], [1, 1])) == [None, None]
+    schedule = BatchSchedule(4)
+    mix = MixtureDataset(sources, {"s0": 0.5, "s1": 0.5}, batch_schedule=schedule, key=1)
+    with DataLoader(mix, schedule, prefetch_depth=2, provenance=True).iter_from_step(0, 12) as it:
+        batches = list(it)
+    assert [b.step for b in batches] == list(range(12))
+    for b in batches:
+        got = np.asarray(b.data)
+        for row, (s, i) in enumerate(zip(b.provenance["source"], b.provenance["source_index"])):
+            want = asyncio.run(sources[f"s{s}"].get_batch(b.step, [i]))[0]
+            np.testing.assert_array_equal(got[row], want, err_msg=f"step {b.step} row {row}")

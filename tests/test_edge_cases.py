@@ -15,7 +15,8 @@ import random
 import numpy as np
 import pytest
 
-from levanter.data.config import LMDatasetSourceConfig, LMMixtureDatasetConfig
+from levanter.data.config import LMMixtureDatasetConfig
+from levanter.data.source_config import LMDatasetSourceConfig
 from levanter.data.dataset import ListAsyncDataset
 from levanter.data.loader import DataLoader
 from levanter.data.mixture import MixtureDataset

@@ -14,7 +14,8 @@ import json
 import numpy as np
 import pytest
 
-from levanter.data.dataset import DatasetExhausted, EpochDataset, ListAsyncDataset
+from levanter.data.dataset import EpochDataset, ListAsyncDataset
+from levanter.data.read_plan import DatasetExhausted
 from levanter.data.loader import DataLoader
 from levanter.schedule import BatchSchedule, ScheduleStep
 
@@ -67,7 +68,7 @@ def test_epochs_through_read_ahead_over_a_store(tmp_path):
     tokens = TokenSeqDataset(JaggedArrayStore.open(tmp_path / "s", mode="r"), seq)
     shuffled = CausalLmDataset(tokens, eos_id=49, tokens_only=True).shuffle(key=7)
     ds = shuffled.epochs(max_epochs=3)
-    assert ds.can_plan_reads()
+    assert (asyncio.run(ds.plan([0], [[0]])))[0] is not None  # planned through the epochs and the shuffle
     perm = asyncio.run(shuffled.index_map())
     schedule = _schedule([(0, 5), (6, 7)])
     steps = schedule.find_step_containing_offset(3 * n)
@@ -143,7 +144,8 @@ def test_train_lm_trains_past_one_epoch(tmp_path, capsys):
 
 
 def test_epoch_is_checked_before_any_work(tmp_path):
-    from levanter.data.config import LMDatasetSourceConfig, LMMixtureDatasetConfig
+    from levanter.data.config import LMMixtureDatasetConfig
+    from levanter.data.source_config import LMDatasetSourceConfig
     from levanter.lm_config import validate
 
     from test_train_lm import tiny_config

@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_train_lm import metrics, tiny_config  # noqa: E402
 
 from levanter.checkpoint import initialize_from, load_checkpoint, read_checkpoint_metadata  # noqa: E402
-from levanter.data.config import LMDatasetSourceConfig, LMMixtureDatasetConfig  # noqa: E402
+from levanter.data.config import LMMixtureDatasetConfig  # noqa: E402
+from levanter.data.source_config import LMDatasetSourceConfig  # noqa: E402
 from levanter.eval import EvalResult, SourceTotals, format_table, token_byte_lengths  # noqa: E402
 from levanter.ingest import ByteTokenizer, train_bpe  # noqa: E402
 from levanter.lm_loss import lm_loss_fn  # noqa: E402

@@ -18,7 +18,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from levanter.data.dataset import AsyncDataset, DatasetExhausted, ListAsyncDataset  # noqa: E402
+from levanter.data.dataset import AsyncDataset, ListAsyncDataset  # noqa: E402
+from levanter.data.read_plan import DatasetExhausted  # noqa: E402
 from levanter.data.loader import Batch, DataLoader, process_rows  # noqa: E402
 from levanter.data.mixture import MixtureDataset  # noqa: E402
 from levanter.schedule import BatchSchedule, ScheduleStep  # noqa: E402
@@ -891,5 +892,9 @@ def test_a_single_source_is_read_ahead(tmp_path, monkeypatch, prefetch_depth):
         np.testing.assert_array_equal(np.asarray(b.data["tokens"]), expect, err_msg=f"step {b.step}")
         assert set(b.provenance) == {"global_index"}
         np.testing.assert_array_equal(b.provenance["global_index"], np.arange(first, end))
-    # A wrapper that cannot plan (a per-example map) is read step by step, as before.
-    assert DataLoader(src.map(lambda x: x), schedule).read_ahead(0, 60) is None
+    # A per-example map passes its source's plans on, mapped: read ahead too, into the same batches.
+    served.clear()
+    with DataLoader(src.map(lambda x: x), schedule, prefetch_depth=prefetch_depth).iter_from_step(0, 20) as it:
+        for a, b in zip(batches, it):
+            np.testing.assert_array_equal(np.asarray(b.data["tokens"]), np.asarray(a.data["tokens"]))
+    assert len(served) >= 15

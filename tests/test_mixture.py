@@ -8,7 +8,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from levanter.data.dataset import DatasetExhausted, ListAsyncDataset
+from levanter.data.dataset import ListAsyncDataset, read_planned
+from levanter.data.read_plan import DatasetExhausted, StackedBatch
 from levanter.data.mixture import MixtureDataset
 from levanter.data.mixture_layout import largest_remainder_counts
 from levanter.schedule import BatchSchedule, ScheduleStep
@@ -285,7 +286,6 @@ def test_combined_read_equals_reading_each_source(tmp_path, monkeypatch, names):
     """Every step of two stages: the mixture's batch (one tensorstore read per step when every source can
     plan, else per-source reads; one causal-LM finish of the whole batch when the plans share it) equals
     each source's own get_batch of the rows the mixture drew."""
-    from levanter.data.dataset import StackedBatch
     from levanter.store import batched_reads
 
     import levanter.data.dataset as dataset_module
@@ -343,28 +343,26 @@ def test_combined_read_equals_reading_each_source(tmp_path, monkeypatch, names):
                     expect[k][sel] = rows[k]
             for k in expect:
                 np.testing.assert_array_equal(got[k], expect[k], err_msg=f"step {step} column {k}")
-            plans = [await d.plan_read(step, np.array([0])) for d in mix.datasets]
+            plans = [(await d.plan([step], [np.array([0])]))[0] for d in mix.datasets]
             planned += all(p is not None for p in plans)
         return planned
 
     planned = asyncio.run(check())
     assert len(permuted) == 20  # the shuffled sources' permutations: one pass per step
-    if "mapped" in names:
-        assert planned == 0 and max(mixture_reads) > 1  # per-source reads
-    else:  # every source plans: one read per step
-        assert planned == 20 and mixture_reads == [1] * 20
+    # Every source plans (a per-example map too: its plan is its source's, mapped): one read per step.
+    assert planned == 20 and mixture_reads == [1] * 20
     if "mapped" in names or "other_eos" in names:  # a finish per source present in the step
         assert max(len(f) for f in mixture_finishes) > 1
     else:  # the plans share their finish: each step finished once, whole
         assert all(f == [48] for f in mixture_finishes)
 
-    # plan_reads of several steps: their index math in one pass (the permutations vectorised: more than
+    # A plan of several steps: their index math in one pass (the permutations vectorised: more than
     # SMALL indices), and a plan wherever every source plans and the plans finish alike.
     steps = list(range(20))
     idxs = [np.arange(schedule.global_data_offset_by_step(s), schedule.global_data_offset_by_step(s + 1))
             for s in steps]
     before = len(permuted)
-    plan = asyncio.run(mix.plan_reads(steps, idxs))
+    (plan,) = asyncio.run(mix.plan(steps, idxs))
     assert len(permuted) == before + 1 and permuted[-1] > FeistelPermutation.SMALL
     assert (plan is None) == ("mapped" in names or "other_eos" in names)
 
@@ -487,7 +485,6 @@ def test_coalesced_reads_never_change_what_is_read(tmp_path, monkeypatch, block_
     switch, out-of-order and repeated steps, other rows, the end of a finite mixture, a reader that stops
     and starts again -- equals what a fresh mixture returns for that single request; and there are fewer
     reads than requests."""
-    from levanter.data.dataset import StackedBatch
     from levanter.data.read_ahead import TRIM_GROUPS, GROUPS_AHEAD, MISS, PLAN_MAX_STEPS, ReadAhead
     from levanter.store import batched_reads
 
@@ -620,10 +617,16 @@ def test_groups_read_ahead_stay_bounded_and_a_failed_one_is_read_again(tmp_path,
     assert len(reads) < 90 // 2
 
 
+def _columns_of(batch) -> dict:
+    if isinstance(batch, StackedBatch):
+        return batch.tree
+    return {k: np.stack([np.asarray(ex[k]) for ex in batch]) for k in batch[0]}
+
+
 @pytest.mark.parametrize("index_array_blocks", [True, False])
-def test_plan_reads_of_several_steps_read_each_steps_batch(tmp_path, monkeypatch, index_array_blocks):
-    """``plan_reads(steps, indices)`` through every wrapper a source config builds: its rows, read and
-    finished, are each step's ``get_batch`` back to back; a source that cannot plan says None."""
+def test_a_plan_of_several_steps_reads_each_steps_batch(tmp_path, monkeypatch, index_array_blocks):
+    """``plan(steps, indices)`` through every wrapper a source config builds: its rows, read and
+    finished, are each step's ``get_batch`` back to back (a per-example map's examples too)."""
     import levanter.data.text as text_module
     from levanter.store.batched_reads import read_blocks, read_stacked
 
@@ -633,14 +636,11 @@ def test_plan_reads_of_several_steps_read_each_steps_batch(tmp_path, monkeypatch
         n = asyncio.run(source.async_len()) if source.is_finite() else 1000
         steps = [4, 5, 6]
         indices = [rng.integers(0, n, size) for size in (3, 1, 5)]
-        plan = asyncio.run(source.plan_reads(steps, indices))
-        if name == "mapped":  # a per-example map cannot plan
-            assert plan is None
-            continue
+        (plan,) = asyncio.run(source.plan(steps, indices))
         assert plan.num_rows == 9 and (plan.block is not None) == index_array_blocks, name
         rows = (read_blocks([plan.block]) if plan.block is not None else read_stacked(plan.views)).result()
-        got = plan.finish(rows).tree
-        want = [asyncio.run(source.get_batch(s, i)).tree for s, i in zip(steps, indices)]
+        got = _columns_of(plan.finish(rows))
+        want = [_columns_of(asyncio.run(source.get_batch(s, i))) for s, i in zip(steps, indices)]
         for k in want[0]:
             np.testing.assert_array_equal(got[k], np.concatenate([w[k] for w in want]), err_msg=f"{name} {k}")
 
@@ -698,7 +698,7 @@ def _old_second_pass(mix, lengths, step, indices):
 def test_provenance_from_the_read_equals_the_old_second_pass(stop_strategy, block_size):
     """Exhaustively over a small domain -- every step of a two-stage, two-batch-size run until the data
     ends, every non-empty subset of each step's rows read (a process reading part of the batch) -- the
-    provenance ``read_with_provenance`` returns with the read equals the old second pass, value and dtype,
+    provenance ``read_planned`` returns with the read (the one-step plan) equals the old second pass, value and dtype,
     the rows read equal ``get_batch``'s, and a step past the end fails alike."""
     lengths = [9, 12, 8]
     sources = {
@@ -721,12 +721,12 @@ def test_provenance_from_the_read_equals_the_old_second_pass(stop_strategy, bloc
                 source, src_index = _old_second_pass(mix, lengths, step, where)
             except DatasetExhausted:
                 with pytest.raises(DatasetExhausted):
-                    await mix.read_with_provenance(step, where, where)
+                    await read_planned(mix, step, where, where)
                 ended += 1
                 continue
             for mask in range(1, 2**where.size):
                 idx = where[[k for k in range(where.size) if mask >> k & 1]]
-                rows, prov = await mix.read_with_provenance(step, idx, where)
+                rows, prov = await read_planned(mix, step, idx, where)
                 assert set(prov) == {"source", "source_index"}
                 for key, expect in (("source", source), ("source_index", src_index)):
                     assert prov[key].dtype == expect.dtype
@@ -741,7 +741,7 @@ def test_provenance_from_the_read_equals_the_old_second_pass(stop_strategy, bloc
 
 @pytest.mark.parametrize("block_size", [None, 3])
 def test_planned_provenance_equals_the_old_second_pass(tmp_path, block_size):
-    """The read-ahead's way in: ``plan_read_groups(..., where=...)`` over store-backed sources attaches to
+    """The read-ahead's way in: ``plan(..., where=...)`` over store-backed sources attaches to
     each group's plan the provenance of its steps' whole batches, back to back -- for every step of the
     run, in groups of every size up to 5, reading the whole batch or its second half -- equal to the old
     second pass."""
@@ -759,7 +759,7 @@ def test_planned_provenance_equals_the_old_second_pass(tmp_path, block_size):
             groups = [size] * (len(steps) // size) + ([len(steps) % size] if len(steps) % size else [])
             for part in ("whole", "half"):
                 idxs = wheres if part == "whole" else [w[w.size // 2:] for w in wheres]
-                plans = await mix.plan_read_groups(steps, idxs, groups, wheres)
+                plans = await mix.plan(steps, idxs, groups, wheres)
                 at = 0
                 for g, plan in zip(groups, plans):
                     assert plan is not None and set(plan.provenance) == {"source", "source_index"}

@@ -15,7 +15,8 @@ import pytest
 
 from chat_data import chat_tokenizer, write_chats
 from levanter.config import parse_config
-from levanter.data.config import LMMixtureDatasetConfig, LmDatasetFormat, UrlSingleDatasetLMConfig
+from levanter.data.config import LMMixtureDatasetConfig, UrlSingleDatasetLMConfig
+from levanter.data.source_config import LmDatasetFormat
 from levanter.ingest import CacheMismatchError, load_tokenizer
 from levanter.main import sft
 from levanter.sft_config import SFTConfig, to_train_lm_config
@@ -62,7 +63,7 @@ def test_the_loss_mask_marks_exactly_the_assistant_tokens(tmp_path, tok_dir):
     seq_len = 16
     ds = data._dataset(cache, seq_len)
     n = len(ds.dataset)
-    plan = asyncio.run(ds.plan_read(0, list(range(n))))
+    (plan,) = asyncio.run(ds.plan([0], [list(range(n))]))
     from levanter.store import read_stacked
 
     batch = plan.finish(read_stacked(plan.views).result()).tree

@@ -631,7 +631,8 @@ def test_kill_9_or_ctrl_c_then_rerun_resumes_bit_for_bit(tmp_path):
 
 
 def test_mixture_logs_source_counts_and_switches_at_the_stage_step(tmp_path):
-    from levanter.data.config import LMDatasetSourceConfig, LMMixtureDatasetConfig
+    from levanter.data.config import LMMixtureDatasetConfig
+    from levanter.data.source_config import LMDatasetSourceConfig
 
     data = LMMixtureDatasetConfig(
         tokenizer="byte",

@@ -76,7 +76,8 @@ def write_caches(root: str, total_tokens: int, checksum: bool = True) -> dict:
 
 
 def mixture_config(root: str):
-    from levanter.data.config import LMDatasetSourceConfig, LMMixtureDatasetConfig
+    from levanter.data.config import LMMixtureDatasetConfig
+    from levanter.data.source_config import LMDatasetSourceConfig
 
     return LMMixtureDatasetConfig(
         tokenizer="byte",

@@ -42,7 +42,8 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar, Dict, List, Optional, Union
 
-from levanter.data.config import LMDatasetSourceConfig, LMMixtureDatasetConfig, LmDatasetFormat, UrlSingleDatasetLMConfig
+from levanter.data.config import LMMixtureDatasetConfig, UrlSingleDatasetLMConfig
+from levanter.data.source_config import LMDatasetSourceConfig, LmDatasetFormat
 from levanter.lm_config import TrainLmConfig
 from levanter.models import LlamaConfig, LmConfig
 from levanter.optim import AdamConfig, OptimizerConfig

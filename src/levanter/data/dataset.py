@@ -19,24 +19,23 @@ Trade-off: ``get_batch`` returns a ``Sequence`` of examples (a list, or a numpy 
 the examples). Per-example Python objects cost time at large batches; datasets that can read whole
 batches at once (stores) return arrays.
 
-Read plans: ``plan_read(step, indices)`` is an optional second way in. A dataset backed by token
-windows of a store answers with a :class:`ReadPlan` -- the store views to read and the function that
-turns the rows read into what ``get_batch`` would have returned -- instead of reading; index-mapping
-wrappers pass it through. A mixture asks each source for a plan and reads all sources' windows in
-*one* tensorstore operation per step, where separate reads would cost a future, a callback on a
-tensorstore thread and an event-loop wake-up each (docs/bench/2026-12-03-cpu-levers.md). Datasets that cannot
-plan return None and are read with ``get_batch``; both ways return the same data. ``plan_reads(steps,
-indices)`` plans several steps' reads at once: the loader reads a group of upcoming steps ahead with
-one plan (:mod:`levanter.data.read_ahead`), and a mixture asks each source once for all of them.
-``plan_read_groups`` plans several consecutive groups of steps with the index math of all of them in one
-pass; any dataset that :meth:`~AsyncDataset.can_plan_reads` is read ahead by the loader, a single source
-as much as a mixture.
+Read plans: ``plan(steps, indices, group_sizes=None, where=None)`` is the one planning method. It says
+where the rows of ``get_batch(steps[k], indices[k])`` are read, as one :class:`ReadPlan` per group of
+consecutive steps -- the store views to read (or, for a mixture whose sources read otherwise, the reads to
+await) and the function that turns the rows read into what ``get_batch`` returns -- or None where a
+dataset cannot say (then it is read with ``get_batch``; both ways return the same data). Token windows of
+a store answer with views, index-mapping wrappers map all the groups' indices in one pass and pass the
+call on, and a mixture does its layout, stop strategy and permutations for every step at once and reads
+all its sources' windows in *one* tensorstore operation, where separate reads would cost a future, a
+callback on a tensorstore thread and an event-loop wake-up each
+(docs/bench/2026-12-03-cpu-levers.md). The loader reads
+upcoming steps ahead in groups through it (:mod:`levanter.data.read_ahead`); a mixture's ``get_batch`` is
+its one-step plan, read (:func:`read_planned`).
 
-Provenance: ``read_with_provenance(step, indices, where)`` is ``get_batch`` that also says where the rows
-at ``where`` (the step's whole global batch; ``indices`` are among them) come from -- a mixture answers
-``source`` and ``source_index`` -- from the same index-math pass as the read; ``plan_read_groups(...,
-where=...)`` attaches the same to each plan (:attr:`ReadPlan.provenance`). A dataset that adds nothing
-answers ``{}``; wrappers forward both.
+Provenance: with ``where`` (per step: the step's whole global batch; ``indices`` are among it) each plan
+also says where those rows come from (:attr:`ReadPlan.provenance`) -- a mixture answers ``source`` and
+``source_index`` -- from the same index-math pass as the read. A dataset that adds nothing answers ``{}``;
+wrappers forward it. :func:`read_planned` reads one step with its provenance.
 
 Index maps: a wrapper tells which rows of another dataset it reads (:meth:`AsyncDataset.index_map`, an
 :class:`IndexMap`), so a reader holding several wrapped sources (a mixture) or walking a source down to
@@ -49,23 +48,20 @@ import abc
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
-import jax
 import numpy as np
 
 from ._prp import FeistelPermutation, derive_seed, permute_many, seed_from_key
+from .read_plan import DatasetExhausted, ReadPlan, as_index_array, check_range, group_sizes_of
 
 __all__ = [
-    "StackedBatch",
-    "DatasetExhausted",
-    "as_index_array",
-    "ReadPlan",
-    "check_range",
+    "read_planned",
     "IndexMap",
     "apply_index_maps",
     "AsyncDataset",
     "ListAsyncDataset",
+    "WrapperDataset",
     "MappedAsyncDataset",
     "BatchMappedAsyncDataset",
     "SlicedAsyncDataset",
@@ -76,96 +72,6 @@ __all__ = [
 
 T = TypeVar("T")
 U = TypeVar("U")
-
-
-class StackedBatch(Sequence):
-    """A batch stored column-wise: a pytree of numpy arrays sharing a leading (example) axis.
-
-    It is a ``Sequence`` of per-example pytrees (so it honours the ``get_batch`` contract), but the
-    loader and the mixture use :attr:`tree` directly and never touch examples one by one.
-    """
-
-    def __init__(self, tree: Any):
-        leaves = jax.tree.leaves(tree)
-        if not leaves:
-            raise ValueError("StackedBatch needs at least one array")
-        n = len(leaves[0])
-        if any(len(x) != n for x in leaves):
-            raise ValueError(f"StackedBatch leaves disagree on the batch length: {[len(x) for x in leaves]}")
-        self.tree = tree
-        self._len = n
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return StackedBatch(jax.tree.map(lambda x: x[i], self.tree))
-        return jax.tree.map(lambda x: x[i], self.tree)
-
-    def take(self, positions: np.ndarray) -> "StackedBatch":
-        return StackedBatch(jax.tree.map(lambda x: x[positions], self.tree))
-
-
-class DatasetExhausted(IndexError):
-    """Raised when an index lies past the end of a finite dataset (the loader turns it into the end)."""
-
-
-def as_index_array(indices: Sequence[int]) -> np.ndarray:
-    arr = np.asarray(indices, dtype=np.int64)
-    if arr.ndim != 1:
-        raise ValueError(f"indices must be 1-D, got shape {arr.shape}")
-    return arr
-
-
-# Not frozen: a frozen dataclass's __init__ costs more, and one is made per source and step.
-@dataclasses.dataclass(slots=True)
-class ReadPlan:
-    """A deferred read: ``views`` (tensorstore views of equal shape and dtype, one per example) and
-    ``finish``, mapping the stacked rows read (``array[len(views), ...]``) to the dataset's examples.
-
-    ``row_key``, when not None, promises that ``finish`` works row by row (``finish`` of stacked rows is
-    the stack of ``finish`` of each row) and equals the ``finish`` of every plan with an equal key. A
-    mixture whose sources' plans share a key reads their views in batch order and finishes the whole
-    batch once, instead of finishing each source and merging the columns
-    (docs/bench/2026-12-03-cpu-levers.md).
-
-    ``block``, when not None, stands for ``views`` (then empty): one view of shape ``(n, ...)`` whose
-    rows are the n examples in order (an index-array view; see ``TokenSeqDataset.plan_reads``).
-    """
-
-    views: list
-    finish: Callable[[np.ndarray], Any]
-    row_key: Any = None
-    block: Any = None
-    # From ``plan_read_groups(..., where=...)``: per-row arrays over the steps' ``where`` indices, back to
-    # back ({} for a dataset that adds nothing to the global index); None when not asked for.
-    provenance: Any = None
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.views) if self.block is None else int(self.block.shape[0])
-
-    def then(self, fn: Callable[[Any], Any], row_key: Any = None) -> "ReadPlan":
-        """The same reads, with ``fn`` applied to this plan's result. Pass ``row_key`` (hashable, equal
-        for equal functions) only if ``fn`` is row-wise too; the result keeps a key only if both have one."""
-        inner = self.finish
-        key = None if row_key is None or self.row_key is None else (self.row_key, row_key)
-        return ReadPlan(self.views, lambda rows: fn(inner(rows)), key, self.block, self.provenance)
-
-
-def check_range(idx: np.ndarray, length: int, what: str) -> None:
-    """Raise :class:`DatasetExhausted` (naming ``what``) if an index of ``idx`` lies outside ``[0, length)``."""
-    if not idx.size:
-        return
-    if idx.size <= 64:  # a few indices per source and step: Python's min/max beat numpy's reductions
-        values = idx.tolist()
-        lo, hi = min(values), max(values)
-    else:
-        lo, hi = int(idx.min()), int(idx.max())
-    if lo < 0 or hi >= length:
-        bad = int(idx[(idx < 0) | (idx >= length)][0])
-        raise DatasetExhausted(f"{what}: index {bad} out of range [0, {length})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +114,16 @@ def apply_index_maps(maps: Sequence[IndexMap], indices: Sequence[np.ndarray]) ->
     return permute_many([(m.fn, a) for m, a in zip(maps, arrays)])
 
 
+async def read_planned(dataset: "AsyncDataset", step: int, indices: Sequence[int], where: np.ndarray | None = None):
+    """``(get_batch(step, indices), provenance)`` read through ``dataset``'s one-step plan, so the
+    provenance of ``where`` (None: not asked for) comes from the read's own pass; a dataset that cannot
+    plan the step is read with ``get_batch`` and adds no provenance (``{}``)."""
+    (plan,) = await dataset.plan([step], [indices], None, None if where is None else [where])
+    if plan is None:
+        return await dataset.get_batch(step, indices), (None if where is None else {})
+    return await plan.read(), (None if where is None else plan.provenance)
+
+
 class AsyncDataset(abc.ABC, Generic[T]):
     """A random-access dataset read in batches, one call per training step.
 
@@ -226,61 +142,25 @@ class AsyncDataset(abc.ABC, Generic[T]):
     def is_finite(self) -> bool:
         """Whether :meth:`async_len` is defined."""
 
-    async def plan_read(self, step: int, indices: Sequence[int]) -> ReadPlan | None:
-        """A :class:`ReadPlan` for ``get_batch(step, indices)``, or None (the default): read it instead."""
-        return None
-
-    async def plan_reads(self, steps: Sequence[int], indices: Sequence[Sequence[int]]) -> ReadPlan | None:
-        """One :class:`ReadPlan` for several steps' reads: its rows are those of ``get_batch(steps[k],
-        indices[k])`` for each ``k``, in that order; or None: plan (or read) each step on its own.
-
-        The default joins each step's :meth:`plan_read` where all of them finish alike, row by row (one
-        ``row_key``). Datasets that plan many steps at once for the price of one override it: a mixture
-        asks each source once for a group of consecutive steps.
-        """
-        plans = [await self.plan_read(s, i) for s, i in zip(steps, indices)]
-        key = plans[0].row_key if plans and plans[0] is not None else None
-        if key is None or any(p is None or p.block is not None or p.row_key != key for p in plans):
-            return None
-        return ReadPlan([v for p in plans for v in p.views], plans[0].finish, plans[0].row_key)
-
-    def can_plan_reads(self) -> bool:
-        """Whether :meth:`plan_read_groups` may answer with plans (token windows of a store, through any
-        wrappers that pass plans on): the loader reads such a dataset ahead (:mod:`.read_ahead`). The
-        default: no."""
-        return False
-
-    async def plan_read_groups(
+    async def plan(
         self,
         steps: Sequence[int],
         indices: Sequence[Sequence[int]],
-        group_sizes: Sequence[int],
+        group_sizes: Sequence[int] | None = None,
         where: Sequence[np.ndarray] | None = None,
     ) -> list[ReadPlan | None]:
-        """:meth:`plan_reads` of consecutive groups of ``steps`` (``group_sizes[g]`` steps each), one plan
-        (or None) per group. With ``where`` (per step: the indices whose provenance is wanted, ``indices``
-        among them), each plan carries :attr:`ReadPlan.provenance` over them, from the same pass.
+        """Where the rows of ``get_batch(steps[k], indices[k])`` are read, for every ``k``: one
+        :class:`ReadPlan` per consecutive group of ``steps`` (``group_sizes[g]`` steps each; None: one
+        group of all of them), its rows the group's steps' rows back to back, or None for a group this
+        dataset cannot plan (its steps are read with :meth:`get_batch`).
 
-        The default plans each group on its own and adds no provenance (``{}``). Index-mapping wrappers
-        map all the groups' indices in one pass and pass the call on; a mixture does all its index math
-        for all the groups in one pass.
+        With ``where`` (per step, ascending: the indices whose provenance is wanted, ``indices`` among
+        them) each plan carries :attr:`ReadPlan.provenance` over them, from the same pass (``{}`` where the
+        global index says it all). This is the one planning method: a wrapper maps all the groups'
+        indices at once and passes the call on; a mixture does all its index math in one pass. The
+        default: no plan.
         """
-        plans, at = [], 0
-        for size in group_sizes:
-            plan = await self.plan_reads(steps[at : at + size], indices[at : at + size])
-            if plan is not None and where is not None:
-                plan.provenance = {}
-            plans.append(plan)
-            at += size
-        return plans
-
-    async def read_with_provenance(
-        self, step: int, indices: Sequence[int], where: np.ndarray
-    ) -> tuple[Sequence[T], dict[str, np.ndarray]]:
-        """``get_batch(step, indices)`` and where the rows at ``where`` (this dataset's indices of ``step``,
-        ``indices`` among them) come from, per row, from the same pass: ``{}`` by default (the global
-        index says it all); a mixture adds ``source`` and ``source_index``; wrappers forward."""
-        return await self.get_batch(step, indices), {}
+        return [None] * len(group_sizes_of(steps, group_sizes))
 
     async def index_map(self) -> IndexMap | None:
         """The rows of another dataset this one reads (an :class:`IndexMap`), or None: a dataset that reads
@@ -331,9 +211,11 @@ class ListAsyncDataset(AsyncDataset[T]):
         return True
 
 
-class _Wrapper(AsyncDataset[T]):
-    """A dataset over ``dataset`` that changes its examples, row for row (``map``, ``map_batches``):
-    provenance passes through, and its :meth:`index_map` is the identity, rewriting."""
+class WrapperDataset(AsyncDataset[T]):
+    """A dataset over ``dataset`` that changes its examples on the way (``map``, ``map_batches``,
+    causal-LM columns): its :meth:`index_map` is the identity, rewriting, and its plans are the inner
+    dataset's with :meth:`_rewrite_plan` applied (provenance passes through). A subclass says how it
+    rewrites a batch (:meth:`_rewrite`) and, where that is row-wise, a plan."""
 
     def __init__(self, dataset: AsyncDataset):
         self.dataset = dataset
@@ -350,19 +232,29 @@ class _Wrapper(AsyncDataset[T]):
     def _rewrite(self, examples: Sequence, n: int) -> Sequence:
         raise NotImplementedError
 
+    def _rewrite_plan(self, plan: ReadPlan, steps: int) -> ReadPlan | None:
+        """``plan`` (of ``steps`` steps' rows) with this wrapper's rewrite applied, or None where the
+        rewrite cannot apply to several steps' rows at once. The default: a per-example rewrite."""
+        return plan.then(functools.partial(_rewrite_all, self._rewrite))
+
     async def get_batch(self, step: int, indices: Sequence[int]) -> Sequence[U]:
         return self._rewrite(await self.dataset.get_batch(step, indices), len(indices))
 
-    async def read_with_provenance(self, step: int, indices: Sequence[int], where: np.ndarray):
-        examples, provenance = await self.dataset.read_with_provenance(step, indices, where)
-        return self._rewrite(examples, len(indices)), provenance
+    async def plan(self, steps, indices, group_sizes=None, where=None) -> list[ReadPlan | None]:
+        plans = await self.dataset.plan(steps, indices, group_sizes, where)
+        sizes = group_sizes_of(steps, group_sizes)
+        return [None if p is None else self._rewrite_plan(p, n) for p, n in zip(plans, sizes)]
+
+
+def _rewrite_all(rewrite: Callable, examples: Sequence) -> Sequence:
+    return rewrite(examples, len(examples))
 
 
 def _split_like(flat: np.ndarray, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
     return np.split(flat, np.cumsum([a.size for a in arrays])[:-1])
 
 
-class _IndexMapWrapper(_Wrapper[T]):
+class _IndexMapWrapper(WrapperDataset[T]):
     """A wrapper that only translates indices (its :class:`IndexMap`, built once by
     :meth:`_build_index_map`): reads, plans and provenance pass through to the inner dataset."""
 
@@ -383,38 +275,21 @@ class _IndexMapWrapper(_Wrapper[T]):
     async def get_batch(self, step: int, indices: Sequence[int]) -> Sequence[T]:
         return await self.dataset.get_batch(step, (await self.index_map())(indices))
 
-    async def read_with_provenance(self, step: int, indices: Sequence[int], where: np.ndarray):
-        m = await self.index_map()
-        return await self.dataset.read_with_provenance(step, m(indices), m(where))
-
-    async def plan_read(self, step: int, indices: Sequence[int]) -> ReadPlan | None:
-        return await self.dataset.plan_read(step, (await self.index_map())(indices))
-
-    async def plan_reads(self, steps: Sequence[int], indices: Sequence[Sequence[int]]) -> ReadPlan | None:
-        # An index map does not depend on the step: all the steps' indices are mapped in one pass.
-        arrays = [as_index_array(i) for i in indices]
-        if not arrays:
-            return None
-        inner = (await self.index_map())(np.concatenate(arrays))
-        return await self.dataset.plan_reads(steps, _split_like(inner, arrays))
-
-    def can_plan_reads(self) -> bool:
-        return self.dataset.can_plan_reads()
-
-    async def plan_read_groups(self, steps, indices, group_sizes, where=None) -> list[ReadPlan | None]:
-        # All the groups' indices (and the provenance's) mapped in one pass.
+    async def plan(self, steps, indices, group_sizes=None, where=None) -> list[ReadPlan | None]:
+        # An index map does not depend on the step: all the steps' indices (and the provenance's) are
+        # mapped in one pass.
         m = await self.index_map()
         arrays = [as_index_array(i) for i in indices]
         if not arrays:
-            return []
+            return [None] * len(group_sizes_of(steps, group_sizes))
         inner = _split_like(m(np.concatenate(arrays)), arrays)
         if where is not None:
             wheres = [as_index_array(w) for w in where]
             where = _split_like(m(np.concatenate(wheres)), wheres)
-        return await self.dataset.plan_read_groups(steps, inner, group_sizes, where)
+        return await self.dataset.plan(steps, inner, group_sizes, where)
 
 
-class MappedAsyncDataset(_Wrapper[U], Generic[T, U]):
+class MappedAsyncDataset(WrapperDataset[U], Generic[T, U]):
     """Applies ``fn`` to each example. Indices and ``step`` pass through unchanged."""
 
     def __init__(self, dataset: AsyncDataset[T], fn: Callable[[T], U]):
@@ -425,9 +300,10 @@ class MappedAsyncDataset(_Wrapper[U], Generic[T, U]):
         return [self.fn(x) for x in examples]
 
 
-class BatchMappedAsyncDataset(_Wrapper[U], Generic[T, U]):
+class BatchMappedAsyncDataset(WrapperDataset[U], Generic[T, U]):
     """Applies ``fn`` to each whole batch (``fn(examples) -> examples`` of the same length), so the
-    work can be vectorised. Indices and ``step`` pass through unchanged."""
+    work can be vectorised. Indices and ``step`` pass through unchanged; ``fn`` always sees one step's
+    batch (a plan of several steps' rows is not rewritten: those steps are read one by one)."""
 
     def __init__(self, dataset: AsyncDataset[T], fn: Callable[[Sequence[T]], Sequence[U]]):
         super().__init__(dataset)
@@ -438,6 +314,9 @@ class BatchMappedAsyncDataset(_Wrapper[U], Generic[T, U]):
         if len(out) != n:
             raise ValueError(f"batch map returned {len(out)} examples for {n} indices")
         return out
+
+    def _rewrite_plan(self, plan: ReadPlan, steps: int) -> ReadPlan | None:
+        return super()._rewrite_plan(plan, steps) if steps == 1 else None
 
 
 class SlicedAsyncDataset(_IndexMapWrapper[T]):

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..store.faults import StorageFault, storage_fault
-from .dataset import DatasetExhausted
+from .read_plan import DatasetExhausted
 
 __all__ = ["TransientDataError", "TRANSIENT_ERRORS", "is_transient", "DataLoadError", "read_with_retries"]
 

@@ -19,7 +19,7 @@ names the step). Everything the background work needs (mesh, sharding, process i
 explicitly at construction; nothing reads thread-local context.
 
 Provenance (``provenance=True``): each batch says where every row of the global batch comes from, from
-the index-math pass of the step's own read (``read_with_provenance``, or the read-ahead group's plan):
+the index-math pass of the step's own read (its one-step plan, or the read-ahead group's plan):
 there is no second pass per step.
 
 End of data: for a finite dataset the last step is the last one whose whole range fits in
@@ -42,10 +42,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ..schedule import BatchSchedule, as_int
-from .dataset import AsyncDataset, DatasetExhausted, StackedBatch
+from .dataset import AsyncDataset, read_planned
 from .load_errors import DataLoadError, read_with_retries
 from .prefetch import Prefetcher
 from .read_ahead import MISS, ReadAhead
+from .read_plan import DatasetExhausted, StackedBatch
 
 __all__ = [
     "PREFETCH_SWITCH_INTERVAL",
@@ -53,6 +54,7 @@ __all__ = [
     "Batch",
     "rows_for_process",
     "process_rows",
+    "StepRequest",
     "DataLoader",
     "DataLoaderIterator",
 ]
@@ -80,9 +82,9 @@ def use_prefetch_switch_interval() -> float:
     return previous
 
 
-try:  # jax's own host -> device transfer of per-device pieces (what make_array_from_callback calls)
-    from jax._src.interpreters.pxla import batched_device_put as _batched_device_put
-except ImportError:  # another jax: every array goes through make_array_from_callback (same arrays, slower)
+try:  # jaxlib's host -> device transfer of per-device pieces: what make_array_from_callback ends in
+    from jaxlib.xla_client import batched_device_put as _batched_device_put
+except ImportError:  # another jaxlib: every array goes through make_array_from_callback (same arrays, slower)
     _batched_device_put = None
 
 
@@ -110,6 +112,25 @@ class Batch(Generic[T]):
         if self.provenance is None or "source" not in self.provenance:
             raise ValueError(f"step {self.step}'s batch carries no per-row sources")
         return np.bincount(self.provenance["source"], minlength=num_sources)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRequest:
+    """What this process asks the dataset for at one step, worked out once per step: the global batch
+    ``[first, first + batch_size)``, this process's ``rows`` of it and their global ``indices``
+    (ascending), and ``where``, the global indices whose provenance the batch carries (the whole batch)."""
+
+    step: int
+    first: int
+    batch_size: int
+    rows: np.ndarray
+    indices: np.ndarray
+
+    @property
+    def where(self) -> np.ndarray:
+        if self.rows.size == self.batch_size:  # this process reads the whole batch
+            return self.indices
+        return np.arange(self.first, self.first + self.batch_size, dtype=np.int64)
 
 
 def rows_for_process(
@@ -148,6 +169,10 @@ def _stack(examples) -> Any:
     if len(examples) == 0:
         raise ValueError("cannot stack an empty batch")
     return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *examples)
+
+
+# Steps whose requests a loader keeps (the steps in flight and read ahead: a few hundred at most).
+_REQUESTS_KEPT = 1024
 
 
 class DataLoader(Generic[T]):
@@ -217,6 +242,7 @@ class DataLoader(Generic[T]):
                 )
         self.sharding = NamedSharding(mesh, PartitionSpec(self.data_axes))
         self._rows_cache: dict[int, np.ndarray] = {}
+        self._requests: dict[int, StepRequest] = {}
         self._fast_put: dict[tuple, tuple] = {}  # (shape, dtype) -> (aval, devices, local row slices)
         self._end_step: int | None = None
         self._end_known = False
@@ -231,10 +257,23 @@ class DataLoader(Generic[T]):
             )
         return rows
 
+    def request(self, step: int) -> StepRequest:
+        """This process's request at ``step`` (kept for the steps in flight: the fetch, the read-ahead's
+        grouping and planning all ask for it; a pure function of the step, so a lost entry is recomputed)."""
+        req = self._requests.get(step)
+        if req is None:
+            first = self.schedule.global_data_offset_by_step(step)
+            bs = self.schedule.batch_size_at_step(step)
+            rows = self.local_rows(bs)
+            req = StepRequest(step, first, bs, rows, first + rows)
+            if len(self._requests) >= _REQUESTS_KEPT:
+                self._requests.clear()
+            self._requests[step] = req
+        return req
+
     def indices_for_step(self, step: int) -> np.ndarray:
         """The global indices this process requests for ``step``, ascending."""
-        first = self.schedule.global_data_offset_by_step(step)
-        return first + self.local_rows(self.schedule.batch_size_at_step(step))
+        return self.request(step).indices
 
     async def end_step(self) -> int | None:
         """One past the last step whose whole batch lies inside a finite dataset; None if infinite."""
@@ -249,18 +288,11 @@ class DataLoader(Generic[T]):
     def where_for_step(self, step: int) -> np.ndarray:
         """The global indices whose provenance ``step``'s batch carries: the whole global batch (where this
         process reads all of it, the indices it reads)."""
-        rows = self.indices_for_step(step)
-        bs = self.schedule.batch_size_at_step(step)
-        if rows.size == bs:
-            return rows
-        first = self.schedule.global_data_offset_by_step(step)
-        return np.arange(first, first + bs, dtype=np.int64)
+        return self.request(step).where
 
-    def read_ahead(self, start: int, bound: int | None) -> ReadAhead | None:
-        """Read-ahead for an iterator over steps ``[start, bound)``, or None if the dataset cannot plan its
-        reads (see :mod:`levanter.data.read_ahead`)."""
-        if not self.dataset.can_plan_reads():
-            return None
+    def read_ahead(self, start: int, bound: int | None) -> ReadAhead:
+        """Read-ahead for an iterator over steps ``[start, bound)`` (see :mod:`levanter.data.read_ahead`);
+        the steps of a dataset that plans no group are each read on their own."""
         where = self.where_for_step if self.provenance else None
         return ReadAhead(self.dataset, self.indices_for_step, start, bound, where)
 
@@ -269,12 +301,11 @@ class DataLoader(Generic[T]):
 
         The first attempt takes the step's rows from ``read_ahead`` where it holds them; otherwise, and on
         a retry (:func:`~levanter.data.load_errors.read_with_retries`: the same indices for the same step,
-        so retries never change the data), the dataset is read for the step."""
-        bs = self.schedule.batch_size_at_step(step)
-        first = self.schedule.global_data_offset_by_step(step)
-        rows = self.local_rows(bs)
-        indices = first + rows
-        where = self.where_for_step(step) if self.provenance else None
+        so retries never change the data), the dataset is read for the step -- through its one-step plan
+        where the batch carries provenance, so that both come from one pass."""
+        req = self.request(step)
+        indices, bs = req.indices, req.batch_size
+        where = req.where if self.provenance else None
 
         async def read(attempt: int):
             if read_ahead is not None and attempt == 0:
@@ -283,20 +314,20 @@ class DataLoader(Generic[T]):
                     return got
             if where is None:
                 return await self.dataset.get_batch(step, indices), None
-            return await self.dataset.read_with_provenance(step, indices, where)
+            return await read_planned(self.dataset, step, indices, where)
 
         examples, extra = await read_with_retries(
             read, step, indices, retries=self.retries, backoff=self.retry_backoff, log=logger
         )
-        if len(examples) != len(rows):
-            raise ValueError(f"dataset returned {len(examples)} examples for {len(rows)} indices at step {step}")
+        if len(examples) != len(req.rows):
+            raise ValueError(f"dataset returned {len(examples)} examples for {len(req.rows)} indices at step {step}")
         # Inline, not in a worker thread: building the arrays costs less than a thread hop and back
         # (docs/bench/2026-12-03-cpu-levers.md); the loop is blocked only that long.
-        data = self._assemble(examples, rows, bs)
+        data = self._assemble(examples, req.rows, bs)
         provenance = None
         if where is not None:
-            provenance = {"global_index": np.arange(first, first + bs, dtype=np.int64), **extra}
-        return Batch(step=step, global_offset=first, batch_size=bs, data=data, provenance=provenance)
+            provenance = {"global_index": np.arange(req.first, req.first + bs, dtype=np.int64), **extra}
+        return Batch(step=step, global_offset=req.first, batch_size=bs, data=data, provenance=provenance)
 
     def _assemble(self, examples, rows: np.ndarray, batch_size: int):
         local = _stack(examples)
@@ -311,9 +342,9 @@ class DataLoader(Generic[T]):
             aval, devices, slices = fast
             # The same call jax.make_array_from_callback ends in, without its per-call validation and
             # sharding bookkeeping (a large share of a small batch's cost:
-            # docs/bench/2026-12-03-cpu-levers.md); aval, devices and slices come from a first
-            # make_array_from_callback of this shape.
-            return _batched_device_put(aval, self.sharding, [leaf[sl] for sl in slices], devices)
+            # docs/bench/2026-12-03-cpu-levers.md);
+            # aval, devices and slices come from a first make_array_from_callback of this shape.
+            return _batched_device_put(aval, self.sharding, [leaf[sl] for sl in slices], devices, True)
 
         def cb(index):
             sl = index[0] if index else slice(None)
@@ -377,7 +408,9 @@ class DataLoaderIterator(Iterator[Batch[T]]):
         # that the finalizer holds, so that it does not hold the iterator.
         self._read_ahead: list[ReadAhead | None] = []
         if loader.prefetch_depth > 0:
-            self._prefetcher = Prefetcher(loader, start, end)
+            self._prefetcher = Prefetcher(
+                loader.fetch, loader.end_step, loader.read_ahead, loader.prefetch_depth, start, end
+            )
             self._finalizer = weakref.finalize(self, self._prefetcher.close)
         else:
             self._loop = asyncio.new_event_loop()

@@ -33,7 +33,7 @@ Stop strategies (for finite sources):
 
 Reading past the end raises :class:`~levanter.data.dataset.DatasetExhausted`.
 
-A mixture keeps no state about its callers: ``get_batch(step, indices)`` and ``plan_reads(steps,
+A mixture keeps no state about its callers: ``get_batch(step, indices)`` and ``plan(steps,
 indices)`` are functions of their arguments and the sources alone, so any number of readers, on any
 threads, get the same answers. The index math lives in :mod:`levanter.data.mixture_layout`, the checking of
 weights and stop strategies in :mod:`levanter.data.mixture_weights`; reading a
@@ -44,19 +44,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
-import functools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import TypeVar
 
-import jax
 import numpy as np
 
 from ..schedule import BatchSchedule, StepSchedule, as_int
 from ._prp import seed_from_key
-from .dataset import AsyncDataset, DatasetExhausted, ReadPlan, StackedBatch, apply_index_maps, as_index_array
+from .dataset import AsyncDataset, WrapperDataset, apply_index_maps
+from .mixture_reads import StepDraws, group_plan, merged_plan
+from .read_plan import DatasetExhausted, ReadPlan, as_index_array, group_sizes_of
 from .mixture_layout import MixtureLayout
 from .mixture_weights import STOP_STRATEGIES, stage_schedule
 
@@ -66,51 +65,20 @@ T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
-def _refuse_nested_mixture(name: str, dataset) -> None:
+def _refuse_nested_mixture(name: str, dataset: AsyncDataset) -> None:
     """Refuse a source that is (or wraps) a mixture: a mixture's indices are training-order global
     indices tied to steps, which a source index never is, so a nested one could not read any step."""
     d = dataset
-    while d is not None:
+    while True:
         if isinstance(d, MixtureDataset):
             raise ValueError(
                 f"MixtureDataset: source {name!r} is itself a mixture{'' if d is dataset else ' (wrapped)'}; "
                 "mixtures do not nest. List its sources in this mixture, with their weights multiplied by "
                 f"{name!r}'s weight."
             )
-        d = getattr(d, "dataset", None)
-
-
-@dataclasses.dataclass(frozen=True)
-class _StepDraws:
-    """The reads behind one ``get_batch(step, indices)`` of a mixture."""
-
-    indices: np.ndarray  # the global indices asked for
-    sources: list  # present source ids, ascending
-    selections: list  # per present source: positions in ``indices`` it fills, ascending
-    datasets: list  # per present source: the dataset read (below the source's shuffle: see ``inner``)
-    inner: list  # per present source: indices into that dataset
-    provenance: dict | None = None  # ``source`` and ``source_index`` of the ``where`` indices, if asked
-
-
-def _gather_rows(gather: np.ndarray, finish: Callable, rows: np.ndarray):
-    """``finish`` of ``rows`` put in the order ``gather`` (row-wise finishes: the same as gathering after)."""
-    return finish(rows[gather])
-
-
-def _view_kinds(plans: list) -> set:
-    """``(shape, dtype)`` of the plans' views (a plan's views share them: one view per plan is enough)."""
-    return {(tuple(p.views[0].shape), p.views[0].dtype) for p in plans if p.views}
-
-
-def _in_batch_order(draws: _StepDraws, plans: list) -> list:
-    """The views of a step's per-source plans, in the order of the rows they fill."""
-    ordered: list = [None] * draws.indices.size
-    for sel, p in zip(draws.selections, plans):
-        if len(p.views) != len(sel):
-            raise ValueError(f"a read plan has {len(p.views)} views for {len(sel)} indices")
-        for pos, view in zip(sel.tolist(), p.views):
-            ordered[pos] = view
-    return ordered
+        if not isinstance(d, WrapperDataset):
+            return
+        d = d.dataset
 
 
 class MixtureDataset(AsyncDataset[T]):
@@ -291,7 +259,7 @@ class MixtureDataset(AsyncDataset[T]):
     async def source_indices(self, step: int, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """``(source_id, source_index)`` actually read for each global index of ``step``, after the stop
         strategy (wrapping): a query for tools (the data planner); a read computes the same in its own
-        pass (``read_with_provenance``). Raises :class:`DatasetExhausted` past the end."""
+        pass (``plan(..., where=...)``). Raises :class:`DatasetExhausted` past the end."""
         step = as_int(step)
         return await self._locate([step], [as_index_array(indices)])
 
@@ -349,15 +317,14 @@ class MixtureDataset(AsyncDataset[T]):
     # -- draws: what a request reads -------------------------------------------------------------------
     async def _draws(
         self, steps: Sequence[int], requests: Sequence[np.ndarray], wheres: Sequence[np.ndarray] | None = None
-    ) -> list[_StepDraws]:
+    ) -> list[StepDraws]:
         """What ``get_batch(steps[k], requests[k])`` reads, for each ``k``, computed in one pass: each
         present source, the positions it fills and the indices to read from it (the source's index maps
         -- its shuffle -- already applied). The index math (layout lookups, stop strategy, permutations)
         costs ~30 numpy calls per pass whatever the number of indices -- most of a small batch's CPU -- so a
         reader that plans many steps at once pays it once. With ``wheres`` (per step, ascending, holding
         the step's request) the pass covers them, and each step's draws carry their provenance. Raises
-        past the end, as ``get_batch`` does."""
-        steps = [as_int(s) for s in steps]
+        past the end, as ``get_batch`` does. ``steps`` are checked integers (:meth:`plan` checks them)."""
         located = requests if wheres is None else [as_index_array(w) for w in wheres]
         source, src_index = await self._locate(steps, located)
         sizes = [r.size for r in requests]
@@ -375,7 +342,7 @@ class MixtureDataset(AsyncDataset[T]):
                 for w, r in zip(located, requests):
                     pos = np.searchsorted(w, r)
                     if pos.size and (pos.max() >= w.size or not np.array_equal(w[pos], r)):
-                        raise ValueError("read_with_provenance: the indices read are not among those of `where`")
+                        raise ValueError("MixtureDataset.plan: the indices read are not among those of `where`")
                     picks.append(pos)
                 source = np.concatenate([a[p] for a, p in zip(src_w, picks)]) if picks else source[:0]
                 src_index = np.concatenate([a[p] for a, p in zip(idx_w, picks)]) if picks else src_index[:0]
@@ -415,42 +382,25 @@ class MixtureDataset(AsyncDataset[T]):
                     selections.append(position[lo:hi])
                     datasets.append(chains[s][0])
                     indices.append(inner[lo:hi])
-            out.append(_StepDraws(request, present, selections, datasets, indices, provenance[k]))
+            out.append(StepDraws(steps[k], request, present, selections, datasets, indices, provenance[k]))
         return out
 
-    # -- plans -----------------------------------------------------------------------------------------
-    async def plan_reads(self, steps: Sequence[int], indices: Sequence[Sequence[int]]) -> ReadPlan | None:
-        """One :class:`ReadPlan` for ``get_batch(steps[k], indices[k])`` of every ``k``, rows back to back
-        (a loader reading a group of upcoming steps together); None where a source cannot plan or the
-        sources' plans do not finish alike.
-
-        Each present source plans its rows of all the steps at once (one plan: one set of views or one
-        index-array view, instead of one plan per source and step); the rows come back source by source
-        and are put in batch order by one gather before the (row-wise) finish.
-        """
-        return (await self.plan_read_groups(steps, indices, [len(steps)]))[0]
-
-    def can_plan_reads(self) -> bool:
-        return all(d.can_plan_reads() for d in self.datasets)
-
-    async def plan_read_groups(
-        self,
-        steps: Sequence[int],
-        indices: Sequence[Sequence[int]],
-        group_sizes: Sequence[int],
-        where: Sequence[np.ndarray] | None = None,
-    ) -> list[ReadPlan | None]:
-        """``plan_reads`` of consecutive groups of ``steps`` (``group_sizes[g]`` steps each), with the
-        index math of all of them (and of ``where``'s provenance) done in one pass: a plan's cost is mostly
-        per pass, not per index. A group that reaches past the end of the mixture gets None (its steps'
-        ``get_batch`` says so)."""
+    # -- plans and reads ------------------------------------------------------------------------------
+    async def plan(self, steps, indices, group_sizes=None, where=None) -> list[ReadPlan | None]:
+        """One plan per group of ``steps``, with the index math of all of them (and of ``where``'s
+        provenance) done in one pass: a plan's cost is mostly per pass, not per index. A group whose
+        sources all plan token windows that finish alike is one tensorstore read
+        (:func:`~levanter.data.mixture_reads.group_plan`); a one-step group of other sources reads each
+        source and merges them (:func:`~levanter.data.mixture_reads.merged_plan`); a group of several
+        steps of such sources, or one that reaches past the end of the mixture, gets None (its steps'
+        ``get_batch`` reads them, or says where the mixture ends)."""
         steps = [as_int(s) for s in steps]
         requests = [as_index_array(i) for i in indices]
         wheres = None if where is None else [as_index_array(w) for w in where]
         located = requests if wheres is None else wheres
         end = await self._end_index()
         groups, at = [], 0
-        for size in group_sizes:
+        for size in group_sizes_of(steps, group_sizes):
             inside = end is None or all(not r.size or r.max() < end for r in located[at : at + size])
             groups.append((at, size, inside))
             at += size
@@ -461,8 +411,10 @@ class MixtureDataset(AsyncDataset[T]):
         )))
         plans = []
         for at, size, inside in groups:
-            group = [(steps[k], draws[k]) for k in range(at, at + size)] if inside else None
-            plan = await self._group_plan(group) if group else None
+            group = [draws[k] for k in range(at, at + size)] if inside else []
+            plan = await group_plan(group) if group else None
+            if plan is None and size == 1 and inside:
+                plan = merged_plan(group[0])
             if plan is not None and wheres is not None:
                 plan.provenance = {
                     key: np.concatenate([draws[k].provenance[key] for k in range(at, at + size)])
@@ -471,109 +423,8 @@ class MixtureDataset(AsyncDataset[T]):
             plans.append(plan)
         return plans
 
-    async def _group_plan(self, group: list) -> ReadPlan | None:
-        by_source: dict[int, tuple] = {}
-        first_row = 0
-        for s, d in group:
-            for src, sel, dataset, idx in zip(d.sources, d.selections, d.datasets, d.inner):
-                entry = by_source.get(src)
-                if entry is None:
-                    entry = by_source[src] = (dataset, [], [], [])
-                entry[1].append(s)
-                entry[2].append(idx)
-                entry[3].append(sel + first_row)
-            first_row += d.indices.size
-        if not by_source:
-            return None
-        plans, group_rows = [], []
-        for src in sorted(by_source):
-            dataset, steps, indices, rows = by_source[src]
-            plan = await dataset.plan_reads(steps, indices)
-            if plan is None or plan.row_key is None or (plans and plan.row_key != plans[0].row_key):
-                return None
-            n = sum(i.size for i in indices)
-            if plan.num_rows != n:
-                raise ValueError(f"a read plan has {plan.num_rows} rows for {n} indices")
-            plans.append(plan)
-            group_rows.extend(rows)
-        order = np.concatenate(group_rows)  # the read's row i is the group's row order[i]
-        gather = np.empty_like(order)
-        gather[order] = np.arange(order.size, dtype=order.dtype)
-        finish = functools.partial(_gather_rows, gather, plans[0].finish)
-        blocks = [p.block for p in plans]
-        if all(b is not None for b in blocks) and len({(tuple(b.shape[1:]), b.dtype) for b in blocks}) == 1:
-            import tensorstore as ts
-
-            block = ts.concat(blocks, axis=0) if len(blocks) > 1 else blocks[0]
-            return ReadPlan([], finish, None, block)
-        if all(b is None for b in blocks) and len(_view_kinds(plans)) == 1:
-            return ReadPlan([v for p in plans for v in p.views], finish, None)
-        return None
-
-    # -- reads -----------------------------------------------------------------------------------------
     async def get_batch(self, step: int, indices: Sequence[int]) -> Sequence[T]:
-        step = as_int(step)
-        (draws,) = await self._draws([step], [as_index_array(indices)])
-        return await self._read(step, draws)
-
-    async def read_with_provenance(self, step: int, indices: Sequence[int], where: np.ndarray):
-        """``get_batch`` and each ``where`` index's ``source`` and ``source_index`` (after the stop
-        strategy), from the read's own pass."""
-        step = as_int(step)
-        idx = as_index_array(indices)
-        where = as_index_array(where)
-        (draws,) = await self._draws([step], [idx], [where])
-        return await self._read(step, draws), draws.provenance
-
-    async def _read(self, step: int, draws: "_StepDraws") -> Sequence[T]:
-        selections = draws.selections
-        whole, results = await self._read_sources(step, draws)
-        if whole is not None:
-            return whole
-        source = draws.indices
-        if results and all(isinstance(r, StackedBatch) for r in results):
-            n = len(source)
-
-            def merge(*leaves):
-                out = np.empty((n,) + leaves[0].shape[1:], dtype=leaves[0].dtype)
-                for sel, leaf in zip(selections, leaves):
-                    out[sel] = leaf
-                return out
-
-            return StackedBatch(jax.tree.map(merge, *[r.tree for r in results]))
-        if results and all(isinstance(r, np.ndarray) for r in results):
-            out = np.empty((len(source),) + results[0].shape[1:], dtype=results[0].dtype)
-            for sel, r in zip(selections, results):
-                out[sel] = r
-            return out
-        out_list: list = [None] * len(source)
-        for sel, r in zip(selections, results):
-            for pos, ex in zip(sel.tolist(), r):
-                out_list[pos] = ex
-        return out_list
-
-    async def _read_sources(self, step: int, draws: _StepDraws):
-        """``(whole batch, None)`` or ``(None, each present source's examples)``. When every source can
-        plan its read (token windows of a store, see ``ReadPlan``) and the windows agree in shape and
-        dtype, all of them are read in one tensorstore operation -- and if the plans share a row-wise
-        ``finish``, in batch order and finished once, giving the whole batch; otherwise each source is
-        read with ``get_batch``, concurrently."""
-        datasets, inner = draws.datasets, draws.inner
-        # Planning does no I/O: awaited in turn, not as tasks (three tasks per step cost more than the plans).
-        plans = [await d.plan_read(step, idx) for d, idx in zip(datasets, inner)]
-        if plans and all(p is not None for p in plans):
-            # A plan's views share shape and dtype (ReadPlan's contract): compare one view per plan.
-            if len(_view_kinds(plans)) == 1:
-                from ..store.batched_reads import awaited, read_stacked
-
-                if plans[0].row_key is not None and all(p.row_key == plans[0].row_key for p in plans):
-                    # Same row-wise finish everywhere: read the views in batch order, finish once.
-                    ordered = _in_batch_order(draws, plans)
-                    return plans[0].finish(await awaited(read_stacked(ordered))), None
-                rows = await awaited(read_stacked([v for p in plans for v in p.views]))
-                out, start = [], 0
-                for p in plans:
-                    out.append(p.finish(rows[start : start + len(p.views)]))
-                    start += len(p.views)
-                return None, out
-        return None, await asyncio.gather(*[d.get_batch(step, idx) for d, idx in zip(datasets, inner)])
+        (plan,) = await self.plan([step], [indices])
+        if plan is None:  # past the end (plan checked the step): the draws say so
+            await self._draws([step], [as_index_array(indices)])
+        return await plan.read()

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..schedule import BatchSchedule, StepSchedule, as_int
 from ._prp import FeistelPermutation, derive_seed
-from .dataset import as_index_array
+from .read_plan import as_index_array
 
 __all__ = ["largest_remainder_counts", "BlockLayout", "MixtureLayout"]
 
@@ -120,7 +120,6 @@ class MixtureLayout:
 
     def drawn_in_stage(self, stage: int, until_step: int) -> np.ndarray:
         """Examples of each source drawn by stage ``stage`` in steps ``[start, until_step)`` (exact)."""
-        until_step = as_int(until_step)
         start = self.stage_start_steps[stage]
         if self.block_size is None:
             total = np.zeros(self.num_sources, dtype=object)
@@ -137,7 +136,6 @@ class MixtureLayout:
         return total
 
     def check_indices_belong_to_step(self, step: int, idx: np.ndarray) -> None:
-        step = as_int(step)
         first, end = self.schedule.step_range(step)
         if idx.size and (idx.min() < first or idx.max() >= end):
             bad = int(idx[(idx < first) | (idx >= end)][0])
@@ -159,7 +157,6 @@ class MixtureLayout:
 
     def step_source_indices(self, stage: int, step: int, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``unwrapped_source_indices`` of ``step`` (in ``stage``, checked) for one block per step."""
-        step = as_int(step)
         first = self.schedule.global_data_offset_by_step(step)
         bs = self.schedule.batch_size_at_step(step)
         lay = self.block_layout(stage, step - self.stage_start_steps[stage], bs)

@@ -181,7 +181,55 @@ def plan_data(train_set: AsyncDataset, schedule: BatchSchedule, num_steps: int, 
             end_step = loader_end
     steps = num_steps if end_step is None else end_step
 
-    # Per-stage draws.
+    stage_plans, cumulative = _stage_plans(mixture, names, lengths, schedule, steps, seq_len)
+    stop = mixture.stop_strategy if mixture is not None else None
+    ended_by = None
+    source_plans = []
+    for s, name in enumerate(names):
+        n = lengths[s]
+        wrap = exhausted = None
+        if n is not None:
+            wrap_index, exhausted_index = _wrap_and_exhaustion(train_set, mixture, s, n)
+            wrap = _event_step(schedule, wrap_index, end_index, steps, inclusive=False)
+            # Under first_exhausted (and for a single source) the exhausting draw is the end itself.
+            inclusive = stop in (None, "first_exhausted")
+            exhausted = _event_step(
+                schedule, exhausted_index, end_index, steps, inclusive=inclusive and end_step is not None
+            )
+            if end_step is not None and exhausted_index is not None:
+                # The data ends at the exhausting draw (first_exhausted) or just after it (all_exhausted).
+                if exhausted_index + (0 if inclusive else 1) == end_index:
+                    ended_by = name
+        source_plans.append(
+            SourcePlan(
+                name=name,
+                length=n,
+                tokens_available=None if n is None else n * seq_len,
+                sequences=cumulative[s],
+                tokens=cumulative[s] * seq_len,
+                epochs=cumulative[s] / n if n else None,
+                wrap_step=wrap,
+                exhausted_step=exhausted,
+            )
+        )
+
+    return DataPlan(
+        num_steps=num_steps,
+        steps=steps,
+        end_step=end_step,
+        ended_by=ended_by,
+        seq_len=seq_len,
+        is_mixture=mixture is not None,
+        stop_strategy=stop,
+        block_size=mixture.block_size if mixture is not None else None,
+        batch_segments=tuple(schedule.constant_segments(0, num_steps)),
+        stages=tuple(stage_plans),
+        sources=tuple(source_plans),
+    )
+
+
+def _stage_plans(mixture, names: list, lengths: list, schedule: BatchSchedule, steps: int, seq_len: int):
+    """``(the stages' plans over steps [0, steps), each source's sequences drawn in all of them)``."""
     if mixture is not None:
         starts = list(mixture.stage_start_steps)
         fractions = [[float(f) for f in fr] for fr in mixture.stage_fractions]
@@ -231,67 +279,26 @@ def plan_data(train_set: AsyncDataset, schedule: BatchSchedule, num_steps: int, 
                 sources=tuple(per_source),
             )
         )
+    return stage_plans, cumulative
 
-    # Per-source wrap / exhaustion steps.
-    stop = mixture.stop_strategy if mixture is not None else None
-    ended_by = None
-    source_plans = []
-    for s, name in enumerate(names):
-        n = lengths[s]
-        wrap = exhausted = None
-        if n is not None:
-            if mixture is None and isinstance(train_set, EpochDataset):
-                # train_lm's epoch: the source wraps after each pass and the data ends after the last.
-                wrap_index = n if (train_set.max_epochs or 2) > 1 else None
-                exhausted_index = None if train_set.max_epochs is None else n * train_set.max_epochs
-            elif mixture is None:
-                # A single source is not wrapped: the data ends when it runs out.
-                exhausted_index = n
-                wrap_index = None
-            else:
-                past_end = mixture.layout.global_index_of_draw(s, n)  # draws its (n+1)-th example
-                if stop == "restart":
-                    wrap_index, exhausted_index = past_end, None
-                elif stop == "first_exhausted":
-                    wrap_index, exhausted_index = None, past_end
-                else:  # all_exhausted: wraps meanwhile; exhausted when its last example is drawn
-                    wrap_index, exhausted_index = past_end, mixture.layout.global_index_of_draw(s, n - 1)
-            wrap = _event_step(schedule, wrap_index, end_index, steps, inclusive=False)
-            # Under first_exhausted (and for a single source) the exhausting draw is the end itself.
-            inclusive = stop in (None, "first_exhausted")
-            exhausted = _event_step(
-                schedule, exhausted_index, end_index, steps, inclusive=inclusive and end_step is not None
-            )
-            if end_step is not None and exhausted_index is not None:
-                # The data ends at the exhausting draw (first_exhausted) or just after it (all_exhausted).
-                if exhausted_index + (0 if inclusive else 1) == end_index:
-                    ended_by = name
-        source_plans.append(
-            SourcePlan(
-                name=name,
-                length=n,
-                tokens_available=None if n is None else n * seq_len,
-                sequences=cumulative[s],
-                tokens=cumulative[s] * seq_len,
-                epochs=cumulative[s] / n if n else None,
-                wrap_step=wrap,
-                exhausted_step=exhausted,
-            )
-        )
 
-    return DataPlan(
-        num_steps=num_steps,
-        steps=steps,
-        end_step=end_step,
-        ended_by=ended_by,
-        seq_len=seq_len,
-        is_mixture=mixture is not None,
-        stop_strategy=stop,
-        block_size=mixture.block_size if mixture is not None else None,
-        batch_segments=tuple(schedule.constant_segments(0, num_steps)),
-        stages=tuple(stage_plans),
-        sources=tuple(source_plans),
-    )
+def _wrap_and_exhaustion(train_set: AsyncDataset, mixture, source: int, n: int) -> tuple[int | None, int | None]:
+    """The global indices at which source ``source`` (of ``n`` examples) first wraps and at which it is
+    exhausted (None: never)."""
+    if mixture is None and isinstance(train_set, EpochDataset):
+        # train_lm's epoch: the source wraps after each pass and the data ends after the last.
+        wrap_index = n if (train_set.max_epochs or 2) > 1 else None
+        return wrap_index, None if train_set.max_epochs is None else n * train_set.max_epochs
+    if mixture is None:
+        # A single source is not wrapped: the data ends when it runs out.
+        return None, n
+    past_end = mixture.layout.global_index_of_draw(source, n)  # draws its (n+1)-th example
+    if mixture.stop_strategy == "restart":
+        return past_end, None
+    if mixture.stop_strategy == "first_exhausted":
+        return None, past_end
+    # all_exhausted: wraps meanwhile; exhausted when its last example is drawn
+    return past_end, mixture.layout.global_index_of_draw(source, n - 1)
 
 
 def _event_step(
@@ -384,7 +391,7 @@ def dump_rows(train_set: AsyncDataset, schedule: BatchSchedule, start: int, end:
             else:
                 n = loop.run_until_complete(train_set.async_len())
                 if stop > n:
-                    from .dataset import DatasetExhausted
+                    from .read_plan import DatasetExhausted
 
                     raise DatasetExhausted(f"step {step} needs global index {stop - 1}, but the data has {n}")
                 src, src_index = np.zeros_like(idx), idx

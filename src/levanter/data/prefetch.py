@@ -15,28 +15,36 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any
 
-from .dataset import DatasetExhausted
+from .read_ahead import ReadAhead
+from .read_plan import DatasetExhausted
 
 __all__ = ["Prefetcher"]
-
-if TYPE_CHECKING:
-    from .loader import DataLoader
 
 
 class Prefetcher:
     """The background half of a prefetching iterator: a thread running an asyncio loop that keeps up
     to ``depth`` steps in flight or waiting, and posts results by step into ``ready``.
 
-    It holds no reference to the iterator, so an iterator dropped without ``close()`` is collected and
-    its finalizer stops this thread.
+    It is handed what it runs, not the loader: ``fetch(step, read_ahead)`` (one step's batch),
+    ``end_step()`` (one past the data's last step, or None) and ``read_ahead(start, bound)`` (the
+    iterator's read-ahead). It holds no reference to the iterator, so an iterator dropped without
+    ``close()`` is collected and its finalizer stops this thread.
     """
 
-    def __init__(self, loader: "DataLoader", start: int, limit: int | None):
-        self.loader = loader
-        self.depth = loader.prefetch_depth
+    def __init__(
+        self,
+        fetch: Callable[[int, ReadAhead | None], Awaitable[Any]],
+        end_step: Callable[[], Awaitable[int | None]],
+        read_ahead: Callable[[int, int | None], ReadAhead | None],
+        depth: int,
+        start: int,
+        limit: int | None,
+    ):
+        self._fetch, self._end_step, self._read_ahead = fetch, end_step, read_ahead
+        self.depth = depth
         self.limit = limit
         self.cond = threading.Condition()
         self.ready: dict[int, tuple[str, Any]] = {}
@@ -74,16 +82,16 @@ class Prefetcher:
         launch = deliver = self._start
         read_ahead = None
         try:
-            end = await self.loader.end_step()
+            end = await self._end_step()
             bound = self.limit if end is None else (end if self.limit is None else min(end, self.limit))
             # Fed by this window: the steps launched are the steps the read-ahead groups and reads.
-            read_ahead = self.loader.read_ahead(self._start, bound)
+            read_ahead = self._read_ahead(self._start, bound)
             while not self.closed:
                 # The first step is fetched alone so that it does not compete with the read-ahead: time
                 # to first batch is one fetch, whatever the depth.
                 window = 1 if deliver == self._start else self.depth
                 while (bound is None or launch < bound) and launch - self.taken < window:
-                    task = tasks[launch] = asyncio.create_task(self.loader.fetch(launch, read_ahead))
+                    task = tasks[launch] = asyncio.create_task(self._fetch(launch, read_ahead))
                     task.add_done_callback(_set_event(wake))
                     launch += 1
                     self.poll = _ROOM_POLL_SECONDS[0]

@@ -4,11 +4,12 @@ The loader knows which steps it will ask for (``s, s+1, ...`` from where its ite
 this process's rows), so it -- not the dataset -- reads ahead. Steps after the iterator's first are cut
 into consecutive *groups* (up to :data:`COALESCE_ROWS` rows and :data:`COALESCE_MAX_STEPS` steps of one
 batch size). A group is read in one tensorstore operation, planned by the dataset's stateless
-``plan_read_groups`` (one plan per group; the index math of the groups of up to :data:`PLAN_INDICES`
+``plan`` (one plan per group; the index math of the groups of up to :data:`PLAN_INDICES`
 indices and :data:`PLAN_MAX_STEPS` steps in one pass), and
 finished once; each step then takes its share of the rows -- and, for a loader that records provenance,
 its share of the plan's provenance, computed by the same pass. Any dataset that
-:meth:`~levanter.data.dataset.AsyncDataset.can_plan_reads` is read ahead: one source as much as a mixture. When a step is asked for, its group and the
+:meth:`~levanter.data.dataset.AsyncDataset.plan` answers with plans is read ahead: one source as much as a
+mixture; the steps of a group it cannot plan are read one by one. When a step is asked for, its group and the
 :data:`GROUPS_AHEAD` groups after it are being read, so a group is read while the ones before it are
 served.
 
@@ -36,7 +37,8 @@ import jax
 import numpy as np
 
 from ..schedule import as_int
-from .dataset import AsyncDataset, ReadPlan, StackedBatch
+from .dataset import AsyncDataset
+from .read_plan import StackedBatch
 
 __all__ = [
     "COALESCE_ROWS",
@@ -46,7 +48,6 @@ __all__ = [
     "PLAN_MAX_STEPS",
     "TRIM_GROUPS",
     "MISS",
-    "start_read",
     "ReadAhead",
 ]
 
@@ -62,13 +63,6 @@ TRIM_GROUPS = 256
 
 # What :meth:`ReadAhead.read` returns for a step it does not serve: the caller reads it with get_batch.
 MISS = object()
-
-
-def start_read(plan: ReadPlan):
-    """The tensorstore read of ``plan``'s rows (a future of ``array[plan.num_rows, ...]``)."""
-    from ..store.batched_reads import read_blocks, read_stacked
-
-    return read_blocks([plan.block]) if plan.block is not None else read_stacked(plan.views)
 
 
 def _retrieve(task: asyncio.Task) -> None:
@@ -90,7 +84,7 @@ class ReadAhead:
     """Read-ahead for one iterator's steps from ``start`` (exclusive: it is read alone) up to ``bound``.
 
     Args:
-        dataset: the dataset (one that ``can_plan_reads``).
+        dataset: the dataset (read through its :meth:`~levanter.data.dataset.AsyncDataset.plan`).
         indices_for_step: the global indices the iterator asks for at a step (this process's rows).
         start: the iterator's first step.
         bound: one past the last step the iterator will ask for, or None.
@@ -243,10 +237,7 @@ class ReadAhead:
         plan = plans[at] if at < len(plans) else None
         if plan is None or (self.where_for_step is not None and plan.provenance is None):
             return None
-        from ..store.batched_reads import awaited
-
-        rows = await awaited(start_read(plan))
-        return plan.finish(rows), rows_per_step, plan.provenance, where_per_step
+        return await plan.read(), rows_per_step, plan.provenance, where_per_step
 
     def _pass_of_group(self, g: int) -> int:
         """The planning pass of group ``g``: passes are cut in order, each from the first group without
@@ -289,7 +280,7 @@ class ReadAhead:
             return []
         try:
             where = None if self.where_for_step is None else [self.where_for_step(s) for s in steps]
-            plans = await self.dataset.plan_read_groups(
+            plans = await self.dataset.plan(
                 steps, [self.indices_for_step(s) for s in steps], [end - first for first, end in groups], where
             )
         except Exception:  # noqa: BLE001 -- e.g. the end of the data: each step's get_batch says so itself

@@ -7,8 +7,10 @@ computed from EOS tokens, so attention never crosses a boundary.
 
 Both read whole batches at once (one batched tensorstore read per ``get_batch``) and return column-wise
 :class:`~levanter.data.dataset.StackedBatch` / numpy arrays; there is no per-example Python in the path.
-``step`` is forwarded unchanged. Both also answer ``plan_read`` (the store views plus the column
-computation), so a mixture can read all of its sources' windows in one operation.
+``step`` is forwarded unchanged. Both also answer ``plan`` (the store views plus the column
+computation), so a mixture can read all of its sources' windows in one operation. A store that can be
+planned is a :class:`WindowStore` (its windows as views, unread); any other store is read with its
+``read_windows``.
 
 ``loss_mask`` and ``segment_ids`` are a pure function of the tokens and the EOS id
 (:func:`causal_lm_columns`, and :func:`causal_lm_columns_jax`, the same function in jax) -- and, for a chat
@@ -31,13 +33,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from .dataset import AsyncDataset, IndexMap, ReadPlan, StackedBatch, as_index_array, check_range
+from .dataset import AsyncDataset, WrapperDataset
+from .read_plan import ReadPlan, StackedBatch, as_index_array, check_range, group_sizes_of, with_provenance
 
 __all__ = [
     "BLOCK_MAX_SEQ_LEN",
+    "TokenStore",
+    "WindowStore",
     "TokenSeqDataset",
     "TokenMaskSeqDataset",
     "causal_lm_columns",
@@ -53,6 +59,26 @@ __all__ = [
 BLOCK_MAX_SEQ_LEN = 64
 
 
+@runtime_checkable
+class TokenStore(Protocol):
+    """What a :class:`TokenSeqDataset` reads: a flat token stream of ``data_size`` tokens at ``path``."""
+
+    path: str
+    data_size: int
+
+    async def read_windows(self, starts: Any, length: int) -> np.ndarray: ...
+
+
+@runtime_checkable
+class WindowStore(TokenStore, Protocol):
+    """A :class:`TokenStore` whose windows can be planned: views of them, unread, to be read with other
+    sources' in one tensorstore operation (``JaggedArrayStore``)."""
+
+    def window_views(self, starts: Any, length: int) -> list: ...
+
+    def window_block(self, starts: Any, length: int) -> Any: ...
+
+
 class TokenSeqDataset(AsyncDataset[np.ndarray]):
     """Window ``i`` of ``seq_len`` tokens of a store's flat token stream; returns ``int32[n, seq_len]``.
 
@@ -60,17 +86,17 @@ class TokenSeqDataset(AsyncDataset[np.ndarray]):
     to hold only ids in ``[0, vocab_size)`` (see the module docstring).
     """
 
-    def __init__(self, store, seq_len: int, vocab_size: int | None = None):
+    def __init__(self, store: TokenStore, seq_len: int, vocab_size: int | None = None):
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         self.store = store
         self.seq_len = seq_len
         self.vocab_size = vocab_size
+        self._plannable = isinstance(store, WindowStore)
         if vocab_size is None:
             self._finish, self._row_key = _identity, ("windows",)
         else:
-            where = getattr(store, "path", repr(store))
-            self._finish = functools.partial(_check_token_ids, int(vocab_size), where)
+            self._finish = functools.partial(_check_token_ids, int(vocab_size), store.path)
             # Plans with equal keys are finished by one of them: equal bounds, the same check.
             self._row_key = ("windows", int(vocab_size))
 
@@ -82,28 +108,28 @@ class TokenSeqDataset(AsyncDataset[np.ndarray]):
         check_range(idx, len(self), f"TokenSeqDataset(seq_len={self.seq_len})")
         return self._finish(await self.store.read_windows(idx * self.seq_len, self.seq_len))
 
-    async def plan_read(self, step: int, indices: Sequence[int]) -> ReadPlan | None:
-        window_views = getattr(self.store, "window_views", None)
-        if window_views is None:
-            return None
-        idx = as_index_array(indices)
-        check_range(idx, len(self), f"TokenSeqDataset(seq_len={self.seq_len})")
-        return ReadPlan(window_views(idx * self.seq_len, self.seq_len), self._finish, row_key=self._row_key)
+    async def plan(self, steps, indices, group_sizes=None, where=None) -> list[ReadPlan | None]:
+        """A plan per group of steps (the step does not change a window): a view per window, or for
+        short windows one index-array view of them all (see :data:`BLOCK_MAX_SEQ_LEN`)."""
+        sizes = group_sizes_of(steps, group_sizes)
+        if not self._plannable:
+            return [None] * len(sizes)
+        plans, at = [], 0
+        for size in sizes:
+            plans.append(self._plan_group(indices[at : at + size]) if size else None)
+            at += size
+        return with_provenance(plans, where)
 
-    def can_plan_reads(self) -> bool:
-        return getattr(self.store, "window_views", None) is not None
-
-    async def plan_reads(self, steps: Sequence[int], indices: Sequence[Sequence[int]]) -> ReadPlan | None:
-        """One plan for several steps' windows (the step does not change a window): one view per window,
-        or for short windows one index-array view of them all (see :data:`BLOCK_MAX_SEQ_LEN`)."""
-        if getattr(self.store, "window_views", None) is None or not len(indices):
-            return None
+    def _starts(self, indices: Sequence[Sequence[int]]) -> np.ndarray:
         idx = np.concatenate([as_index_array(i) for i in indices])
-        check_range(idx, len(self), f"TokenSeqDataset(seq_len={self.seq_len})")
-        starts = idx * self.seq_len
-        window_block = getattr(self.store, "window_block", None)
-        if window_block is not None and idx.size and self.seq_len <= BLOCK_MAX_SEQ_LEN:
-            return ReadPlan([], self._finish, row_key=self._row_key, block=window_block(starts, self.seq_len))
+        check_range(idx, len(self), f"{type(self).__name__}(seq_len={self.seq_len})")
+        return idx * self.seq_len
+
+    def _plan_group(self, indices: Sequence[Sequence[int]]) -> ReadPlan:
+        starts = self._starts(indices)
+        if starts.size and self.seq_len <= BLOCK_MAX_SEQ_LEN:
+            block = self.store.window_block(starts, self.seq_len)
+            return ReadPlan([], self._finish, row_key=self._row_key, block=block)
         return ReadPlan(self.store.window_views(starts, self.seq_len), self._finish, row_key=self._row_key)
 
     async def async_len(self) -> int:
@@ -119,9 +145,7 @@ class TokenMaskSeqDataset(TokenSeqDataset):
     (the mask store's view cast to int32 and concatenated after the tokens'), so planned reads of many
     windows and sources stay one tensorstore operation."""
 
-    with_mask = True
-
-    def __init__(self, store, mask_store, seq_len: int, vocab_size: int | None = None):
+    def __init__(self, store: WindowStore, mask_store: WindowStore, seq_len: int, vocab_size: int | None = None):
         super().__init__(store, seq_len, vocab_size)
         if mask_store.data_size != store.data_size:
             raise ValueError(
@@ -149,22 +173,9 @@ class TokenMaskSeqDataset(TokenSeqDataset):
             return np.empty((0, 2 * self.seq_len), dtype=np.int32)
         return self._finish(await awaited(read_stacked(self._views(idx * self.seq_len))))
 
-    async def plan_read(self, step: int, indices: Sequence[int]) -> ReadPlan | None:
-        idx = as_index_array(indices)
-        check_range(idx, len(self), f"TokenMaskSeqDataset(seq_len={self.seq_len})")
-        return ReadPlan(self._views(idx * self.seq_len), self._finish, row_key=self._row_key)
-
-    def can_plan_reads(self) -> bool:
-        return True
-
-    async def plan_reads(self, steps: Sequence[int], indices: Sequence[Sequence[int]]) -> ReadPlan | None:
-        """One plan for several steps' windows: a view per window (never the index-array block of short
-        windows, which reads one store)."""
-        if not len(indices):
-            return None
-        idx = np.concatenate([as_index_array(i) for i in indices])
-        check_range(idx, len(self), f"TokenMaskSeqDataset(seq_len={self.seq_len})")
-        return ReadPlan(self._views(idx * self.seq_len), self._finish, row_key=self._row_key)
+    def _plan_group(self, indices: Sequence[Sequence[int]]) -> ReadPlan:
+        # A view per window, never the index-array block of short windows (which reads one store).
+        return ReadPlan(self._views(self._starts(indices)), self._finish, row_key=self._row_key)
 
 
 def _check_tokens_of_pairs(check, seq_len: int, rows):
@@ -243,7 +254,7 @@ def _tokens_column(windows) -> StackedBatch:
     return StackedBatch({"tokens": np.asarray(windows).astype(np.int32, copy=False)})
 
 
-class CausalLmDataset(AsyncDataset[dict]):
+class CausalLmDataset(WrapperDataset[dict]):
     """Causal-LM examples ``{tokens, loss_mask, segment_ids}`` over a dataset of token windows.
 
     With ``tokens_only=True`` the examples are ``{tokens}``: whoever consumes them derives the other two
@@ -255,45 +266,20 @@ class CausalLmDataset(AsyncDataset[dict]):
     def __init__(
         self, token_dataset: AsyncDataset[np.ndarray], eos_id: int | None, *, tokens_only: bool = False
     ):
-        self.with_mask = bool(getattr(token_dataset, "with_mask", False))
+        super().__init__(token_dataset)
+        self.with_mask = isinstance(token_dataset, TokenMaskSeqDataset)
         if tokens_only and self.with_mask:
             raise ValueError("a chat cache's examples carry their loss mask: tokens_only does not apply")
-        self.dataset = token_dataset
         self.eos_id = eos_id
         self.tokens_only = tokens_only
 
-    async def get_batch(self, step: int, indices: Sequence[int]) -> StackedBatch:
-        return self._columns(await self.dataset.get_batch(step, indices))
-
-    def _columns(self, windows) -> StackedBatch:
+    def _rewrite(self, windows, n: int) -> StackedBatch:
         windows = np.asarray(windows)
         if self.tokens_only:
             return _tokens_column(windows)
         return StackedBatch(_columns(windows, self.eos_id, self.with_mask))
 
-    async def plan_read(self, step: int, indices: Sequence[int]) -> ReadPlan | None:
-        return self._then(await self.dataset.plan_read(step, indices))
-
-    async def plan_reads(self, steps: Sequence[int], indices: Sequence[Sequence[int]]) -> ReadPlan | None:
-        return self._then(await self.dataset.plan_reads(steps, indices))
-
-    def can_plan_reads(self) -> bool:
-        return self.dataset.can_plan_reads()
-
-    async def plan_read_groups(self, steps, indices, group_sizes, where=None) -> list[ReadPlan | None]:
-        return [self._then(p) for p in await self.dataset.plan_read_groups(steps, indices, group_sizes, where)]
-
-    async def read_with_provenance(self, step: int, indices: Sequence[int], where: np.ndarray):
-        # Rows of the inner dataset, rewritten: the provenance is the inner dataset's.
-        examples, provenance = await self.dataset.read_with_provenance(step, indices, where)
-        return self._columns(examples), provenance
-
-    async def index_map(self) -> IndexMap:
-        return IndexMap(self.dataset, rewrites=True)
-
-    def _then(self, plan: ReadPlan | None) -> ReadPlan | None:
-        if plan is None:
-            return None
+    def _rewrite_plan(self, plan: ReadPlan, steps: int) -> ReadPlan:
         if self.tokens_only:  # no EOS in the key: the rows are the same whatever the EOS id
             return plan.then(_tokens_column, row_key=("causal_lm_tokens",))
         eos, with_mask = self.eos_id, self.with_mask
@@ -301,9 +287,3 @@ class CausalLmDataset(AsyncDataset[dict]):
             lambda windows: StackedBatch(_columns(np.asarray(windows), eos, with_mask)),
             row_key=("causal_lm", eos, with_mask),
         )
-
-    async def async_len(self) -> int:
-        return await self.dataset.async_len()
-
-    def is_finite(self) -> bool:
-        return self.dataset.is_finite()

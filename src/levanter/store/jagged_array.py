@@ -57,10 +57,9 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from ..utils import fs
 from . import batched_reads, chunk_manifest
 from .batched_reads import awaited, read_stacked
-from .faults import MISSING, DamagedStoreError, cache_root, damaged_error, note_store, storage_fault
+from .faults import DamagedStoreError, cache_root, damaged_error, note_store
 from .zarr_arrays import (
     CONTEXT,
     array_kvstore,
@@ -69,8 +68,10 @@ from .zarr_arrays import (
     check_chunks,
     chunk_length,
     codec_chain,
+    committed_size,
     create_array,
     open_array,
+    refuse_missing_arrays,
     truncate,
 )
 
@@ -168,20 +169,7 @@ class JaggedArrayStore:
             # Nothing committed and a writer died while creating the arrays: start afresh.
             return cls._create(path, want or np.dtype(np.int32), data_chunk, offsets_chunk, codec, checksum)
         if data is None or offsets is None:
-            if mode == "r" and (strict or data is not None or offsets is not None):
-                missing = [n for n, a in (("data", data), ("offsets", offsets)) if a is None]
-                what = " and ".join(f"{fs.join(path, n)}/zarr.json" for n in missing)
-                raise damaged_error(path, f"{what} {'is' if len(missing) == 1 else 'are'} missing")
-            if mode == "r" or (data is not None or offsets is not None):
-                missing = "data" if data is None else "offsets"
-                raise FileNotFoundError(
-                    f"no JaggedArrayStore at {path!r}: its '{missing}' array is missing"
-                    + ("" if mode == "r" else "; delete the directory to start over")
-                )
-            if num_rows is not None:
-                raise FileNotFoundError(
-                    f"no JaggedArrayStore at {path!r}, but num_rows={num_rows} was expected"
-                )
+            refuse_missing_arrays(path, mode, num_rows, strict, data, offsets)
             return cls._create(path, want or np.dtype(np.int32), data_chunk, offsets_chunk, codec, checksum)
 
         stored = np.dtype(data.dtype.numpy_dtype)
@@ -190,50 +178,10 @@ class JaggedArrayStore:
         if np.dtype(offsets.dtype.numpy_dtype) != np.int64:
             raise ValueError(f"store at {path!r}: offsets must be int64, found {offsets.dtype}")
 
-        n_offsets = array_length(offsets)
-        if n_offsets < 1:
-            raise ValueError(f"store at {path!r} is corrupt: its offsets array is empty")
         # Committed rows must have all their chunks: read-only, so a read never meets a hole; for append,
         # because a write into a missing chunk fills the rest of it with zeros, silently.
         whole = num_rows is not None
-        if whole:
-            check_chunks(path, "offsets", offsets, min(num_rows + 1, n_offsets))
-        if num_rows is None:
-            num_rows = n_offsets - 1
-            try:
-                data_size = int(offsets[num_rows].read().result())
-            except ValueError as e:
-                # A store that was not finalized has capacity past its end, never written.
-                fault = storage_fault(e)
-                if fault is None or fault.code != MISSING:
-                    raise
-                raise ValueError(
-                    f"store at {path!r} was not finalized or is damaged ({fault.what()}); pass num_rows "
-                    "from the cache ledger"
-                ) from e
-            if data_size != array_length(data):
-                raise ValueError(
-                    f"store at {path!r} was not finalized (last offset {data_size}, data length "
-                    f"{array_length(data)}); pass num_rows from the cache ledger"
-                )
-        else:
-            if num_rows + 1 > n_offsets:
-                raise ValueError(
-                    f"store at {path!r} holds at most {n_offsets - 1} rows but num_rows={num_rows} is "
-                    "committed; the store is truncated or the ledger belongs to another cache"
-                )
-            try:
-                data_size = int(offsets[num_rows].read().result())
-            except ValueError as e:
-                fault = storage_fault(e)
-                if not strict or fault is None:
-                    raise
-                raise damaged_error(path, fault.what()) from e
-            if not 0 <= data_size <= array_length(data):
-                raise ValueError(
-                    f"store at {path!r} is corrupt: row {num_rows} ends at {data_size}, outside the data "
-                    f"array of length {array_length(data)}"
-                )
+        num_rows, data_size = committed_size(path, data, offsets, num_rows, strict)
         if whole:
             check_chunks(path, "data", data, data_size)
         if mode == "a":

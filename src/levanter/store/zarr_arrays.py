@@ -24,7 +24,7 @@ import numpy as np
 import tensorstore as ts
 
 from ..utils import fs
-from .faults import damaged_error, status_text, storage_fault
+from .faults import MISSING, damaged_error, status_text, storage_fault
 
 __all__ = [
     "array_kvstore",
@@ -36,6 +36,8 @@ __all__ = [
     "chunk_length",
     "truncate",
     "check_chunks",
+    "refuse_missing_arrays",
+    "committed_size",
     "CONTEXT",
 ]
 
@@ -189,3 +191,66 @@ def check_chunks(path: str, name: str, arr: ts.TensorStore, size: int) -> None:
         plural = len(missing) > 1
         files, verb = ("chunk files", "are") if plural else ("chunk file", "is")
         raise damaged_error(path, f"{files} {shown}{more} {verb} missing")
+
+
+def refuse_missing_arrays(path: str, mode: str, num_rows: int | None, strict: bool, data, offsets) -> None:
+    """Raise unless a store whose arrays are absent may be created (``mode`` "a", nothing committed)."""
+    if mode == "r" and (strict or data is not None or offsets is not None):
+        missing = [n for n, a in (("data", data), ("offsets", offsets)) if a is None]
+        what = " and ".join(f"{fs.join(path, n)}/zarr.json" for n in missing)
+        raise damaged_error(path, f"{what} {'is' if len(missing) == 1 else 'are'} missing")
+    if mode == "r" or (data is not None or offsets is not None):
+        missing = "data" if data is None else "offsets"
+        raise FileNotFoundError(
+            f"no JaggedArrayStore at {path!r}: its '{missing}' array is missing"
+            + ("" if mode == "r" else "; delete the directory to start over")
+        )
+    if num_rows is not None:
+        raise FileNotFoundError(f"no JaggedArrayStore at {path!r}, but num_rows={num_rows} was expected")
+
+
+def committed_size(path: str, data, offsets, num_rows: int | None, strict: bool) -> tuple[int, int]:
+    """``(rows, tokens)`` committed in an existing store: ``num_rows`` from the ledger, checked against the
+    arrays (their chunks too), or, with None, a finalized store's own count (an unfinalized one refused)."""
+    n_offsets = array_length(offsets)
+    if n_offsets < 1:
+        raise ValueError(f"store at {path!r} is corrupt: its offsets array is empty")
+    if num_rows is not None:
+        check_chunks(path, "offsets", offsets, min(num_rows + 1, n_offsets))
+    if num_rows is None:
+        num_rows = n_offsets - 1
+        try:
+            data_size = int(offsets[num_rows].read().result())
+        except ValueError as e:
+            # A store that was not finalized has capacity past its end, never written.
+            fault = storage_fault(e)
+            if fault is None or fault.code != MISSING:
+                raise
+            raise ValueError(
+                f"store at {path!r} was not finalized or is damaged ({fault.what()}); pass num_rows "
+                "from the cache ledger"
+            ) from e
+        if data_size != array_length(data):
+            raise ValueError(
+                f"store at {path!r} was not finalized (last offset {data_size}, data length "
+                f"{array_length(data)}); pass num_rows from the cache ledger"
+            )
+        return num_rows, data_size
+    if num_rows + 1 > n_offsets:
+        raise ValueError(
+            f"store at {path!r} holds at most {n_offsets - 1} rows but num_rows={num_rows} is "
+            "committed; the store is truncated or the ledger belongs to another cache"
+        )
+    try:
+        data_size = int(offsets[num_rows].read().result())
+    except ValueError as e:
+        fault = storage_fault(e)
+        if not strict or fault is None:
+            raise
+        raise damaged_error(path, fault.what()) from e
+    if not 0 <= data_size <= array_length(data):
+        raise ValueError(
+            f"store at {path!r} is corrupt: row {num_rows} ends at {data_size}, outside the data "
+            f"array of length {array_length(data)}"
+        )
+    return num_rows, data_size
