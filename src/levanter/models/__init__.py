@@ -14,7 +14,6 @@ __all__, __getattr__, __dir__ = facade(
     __package__,
     (
         "attention",
-        "flash_attention",
         "layers",
         "loss",
         "token_dot",
