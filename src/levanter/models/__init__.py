@@ -20,6 +20,7 @@ __all__, __getattr__, __dir__ = facade(
         "rope",
         "lm_model",
         "gpt2",
+        "decoder",
         "llama",
         "qwen",
         "mistral",
