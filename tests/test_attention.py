@@ -32,12 +32,12 @@ from levanter.models import (
 )
 from levanter.models.attention import (
     SplashBlockSizes,
+    blockwise_attention,
     check_backend_platform,
     plan_attention,
     resolve_splash_block_sizes,
     splash_attention,
 )
-from levanter.models.flash_attention import blockwise_attention
 
 Batch = Axis("batch", 2)
 Vocab = Axis("vocab", 100)  # the tiny models of tests/test_models.py: their eager init ops are compiled once

@@ -27,8 +27,7 @@ from levanter.models import (
     causal_segment_mask,
     next_token_loss,
 )
-from levanter.models.llama import DefaultRopeConfig
-from levanter.models.rope import Llama3RopeConfig, YarnRopeConfig
+from levanter.models.rope import DefaultRopeConfig, Llama3RopeConfig, YarnRopeConfig
 
 Vocab = hax.Axis("vocab", 100)
 Batch = hax.Axis("batch", 2)

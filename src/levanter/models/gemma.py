@@ -18,7 +18,7 @@ Registered as ``type: gemma`` (upstream Levanter's name) and ``type: gemma2``. W
 
 The config is a :class:`~levanter.models.llama.LlamaConfig` (every key means what it means for Llama; only
 defaults differ, plus ``norm_embeddings``), and the attention and MLP modules are Llama's
-(:class:`~levanter.models.llama.LlamaAttention`, :class:`~levanter.models.llama.LlamaMlp`): the parameter
+(:class:`~levanter.models.decoder.LlamaAttention`, :class:`~levanter.models.decoder.LlamaMlp`): the parameter
 names, axes (``q_proj [embed -> heads, head_size]`` and so on), activation checkpoint names, attention backends
 and FLOP count are therefore shared, and a Gemma checkpoint uses the same Hugging Face tensor names as a Llama
 one. Only the norms, the embedding scale and the model around the blocks are Gemma's own
@@ -50,10 +50,9 @@ from haliax import Axis, NamedArray
 
 from .attention import HEAD_SIZE, HEADS, KEY_POS, POS, Q_PER_GROUP, causal_segment_mask
 from .layers import named
-from .llama import (
+from .decoder import (
     DecoderLMHeadModel,
     LlamaAttention,
-    LlamaConfig,
     LlamaMlp,
     SandwichNormBlock,
     apply_rotary,
@@ -61,6 +60,7 @@ from .llama import (
     init_decoder_parts,
     plan_config_attention,
 )
+from .llama import LlamaConfig
 from .lm_model import LmConfig, check_input_length
 from .rope import rotary_tables
 from .token_dot import linear
@@ -306,7 +306,7 @@ class GemmaLMHeadModel(DecoderLMHeadModel):
         self, input_ids: NamedArray, segment_ids: NamedArray | None = None, *, key=None
     ) -> NamedArray:
         logits = super().__call__(input_ids, segment_ids, key=key)
-        cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma 2 only
+        cap = self.config.final_logit_softcapping if isinstance(self.config, Gemma2Config) else None
         if cap is None:
             return logits
         return hax.tanh(logits.astype(jnp.float32) / cap) * cap

@@ -59,19 +59,19 @@ from haliax import Axis, NamedArray
 
 from .attention import AttentionMask
 from .layers import ACTIVATIONS, check_positive, named, normal_linear
-from .llama import (
+from .decoder import (
     DecoderLMHeadModel,
-    LlamaConfig,
     PreNormBlock,
     decoder_block_parts,
     init_decoder_parts,
     plan_config_attention,
     rms_norm,
 )
+from .llama import LlamaConfig
 from .lm_model import LAYERS, LmConfig, check_input_length
 from .mistral import SlidingWindowAttention
 from .rope import rotary_tables
-from .token_dot import linear, token_dot_kernel
+from .token_dot import linear, lora_adapter, token_dot_kernel
 
 __all__ = [
     "EXPERTS",
@@ -192,7 +192,7 @@ class MixtralSparseMoe(eqx.Module):
         assigned = hax.sum(one_hot, axis=tuple(a for a in one_hot.axes if a.name != EXPERTS))
         prob_sum = hax.sum(probs, axis=tuple(a for a in probs.axes if a.name != EXPERTS))
         if self.config.moe_dispatch == "grouped":
-            if any(token_dot_kernel(layer) is not None or getattr(layer, "lora_a", None) is not None
+            if any(token_dot_kernel(layer) is not None or lora_adapter(layer) is not None
                    for layer in (self.w1, self.w2, self.w3)):
                 # The ragged products read the weights directly: a quantized expert's kernel (and fp8's state)
                 # would be skipped without a word.

@@ -5,7 +5,7 @@ Registered as ``type: olmo2`` (upstream Levanter's name, field names and default
 OLMo 2 changes in :mod:`levanter.models.llama`:
 
 * No norm on a branch's input: each block is ``x + post_attention_layernorm(attn(x))``, then
-  ``x + post_feedforward_layernorm(mlp(x))`` -- :class:`~levanter.models.llama.SandwichNormBlock` with
+  ``x + post_feedforward_layernorm(mlp(x))`` -- :class:`~levanter.models.decoder.SandwichNormBlock` with
   only its two output norms (Gemma 2 uses all four). The final norm before the head is kept.
 * The queries and keys pass through an RMS norm with a learned scale over the whole projection
   (``heads x head_size`` for the queries, ``kv_heads x head_size`` for the keys), not over each head as in
@@ -31,16 +31,8 @@ from haliax import Axis, NamedArray
 
 from ..refused_keys import refused
 from .attention import AttentionMask
-from .llama import (
-    UPSTREAM_REFERENCE_CHECKPOINT,
-    LlamaConfig,
-    LlamaLMHeadModel,
-    LlamaMlp,
-    QkNormAttentionBias,
-    SandwichNormBlock,
-    decoder_block_parts,
-    rms_norm,
-)
+from .decoder import LlamaMlp, QkNormAttentionBias, SandwichNormBlock, decoder_block_parts, rms_norm
+from .llama import UPSTREAM_REFERENCE_CHECKPOINT, LlamaConfig, LlamaLMHeadModel
 from .lm_model import LmConfig
 
 __all__ = ["OLMO2_REFERENCE_CHECKPOINT", "Olmo2Config", "Olmo2DecoderLayer"]

@@ -1,6 +1,6 @@
 """Qwen2 and Qwen3: Llama decoders with small changes to attention.
 
-Registered as ``type: qwen2`` and ``type: qwen3``. Both reuse Llama's modules (:mod:`levanter.models.llama`:
+Registered as ``type: qwen2`` and ``type: qwen3``. Both reuse Llama's modules (:mod:`levanter.models.decoder`:
 RMS norms, rotary positions, a gated MLP, grouped-query attention) and switch the attention options that
 ``LlamaConfig`` exposes as properties, so there is one implementation of the block to keep fast:
 
@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from .llama import LlamaConfig, QkNormAttentionBias
+from .decoder import QkNormAttentionBias
+from .llama import LlamaConfig
 from .lm_model import LmConfig
 
 __all__ = ["Qwen2Config", "Qwen3Config"]

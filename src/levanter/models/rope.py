@@ -62,6 +62,10 @@ class RopeConfig(draccus.ChoiceRegistry):
         """Multiplier on ``cos`` and ``sin`` (1 except for yarn)."""
         return 1.0
 
+    def scaling_factor(self) -> float:
+        """The type's ``factor`` (how far it stretches positions or frequencies); 1 for a type without one."""
+        return 1.0
+
     def check(self) -> None:
         if self.theta <= 0:
             raise ValueError(f"model.rope.theta must be positive, got {self.theta}")
@@ -93,6 +97,9 @@ class DefaultRopeConfig(RopeConfig):
         super().check()
         if self.factor <= 0:
             raise ValueError(f"model.rope.factor must be positive, got {self.factor}")
+
+    def scaling_factor(self) -> float:
+        return float(self.factor)
 
     def hf_type(self) -> str:
         return "default" if self.factor == 1.0 else "linear"
@@ -138,6 +145,9 @@ class Llama3RopeConfig(RopeConfig):
                 f"model.rope.high_freq_factor ({self.high_freq_factor}) must exceed model.rope.low_freq_factor "
                 f"({self.low_freq_factor})"
             )
+
+    def scaling_factor(self) -> float:
+        return float(self.factor)
 
     def hf_type(self) -> str:
         return "llama3"
@@ -204,6 +214,9 @@ class YarnRopeConfig(RopeConfig):
             raise ValueError(
                 "model.rope factor, beta_fast, beta_slow and original_max_position_embeddings must be positive"
             )
+
+    def scaling_factor(self) -> float:
+        return float(self.factor)
 
     def hf_type(self) -> str:
         return "yarn"

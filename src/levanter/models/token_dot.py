@@ -16,14 +16,14 @@ non-contracted axis with the weight, e.g. under ``vmap``, or has a single outer 
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Optional, Protocol, Sequence, runtime_checkable
 
 import haliax as hax
 import haliax.nn as hnn
 from haliax import Axis, NamedArray
 from haliax.quantization import DefaultDotGeneralOp
 
-__all__ = ["token_dot", "token_dot_kernel", "linear"]
+__all__ = ["token_dot", "token_dot_kernel", "LowRankAdapted", "lora_adapter", "linear"]
 
 
 def _as_axes(spec, array: NamedArray) -> tuple[Axis, ...]:
@@ -54,8 +54,24 @@ def token_dot(x: NamedArray, weight: NamedArray, axis, dot_general=None) -> Name
 
 def token_dot_kernel(layer: hnn.Linear):
     """The layer's ``dot_general``, or None for haliax's default (a plain ``jax.lax.dot_general``)."""
-    op = getattr(layer, "dot_general", None)
+    op = layer.dot_general
     return None if op is None or isinstance(op, DefaultDotGeneralOp) else op
+
+
+@runtime_checkable
+class LowRankAdapted(Protocol):
+    """A linear layer with a low-rank adapter beside it (:class:`levanter.lora.LoraLinear`, which this part
+    cannot import: ``lora`` builds on ``models``): ``lora_scale * (x . lora_a) . lora_b`` is added to its
+    product."""
+
+    lora_a: Optional[NamedArray]  # [In..., lora_r]
+    lora_b: Optional[NamedArray]  # [lora_r, Out...]
+    lora_scale: float
+
+
+def lora_adapter(layer: hnn.Linear) -> Optional[LowRankAdapted]:
+    """``layer`` if it carries a LoRA adapter, else None."""
+    return layer if isinstance(layer, LowRankAdapted) and layer.lora_a is not None else None
 
 
 def linear(layer: hnn.Linear, x: NamedArray, select: Optional[tuple[str, int]] = None) -> NamedArray:
@@ -69,9 +85,10 @@ def linear(layer: hnn.Linear, x: NamedArray, select: Optional[tuple[str, int]] =
     out = hax.auto_sharded(token_dot(x, weight, layer.In, dot_general=token_dot_kernel(layer)))
     if bias is not None:
         out = hax.auto_sharded(out + bias)
-    lora_a = getattr(layer, "lora_a", None)  # a LoRA adapter (levanter.lora.LoraLinear): two thin products beside
-    if lora_a is not None:
-        lora_b = layer.lora_b if select is None else layer.lora_b[select]
+    adapted = lora_adapter(layer)  # a LoRA adapter: two thin products beside
+    if adapted is not None:
+        lora_a = adapted.lora_a
+        lora_b = adapted.lora_b if select is None else adapted.lora_b[select]
         low = token_dot(token_dot(x, lora_a, layer.In), lora_b, lora_a.axes[-1])
-        out = hax.auto_sharded(out + low * layer.lora_scale)
+        out = hax.auto_sharded(out + low * adapted.lora_scale)
     return out

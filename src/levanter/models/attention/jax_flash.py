@@ -22,12 +22,11 @@ scores, the FlashAttention-2 order).
 Trade-offs. Peak temporaries are a few ``[batch, heads, block, block]`` float32 arrays instead of
 ``[batch, heads, position, key_position]``; the price is a sequential loop over block pairs (XLA cannot
 fuse across iterations) and recomputing the scores in the backward pass. On CPU at short sequences the
-materialised kernel (``levanter.models.attention``) is faster; at 4,096 positions blockwise is close in
-time with a fraction of the memory (docs/bench/2026-12-03-attention-and-loss.md). Scores and the softmax
-are float32 whatever the input dtype; masked scores are a large finite negative number (as in the
-materialised kernel), so a row whose earlier key blocks are all masked stays NaN-free and is corrected
-by the first visible key. Attention-probability dropout is not supported (the materialised kernel has
-it).
+materialised kernel (``levanter.models.attention.vanilla``) is faster; at 4,096 positions blockwise is
+close in time with a fraction of the memory (docs/bench/2026-12-03-attention-and-loss.md). Scores and the
+softmax are float32 whatever the input dtype; masked scores are a large finite negative number (as in the
+materialised kernel), so a row whose earlier key blocks are all masked stays NaN-free and is corrected by
+the first visible key. Attention-probability dropout is not supported (the materialised kernel has it).
 """
 
 from __future__ import annotations
