@@ -121,11 +121,12 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
     """The run itself, under its lock: its data, its state (initial, restored from ``point``, or a branch's
     start from ``branch``, its origin as resolved before the lock), its outputs, the step loop."""
     tcfg = config.trainer
+    schedule = tcfg.batch_schedule
     Vocab = hax.Axis("vocab", model_vocab_size(config, tokenizer))
     # The seed's keys are (data, loader, model, training), in upstream's order.
     model_key = jax.random.split(jax.random.PRNGKey(tcfg.seed), 4)[2]
     harness = harness_evaluator(config)  # eval_harness's tasks, loaded before any other work
-    data = build_data(config, tcfg.batch_schedule, data_key(config))
+    data = build_data(config, schedule, data_key(config))
     trainer, picked = fit_run_trainer(config, Vocab.size, data.eos_id, point, lora)
     evaluator = make_evaluator(config, trainer, data.eval_sets, tokenizer, Vocab.size)
     state, origin = start_state(config, trainer, Vocab, model_key, point, branch, fresh_model, lora)
@@ -155,7 +156,7 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
                                   + (lora.exporters(config, run_id) if lora is not None else []))
     if lora is not None:
         lora.log_trainable(trainer, state.model, tracker)
-    loader = DataLoader(data.train_set, tcfg.batch_schedule, mesh=trainer.mesh, data_axis="data",
+    loader = DataLoader(data.train_set, schedule, mesh=trainer.mesh, data_axis="data",
                         prefetch_depth=config.prefetch_depth, provenance=True)
     profiler = StepProfiler(tcfg, run_id)  # trainer.profiler: a jax.profiler trace of a window of steps
     progress = RunProgress(tcfg.num_train_steps, start_step,
