@@ -27,8 +27,8 @@ FORBIDDEN: dict[str, frozenset[str]] = {
     "trainer_config": frozenset({"trainer", "main"}),
     "trainer": frozenset({"main"}),
     "lm_loss": frozenset({"trainer", "main"}),
-    "lm_run": frozenset({"main"}),
-    "sft_config": frozenset({"main", "trainer", "lm_run"}),
+    "run": frozenset({"main"}),
+    "sft_config": frozenset({"main", "trainer", "run"}),
 }
 
 

@@ -657,7 +657,7 @@ NAN_MARK, INF_MARK = -1, -2
 def test_non_finite_steps_are_skipped_when_allowed(tmp_path, monkeypatch):
     import jax.numpy as jnp
 
-    from levanter import lm_run
+    import levanter.run.state
     from levanter.main import train_lm
 
     t0 = time.monotonic()
@@ -689,7 +689,7 @@ def test_non_finite_steps_are_skipped_when_allowed(tmp_path, monkeypatch):
         marked = jax.make_array_from_callback(host.shape, arr.sharding, lambda idx: host[idx])
         return dataclasses.replace(batch, data={**batch.data, "tokens": marked})
 
-    monkeypatch.setattr(lm_run, "lm_loss_fn", poisoned_loss_fn)
+    monkeypatch.setattr(levanter.run.state, "lm_loss_fn", poisoned_loss_fn)
     monkeypatch.setattr(DataLoader, "fetch", poisoned_fetch)
     steps = 6
     out = train_lm.main(nan_config(tmp_path, "skip", steps=steps, crash=False))

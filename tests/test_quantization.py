@@ -270,7 +270,7 @@ def test_an_fp8_run_resumes_bit_for_bit_exports_its_weights_and_is_resumed_only_
 
     from test_train_lm import metrics, tiny_config, train_losses
 
-    from levanter import lm_run
+    from levanter import run
     from levanter.compat import load_hf_checkpoint
     from levanter.main import export_lm_to_hf
 
@@ -305,7 +305,7 @@ def test_an_fp8_run_resumes_bit_for_bit_exports_its_weights_and_is_resumed_only_
     capsys.readouterr()
     off = dataclasses.replace(stopped.trainer, num_train_steps=12, quantization=None)
     for trainer in (off, dataclasses.replace(off, id="branch", initialize_from=str(ckpt))):
-        with pytest.raises(SystemExit) as info, lm_run.cli_errors():
+        with pytest.raises(SystemExit) as info, run.cli_errors():
             train_lm.main(dataclasses.replace(stopped, trainer=trainer))
         assert info.value.code == 2
         err = capsys.readouterr().err

@@ -21,7 +21,7 @@ from levanter.config import ConfigError, parse_config
 from levanter.data.config import UrlSingleDatasetLMConfig
 from levanter.data.loader import Batch, DataLoader
 from levanter.lm_loss import lm_loss_fn
-from levanter import lm_run
+import levanter.run.data
 from levanter.main import train_lm
 from levanter.memory import available_memory, check_memory
 from levanter.models import Gpt2Config, LlamaConfig
@@ -971,7 +971,7 @@ optimizer: {{learning_rate: 0.01, warmup: 0.0, weight_decay: 0.0, lr_schedule: c
     assert e.value.code == 2
     assert "lower trainer.num_train_steps to 3" in capsys.readouterr().err
 
-    monkeypatch.setattr(lm_run, "check_data_covers_run", lambda *a, **k: None)
+    monkeypatch.setattr(levanter.run.data, "check_data_covers_run", lambda *a, **k: None)
     with pytest.raises(SystemExit) as e:
         train_lm.cli(argv)
     err = capsys.readouterr().err
@@ -1058,7 +1058,7 @@ def _report(step=3, *, update_norm=1e-3, param_norm=10.0, grad_norm=0.5, skipped
 
 
 def test_an_update_too_small_to_count_stops_the_run_naming_the_key():
-    from levanter.lm_run import check_update_moves
+    from levanter.run import check_update_moves
 
     adam = AdamConfig(learning_rate=1e-3, epsilon=1e18)
     with pytest.raises(ValueError, match=r"the update at step 3 is 1\.0e-24 .*optimizer\.epsilon=1e\+18"):

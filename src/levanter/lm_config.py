@@ -11,6 +11,26 @@ from one another (``levanter.main.train_lm`` re-exports them under upstream's pa
 
 from __future__ import annotations
 
+__all__ = [
+    "SEED_LIMIT",
+    "BranchOrigin",
+    "TrainLmConfig",
+    "branch_origin",
+    "check_branch_model",
+    "check_epoch",
+    "check_eval_harness",
+    "check_hf_keys",
+    "check_storage_access",
+    "config_locations",
+    "data_key",
+    "hf_init_path",
+    "model_vocab_size",
+    "overridden_model_keys",
+    "storage_locations",
+    "validate",
+    "with_hf_model",
+]
+
 import dataclasses
 import logging
 import math
@@ -20,7 +40,7 @@ from typing import ClassVar, Dict, Optional, Union
 import jax
 
 from levanter.refused_keys import check_refused, refused
-from levanter.data.config import DataConfig, UrlSingleDatasetLMConfig
+from levanter.data.config import DataConfig, LMMixtureDatasetConfig, UrlSingleDatasetLMConfig
 from levanter.eval_harness.config import LmEvalHarnessConfig
 from levanter.models import LlamaConfig, LmConfig
 from levanter.optim import AdamConfig, OptimizerConfig
@@ -145,22 +165,15 @@ def validate(config: TrainLmConfig):
         )
     config.trainer.validate()
     check_eval_harness(config)
-    check_platform = getattr(config.model, "check_platform", None)
-    if check_platform is not None:  # model.attn_backend: a kernel this platform has
-        check_platform(jax.default_backend())
+    config.model.check_platform(jax.default_backend())  # model.attn_backend: a kernel this platform has
     config.optimizer.lr_scheduler(config.trainer.num_train_steps)  # lr_schedule, warmup, decay, min_lr_ratio
     config.data.validate(num_train_steps=config.trainer.num_train_steps)
-    max_len = getattr(config.model, "max_seq_len", None)
+    max_len = config.model.max_seq_len
     if max_len is not None and config.model.seq_len > max_len:
         raise ValueError(f"model.seq_len={config.model.seq_len} exceeds what the model supports ({max_len})")
     check_storage_access(config)
     branch_origin(config)
     tokenizer = config.data.the_tokenizer()
-    model_vocab = getattr(config.model, "vocab_size", None)
-    if model_vocab is not None and model_vocab < tokenizer.vocab_size:
-        raise ValueError(
-            f"model.vocab_size={model_vocab} is smaller than the tokenizer's vocabulary ({tokenizer.vocab_size})"
-        )
     config.data.check_inputs()  # missing files and empty globs, before any cache is built
     return tokenizer
 
@@ -174,7 +187,7 @@ def check_eval_harness(config: TrainLmConfig) -> None:
     if harness is None:
         return
     harness.validate("eval_harness")
-    limit = getattr(config.model, "max_seq_len", None)
+    limit = config.model.max_seq_len
     if harness.max_eval_length is not None and limit is not None and harness.max_eval_length > limit:
         raise ValueError(
             f"eval_harness.max_eval_length={harness.max_eval_length} exceeds what the model supports ({limit} "
@@ -191,26 +204,25 @@ def check_epoch(config: TrainLmConfig) -> None:
     e = config.epoch
     if isinstance(e, bool) or not isinstance(e, int) or e < 0:
         raise ValueError(f"epoch must be a whole number of epochs >= 0 (0: read the data once), got {e!r}")
-    if e > 0 and getattr(config.data, "configs", None) is not None:
+    if e > 0 and isinstance(config.data, LMMixtureDatasetConfig):
         raise ValueError(MIXTURE_EPOCH_ERROR.format(epochs=e))
 
 
 def storage_locations(config: TrainLmConfig) -> list[tuple[str, str, bool]]:
     """``(config key, URL, written)`` for every object-store location (``gs://``, ``s3://``, ``memory://``)
     the run reads or writes: caches, input files, checkpoints, the checkpoint to load, the log directory."""
-    return [(key, url, written) for key, url, written in _locations(config) if fs.is_object_store(url)]
+    return [(key, url, written) for key, url, written in config_locations(config) if fs.is_object_store(url)]
 
 
-def _locations(config: TrainLmConfig) -> list[tuple[str, str, bool]]:
+def config_locations(config: TrainLmConfig) -> list[tuple[str, str, bool]]:
     """``(config key, path or URL, written)`` for every location the run reads or writes, local or not."""
     data = config.data
     found: list[tuple[str, str, bool]] = [("data.cache_dir", data.cache_dir or "cache/", True)]
-    sources = getattr(data, "configs", None)
-    if sources is None:  # one source
+    if not isinstance(data, LMMixtureDatasetConfig):  # one source
         found += [("data.train_urls", u, False) for u in data.train_urls]
         found += [("data.validation_urls", u, False) for u in data.validation_urls]
     else:
-        for name, src in sources.items():
+        for name, src in data.configs.items():
             found.append((data.source_cache_key(name), data.source_cache_dir(name), True))
             found += [(f"data.configs.{name}.train_urls", u, False) for u in src.train_urls]
             found += [(f"data.configs.{name}.validation_urls", u, False) for u in src.validation_urls]
@@ -316,7 +328,7 @@ def check_hf_keys(config: TrainLmConfig) -> None:
     if config.use_hf_model_config and not config.initialize_from_hf:
         raise ValueError("use_hf_model_config: true needs initialize_from_hf (the checkpoint whose config.json to use)")
     if hf_init_path(config) is not None:
-        others = [k for k, v in (("trainer.initialize_from", getattr(config.trainer, "initialize_from", None)),
+        others = [k for k, v in (("trainer.initialize_from", config.trainer.initialize_from),
                                  ("initialize_from_checkpoint_path", config.initialize_from_checkpoint_path)) if v]
         if others:
             raise ValueError(f"initialize_from_hf and {others[0]} are both set: a run starts from one of them")
@@ -372,64 +384,6 @@ def model_vocab_size(config: TrainLmConfig, tokenizer) -> int:
     return vocab
 
 
-def hf_exporter(config: TrainLmConfig, run_id: str):
-    """The :class:`levanter.compat.HfExporter` of ``hf_save_path`` (upstream's layout: ``<hf_save_path>/<run
-    id>/step-N``, without the run id when ``trainer.checkpointer.append_run_id_to_base_path`` is false), or None."""
-    if not config.hf_save_path:
-        return None
-    from levanter.compat import HfExporter
-
-    return HfExporter(_hf_export_base(config, run_id), every=config.hf_save_steps,
-                      last_step=config.trainer.num_train_steps, config=config.model, tokenizer=config.data.tokenizer,
-                      dtype=config.hf_save_dtype)
-
-
-def _hf_export_base(config: TrainLmConfig, run_id: str) -> str:
-    return export_base(config, config.hf_save_path, run_id)
-
-
-def export_base(config: TrainLmConfig, path: str, run_id: str) -> str:
-    """Where a run's step-N exports to ``path`` go: ``<path>/<run id>`` (upstream's layout), or ``path`` itself
-    when ``trainer.checkpointer.append_run_id_to_base_path`` is false."""
-    if config.trainer.checkpointer.append_run_id_to_base_path:
-        return fs.join(path, run_id)
-    return path
-
-
-def check_hf_save_path(config: TrainLmConfig, run_id: str) -> None:
-    """Before any work: the exports of ``hf_save_path`` (``<hf_save_path>/<run id>/step-N``) may replace only
-    earlier exports (:mod:`levanter.compat.export_guard`): their directory may neither be nor contain the
-    working directory, the run's checkpoint, log or cache directories (nor lie inside the checkpoints), and
-    every ``step-N`` already there that this run would export must be exactly an earlier export."""
-    if config.hf_save_path:
-        check_export_path(config, run_id, config.hf_save_path, "hf_save_path", config.hf_save_steps)
-
-
-def check_export_path(config: TrainLmConfig, run_id: str, path: str, key: str, every: int) -> None:
-    """:func:`check_hf_save_path` for exports every ``every`` steps (and at the end) to ``path``, the value of
-    the config key ``key`` (also a LoRA run's ``peft_save_path`` and ``merged_hf_save_path``)."""
-    from levanter.compat.export_guard import check_export_steps
-
-    tcfg, ckpt = config.trainer, config.trainer.checkpointer
-    protected = [
-        ("the run's checkpoint directory", ckpt.expanded_path(run_id), True),
-        ("trainer.checkpointer.base_path", ckpt.base_path, False),
-        ("trainer.log_dir", tcfg.log_dir, False),
-        ("the run's log directory", fs.join(tcfg.log_dir, run_id), False),
-    ]
-    for c in tcfg.trackers():
-        protected += [(key, path, False) for key, path in c.local_dirs(run_id, tcfg.log_dir)]
-    for name, where in (("trainer.load_checkpoint_path", tcfg.load_checkpoint_path),
-                        ("trainer.initialize_from", tcfg.initialize_from),
-                        ("initialize_from_checkpoint_path", config.initialize_from_checkpoint_path)):
-        if where:
-            protected.append((name, where, True))
-    protected += [(key, url, False) for key, url, written in _locations(config) if written and "cache" in key]
-    last = tcfg.num_train_steps
-    check_export_steps(export_base(config, path, run_id), f"{key}={path!r}",
-                       lambda n: 0 < n <= last and (n % every == 0 or n == last), protected)
-
-
 def check_branch_model(config: TrainLmConfig, vocab_size: int, branch: Optional[BranchOrigin]) -> None:
     """Before any work: a branch (``trainer.initialize_from`` / ``initialize_from_checkpoint_path``) whose
     model's parameter shapes differ from those of the model its origin checkpoint records
@@ -469,40 +423,6 @@ def check_branch_model(config: TrainLmConfig, vocab_size: int, branch: Optional[
         )
 
 
-def model_record(config: TrainLmConfig, vocab_size: int, lora=None) -> dict:
-    """What a checkpoint records about its model, so that ``export_lm_to_hf`` needs nothing but the checkpoint:
-    the model block (with its ``type``), the vocabulary size, ``data.tokenizer``, for an fp8 run the settings
-    its layers' fp8 state was built with, and for a LoRA run (``lora``, a :class:`levanter.lora.LoraConfig`)
-    the settings of its adapters."""
-    import draccus
-
-    from levanter.lora import lora_record
-    from levanter.quantization import fp8_record
-
-    name = config.model.get_choice_name(type(config.model))
-    return {"model": {"type": name, **draccus.encode(config.model)}, "vocab_size": int(vocab_size),
-            "tokenizer": config.data.tokenizer, **fp8_record(config.trainer.quantization), **lora_record(lora)}
-
-
-def optimizer_record(config: TrainLmConfig) -> dict:
-    """What a checkpoint records about its optimizer state: ``optimizer.skip_bad_steps``'s window, which the
-    state holds (:func:`levanter.optim.skip_record`)."""
-    from levanter.optim import skip_record
-
-    return skip_record(config.optimizer.skip_bad_steps)
-
-
-def check_resume_optimizer(config: TrainLmConfig, point) -> None:
-    """Before any work: refuse to resume from ``point`` (a :class:`levanter.checkpoint.ResumePoint`) whose
-    optimizer state was written with another ``optimizer.skip_bad_steps`` (on, off, or another window),
-    naming the key and the fix, rather than fail the restore with a list of missing arrays."""
-    from levanter.optim import WINDOW_LEAF, check_checkpoint_skip_bad_steps
-
-    if point is not None:
-        check_checkpoint_skip_bad_steps(point.records, point.holds(WINDOW_LEAF), config.optimizer.skip_bad_steps,
-                                        point.path, point.step)
-
-
 SEED_LIMIT = 2**32  # jax.random.PRNGKey keeps the low 32 bits (without jax_enable_x64)
 
 
@@ -512,7 +432,3 @@ def data_key(config: TrainLmConfig) -> jax.Array:
         return jax.random.PRNGKey(config.data_seed)
     return jax.random.split(jax.random.PRNGKey(config.trainer.seed), 4)[0]
 
-
-__all__ = ["SEED_LIMIT", "BranchOrigin", "check_epoch", "check_eval_harness", "check_resume_optimizer", "optimizer_record",
-           "overridden_model_keys", "check_export_path", "check_hf_keys", "check_hf_save_path",
-           "export_base", "hf_exporter", "hf_init_path", "model_record", "model_vocab_size", "with_hf_model", "TrainLmConfig", "branch_origin", "check_branch_model", "check_storage_access", "data_key", "storage_locations", "validate"]

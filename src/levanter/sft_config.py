@@ -5,7 +5,7 @@
 ``mixture_weights``, ``mixture_block_size``, ``stop_strategy``, ``max_seq_len``, ``tokenizer``,
 ``model_name_or_path``, ``initialize_from_hf``, ``hf_save_path``, ``hf_save_steps``, ``epoch``, ``trainer``,
 ``model``, ``optimizer``, ...). :func:`to_train_lm_config` turns it into the ``TrainLmConfig`` that
-``python -m levanter.main.train_lm`` would run -- the same training (:mod:`levanter.lm_run`), no loop of its
+``python -m levanter.main.train_lm`` would run -- the same training (:mod:`levanter.run`), no loop of its
 own -- whose data is chat-formatted (``format: {type: chat}``, :mod:`levanter.ingest.chat`): every
 conversation rendered by the tokenizer's chat template (or ``chat_template``), and the loss taken on the
 assistant tokens only.
@@ -259,7 +259,7 @@ def reinit_token_ids(config: SFTConfig, tokenizer) -> list:
 
 
 def fresh_model_fn(config: SFTConfig, tokenizer):
-    """The ``fresh_model`` of :func:`levanter.lm_run.main` for ``config``'s ``reinit_tokens`` (None when unset)."""
+    """The ``fresh_model`` of :func:`levanter.run.main` for ``config``'s ``reinit_tokens`` (None when unset)."""
     ids = reinit_token_ids(config, tokenizer)
     if not ids:
         return None

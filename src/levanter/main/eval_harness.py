@@ -31,8 +31,6 @@ from typing import Optional
 import levanter.config
 from levanter.checkpoint import read_checkpoint_metadata
 from levanter.lm_config import TrainLmConfig, check_eval_harness, with_hf_model
-from levanter.lora import loraize, lora_from_record
-from levanter.quantization import fp8_from_record, with_fp8
 
 __all__ = ["EvalHarnessMainConfig", "main", "cli_main", "cli"]
 
@@ -62,28 +60,19 @@ def _with_tokenizer(config, tokenizer: str):
 
 def main(config: EvalHarnessMainConfig) -> dict:
     """Evaluate; returns the harness's report (``results``, ``n-samples``, ..., ``averages``)."""
-    import haliax as hax
     import jax
-    import optax
 
-    from levanter.checkpoint import initialize_from, resolve_checkpoint
-    from levanter.eval_harness import HarnessEvaluator, format_report, results_path
+    from levanter.checkpoint import resolve_checkpoint
+    from levanter.eval_harness import HarnessEvaluator
     from levanter.progress import open_debug_log
-    from levanter.tracker import NoopTracker, check_trackers_writable, init_trackers, metrics_destinations
-    from levanter.trainer import Trainer
+    from levanter.run import eval_trainer, load_checkpoint_model, load_hf_model
+    from levanter.tracker import check_trackers_writable
     from levanter.utils import fs
 
     tcfg = config.trainer
     tcfg.distributed.initialize()
     tcfg.apply_jax_config()
-    if config.eval_harness is None or not config.eval_harness.task_spec:
-        raise ValueError("eval_harness.task_spec names no task: list the tasks to run (e.g. eval_harness: "
-                         "{task_spec: [levanter_mc]})")
-    if config.checkpoint_is_hf:  # upstream's spelling of initialize_from_hf
-        if not config.checkpoint_path:
-            raise ValueError("checkpoint_is_hf is set but checkpoint_path is not: name the Hugging Face checkpoint")
-        config = dataclasses.replace(config, initialize_from_hf=config.checkpoint_path, checkpoint_path=None,
-                                     checkpoint_is_hf=False, use_hf_model_config=True)
+    config = _with_upstream_keys(config)
     hf_path = config.initialize_from_hf if isinstance(config.initialize_from_hf, str) else None
     if (config.checkpoint_path is None) == (hf_path is None):
         raise ValueError(
@@ -91,12 +80,9 @@ def main(config: EvalHarnessMainConfig) -> dict:
             "or a run's checkpoint directory) or --initialize_from_hf (a Hugging Face checkpoint)"
             + (", not both" if config.checkpoint_path is not None else "")
         )
-    if config.apply_chat_template and not config.eval_harness.apply_chat_template:
-        config = dataclasses.replace(config, eval_harness=dataclasses.replace(config.eval_harness,
-                                                                              apply_chat_template=True))
     tcfg.validate()
     harness = HarnessEvaluator(config.eval_harness)  # the tasks, loaded before the model
-    path, record = None, {}
+    path, meta = None, {}
     if config.checkpoint_path is not None:
         path = resolve_checkpoint(config.checkpoint_path, "checkpoint_path")
         meta = read_checkpoint_metadata(path)
@@ -114,38 +100,44 @@ def main(config: EvalHarnessMainConfig) -> dict:
     if jax.process_index() == 0:
         check_trackers_writable(tcfg.trackers(), run_id, tcfg.log_dir)
         open_debug_log(fs.join(tcfg.log_dir, run_id))
-
-    def loss_fn(model, batch):  # never called: the harness computes its own scores
-        raise NotImplementedError
-
-    trainer = Trainer(dataclasses.replace(tcfg, model_averaging=None), optax.identity(), loss_fn)
-    if path is not None:
-        vocab_size = int(record["vocab_size"]) if record.get("vocab_size") else tokenizer.vocab_size
-        if vocab_size < tokenizer.vocab_size:
-            raise ValueError(
-                f"checkpoint_path={path!r} has a vocabulary of {vocab_size}, smaller than the tokenizer's "
-                f"({tokenizer.vocab_size}): set data.tokenizer as in the run that wrote it"
-            )
-        fp8, lora = fp8_from_record(record), lora_from_record(record)
-
-        def build(k):
-            model = with_fp8(config.model.build(hax.Axis("vocab", vocab_size), key=k), fp8)
-            return model if lora is None else loraize(model, lora, key=k)
-
-        state = trainer.initial_state(build, key=jax.random.PRNGKey(0))
-        model = initialize_from(state, path, optimizer_state=False, key="checkpoint_path").model
-        step, where = int(meta["step"]), path
+    trainer = eval_trainer(tcfg)
+    if path is not None:  # built as the checkpoint records (vocabulary, fp8, LoRA): levanter.run.eval_model
+        loaded = load_checkpoint_model(config, trainer, path, meta, tokenizer)
     else:
-        from levanter.compat.hf_checkpoints import load_hf_checkpoint
+        loaded = load_hf_model(hf_path, tokenizer, key="initialize_from_hf", model=config.model)
+    report = harness.evaluate(loaded.model, trainer, tokenizer, length=length, batch_size=tcfg.eval_batch_size)
+    _report(tcfg, run_id, loaded, harness, report)
+    return report
 
-        _, model = load_hf_checkpoint(hf_path, config.model)
-        if model.Vocab.size < tokenizer.vocab_size:
-            raise ValueError(f"initialize_from_hf={hf_path!r} has a vocabulary of {model.Vocab.size}, smaller than "
-                             f"the tokenizer's ({tokenizer.vocab_size})")
-        step, where = 0, hf_path
-    report = harness.evaluate(model, trainer, tokenizer, length=length, batch_size=tcfg.eval_batch_size)
+
+def _with_upstream_keys(config: EvalHarnessMainConfig) -> EvalHarnessMainConfig:
+    """``config`` with upstream's spellings mapped onto ours (``checkpoint_is_hf``: ``initialize_from_hf``; the
+    top-level ``apply_chat_template``: ``eval_harness.apply_chat_template``); refuses a config naming no task."""
+    if config.eval_harness is None or not config.eval_harness.task_spec:
+        raise ValueError("eval_harness.task_spec names no task: list the tasks to run (e.g. eval_harness: "
+                         "{task_spec: [levanter_mc]})")
+    if config.checkpoint_is_hf:  # upstream's spelling of initialize_from_hf
+        if not config.checkpoint_path:
+            raise ValueError("checkpoint_is_hf is set but checkpoint_path is not: name the Hugging Face checkpoint")
+        config = dataclasses.replace(config, initialize_from_hf=config.checkpoint_path, checkpoint_path=None,
+                                     checkpoint_is_hf=False, use_hf_model_config=True)
+    if config.apply_chat_template and not config.eval_harness.apply_chat_template:
+        config = dataclasses.replace(config, eval_harness=dataclasses.replace(config.eval_harness,
+                                                                              apply_chat_template=True))
+    return config
+
+
+def _report(tcfg, run_id: str, loaded, harness, report: dict) -> None:
+    """The harness's table on stdout, its metrics to the trackers under ``run_id`` at the checkpoint's step and
+    its report as JSON in the run's log directory, and where they went (on the first process)."""
+    import jax
+
+    from levanter.eval_harness import format_report, results_path
+    from levanter.tracker import NoopTracker, init_trackers, metrics_destinations
+
+    step = loaded.step
     if jax.process_index() == 0:
-        print(f"{where} (step {step})")
+        print(f"{loaded.where} (step {step})")
         print(format_report(report), flush=True)
         tracker = init_trackers(tcfg.trackers(), run_id, tcfg.log_dir)
         out = results_path(tcfg.log_dir, run_id, step)
@@ -158,7 +150,6 @@ def main(config: EvalHarnessMainConfig) -> dict:
     if jax.process_index() == 0:
         lines = metrics_destinations(tcfg.trackers(), run_id, tcfg.log_dir) + [f"report: {out}"]
         print(f"lm_eval metrics of run {run_id} at step {step}:" + "".join(f"\n  {line}" for line in lines), flush=True)
-    return report
 
 
 @levanter.config.main
@@ -168,13 +159,13 @@ def cli_main(config: EvalHarnessMainConfig):
 
 def cli(argv=None) -> None:
     """The command-line entry point: bad input prints one ``error:`` paragraph and exits with status 2, a
-    failed evaluation with 1 (:func:`levanter.lm_run.cli_errors`); no traceback."""
-    from levanter.lm_run import run_config_command
+    failed evaluation with 1 (:func:`levanter.run.cli_errors`); no traceback."""
+    from levanter.run import run_config_command
 
     run_config_command(__name__, cli_main, argv)
 
 
 if __name__ == "__main__":
-    from levanter.lm_run import start_command
+    from levanter.run import start_command
 
     start_command(cli)

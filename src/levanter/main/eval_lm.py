@@ -35,9 +35,7 @@ from typing import Optional
 
 import levanter.config
 from levanter.checkpoint import read_checkpoint_metadata
-from levanter.lm_config import TrainLmConfig, model_vocab_size, with_hf_model
-from levanter.lora import loraize, lora_from_record
-from levanter.quantization import fp8_from_record, with_fp8
+from levanter.lm_config import TrainLmConfig, with_hf_model
 
 __all__ = ["EvalLmConfig", "from_checkpoint_record", "main", "cli_main", "cli"]
 
@@ -83,40 +81,18 @@ def _names_validation_data(data) -> bool:
 def main(config: EvalLmConfig, *, model_from_checkpoint: bool = False) -> dict:
     """Evaluate; returns ``{metric: value}`` (the ``eval/...`` metrics). ``model_from_checkpoint``: a command
     line without ``--config_path``, whose model and tokenizer come from the checkpoint's metadata."""
-    import haliax as hax
     import jax
-    import optax
 
-    from levanter.eval import check_eval_set_sizes, format_table, make_evaluator
-    from levanter.progress import DEBUG_LOG_NAME, open_debug_log
-    from levanter.tracker import NoopTracker, check_trackers_writable, init_trackers, metrics_destinations
+    from levanter.eval import check_eval_set_sizes, make_evaluator
+    from levanter.progress import open_debug_log
+    from levanter.run import eval_trainer, load_checkpoint_model, load_hf_model
+    from levanter.tracker import check_trackers_writable
     from levanter.utils import fs
-    from levanter.checkpoint import initialize_from, resolve_checkpoint
-    from levanter.trainer import Trainer
 
     tcfg = config.trainer
     tcfg.distributed.initialize()
     tcfg.apply_jax_config()
-    if (config.checkpoint_path is None) == (config.hf_checkpoint is None):
-        raise ValueError(
-            "eval_lm needs exactly one model to evaluate: --checkpoint_path (a step-N checkpoint directory "
-            "or a run's checkpoint directory) or --hf_checkpoint (a Hugging Face checkpoint)"
-            + (", not both" if config.checkpoint_path is not None else "")
-        )
-    path = None
-    if config.checkpoint_path is not None:
-        path = resolve_checkpoint(config.checkpoint_path, "checkpoint_path")
-        if model_from_checkpoint:
-            config = from_checkpoint_record(config, read_checkpoint_metadata(path).get("metadata") or {})
-    if model_from_checkpoint and not _names_validation_data(config.data):
-        # Before the accelerator is required and the (default) tokenizer loaded: that is what the user lacks.
-        origin = (" (the model and tokenizer come from the checkpoint's metadata.json; the data does not)"
-                  if path is not None else "")
-        raise ValueError(
-            "eval_lm has no validation data to evaluate on: data.validation_urls is empty and no --config_path was "
-            f"given{origin}. Give the run's config with --config_path (e.g. --config_path config/gpt2_nano.yaml, "
-            "whose validation sources are evaluated), or name the files with --data.validation_urls"
-        )
+    config, path, meta = _checkpoint_to_evaluate(config, model_from_checkpoint)
     tcfg.validate()
     config.data.eval_tags()
     tokenizer = config.data.the_tokenizer()
@@ -137,53 +113,65 @@ def main(config: EvalLmConfig, *, model_from_checkpoint: bool = False) -> dict:
         raise ValueError("data has no validation_urls: there is nothing to evaluate on; list the validation files "
                          "in data.validation_urls (or a source's validation_urls)")
     check_eval_set_sizes(sets, tcfg, config.model.seq_len)
-
-    def loss_fn(model, batch):  # never called: the evaluator computes its own sums
-        raise NotImplementedError
-
-    # Without the config's model_averaging: the state built below would otherwise hold an averaged copy of the
-    # model (as much device memory again) that is neither loaded from the checkpoint nor evaluated.
-    trainer = Trainer(dataclasses.replace(tcfg, model_averaging=None), optax.identity(), loss_fn)
+    trainer = eval_trainer(tcfg)
+    # An fp8 run's checkpoint holds its layers' fp8 state, a lora_lm run's its adapters (each recorded with its
+    # settings): the model is built with them, and evaluated through them (levanter.run.eval_model).
     if path is not None:
-        meta = read_checkpoint_metadata(path)
-        record = meta.get("metadata") or {}
-        # The embedding's rows as the checkpoint records them (a run started from a Hugging Face checkpoint has
-        # that checkpoint's, often more than the tokenizer's); else as the config and tokenizer give them.
-        vocab_size = int(record["vocab_size"]) if record.get("vocab_size") else model_vocab_size(config, tokenizer)
-        if vocab_size < tokenizer.vocab_size:
-            raise ValueError(
-                f"checkpoint_path={path!r} has a vocabulary of {vocab_size}, smaller than the data tokenizer's "
-                f"({tokenizer.vocab_size}): set data.tokenizer as in the run that wrote it"
-            )
-        # An fp8 run's checkpoint holds its layers' fp8 state, a lora_lm run's its adapters (each recorded with
-        # its settings): the model is built with them, and evaluated through them.
-        fp8, lora = fp8_from_record(record), lora_from_record(record)
-
-        def build(k):
-            model = with_fp8(config.model.build(hax.Axis("vocab", vocab_size), key=k), fp8)
-            return model if lora is None else loraize(model, lora, key=k)
-
-        state = trainer.initial_state(build, key=jax.random.PRNGKey(0))
-        state = initialize_from(state, path, optimizer_state=False, key="checkpoint_path")
-        model = state.model
-        step = int(meta["step"])
-        where = path
+        loaded = load_checkpoint_model(config, trainer, path, meta or read_checkpoint_metadata(path), tokenizer,
+                                       tokenizer_name="the data tokenizer")
     else:
-        from levanter.compat.hf_checkpoints import load_hf_checkpoint
-
-        _, model = load_hf_checkpoint(config.hf_checkpoint)
-        vocab_size = model.Vocab.size
-        if vocab_size < tokenizer.vocab_size:
-            raise ValueError(
-                f"hf_checkpoint={config.hf_checkpoint!r} has a vocabulary of {vocab_size}, smaller than the "
-                f"data tokenizer's ({tokenizer.vocab_size})"
-            )
-        step, where = 0, config.hf_checkpoint
-    evaluator = make_evaluator(trainer, config.data, sets, tokenizer, vocab_size, config.model.Pos)
-    result = evaluator.evaluate(model)
+        loaded = load_hf_model(config.hf_checkpoint, tokenizer, key="hf_checkpoint",
+                               tokenizer_name="the data tokenizer")
+    evaluator = make_evaluator(trainer, config.data, sets, tokenizer, loaded.vocab_size, config.model.Pos)
+    result = evaluator.evaluate(loaded.model)
     metrics = result.metrics()
+    _report(tcfg, run_id, loaded, result, metrics, opened_debug_log)
+    return metrics
+
+
+def _checkpoint_to_evaluate(config: EvalLmConfig, model_from_checkpoint: bool):
+    """``(config, path, meta)``: the complete checkpoint ``checkpoint_path`` names (None for ``hf_checkpoint``)
+    and, where the model and tokenizer come from it (``model_from_checkpoint``), its metadata, read once, and
+    the config with them. Refuses no model or two, and a command line that names no validation data."""
+    if (config.checkpoint_path is None) == (config.hf_checkpoint is None):
+        raise ValueError(
+            "eval_lm needs exactly one model to evaluate: --checkpoint_path (a step-N checkpoint directory "
+            "or a run's checkpoint directory) or --hf_checkpoint (a Hugging Face checkpoint)"
+            + (", not both" if config.checkpoint_path is not None else "")
+        )
+    from levanter.checkpoint import resolve_checkpoint
+
+    path, meta = None, None
+    if config.checkpoint_path is not None:
+        path = resolve_checkpoint(config.checkpoint_path, "checkpoint_path")
+        if model_from_checkpoint:
+            meta = read_checkpoint_metadata(path)
+            config = from_checkpoint_record(config, meta.get("metadata") or {})
+    if model_from_checkpoint and not _names_validation_data(config.data):
+        # Before the accelerator is required and the (default) tokenizer loaded: that is what the user lacks.
+        origin = (" (the model and tokenizer come from the checkpoint's metadata.json; the data does not)"
+                  if path is not None else "")
+        raise ValueError(
+            "eval_lm has no validation data to evaluate on: data.validation_urls is empty and no --config_path was "
+            f"given{origin}. Give the run's config with --config_path (e.g. --config_path config/gpt2_nano.yaml, "
+            "whose validation sources are evaluated), or name the files with --data.validation_urls"
+        )
+    return config, path, meta
+
+
+def _report(tcfg, run_id: str, loaded, result, metrics: dict, opened_debug_log) -> None:
+    """The table of ``result`` on stdout, its ``metrics`` to the trackers under ``run_id`` at the checkpoint's step, and where
+    they went (on the first process; the others log to nothing)."""
+    import jax
+
+    from levanter.eval import format_table
+    from levanter.progress import DEBUG_LOG_NAME
+    from levanter.tracker import NoopTracker, init_trackers, metrics_destinations
+    from levanter.utils import fs
+
+    step = loaded.step
     if jax.process_index() == 0:
-        print(f"{where} (step {step})")
+        print(f"{loaded.where} (step {step})")
         print(format_table(result), flush=True)
         tracker = init_trackers(tcfg.trackers(), run_id, tcfg.log_dir)
     else:
@@ -198,7 +186,6 @@ def main(config: EvalLmConfig, *, model_from_checkpoint: bool = False) -> dict:
         if opened_debug_log:
             lines.append(f"debug log: {debug_log}")
         print(f"metrics of run {run_id} at step {step}:" + "".join(f"\n  {line}" for line in lines), flush=True)
-    return metrics
 
 
 @levanter.config.main
@@ -209,8 +196,8 @@ def cli_main(config: EvalLmConfig):
 def cli(argv=None) -> None:
     """The command-line entry point: bad input prints one ``error:`` paragraph and exits with status 2, a
     failed evaluation (unreadable data, a coordinator that never answered, a tracker that failed) with 1,
-    as ``train_lm`` does (:func:`levanter.lm_run.cli_errors`); no traceback."""
-    from levanter.lm_run import cli_errors
+    as ``train_lm`` does (:func:`levanter.run.cli_errors`); no traceback."""
+    from levanter.run import cli_errors
 
     from levanter.config import split_config_path
 

@@ -2,7 +2,7 @@
 ``python -m levanter.main.export_lm_to_hf --checkpoint_path checkpoints/RUN/step-N --output_dir hf/RUN``.
 
 The checkpoint's ``metadata.json`` records the model block, the vocabulary size and ``data.tokenizer`` of the
-run that wrote it (:func:`levanter.lm_config.model_record`), so the checkpoint alone is enough. Checkpoints
+run that wrote it (:func:`levanter.run.records.model_record`), so the checkpoint alone is enough. Checkpoints
 written before that record existed need their run's model block and tokenizer on the command line
 (``--model.type gpt2 --model.hidden_dim ... --tokenizer ...``) or in a YAML file given by ``--config_path``
 (``model:`` and ``tokenizer:`` at its top level); the vocabulary size then comes from the checkpoint's

@@ -6,7 +6,7 @@ The config is upstream Levanter's LoRA YAML (:class:`LoraLmConfig`: ``initialize
 ``config.json``, its weights loaded once at step 0); :func:`levanter.lora.loraize` puts low-rank adapters on the
 linear layers ``lora.target_modules`` selects, and only the adapters train (the trainer's ``is_trainable``):
 the base weights stay bit for bit as loaded, with no gradient or optimizer state. The run is
-:func:`levanter.lm_run.main`'s, exactly as ``train_lm``'s: the same validation before any work, caches,
+:func:`levanter.run.main`'s, exactly as ``train_lm``'s: the same validation before any work, caches,
 checkpoints (which record the adapters' settings: a resume with other ``lora`` settings is refused), resumption
 by rerunning with the same ``trainer.id``, metrics and exit statuses.
 
@@ -39,7 +39,7 @@ import logging
 from typing import ClassVar, Dict, Optional
 
 import levanter.config
-from levanter import lm_run
+from levanter import run
 from levanter.data.config import DataConfig, UrlSingleDatasetLMConfig
 from levanter.lm_config import TrainLmConfig
 from levanter.lora import LoraConfig
@@ -139,7 +139,7 @@ def _trainer(tcfg: TrainerConfig) -> TrainerConfig:
     return dataclasses.replace(tcfg, train_batch_size=pdp * tcfg.data_axis_size)
 
 
-def _lora_run(config: LoraLmConfig) -> lm_run.LoraRun:
+def _lora_run(config: LoraLmConfig) -> run.LoraRun:
     """The run's LoRA part, its export directories checked writable first (by writing a probe there, which
     creates a local directory: so this is the run's check, not :func:`to_train_lm_config`'s, which tools
     that only parse a config call)."""
@@ -154,20 +154,20 @@ def _lora_run(config: LoraLmConfig) -> lm_run.LoraRun:
                 raise ValueError(
                     f"{key}={path!r}: cannot write there ({e.strerror or e}); choose a writable directory"
                 ) from None
-    return lm_run.LoraRun(lora=config.lora, base_model=config.initialize_from_hf,
+    return run.LoraRun(lora=config.lora, base_model=config.initialize_from_hf,
                           peft_save_path=config.peft_save_path, merged_hf_save_path=config.merged_hf_save_path,
                           save_steps=config.hf_save_steps)
 
 
 def main(config: LoraLmConfig) -> dict:
-    """Fine-tune the adapters; returns ``{"run_id", "final_step", "final_loss"}`` (:func:`levanter.lm_run.main`)."""
+    """Fine-tune the adapters; returns ``{"run_id", "final_step", "final_loss"}`` (:func:`levanter.run.main`)."""
     config.trainer.distributed.initialize()  # before train_batch_size: -1 counts the devices
     train_config = to_train_lm_config(config)
     if config.max_train_length is None:  # the checkpoint's own length
         from levanter.compat import load_hf_config
 
         train_config = to_train_lm_config(config, seq_len=load_hf_config(config.initialize_from_hf).seq_len)
-    return lm_run.main(train_config, lora=_lora_run(config))
+    return run.main(train_config, lora=_lora_run(config))
 
 
 @levanter.config.main
@@ -176,9 +176,9 @@ def cli_main(config: LoraLmConfig):
 
 
 def cli(argv=None) -> None:
-    """The command-line entry point: exit statuses as ``train_lm``'s (:func:`levanter.lm_run.cli_errors`)."""
-    lm_run.run_config_command(__name__, cli_main, argv)
+    """The command-line entry point: exit statuses as ``train_lm``'s (:func:`levanter.run.cli_errors`)."""
+    run.run_config_command(__name__, cli_main, argv)
 
 
 if __name__ == "__main__":
-    lm_run.start_command(cli)
+    run.start_command(cli)

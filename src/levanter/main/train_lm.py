@@ -1,8 +1,8 @@
 """Train a causal language model: ``python -m levanter.main.train_lm --config_path config/gpt2_nano.yaml``.
 
-``main(config)`` is :func:`levanter.lm_run.main`, re-exported here: a plain function (tests call it
+``main(config)`` is :func:`levanter.run.main`, re-exported here: a plain function (tests call it
 directly) that validates the whole config before any expensive work, builds or finds the token caches,
-initialises or restores the state and trains; :mod:`levanter.lm_run`'s docstring says what a run refuses,
+initialises or restores the state and trains; :mod:`levanter.run`'s docstring says what a run refuses,
 prints and logs (every metric's name), and how it resumes. This module adds the command line: ``--help``,
 ``--dry_run`` (the memory plan, nothing trained) and the mapping of failures to exit statuses.
 """
@@ -48,8 +48,8 @@ from typing import Optional
 import levanter.config
 from levanter.lm_config import SEED_LIMIT, TrainLmConfig, data_key, validate
 from levanter.lm_loss import lm_loss_fn
-from levanter.lm_run import check_data_covers_run, check_data_schedule, cli_errors, main, make_evaluator, say_finished
-from levanter.lm_run import start_command
+from levanter.run import check_data_covers_run, check_data_schedule, cli_errors, main, make_evaluator, say_finished
+from levanter.run import start_command
 from levanter.memory import DOES_NOT_FIT_EXIT_CODE, FLAG_HELP, ModelCannotFitError, format_plan
 from levanter.memory import format_slice_plan, make_plan, make_slice_plan, require_libtpu, split_plan_args
 from levanter.memory import use_cpu_backend
