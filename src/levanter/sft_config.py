@@ -241,7 +241,7 @@ def reinit_token_ids(config: SFTConfig, tokenizer) -> list:
     names = list(LLAMA3_CHAT_TOKENS) if tokens is True else list(tokens)
     if not names:
         raise ValueError("reinit_tokens is an empty list: name the tokens to re-initialise, or remove the key")
-    backend = getattr(tokenizer, "backend", None)
+    backend = tokenizer.backend
     if backend is None:
         raise ValueError(f"reinit_tokens needs a Hugging Face tokenizer (tokenizer.json), not {tokenizer.name!r}")
     ids, missing = [], []

@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from .chat import ChatTokenizer
 from .errors import SourceError
 
 __all__ = ["die_with_parent", "init_worker", "encode", "encode_in_worker"]
@@ -76,7 +77,7 @@ def encode(tokenizer, eos: int | None, docs: list, shard: str, where: list[str])
     every document when it is not None. ``where[k]`` locates ``docs[k]`` in ``shard`` (``"line 6"``) for
     error messages. A chat tokenizer (:class:`levanter.ingest.chat.ChatTokenizer`, which has
     ``encode_chats``) adds a third array, the flat ``uint8`` assistant mask (0 on the appended EOS)."""
-    if hasattr(tokenizer, "encode_chats"):
+    if isinstance(tokenizer, ChatTokenizer):
         flat, lengths, mask = tokenizer.encode_chats(docs, shard, where)
         if eos is not None:
             ends = np.cumsum(lengths)

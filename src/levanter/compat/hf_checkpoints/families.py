@@ -87,7 +87,7 @@ class HfFamily:
     # The prefix a checkpoint's tensor names carry, from the set of names (default: export_prefix).
     import_prefix: Optional[Callable[[set], str]] = None
     # Whether the output head is the embedding matrix (a stored lm_head.weight is then a redundant copy).
-    head_is_tied: Callable[[LmConfig], bool] = lambda config: bool(getattr(config, "tie_word_embeddings", False))
+    head_is_tied: Callable[[LmConfig], bool] = lambda config: bool(config.tie_word_embeddings)  # Llama-style
     # Extra check of a run's merged config against the checkpoint's: (run config, checkpoint's, what) -> None.
     check_merge: Optional[Callable[[LmConfig, LmConfig, str], None]] = None
 

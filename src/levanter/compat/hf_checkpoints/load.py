@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from levanter.models import LmConfig
+from levanter.models import LlamaConfig, LmConfig
 from levanter.utils import fs
 
 from .families import family_name, family_of, hf_config_to_lm
@@ -100,7 +100,7 @@ def merge_hf_model_config(run_model: LmConfig, path_or_id: str, *, use_hf_model_
     for name in family.shape_fields:
         mine, theirs, default = getattr(run_model, name), getattr(hf, name), getattr(defaults, name)
         if (not use_hf_model_config and mine != default and mine != theirs
-                and not (name == "rope_theta" and getattr(run_model, "rope", None) is not None)):
+                and not (name == "rope_theta" and isinstance(run_model, LlamaConfig) and run_model.rope is not None)):
             raise ValueError(
                 f"model.{name}={mine!r} disagrees with {key}={path_or_id!r}, whose config.json gives {theirs!r}: "
                 f"remove model.{name} from the config (the checkpoint's shape is used), or set "
