@@ -18,17 +18,15 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 
 # Part -> parts it must never import (a part is ``levanter.<part>``: a package or a top-level module).
 FORBIDDEN: dict[str, frozenset[str]] = {
-    "store": frozenset({"ingest", "data", "models", "trainer", "main", "checkpoint"}),
-    "ingest": frozenset({"data", "models", "trainer", "main"}),
-    "data": frozenset({"trainer", "models", "main", "checkpoint"}),
-    "models": frozenset({"data", "trainer", "main"}),
-    "compat": frozenset({"store", "ingest", "data", "trainer", "main"}),
-    "checkpoint": frozenset({"trainer", "trainer_config", "main"}),
-    "trainer_config": frozenset({"trainer", "main"}),
-    "trainer": frozenset({"main"}),
-    "lm_loss": frozenset({"trainer", "main"}),
+    "store": frozenset({"ingest", "data", "models", "training", "main", "checkpoint"}),
+    "ingest": frozenset({"data", "models", "training", "main"}),
+    "data": frozenset({"training", "models", "main", "checkpoint"}),
+    "models": frozenset({"data", "training", "main"}),
+    "compat": frozenset({"store", "ingest", "data", "training", "main"}),
+    "checkpoint": frozenset({"training", "main"}),
+    "training": frozenset({"main"}),
     "lm_run": frozenset({"main"}),
-    "sft_config": frozenset({"main", "trainer", "lm_run"}),
+    "sft_config": frozenset({"main", "lm_run"}),
 }
 
 
@@ -166,8 +164,9 @@ def test_private_attribute_checker_catches_a_reach():
 KNOWN = {
     "levanter.data", "levanter.data.mixture", "levanter.data._prp", "levanter.store", "levanter.store.cache",
     "levanter.main", "levanter.main.train_lm", "levanter.main.data_schedule", "levanter.models",
-    "levanter.models.gpt2", "levanter.models.llama", "levanter.ingest", "levanter.trainer",
-    "levanter.checkpoint", "levanter.checkpoint.resume", "levanter.config", "levanter.trainer_config",
+    "levanter.models.gpt2", "levanter.models.llama", "levanter.ingest", "levanter.training",
+    "levanter.training.trainer", "levanter.checkpoint", "levanter.checkpoint.resume", "levanter.config",
+    "levanter.training.config",
 }
 
 
@@ -179,14 +178,13 @@ KNOWN = {
         ("levanter.store.cache", "def f():\n    import levanter.ingest.build\n", "must not import ingest"),
         ("levanter.store.cache", "from .. import checkpoint\n", "store must not import checkpoint"),
         ("levanter.ingest.build", "from levanter.data.config import X\n", "ingest must not import data"),
-        ("levanter.data.loader", "from ..trainer import Trainer\n", "data must not import trainer"),
+        ("levanter.data.loader", "from ..training import Trainer\n", "data must not import training"),
         ("levanter.data.loader", "from levanter.models import LmConfig\n", "data must not import models"),
         ("levanter.data.loader", "import levanter.checkpoint\n", "data must not import checkpoint"),
         ("levanter.models.llama", "from ..data import Batch\n", "models must not import data"),
-        ("levanter.trainer", "from .main.train_lm import main\n", "trainer must not import main"),
-        ("levanter.trainer_config", "from .trainer import Trainer\n", "trainer_config must not import trainer"),
-        ("levanter.checkpoint.resume", "from levanter.trainer_config import TrainerConfig\n",
-         "checkpoint must not import trainer_config"),
+        ("levanter.training.trainer", "from ..main.train_lm import main\n", "training must not import main"),
+        ("levanter.checkpoint.resume", "from levanter.training.config import TrainerConfig\n",
+         "checkpoint must not import training"),
         ("levanter.main.data_schedule", "from .train_lm import TrainLmConfig\n", "another entry point"),
         ("levanter.main.train_lm", "from levanter.data._prp import derive_seed\n", "private module '_prp'"),
         ("levanter.models.llama", "from .gpt2 import _check_config\n", "private name '_check_config'"),
@@ -203,7 +201,7 @@ def test_checker_catches_a_violation(module, source, fragment):
     [
         ("levanter.data.mixture", "from ._prp import derive_seed\n"),  # a package's private module, inside it
         ("levanter.data.loader", "from ..store import TokenCache\nfrom ..schedule import BatchSchedule\n"),
-        ("levanter.main.train_lm", "from levanter.data import MixtureDataset\nfrom .. import trainer\n"),
+        ("levanter.main.train_lm", "from levanter.data import MixtureDataset\nfrom .. import training\n"),
         ("levanter.store.cache", "import numpy as np\nfrom . import ledger\n"),
         ("levanter.main.train_lm", "from . import train_lm\n"),
         ("levanter.models.gpt2", "from levanter import __version__\n"),
@@ -427,7 +425,7 @@ def test_facades_offer_their_modules_names():
     import importlib
 
     for package in ("levanter.store", "levanter.ingest", "levanter.utils", "levanter.utils.fs", "levanter.data",
-                    "levanter.models", "levanter.compat.hf_checkpoints", "levanter.compat"):
+                    "levanter.models", "levanter.compat.hf_checkpoints", "levanter.compat", "levanter.training"):
         module = importlib.import_module(package)
         assert set(module.__all__) == static_all(package, all_modules())
         assert all(getattr(module, n) is not None for n in module.__all__)

@@ -19,7 +19,7 @@ from levanter.main import train_lm
 from levanter.main.train_lm import lm_loss_fn
 from levanter.models import Gpt2Config, LlamaConfig
 from levanter.quantization import QuantizationConfig, quantize, quantized_layer_paths, with_fp8
-from levanter.trainer import Trainer, TrainerConfig
+from levanter.training import Trainer, TrainerConfig
 
 TINY = Gpt2Config(seq_len=16, hidden_dim=32, num_heads=4, num_layers=2, gradient_checkpointing=False)
 Vocab = hax.Axis("vocab", 64)
@@ -229,7 +229,7 @@ def test_settings_that_cannot_be_honoured_are_refused_before_any_work(tmp_path, 
 def test_the_evaluator_computes_through_the_int8_kernels_too():
     import optax
 
-    from levanter.eval import Evaluator
+    from levanter.training import Evaluator
 
     model = _model()
     batch = {"tokens": hax.named(jnp.arange(32).reshape(2, 16) % 64, ("batch", "position"))}

@@ -4,7 +4,7 @@ a ``TrainLmConfig``) both run, so that neither entry point imports the other.
 
 ``main(config)`` is a plain function (tests call it directly). It validates the whole config before any
 expensive work, builds (or finds) the token caches, initialises or restores the state, and hands the
-loader's batches (tagged with their step) to :meth:`levanter.trainer.Trainer.train`, which checks the
+loader's batches (tagged with their step) to :meth:`levanter.training.Trainer.train`, which checks the
 tags and checkpoints; the hooks given to it log the metrics and evaluate. Re-running the same command
 with the same ``trainer.id`` resumes from the latest complete checkpoint and reproduces the same data and
 losses; re-running a run that already reached ``trainer.num_train_steps`` says so and exits 0. A run
@@ -33,7 +33,7 @@ FLOP/s is known), ``data/wait_seconds``, at a process's first step ``throughput/
 (from the process's start: imports, caches, compiles or loads from the persistent compilation cache
 (:mod:`levanter.utils.compile_cache`), the step itself) and, for mixtures, ``data/source_counts/<source>``; every
 ``steps_per_eval`` steps, before the first step of each mixture stage and at the end, for the validation
-sources (:mod:`levanter.eval`): ``eval/<source>/loss`` and ``eval/<source>/bpb`` (bits per byte), the
+sources (:mod:`levanter.training.eval`): ``eval/<source>/loss`` and ``eval/<source>/bpb`` (bits per byte), the
 micro averages ``eval/loss`` and ``eval/bpb``, the macro averages ``eval/macro_loss`` and
 ``eval/macro_bpb``, and per tag ``eval/<tag>/loss`` and ``eval/<tag>/bpb`` (plus ``macro_loss`` and
 ``macro_bpb`` for a tag on several sources). With ``trainer.model_averaging`` the averaged weights are
@@ -94,8 +94,8 @@ from levanter.data import seed_from_key
 from levanter.data.fingerprint import batch_fingerprint
 from levanter.data.mixture import MixtureDataset
 from levanter.data.schedule_record import data_schedule_record, first_difference
-from levanter.eval import Evaluator, check_eval_set_sizes
-from levanter.eval import make_evaluator as evaluator_for
+from levanter.training import Evaluator, check_eval_set_sizes
+from levanter.training import make_evaluator as evaluator_for
 from levanter.eval_harness.run import results_path
 from levanter.errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError, ReadOnlyStorageError
 from levanter.distributed import DistributedStartupError, barrier, check_same_config_everywhere
@@ -110,15 +110,15 @@ from levanter.lora import split_adapters
 from levanter.lm_config import with_hf_model
 from levanter.memory_fit import RECORD_KEY, StepCompiler, fit_trainer, recorded_pick
 from levanter.tracker.lineage import check_log_lineage, record_log_lineage
-from levanter.lm_loss import lm_loss_fn
+from levanter.training import lm_loss_fn
 from levanter.memory_plan import check_memory
-from levanter.profiler import StepProfiler
+from levanter.training import StepProfiler
 from levanter.quantization import check_checkpoint_fp8, with_fp8
 from levanter.progress import RunProgress, open_debug_log
 from levanter.tracker import JsonConfig, TrackerError, metrics_destinations
 from levanter.utils import compile_cache, fs
 from levanter.utils.flops import peak_flops_per_device
-from levanter.trainer import (
+from levanter.training import (
     DataEndedError,
     StepReport,
     StepTally,
@@ -196,7 +196,7 @@ def harness_evaluator(config: TrainLmConfig):
 
 def make_evaluator(config: TrainLmConfig, trainer: Trainer, eval_sets: Dict[str, AsyncDataset], tokenizer,
                    vocab_size: int) -> Evaluator:
-    """The evaluator of the run's validation sources (:func:`levanter.eval.make_evaluator`)."""
+    """The evaluator of the run's validation sources (:func:`levanter.training.eval.make_evaluator`)."""
     return evaluator_for(trainer, config.data, eval_sets, tokenizer, vocab_size, config.model.Pos)
 
 
@@ -510,7 +510,7 @@ def _main_locked(config: TrainLmConfig, tokenizer, run_id: str, point: Optional[
 
         def evaluate(self, model, done: int) -> None:
             if self.validation_due(done):
-                losses = evaluator.evaluate(model).metrics()  # the eval/... metrics (levanter.eval)
+                losses = evaluator.evaluate(model).metrics()  # the eval/... metrics (levanter.training.eval)
                 tracker.log(losses, step=done)
                 progress.eval(done, losses)
             if self.harness_due(done) and tcfg.model_averaging is None:
@@ -585,7 +585,7 @@ def _evaluated_at(point: ResumePoint, step: int, stage_starts) -> bool:
 
 def check_update_moves(r: StepReport, lr: float, optimizer) -> None:
     """Stop the run at a step whose update was applied but is too small to change the parameters (below
-    :data:`levanter.trainer.VANISHING_UPDATE_RATIO` of their norm) although the step had a gradient and the
+    :data:`levanter.training.VANISHING_UPDATE_RATIO` of their norm) although the step had a gradient and the
     schedule's learning rate ``lr`` was not near its warmup's start or decay's end: the settings make every
     update vanish (a huge ``optimizer.epsilon``, a learning rate of 0 or 1e-20), and the run would train
     nothing and exit 0. ValueError (exit 2) naming the key; the state after the step is not saved."""

@@ -15,7 +15,7 @@ the device), else what the device reports (``memory_stats()["bytes_limit"]`` on 
 report nothing: there is then no check, no extra compile, and ``auto`` trains the whole batch at once.
 
 A run (:func:`fit_trainer`) compiles its step for the schedule's largest batch before the first step and
-reuses that executable for the run (:meth:`levanter.trainer.Trainer.use_compiled`), so the check costs no
+reuses that executable for the run (:meth:`levanter.training.Trainer.use_compiled`), so the check costs no
 extra compile where it passes. A step that cannot fit is one :class:`StepDoesNotFitError` (exit 2) saying
 what it needs and what the device has, and the keys that lower it with the figure each alone would give,
 each compiled the same way: ``trainer.per_device_parallelism`` (the largest that fits),
@@ -51,8 +51,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from levanter.checkpoint import ResumePoint
 from levanter.quantization import with_fp8
-from levanter.trainer import Trainer, TrainerState
-from levanter.trainer_config import TrainerConfig
+from levanter.training import Trainer, TrainerState
+from levanter.training import TrainerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ def abstract_state(trainer: Trainer, model_config, vocab_size: int, adapt: Optio
 
 def abstract_batch(trainer: Trainer, Pos: hax.Axis, batch_size: int) -> dict:
     """``{"tokens": [batch, position]}`` as the loader ships it (int32, sharded over the data axis), as the
-    named array :func:`levanter.trainer.named_batch` makes of it (built directly: ``hax.named`` would
+    named array :func:`levanter.training.named_batch` makes of it (built directly: ``hax.named`` would
     convert the struct)."""
     tokens = jax.ShapeDtypeStruct((batch_size, Pos.size), jnp.int32,
                                   sharding=NamedSharding(trainer.mesh, PartitionSpec("data")))

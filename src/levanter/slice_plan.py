@@ -47,7 +47,7 @@ from jax.sharding import Mesh
 from levanter import memory_fit, tpu_slices
 from levanter.lm_config import TrainLmConfig
 from levanter.memory_plan import PlanArgumentError, PlanOptions, plan_vocab
-from levanter.trainer_config import TrainerConfig
+from levanter.training import TrainerConfig
 from levanter.utils.flops import peak_flops_per_device
 
 LIBTPU_HINT = "pip install -e '.[tpu]' (or pip install 'libtpu==0.0.42.*', the version jax[tpu]==0.10.2 pins)"

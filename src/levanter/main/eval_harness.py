@@ -70,7 +70,7 @@ def main(config: EvalHarnessMainConfig) -> dict:
     from levanter.eval_harness import HarnessEvaluator, format_report, results_path
     from levanter.progress import open_debug_log
     from levanter.tracker import NoopTracker, check_trackers_writable, init_trackers, metrics_destinations
-    from levanter.trainer import Trainer
+    from levanter.training import Trainer
     from levanter.utils import fs
 
     tcfg = config.trainer

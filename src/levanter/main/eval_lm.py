@@ -7,7 +7,7 @@ checkpoint directory for its latest complete checkpoint -- or ``hf_checkpoint``,
 (local directory or hub id). Keys about training (optimizer, schedules) are read but play no part.
 
 For every validation source of ``data`` it reports what ``train_lm`` logs at its evals
-(:mod:`levanter.eval`): loss and bits per byte per source and per tag, micro and macro averages, over the
+(:mod:`levanter.training.eval`): loss and bits per byte per source and per tag, micro and macro averages, over the
 first ``trainer.max_eval_batches`` batches of each source (all of them when null), in batches of
 ``trainer.per_device_eval_parallelism`` x data-parallel devices (else the first training batch size). The
 batches are the same for any number of processes. It prints a table and writes the metrics to the
@@ -87,12 +87,12 @@ def main(config: EvalLmConfig, *, model_from_checkpoint: bool = False) -> dict:
     import jax
     import optax
 
-    from levanter.eval import check_eval_set_sizes, format_table, make_evaluator
+    from levanter.training import check_eval_set_sizes, format_table, make_evaluator
     from levanter.progress import DEBUG_LOG_NAME, open_debug_log
     from levanter.tracker import NoopTracker, check_trackers_writable, init_trackers, metrics_destinations
     from levanter.utils import fs
     from levanter.checkpoint import initialize_from, resolve_checkpoint
-    from levanter.trainer import Trainer
+    from levanter.training import Trainer
 
     tcfg = config.trainer
     tcfg.distributed.initialize()

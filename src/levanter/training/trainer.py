@@ -14,9 +14,9 @@ the compiled step; it never changes which indices a step reads. The loss is a to
 the whole step (sum of per-token losses / number of loss tokens), so accumulation changes only float
 reduction order.
 
-What is not training lives elsewhere: the config in :mod:`levanter.trainer_config` (re-exported here as
-``TrainerConfig``), where a run starts from in :mod:`levanter.checkpoint.resume`, the loss in
-:mod:`levanter.lm_loss`, the memory checks in :mod:`levanter.memory_plan` and :mod:`levanter.memory_fit`.
+What is not the loop lives elsewhere: the config in :mod:`levanter.training.config`, where a run starts
+from in :mod:`levanter.checkpoint.resume`, the loss in :mod:`levanter.training.loss`, the memory checks in
+:mod:`levanter.memory_plan` and :mod:`levanter.memory_fit`.
 
 An optimizer that takes extra arguments (``optax.GradientTransformationExtraArgs``) gets two: ``loss``, the
 step's mean loss, and ``obj_fn``, ``params -> mean loss`` of the step's first microbatch (Sophia-H
@@ -53,12 +53,12 @@ import jax.numpy as jnp
 import jmp
 import optax
 
-from .data.loader import Batch
-from .distributed import read_process_sum, start_process_sum
-from .optim.skip_steps import spike_skipped
-from .step_dispatch import FlatStep, init_compile_options
-from .trainer_config import TrainerConfig
-from .utils.fault import fault_point
+from ..data.loader import Batch
+from ..distributed import read_process_sum, start_process_sum
+from ..optim.skip_steps import spike_skipped
+from .dispatch import FlatStep, init_compile_options
+from .config import TrainerConfig
+from ..utils.fault import fault_point
 
 logger = logging.getLogger(__name__)
 
@@ -824,7 +824,6 @@ __all__ = [
     "TrainHooks",
     "VANISHING_UPDATE_RATIO",
     "Trainer",
-    "TrainerConfig",
     "TrainerState",
     "AVERAGED_LEAVES",
     "check_resume_averaging",

@@ -48,7 +48,7 @@ import numpy as np
 from levanter.data.dataset import AsyncDataset
 from levanter.data.loader import DataLoader
 from levanter.quantization import quantize
-from levanter.step_dispatch import FlatStep
+from .dispatch import FlatStep
 
 __all__ = [
     "EvalResult",
@@ -273,7 +273,7 @@ class Evaluator:
                 nbytes = jnp.sum(jnp.where(valid, jnp.take(byte_lengths, ids[:, 1:], mode="clip"), 0))
                 return total.astype(jnp.float32), count.astype(jnp.float32), nbytes.astype(jnp.int32)
 
-            # Called as the train step is (levanter.step_dispatch.FlatStep): named_jit would re-derive the
+            # Called as the train step is (levanter.training.dispatch.FlatStep): named_jit would re-derive the
             # model's array leaves and shardings on every batch, milliseconds of Python per batch.
             named = hax.named_jit(sums, axis_resources=self.trainer.compute_mapping)
             self._fn = FlatStep(sums, named, self.trainer.param_mapping, donate=False)
