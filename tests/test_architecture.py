@@ -160,6 +160,34 @@ def test_private_attribute_checker_catches_a_reach():
     assert private_attribute_uses("levanter.data.a", own) == []
 
 
+
+# Inside ``training``: the modules that every entry point, the memory plan and the evaluator read (the
+# ``trainer:`` section, the loss, how compiled programs are called, the profiler) import nothing else of the
+# package, so that parsing a config or building a loss does not import the step and the loop.
+TRAINING_APART = frozenset({"config", "loss", "dispatch", "profiler"})
+
+
+def training_reaches(module: str, source: str) -> list[str]:
+    """The modules of ``training`` outside ``TRAINING_APART`` that ``module`` (one inside it) imports."""
+    found = []
+    for target, line in imported_modules(module, source, is_package=False):
+        parts = target.split(".")
+        if parts[:2] == ["levanter", "training"] and len(parts) > 2 and parts[2] not in TRAINING_APART:
+            found.append(f"{module}:{line} imports {target}")
+    return found
+
+
+def test_the_training_config_and_loss_import_nothing_of_the_step_or_the_loop():
+    modules = all_modules()
+    problems = []
+    for name in sorted(TRAINING_APART):
+        module = f"levanter.training.{name}"
+        problems += training_reaches(module, modules[module].read_text())
+    assert not problems, "\n".join(problems)
+    assert training_reaches("levanter.training.config", "from .trainer import Trainer\n")
+    assert training_reaches("levanter.training.loss", "from levanter.training.loop import StepLoop\n")
+    assert training_reaches("levanter.training.config", "from .dispatch import FlatStep\n") == []
+
 # The modules the synthetic cases below name, so that the checker can tell modules from attributes.
 KNOWN = {
     "levanter.data", "levanter.data.mixture", "levanter.data._prp", "levanter.store", "levanter.store.cache",

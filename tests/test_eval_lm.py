@@ -161,7 +161,7 @@ def test_the_evaluator_calls_its_sums_through_a_flat_jit_that_keeps_the_model(or
     assert ev.evaluate(model).metrics() == first
     assert not any(x.is_deleted() for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
     fn = ev._sums_fn()
-    assert isinstance(fn, FlatStep) and fn._cache_size() == 1
+    assert isinstance(fn, FlatStep) and fn.compile_count() == 1
     assert all(entry is not None for entry in fn._by_structure.values())  # not the fallback
     rows = {"tokens": np.arange(2 * cfg.model.seq_len, dtype=np.int32).reshape(2, -1) % 200,
             "loss_mask": np.ones((2, cfg.model.seq_len), np.int32),

@@ -776,7 +776,7 @@ def test_flat_dispatch_step_equals_named_jit(model_axis_size, tp):
             with hax.partitioning.set_mesh(trainer.mesh), hax.axis_mapping(trainer.compute_mapping):
                 state, metrics = call(state, named)
         if use_flat:
-            assert step_fn._cache_size() == 1
+            assert step_fn.compile_count() == 1
             assert all(entry is not None for entry in step_fn._by_structure.values())  # not the fallback
         leaves = jax.tree.leaves(eqx.filter((state, metrics), eqx.is_array))
         results.append([(np.asarray(x), x.sharding) for x in leaves])
