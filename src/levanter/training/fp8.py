@@ -48,4 +48,11 @@ def apply_update(params: Any, updates: Any, overwrites: Any) -> Any:
     return hq.apply_updates(params, updates, overwrites)
 
 
-__all__ = ["apply_update", "fp8_state", "merge_overwrites", "no_overwrites_yet", "optimized_params", "split_overwrites"]
+__all__ = [
+    "apply_update",
+    "fp8_state",
+    "merge_overwrites",
+    "no_overwrites_yet",
+    "optimized_params",
+    "split_overwrites",
+]

@@ -120,10 +120,10 @@ class Trainer:
     def _make_step(self, batch_size: int) -> FlatStep:
         step = train_step_fn(loss_fn=self.loss_fn, optimizer=self.optimizer, mp=self.mp,
                              split_trained=self.split_trained, config=self.config,
-                             n_micro=num_microbatches(self.config, batch_size), compute_mapping=self.compute_mapping)
-        named = hax.named_jit(
-            step, axis_resources=self.compute_mapping, out_axis_resources=self.param_mapping, donate_args=(True, False)
-        )
+                             n_micro=num_microbatches(self.config, batch_size),
+                             compute_mapping=self.compute_mapping)
+        named = hax.named_jit(step, axis_resources=self.compute_mapping, out_axis_resources=self.param_mapping,
+                              donate_args=(True, False))
         return FlatStep(step, named, self.param_mapping)
 
     def _step_fn(self, batch_size: int) -> FlatStep:
