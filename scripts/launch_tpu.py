@@ -64,7 +64,7 @@ import time
 from pathlib import Path
 from typing import IO, Any, Dict, List, Optional, Sequence, Tuple
 
-# levanter.trainer.PREEMPTED_EXIT_CODE, repeated so the launcher runs on a laptop without JAX installed.
+# levanter.training.PREEMPTED_EXIT_CODE, repeated so the launcher runs on a laptop without JAX installed.
 PREEMPTED_EXIT_CODE = 75
 EXIT_MARKER = "LEVANTER_EXIT_STATUS"
 _MARKER_RE = re.compile(EXIT_MARKER + r"=(\d+)")

@@ -18,17 +18,15 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 
 # Part -> parts it must never import (a part is ``levanter.<part>``: a package or a top-level module).
 FORBIDDEN: dict[str, frozenset[str]] = {
-    "store": frozenset({"ingest", "data", "models", "trainer", "main", "checkpoint"}),
-    "ingest": frozenset({"data", "models", "trainer", "main"}),
-    "data": frozenset({"trainer", "models", "main", "checkpoint"}),
-    "models": frozenset({"data", "trainer", "main"}),
-    "compat": frozenset({"store", "ingest", "data", "trainer", "main"}),
-    "checkpoint": frozenset({"trainer", "trainer_config", "main"}),
-    "trainer_config": frozenset({"trainer", "main"}),
-    "trainer": frozenset({"main"}),
-    "lm_loss": frozenset({"trainer", "main"}),
+    "store": frozenset({"ingest", "data", "models", "training", "main", "checkpoint"}),
+    "ingest": frozenset({"data", "models", "training", "main"}),
+    "data": frozenset({"training", "models", "main", "checkpoint"}),
+    "models": frozenset({"data", "training", "main"}),
+    "compat": frozenset({"store", "ingest", "data", "training", "main"}),
+    "checkpoint": frozenset({"training", "main"}),
+    "training": frozenset({"main"}),
     "run": frozenset({"main"}),
-    "sft_config": frozenset({"main", "trainer", "run"}),
+    "sft_config": frozenset({"main", "run"}),
 }
 
 
@@ -162,12 +160,41 @@ def test_private_attribute_checker_catches_a_reach():
     assert private_attribute_uses("levanter.data.a", own) == []
 
 
+
+# Inside ``training``: the modules that every entry point, the memory plan and the evaluator read (the
+# ``trainer:`` section, the loss, how compiled programs are called, the profiler) import nothing else of the
+# package, so that parsing a config or building a loss does not import the step and the loop.
+TRAINING_APART = frozenset({"config", "loss", "dispatch", "profiler"})
+
+
+def training_reaches(module: str, source: str) -> list[str]:
+    """The modules of ``training`` outside ``TRAINING_APART`` that ``module`` (one inside it) imports."""
+    found = []
+    for target, line in imported_modules(module, source, is_package=False):
+        parts = target.split(".")
+        if parts[:2] == ["levanter", "training"] and len(parts) > 2 and parts[2] not in TRAINING_APART:
+            found.append(f"{module}:{line} imports {target}")
+    return found
+
+
+def test_the_training_config_and_loss_import_nothing_of_the_step_or_the_loop():
+    modules = all_modules()
+    problems = []
+    for name in sorted(TRAINING_APART):
+        module = f"levanter.training.{name}"
+        problems += training_reaches(module, modules[module].read_text())
+    assert not problems, "\n".join(problems)
+    assert training_reaches("levanter.training.config", "from .trainer import Trainer\n")
+    assert training_reaches("levanter.training.loss", "from levanter.training.loop import StepLoop\n")
+    assert training_reaches("levanter.training.config", "from .dispatch import FlatStep\n") == []
+
 # The modules the synthetic cases below name, so that the checker can tell modules from attributes.
 KNOWN = {
     "levanter.data", "levanter.data.mixture", "levanter.data._prp", "levanter.store", "levanter.store.cache",
     "levanter.main", "levanter.main.train_lm", "levanter.main.data_schedule", "levanter.models",
-    "levanter.models.gpt2", "levanter.models.llama", "levanter.ingest", "levanter.trainer",
-    "levanter.checkpoint", "levanter.checkpoint.resume", "levanter.config", "levanter.trainer_config",
+    "levanter.models.gpt2", "levanter.models.llama", "levanter.ingest", "levanter.training",
+    "levanter.training.trainer", "levanter.checkpoint", "levanter.checkpoint.resume", "levanter.config",
+    "levanter.training.config",
 }
 
 
@@ -179,14 +206,13 @@ KNOWN = {
         ("levanter.store.cache", "def f():\n    import levanter.ingest.build\n", "must not import ingest"),
         ("levanter.store.cache", "from .. import checkpoint\n", "store must not import checkpoint"),
         ("levanter.ingest.build", "from levanter.data.config import X\n", "ingest must not import data"),
-        ("levanter.data.loader", "from ..trainer import Trainer\n", "data must not import trainer"),
+        ("levanter.data.loader", "from ..training import Trainer\n", "data must not import training"),
         ("levanter.data.loader", "from levanter.models import LmConfig\n", "data must not import models"),
         ("levanter.data.loader", "import levanter.checkpoint\n", "data must not import checkpoint"),
         ("levanter.models.llama", "from ..data import Batch\n", "models must not import data"),
-        ("levanter.trainer", "from .main.train_lm import main\n", "trainer must not import main"),
-        ("levanter.trainer_config", "from .trainer import Trainer\n", "trainer_config must not import trainer"),
-        ("levanter.checkpoint.resume", "from levanter.trainer_config import TrainerConfig\n",
-         "checkpoint must not import trainer_config"),
+        ("levanter.training.trainer", "from ..main.train_lm import main\n", "training must not import main"),
+        ("levanter.checkpoint.resume", "from levanter.training.config import TrainerConfig\n",
+         "checkpoint must not import training"),
         ("levanter.main.data_schedule", "from .train_lm import TrainLmConfig\n", "another entry point"),
         ("levanter.main.train_lm", "from levanter.data._prp import derive_seed\n", "private module '_prp'"),
         ("levanter.models.llama", "from .gpt2 import _check_config\n", "private name '_check_config'"),
@@ -203,7 +229,7 @@ def test_checker_catches_a_violation(module, source, fragment):
     [
         ("levanter.data.mixture", "from ._prp import derive_seed\n"),  # a package's private module, inside it
         ("levanter.data.loader", "from ..store import TokenCache\nfrom ..schedule import BatchSchedule\n"),
-        ("levanter.main.train_lm", "from levanter.data import MixtureDataset\nfrom .. import trainer\n"),
+        ("levanter.main.train_lm", "from levanter.data import MixtureDataset\nfrom .. import training\n"),
         ("levanter.store.cache", "import numpy as np\nfrom . import ledger\n"),
         ("levanter.main.train_lm", "from . import train_lm\n"),
         ("levanter.models.gpt2", "from levanter import __version__\n"),
@@ -427,7 +453,7 @@ def test_facades_offer_their_modules_names():
     import importlib
 
     for package in ("levanter.store", "levanter.ingest", "levanter.utils", "levanter.utils.fs", "levanter.data",
-                    "levanter.models", "levanter.compat.hf_checkpoints", "levanter.compat"):
+                    "levanter.models", "levanter.compat.hf_checkpoints", "levanter.compat", "levanter.training"):
         module = importlib.import_module(package)
         assert set(module.__all__) == static_all(package, all_modules())
         assert all(getattr(module, n) is not None for n in module.__all__)

@@ -258,7 +258,7 @@ def test_kill_9_or_sigterm_during_a_background_write_then_rerun_resumes_bit_for_
 
     # SIGTERM while the save of step 3 is being written (the signal comes from inside the write): the write
     # completes, the current step is checkpointed after it, the run exits 75 and resumes bit for bit.
-    from levanter.trainer import PREEMPTED_EXIT_CODE
+    from levanter.training import PREEMPTED_EXIT_CODE
 
     term = run_train(tmp_path, "term", LEVANTER_FAULT_KILL_AT="checkpoint_mid_write:3", LEVANTER_FAULT_SIGNAL="SIGTERM",
                      **slow)

@@ -639,7 +639,7 @@ def test_unreadable_checkpoints_are_step_dirs_with_data_but_no_metadata(tmp_path
 
 
 def restore_config(tmp_path, **kw):
-    from levanter.trainer import TrainerConfig
+    from levanter.training import TrainerConfig
 
     return TrainerConfig(id="r", require_accelerator=False,
                          checkpointer=CheckpointerConfig(base_path=str(tmp_path)), **kw)
@@ -699,7 +699,7 @@ def test_resume_point_carries_the_step_and_records_and_finds_a_finished_run(tmp_
 
 @pytest.mark.parametrize("bad", ["../../x", "a/b", "..", ".", "", "a\\b", "x\0"])
 def test_run_ids_must_be_one_path_component(bad):
-    from levanter.trainer_config import TrainerConfig, check_run_id
+    from levanter.training import TrainerConfig, check_run_id
 
     with pytest.raises(ValueError, match=r"trainer\.id=.* must be a single directory name"):
         TrainerConfig(id=bad, require_accelerator=False, num_train_steps=1, train_batch_size=8).validate()

@@ -117,7 +117,7 @@ def test_save_load_discover_delete_round_trip(store):
     ck.wait_until_finished()
     assert fs.listdir(fs.join(base, "r")) == ["step-10"]
 
-    from levanter.trainer import TrainerConfig
+    from levanter.training import TrainerConfig
 
     tcfg = TrainerConfig(id="r", require_accelerator=False, checkpointer=cfg)
     point = tcfg.resume_point("r")

@@ -13,7 +13,7 @@ from levanter.main import train_lm
 from levanter.models import Gpt2Config
 from levanter.optim import AdamConfig
 from levanter.tracker import JsonConfig
-from levanter.trainer import TrainerConfig
+from levanter.training import TrainerConfig
 
 PROSE = "embedded://python-docs/validation"
 CODE = "embedded://python-code/validation"

@@ -18,7 +18,7 @@ import pytest
 
 from helpers import compiler_refuses_above
 from levanter.config import parse_config
-from levanter.lm_loss import lm_loss_fn
+from levanter.training import lm_loss_fn
 from levanter.main import train_lm
 from levanter.memory import DOES_NOT_FIT_EXIT_CODE, StepCompiler, parse_bytes, split_plan_args
 

@@ -1,4 +1,4 @@
-"""Evaluation per source and tag (levanter.eval, levanter.main.eval_lm) and branching a run from another
+"""Evaluation per source and tag (levanter.training.eval, levanter.main.eval_lm) and branching a run from another
 run's checkpoint (trainer.initialize_from, initialize_from_checkpoint_path).
 
 One tiny two-source run (tagged sources, byte tokens) is trained once for the module; its checkpoint is
@@ -27,10 +27,10 @@ from test_train_lm import metrics, tiny_config  # noqa: E402
 from levanter.checkpoint import initialize_from, load_checkpoint, read_checkpoint_metadata  # noqa: E402
 from levanter.data.config import LMMixtureDatasetConfig  # noqa: E402
 from levanter.data.source_config import LMDatasetSourceConfig  # noqa: E402
-from levanter.eval import EvalResult, SourceTotals, format_table, token_byte_lengths  # noqa: E402
+from levanter.training import EvalResult, SourceTotals, format_table, token_byte_lengths  # noqa: E402
 from levanter.ingest import ByteTokenizer, train_bpe  # noqa: E402
-from levanter.lm_loss import lm_loss_fn  # noqa: E402
-from levanter.trainer import Trainer  # noqa: E402
+from levanter.training import lm_loss_fn  # noqa: E402
+from levanter.training import Trainer  # noqa: E402
 from levanter.main import eval_lm, train_lm  # noqa: E402
 
 
@@ -152,7 +152,7 @@ def test_the_evaluator_calls_its_sums_through_a_flat_jit_that_keeps_the_model(or
     model's arrays are still there; each batch's sums equal named_jit's."""
     import optax
 
-    from levanter.step_dispatch import FlatStep
+    from levanter.training import FlatStep
 
     tmp, cfg = origin
     model = model_from(cfg, str(tmp / "ckpt" / "origin" / "step-2"))
@@ -162,7 +162,7 @@ def test_the_evaluator_calls_its_sums_through_a_flat_jit_that_keeps_the_model(or
     assert ev.evaluate(model).metrics() == first
     assert not any(x.is_deleted() for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
     fn = ev._sums_fn()
-    assert isinstance(fn, FlatStep) and fn._cache_size() == 1
+    assert isinstance(fn, FlatStep) and fn.compile_count() == 1
     assert all(entry is not None for entry in fn._by_structure.values())  # not the fallback
     rows = {"tokens": np.arange(2 * cfg.model.seq_len, dtype=np.int32).reshape(2, -1) % 200,
             "loss_mask": np.ones((2, cfg.model.seq_len), np.int32),
@@ -263,7 +263,7 @@ def test_the_shipped_nano_configs_evaluate_every_validation_source(name, tmp_pat
     only the prose file of its two). The nano configs give each validation file a source of its own, and
     every source gets its batches: both the prose and the code split are evaluated and reported."""
     from levanter.config import parse_config
-    from levanter.eval import make_evaluator
+    from levanter.training import make_evaluator
 
     repo = Path(__file__).resolve().parent.parent
     cfg = parse_config(train_lm.TrainLmConfig, str(repo / "config" / name))

@@ -576,7 +576,7 @@ def nan_config(tmp_path, name, *, steps, crash, lr=1e-2):
     from levanter.models import Gpt2Config
     from levanter.optim import AdamConfig
     from levanter.tracker import JsonConfig
-    from levanter.trainer import TrainerConfig
+    from levanter.training import TrainerConfig
 
     corpus = tmp_path / "corpus"
     if not corpus.exists():
@@ -633,7 +633,7 @@ def test_divergence_stops_the_run_by_default(tmp_path):
 
 
 def test_check_finite_flags():
-    from levanter.trainer import TrainerConfig, check_finite
+    from levanter.training import TrainerConfig, check_finite
 
     default = TrainerConfig()
     check_finite(2.5, 3, default)

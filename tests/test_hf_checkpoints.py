@@ -383,7 +383,7 @@ def trained(hf_dirs, tmp_path_factory):
     from levanter.main import train_lm
     from levanter.optim import AdamConfig
     from levanter.tracker import JsonConfig
-    from levanter.trainer import TrainerConfig
+    from levanter.training import TrainerConfig
 
     tmp = tmp_path_factory.mktemp("hf-train")
     config = train_lm.TrainLmConfig(

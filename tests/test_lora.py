@@ -16,7 +16,7 @@ from levanter.lora import LoraConfig, LoraLinear, lora_layer_paths, lora_trainab
 from levanter.main.train_lm import lm_loss_fn
 from levanter.models import Gpt2Config, LlamaConfig, MixtralConfig
 from levanter.quantization import QuantizationConfig, quantize
-from levanter.trainer import Trainer, TrainerConfig
+from levanter.training import Trainer, TrainerConfig
 
 Vocab = hax.Axis("vocab", 64)
 GPT2 = Gpt2Config(seq_len=16, hidden_dim=32, num_heads=4, num_layers=2, gradient_checkpointing=False)

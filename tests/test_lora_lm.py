@@ -355,7 +355,7 @@ def test_the_memory_check_counts_gradients_and_optimizer_state_of_the_adapters_a
     from levanter.lora import LoraConfig, lora_trainable, loraize
     from levanter.memory import check_memory
     from levanter.models import LlamaConfig
-    from levanter.trainer import TrainerConfig
+    from levanter.training import TrainerConfig
 
     config = TrainLmConfig(
         data=UrlSingleDatasetLMConfig(tokenizer="byte"),

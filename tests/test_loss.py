@@ -21,11 +21,11 @@ import optax
 import pytest
 
 from accelerator import tol
-from levanter.lm_loss import lm_loss_fn
+from levanter.training import lm_loss_fn
 from levanter.memory import check_memory
 from levanter.models import Gpt2Config, LlamaConfig, blockwise_next_token_loss, next_token_loss
 from levanter.models.loss import blockwise_logsumexp
-from levanter.trainer import Trainer, TrainerConfig
+from levanter.training import Trainer, TrainerConfig
 
 RTOL, ATOL = tol(2e-5), tol(2e-6)  # tenfold on a TPU (tests/accelerator.py)
 

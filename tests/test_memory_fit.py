@@ -17,7 +17,7 @@ import pytest
 
 from levanter.config import parse_config
 from levanter.lm_config import TrainLmConfig
-from levanter.lm_loss import lm_loss_fn
+from levanter.training import lm_loss_fn
 from levanter.main import train_lm
 from levanter.memory import (
     AUTO_HEADROOM,

@@ -215,7 +215,7 @@ def test_trainer_reports_the_router_loss_with_and_without_microbatches(tmp_path)
     from levanter.data.loader import Batch
     from levanter.main import train_lm
     from levanter.optim import AdamConfig
-    from levanter.trainer import Trainer, TrainerConfig, TrainHooks, named_batch
+    from levanter.training import Trainer, TrainerConfig, TrainHooks, named_batch
 
     cfg = tiny(num_layers=1)
     Vocab61 = hax.Axis("vocab", 61)

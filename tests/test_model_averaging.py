@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from levanter.checkpoint import CheckpointerConfig, CheckpointInterval, ResumePoint, restore
-from levanter.lm_loss import lm_loss_fn
+from levanter.training import lm_loss_fn
 from levanter.models import Gpt2Config
 from levanter.optim import AdamConfig, EmaModelAveragingConfig
-from levanter.trainer import Trainer, TrainerConfig, TrainHooks, named_batch
+from levanter.training import Trainer, TrainerConfig, TrainHooks, named_batch
 from levanter.data.loader import Batch
 
 MODEL = Gpt2Config(hidden_dim=32, num_heads=2, num_layers=1, seq_len=16)
@@ -126,7 +126,7 @@ def test_resume_from_every_step_gives_the_same_average_and_eval_sees_it(tmp_path
 
 
 def test_resume_refuses_a_checkpoint_that_disagrees_on_averaging(tmp_path):
-    from levanter.trainer import check_resume_averaging
+    from levanter.training import check_resume_averaging
 
     with_avg, ckpt = make_trainer(tmp_path / "a")
     with_avg.train(fresh(with_avg), batches(range(STEPS)), to_named=to_named, checkpointer=ckpt.create("r"))

@@ -115,7 +115,7 @@ def test_two_processes_kill_9_of_one_during_a_write_then_resume_bit_for_bit(tmp_
 def test_two_processes_sigterm_on_one_waits_for_the_write_everywhere(tmp_path, two_process_reference):
     """SIGTERM reaches process 1 only, while it writes the save of step 4: every process stops at the same
     step, after the write in flight and the current step's save are committed, and exits 75."""
-    from levanter.trainer import PREEMPTED_EXIT_CODE
+    from levanter.training import PREEMPTED_EXIT_CODE
 
     reference = two_process_reference
 

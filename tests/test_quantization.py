@@ -19,7 +19,7 @@ from levanter.main import train_lm
 from levanter.main.train_lm import lm_loss_fn
 from levanter.models import Gpt2Config, LlamaConfig
 from levanter.quantization import QuantizationConfig, quantize, quantized_layer_paths, with_fp8
-from levanter.trainer import Trainer, TrainerConfig
+from levanter.training import Trainer, TrainerConfig, num_microbatches
 
 TINY = Gpt2Config(seq_len=16, hidden_dim=32, num_heads=4, num_layers=2, gradient_checkpointing=False)
 Vocab = hax.Axis("vocab", 64)
@@ -152,7 +152,7 @@ def test_an_fp8_step_over_microbatches_equals_the_step_in_one_pass():
     # of its gradient, so a gradient near zero whose sign the rounding flips (on a TPU) would move it by twice that
     one_trainer, one, batch = _fp8_trainer(-1, n, sgd=True)
     micro_trainer, micro, _ = _fp8_trainer(1, n, sgd=True)
-    assert micro_trainer._microbatches(n) == 4
+    assert num_microbatches(micro_trainer.config, n) == 4
     w0 = [jnp.array(w, copy=True) for w in _split_fp8(one.model)[1]]  # the step donates the state
     one, m1 = one_trainer.train_step(one, batch, n)
     micro, m4 = micro_trainer.train_step(micro, batch, n)
@@ -229,7 +229,7 @@ def test_settings_that_cannot_be_honoured_are_refused_before_any_work(tmp_path, 
 def test_the_evaluator_computes_through_the_int8_kernels_too():
     import optax
 
-    from levanter.eval import Evaluator
+    from levanter.training import Evaluator
 
     model = _model()
     batch = {"tokens": hax.named(jnp.arange(32).reshape(2, 16) % 64, ("batch", "position"))}

@@ -146,7 +146,7 @@ def tiny_config(tmp_path, **trainer_kw):
     from levanter.models import Gpt2Config
     from levanter.optim import AdamConfig
     from levanter.tracker import JsonConfig
-    from levanter.trainer import TrainerConfig
+    from levanter.training import TrainerConfig
 
     tkw = dict(num_train_steps=2, train_batch_size=8, require_accelerator=False, id="tiny",
                log_dir=str(tmp_path / "logs"), tracker=JsonConfig(), steps_per_eval=100,
@@ -203,7 +203,7 @@ def test_a_job_launched_twice_runs_once(tmp_path, capsys):
     """Two real train_lm processes of one id: the second stops at once (exit 2, naming the first), the
     first trains on undisturbed and, after SIGTERM, checkpoints, exits 75 and releases the lock."""
     from levanter.main import train_lm
-    from levanter.trainer import PREEMPTED_EXIT_CODE
+    from levanter.training import PREEMPTED_EXIT_CODE
 
     cfg = tmp_path / "run.yaml"
     cfg.write_text(LONG_RUN.format(tmp=tmp_path))

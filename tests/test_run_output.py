@@ -129,11 +129,11 @@ def test_console_filter_keeps_library_info_out():
     def rec(name, level):
         return logging.LogRecord(name, level, __file__, 1, "m", None, None)
 
-    assert f.filter(rec("levanter.trainer", logging.INFO))
+    assert f.filter(rec("levanter.training", logging.INFO))
     assert f.filter(rec("__main__", logging.INFO))
     assert not f.filter(rec("jax._src.xla_bridge", logging.INFO))  # "Unable to initialize backend 'tpu'"
     assert f.filter(rec("jax._src.xla_bridge", logging.WARNING))
-    assert not f.filter(rec("levanter.trainer", logging.DEBUG))
+    assert not f.filter(rec("levanter.training", logging.DEBUG))
 
 
 DEBUG_LOG_SCRIPT = """
@@ -141,8 +141,8 @@ import logging, sys
 from levanter import progress
 progress.setup_console_logging()
 logging.getLogger("jax._src.xla_bridge").info("Unable to initialize backend 'tpu': not found")
-logging.getLogger("levanter.trainer").info("a levanter line")
-logging.getLogger("levanter.trainer").debug("a levanter detail")
+logging.getLogger("levanter.training").info("a levanter line")
+logging.getLogger("levanter.training").debug("a levanter detail")
 print(progress.open_debug_log(sys.argv[1]))
 logging.getLogger("jax").debug("after the log opened")
 """
@@ -166,7 +166,7 @@ UNWRITABLE_LOG_SCRIPT = """
 import logging, sys
 from levanter import progress
 progress.setup_console_logging()
-logging.getLogger("levanter.trainer").debug("a record from before")
+logging.getLogger("levanter.training").debug("a record from before")
 try:
     progress.open_debug_log(sys.argv[1] + "/logs/run")
 except ValueError as e:

@@ -16,7 +16,7 @@ from levanter.config import parse_config
 from levanter.main import train_lm
 from levanter.optim import AdamConfig
 from levanter.optim.skip_steps import SkipBadSteps, resolve, skip_bad_steps, spike_skipped
-from levanter.trainer import Trainer, TrainerConfig
+from levanter.training import Trainer, TrainerConfig
 
 
 @pytest.mark.parametrize("value, expected", [

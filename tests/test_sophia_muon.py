@@ -15,11 +15,11 @@ import pytest
 
 from levanter.checkpoint import CheckpointerConfig, restore
 from levanter.data.loader import Batch
-from levanter.lm_loss import lm_loss_fn
+from levanter.training import lm_loss_fn
 from levanter.models import Gpt2Config
 from levanter.optim import AdamConfig, MuonConfig, SophiaHConfig
 from levanter.optim.sophia import hutchinson_diagonal, scale_by_sophia_h
-from levanter.trainer import DataEndedError, Trainer, TrainerConfig, TrainHooks, named_batch
+from levanter.training import DataEndedError, Trainer, TrainerConfig, TrainHooks, named_batch
 
 VOCAB = hax.Axis("vocab", 61)
 

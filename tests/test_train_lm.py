@@ -20,7 +20,7 @@ from levanter.checkpoint import CheckpointerConfig, CheckpointInterval, restore
 from levanter.config import ConfigError, parse_config
 from levanter.data.config import UrlSingleDatasetLMConfig
 from levanter.data.loader import Batch, DataLoader
-from levanter.lm_loss import lm_loss_fn
+from levanter.training import lm_loss_fn
 import levanter.run.data
 from levanter.main import train_lm
 from levanter.memory import available_memory, check_memory
@@ -28,7 +28,7 @@ from levanter.models import Gpt2Config, LlamaConfig
 from levanter.optim import AdamConfig
 from levanter.schedule import ScheduleStep
 from levanter.tracker import JsonConfig
-from levanter.trainer import StepMismatchError, TrainerConfig, check_step, named_batch
+from levanter.training import StepMismatchError, TrainerConfig, check_step, named_batch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -158,7 +158,7 @@ def test_trainer_train_runs_the_loop_and_its_hooks(tmp_path):
     checkpoint the last state and raise DataEndedError; a batch of another step is refused."""
     import haliax as hax
 
-    from levanter.trainer import DataEndedError, StepReport, Trainer, TrainHooks
+    from levanter.training import DataEndedError, StepReport, Trainer, TrainHooks
 
     model_cfg = Gpt2Config(hidden_dim=32, num_heads=2, num_layers=1, seq_len=16)
     vocab = hax.Axis("vocab", 61)
@@ -227,7 +227,7 @@ def _lagged_trainer(tmp_path, num_steps=6):
     import haliax as hax
     import jax.numpy as jnp
 
-    from levanter.trainer import Trainer
+    from levanter.training import Trainer
 
     model_cfg = Gpt2Config(hidden_dim=32, num_heads=2, num_layers=1, seq_len=16)
     vocab = hax.Axis("vocab", 61)
@@ -263,7 +263,7 @@ def test_the_loop_reads_metrics_one_step_late_except_where_the_state_is_needed(t
     """Step N+1 is dispatched before step N's report, except after a step whose state is saved (keep every
     3: after steps 2 and 5) or evaluated; the reports (losses, gradient norms) and the final parameters are
     bit for bit those of a loop that finishes every step first (a checkpointer without ``save_due``)."""
-    from levanter.trainer import StepReport, TrainHooks
+    from levanter.training import StepReport, TrainHooks
 
     trainer, fresh, batches, to_named, dispatched = _lagged_trainer(tmp_path)
 
@@ -318,7 +318,7 @@ def test_a_nan_found_a_step_late_names_its_step_and_no_later_state_is_saved(tmp_
     """A NaN loss at step 4, whose report comes after step 5 was dispatched: the run stops naming step 4,
     the hooks saw steps 0-3, and the last checkpoint is step-4 (the state after step 3; keep every 2 would
     have saved step-6 next)."""
-    from levanter.trainer import StepReport, TrainHooks
+    from levanter.training import StepReport, TrainHooks
 
     trainer, fresh, batches, to_named, dispatched = _lagged_trainer(tmp_path)
     seen = []
@@ -607,7 +607,7 @@ def test_kill_9_or_ctrl_c_then_rerun_resumes_bit_for_bit(tmp_path):
     # SIGINT at the 4th step report: step 3's, made while step 4 runs (metrics are read a step late). The
     # run finishes step 4 and checkpoints the state after it, step 5 (not one of the keep steps).
     interrupted = run_train(tmp_path, "int", kill_at="train_after_step:4", signal_name="SIGINT")
-    from levanter.trainer import PREEMPTED_EXIT_CODE
+    from levanter.training import PREEMPTED_EXIT_CODE
 
     assert interrupted.returncode == PREEMPTED_EXIT_CODE, interrupted.stderr[-3000:]
     assert "Traceback" not in interrupted.stderr and "KeyboardInterrupt" not in interrupted.stderr
@@ -655,7 +655,7 @@ def test_mixture_logs_source_counts_and_switches_at_the_stage_step(tmp_path):
 def test_sigterm_checkpoints_and_exits_with_the_preemption_status(tmp_path):
     import time
 
-    from levanter.trainer import PREEMPTED_EXIT_CODE
+    from levanter.training import PREEMPTED_EXIT_CODE
 
     # A run far longer than the test: its one source is a mixture's, which wraps it (stop_strategy restart).
     text = RESUME_YAML.format(cache=tmp_path / "cache", logs=tmp_path / "logs", ckpt=tmp_path / "ckpt")
@@ -682,14 +682,14 @@ def test_sigterm_checkpoints_and_exits_with_the_preemption_status(tmp_path):
 
 
 def test_initial_parameters_are_bit_identical_on_every_mesh():
-    """The one-off init program (compiled with its own CPU options, see step_dispatch.init_compile_options)
+    """The one-off init program (compiled with its own CPU options, see training.dispatch.init_compile_options)
     gives the same parameters, bit for bit, however the mesh shards them, and the same on a second call."""
     if jax.device_count() < 8:
         pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
     import equinox as eqx
     import haliax as hax
 
-    from levanter.trainer import Trainer
+    from levanter.training import Trainer
 
     model_cfg = Gpt2Config(hidden_dim=32, num_heads=2, num_layers=2, seq_len=16)
     vocab = hax.Axis("vocab", 61)
@@ -756,8 +756,8 @@ def test_flat_dispatch_step_equals_named_jit(model_axis_size, tp):
     import equinox as eqx
     import haliax as hax
 
-    from levanter.step_dispatch import FlatStep
-    from levanter.trainer import Trainer
+    from levanter.training import FlatStep
+    from levanter.training import Trainer
 
     model_cfg = Gpt2Config(hidden_dim=32, num_heads=2, num_layers=2, seq_len=16)
     vocab = hax.Axis("vocab", 61)
@@ -777,7 +777,7 @@ def test_flat_dispatch_step_equals_named_jit(model_axis_size, tp):
             with hax.partitioning.set_mesh(trainer.mesh), hax.axis_mapping(trainer.compute_mapping):
                 state, metrics = call(state, named)
         if use_flat:
-            assert step_fn._cache_size() == 1
+            assert step_fn.compile_count() == 1
             assert all(entry is not None for entry in step_fn._by_structure.values())  # not the fallback
         leaves = jax.tree.leaves(eqx.filter((state, metrics), eqx.is_array))
         results.append([(np.asarray(x), x.sharding) for x in leaves])
@@ -795,7 +795,7 @@ def test_the_train_step_compiles_once_and_keeps_every_dtype(mp):
     that). Every leaf of the state keeps its dtype, and three steps compile once."""
     import haliax as hax
 
-    from levanter.trainer import Trainer
+    from levanter.training import Trainer
 
     model_cfg = Gpt2Config(hidden_dim=32, num_heads=2, num_layers=2, seq_len=16)
     tcfg = TrainerConfig(mp=mp, train_batch_size=8, require_accelerator=False)
@@ -819,7 +819,7 @@ def _zero_gradient_rows_step(eps: float, crash_on_nan: bool = True):
     import equinox as eqx
     import optax
 
-    from levanter.trainer import Trainer
+    from levanter.training import Trainer
 
     model_cfg = Gpt2Config(hidden_dim=32, num_heads=2, num_layers=1, seq_len=16)
     tcfg = TrainerConfig(train_batch_size=8, require_accelerator=False, crash_on_nan=crash_on_nan)
@@ -844,7 +844,7 @@ def test_a_non_finite_update_is_not_applied():
     are skipped (crash_on_nan: false) the step leaves every parameter and moment as it was; either way it
     reports the update as non-finite, and by default the host check stops the run naming the step and the
     optimizer values to look at. A positive epsilon updates."""
-    from levanter.trainer import check_finite
+    from levanter.training import check_finite
 
     before, after, floats, step, metrics = _zero_gradient_rows_step(eps=0.0, crash_on_nan=False)
     loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
@@ -868,7 +868,7 @@ def test_a_non_finite_update_is_not_applied():
 
 
 def test_check_finite_names_a_non_finite_gradient_norm():
-    from levanter.trainer import check_finite
+    from levanter.training import check_finite
 
     with pytest.raises(FloatingPointError, match=r"train/grad_norm is NaN at step 7 \(the loss was finite\)"):
         check_finite(1.5, 7, TrainerConfig(), grad_norm=float("nan"))
@@ -1050,7 +1050,7 @@ def test_the_step_measures_its_update_against_the_parameters():
 
 
 def _report(step=3, *, update_norm=1e-3, param_norm=10.0, grad_norm=0.5, skipped=False, non_finite=False):
-    from levanter.trainer import StepReport
+    from levanter.training import StepReport
 
     batch = Batch(step=step, global_offset=0, batch_size=2, data={})
     return StepReport(step, batch, 2.5, grad_norm, skipped, 0.1, update_norm=update_norm, param_norm=param_norm,
@@ -1074,7 +1074,7 @@ def test_an_update_too_small_to_count_stops_the_run_naming_the_key():
 
 
 def test_a_run_whose_parameters_never_changed_says_so_in_its_summary():
-    from levanter.trainer import StepTally
+    from levanter.training import StepTally
 
     tally = StepTally()
     tally.add(_report(update_norm=0.0))
@@ -1084,7 +1084,7 @@ def test_a_run_whose_parameters_never_changed_says_so_in_its_summary():
 
 
 def test_a_non_finite_value_names_what_came_first_and_the_likely_key():
-    from levanter.trainer import check_finite
+    from levanter.training import check_finite
 
     with pytest.raises(FloatingPointError, match=r"train/loss is NaN at step 5; .*The loss was the first value not "
                        r"finite \(train/grad_norm nan\)\. Step 4's update was 3\.0e\+05 times .*optimizer\."
@@ -1101,7 +1101,7 @@ def test_a_non_finite_value_names_what_came_first_and_the_likely_key():
 
 
 def test_skipped_steps_are_counted_and_a_run_that_skipped_most_fails():
-    from levanter.trainer import StepTally
+    from levanter.training import StepTally
 
     tally = StepTally()
     tally.add(_report(step=0, update_norm=1e5, param_norm=1.0))  # thrown out of range

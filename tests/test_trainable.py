@@ -16,7 +16,7 @@ import optax
 from levanter.main.train_lm import lm_loss_fn
 from levanter.models import Gpt2Config
 from levanter.optim.model_averaging import EmaModelAveragingConfig
-from levanter.trainer import Trainer, TrainerConfig
+from levanter.training import Trainer, TrainerConfig
 
 TINY = Gpt2Config(seq_len=16, hidden_dim=32, num_heads=4, num_layers=2, gradient_checkpointing=False)
 Vocab = hax.Axis("vocab", 64)

@@ -92,10 +92,10 @@ def run_llama(cfg: dict) -> dict:
 
     from levanter.data.config import UrlSingleDatasetLMConfig
     from levanter.lm_config import TrainLmConfig
-    from levanter.lm_loss import lm_loss_fn
+    from levanter.training import lm_loss_fn
     from levanter.memory import PlanOptions, make_plan
     from levanter.models import LlamaConfig
-    from levanter.trainer import TrainerConfig
+    from levanter.training import TrainerConfig
 
     c = cfg["llama"]
     base = LlamaConfig(seq_len=c["seq_len"], hidden_dim=c["hidden"], intermediate_dim=c["mlp"], num_layers=c["layers"],

@@ -4,7 +4,7 @@ Step ``s`` of a run reads exactly the global indices its batch schedule assigns 
 dataset is told the step it is serving. See ``docs/design/data-order.md``.
 """
 
-# The parts are imported by name (``levanter.trainer``, ``levanter.data``...), not re-exported here:
+# The parts are imported by name (``levanter.training``, ``levanter.data``...), not re-exported here:
 # importing ``levanter`` must not import JAX.
 __all__ = ["__version__"]
 

@@ -44,7 +44,7 @@ from levanter.data.config import DataConfig, LMMixtureDatasetConfig, UrlSingleDa
 from levanter.eval_harness.config import LmEvalHarnessConfig
 from levanter.models import LlamaConfig, LmConfig
 from levanter.optim import AdamConfig, OptimizerConfig
-from levanter.trainer_config import TrainerConfig
+from levanter.training import TrainerConfig
 from levanter.utils import fs
 
 logger = logging.getLogger(__name__)

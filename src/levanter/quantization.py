@@ -21,7 +21,7 @@ CPU it is a numerics simulation, slower than float32).
 How fp8 is applied: its scales and amax histories are state that each step computes in its backward pass
 and the next step reads, so they live in the model from the moment it is built (:func:`with_fp8`), are
 checkpointed with it, and the trainer overwrites them with what the backward pass returns for them instead
-of handing them to the optimizer (haliax's ``OverwriteWithGradient``; :mod:`levanter.trainer`). A checkpoint
+of handing them to the optimizer (haliax's ``OverwriteWithGradient``; :mod:`levanter.training`). A checkpoint
 of an fp8 run therefore holds that state and resumes only as an fp8 run with the same layers and history
 length; its weights export to Hugging Face as any other run's. The products are quantized and dequantized
 around a matrix product in the compute dtype (haliax's scheme): on hardware with fp8 matrix units XLA may

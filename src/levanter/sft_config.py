@@ -48,7 +48,7 @@ from levanter.lm_config import TrainLmConfig
 from levanter.models import LlamaConfig, LmConfig
 from levanter.optim import AdamConfig, OptimizerConfig
 from levanter.refused_keys import check_refused, refused
-from levanter.trainer_config import TrainerConfig
+from levanter.training import TrainerConfig
 
 __all__ = ["LLAMA3_CHAT_TOKENS", "SFT_KEYS", "SFTConfig", "SupervisedSourceConfig", "fresh_model_fn",
            "reinit_token_ids", "to_train_lm_config"]

@@ -189,7 +189,7 @@ class UrlSingleDatasetLMConfig(LMTaskConfig, LMDatasetSourceConfig):
         self.eval_tags()
 
     def eval_tags(self) -> Dict[str, Tuple[str, ...]]:
-        """``{"": tags}``: the source's checked ``tags`` (eval metrics per tag, :mod:`levanter.eval`)."""
+        """``{"": tags}``: the source's checked ``tags`` (eval metrics per tag, :mod:`levanter.training.eval`)."""
         from .tags import check_tags
 
         return {"": check_tags(self.tags, "data.tags")}
@@ -306,7 +306,7 @@ class LMMixtureDatasetConfig(LMTaskConfig):
         self.eval_tags()
 
     def eval_tags(self) -> Dict[str, Tuple[str, ...]]:
-        """``{source: tags}``: each source's checked ``tags`` (eval metrics per tag, :mod:`levanter.eval`)."""
+        """``{source: tags}``: each source's checked ``tags`` (eval metrics per tag, :mod:`levanter.training.eval`)."""
         from .tags import check_tags
 
         return {

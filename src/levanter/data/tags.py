@@ -1,7 +1,7 @@
 """Tags of validation sources: labels under which evaluation reports averages over several sources.
 
 A source's ``tags`` (``data.configs.<name>.tags``, or ``data.tags`` for a single source) are checked here,
-in the data layer, when the config is validated; :mod:`levanter.eval` turns them into metric names
+in the data layer, when the config is validated; :mod:`levanter.training.eval` turns them into metric names
 (``eval/<tag>/loss``), so a tag must be usable as one and must not collide with a source's name.
 """
 

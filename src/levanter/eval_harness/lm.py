@@ -67,7 +67,7 @@ class RowScorer:
         if self._fn is None:
             from jax.experimental import multihost_utils  # noqa: F401 -- imported where the outputs are gathered
 
-            from levanter.step_dispatch import FlatStep
+            from levanter.training import FlatStep
 
             mp = self.trainer.mp
             quantization = self.trainer.config.quantization

@@ -7,7 +7,7 @@ checkpoint directory for its latest complete checkpoint -- or ``hf_checkpoint``,
 (local directory or hub id). Keys about training (optimizer, schedules) are read but play no part.
 
 For every validation source of ``data`` it reports what ``train_lm`` logs at its evals
-(:mod:`levanter.eval`): loss and bits per byte per source and per tag, micro and macro averages, over the
+(:mod:`levanter.training.eval`): loss and bits per byte per source and per tag, micro and macro averages, over the
 first ``trainer.max_eval_batches`` batches of each source (all of them when null), in batches of
 ``trainer.per_device_eval_parallelism`` x data-parallel devices (else the first training batch size). The
 batches are the same for any number of processes. It prints a table and writes the metrics to the
@@ -83,7 +83,7 @@ def main(config: EvalLmConfig, *, model_from_checkpoint: bool = False) -> dict:
     line without ``--config_path``, whose model and tokenizer come from the checkpoint's metadata."""
     import jax
 
-    from levanter.eval import check_eval_set_sizes, make_evaluator
+    from levanter.training import check_eval_set_sizes, make_evaluator
     from levanter.progress import open_debug_log
     from levanter.run import eval_trainer, load_checkpoint_model, load_hf_model
     from levanter.tracker import check_trackers_writable
@@ -164,7 +164,7 @@ def _report(tcfg, run_id: str, loaded, result, metrics: dict, opened_debug_log) 
     they went (on the first process; the others log to nothing)."""
     import jax
 
-    from levanter.eval import format_table
+    from levanter.training import format_table
     from levanter.progress import DEBUG_LOG_NAME
     from levanter.tracker import NoopTracker, init_trackers, metrics_destinations
     from levanter.utils import fs

@@ -46,7 +46,7 @@ from levanter.lora import LoraConfig
 from levanter.models import LlamaConfig
 from levanter.optim import AdamConfig, OptimizerConfig
 from levanter.refused_keys import check_refused, refused
-from levanter.trainer_config import TrainerConfig
+from levanter.training import TrainerConfig
 from levanter.utils import fs
 
 logger = logging.getLogger(__name__)

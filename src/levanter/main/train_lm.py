@@ -47,7 +47,7 @@ from typing import Optional
 
 import levanter.config
 from levanter.lm_config import SEED_LIMIT, TrainLmConfig, data_key, validate
-from levanter.lm_loss import lm_loss_fn
+from levanter.training import lm_loss_fn
 from levanter.run import check_data_covers_run, check_data_schedule, cli_errors, main, make_evaluator, say_finished
 from levanter.run import start_command
 from levanter.memory import DOES_NOT_FIT_EXIT_CODE, FLAG_HELP, ModelCannotFitError, format_plan

@@ -2,7 +2,7 @@
 
 A run (:func:`fit_trainer`) compiles its step for the schedule's largest batch before the first step
 (:class:`levanter.memory.step.StepCompiler`) and reuses that executable for the run
-(:meth:`levanter.trainer.Trainer.use_compiled`), so the check costs no extra compile where it passes. A
+(:meth:`levanter.training.Trainer.use_compiled`), so the check costs no extra compile where it passes. A
 step that cannot fit is one :class:`StepDoesNotFitError` (exit 2) saying what it needs and what the device
 has, and the keys that lower it with the figure each alone would give, each compiled the same way
 (:func:`levanter.memory.levers.suggestions`). Where the device's memory is unknown (CPUs) nothing is
@@ -34,8 +34,8 @@ from levanter.memory.levers import (
 )
 from levanter.memory.step import StepCompiler, StepMemory, device_memory, is_resource_exhausted, largest_batch
 from levanter.memory.step import oom_figures, size
-from levanter.trainer import Trainer
-from levanter.trainer_config import TrainerConfig
+from levanter.training import Trainer
+from levanter.training import TrainerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import jax
 
 from levanter.memory.step import StepCompiler, StepMemory, largest_batch
 from levanter.models import Gpt2Config, LmConfig, resolve_attn_backend
-from levanter.trainer_config import TrainerConfig
+from levanter.training import TrainerConfig
 
 logger = logging.getLogger(__name__)
 

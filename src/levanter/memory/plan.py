@@ -62,6 +62,7 @@ from levanter.memory.levers import AUTO_HEADROOM, auto_pick, microbatch_candidat
 from levanter.memory.shapes import available_memory, check_memory
 from levanter.memory.step import StepCompiler, StepMemory, device_memory, measure, shard_bytes, size
 from levanter.utils.flops import peak_flops_per_device
+from levanter.training import num_microbatches
 
 
 # -- the plan ----------------------------------------------------------------------------------------------
@@ -163,7 +164,7 @@ def make_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptions) ->
         devices=jax.device_count(), platform=jax.devices()[0].platform,
         mesh_shape=dict(trainer.mesh.shape), vocab_size=vocab_size, vocab_source=vocab_source,
         batch_size=batch_size, seq_len=config.model.seq_len,
-        microbatches=_microbatches(trainer.config, batch_size),
+        microbatches=num_microbatches(trainer.config, batch_size),
         param_dtype=str(jnp.dtype(jmp.get_policy(tcfg.mp).param_dtype)), **figures,
         total_bytes=memory.total, device_memory=limit, device_memory_source=memory_source,
         compiler_capacity=memory.capacity,
@@ -260,11 +261,6 @@ def _plan_available(device_memory: Optional[int], source: str) -> tuple[Optional
         return found, (" To plan for an accelerator's memory instead of this host's, pass --device_memory "
                        "SIZE (e.g. 16GiB).")
     return found, ""
-
-
-def _microbatches(tcfg, batch_size: int) -> int:
-    micro = tcfg.microbatch_size
-    return 1 if micro is None else batch_size // (micro * tcfg.data_axis_size)
 
 
 def format_plan(plan: MemoryPlan, config_path: Optional[str] = None) -> str:

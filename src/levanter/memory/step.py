@@ -1,6 +1,6 @@
 """The core every memory check shares: the train step compiled ahead of time on abstract inputs, measured.
 
-The step is the trainer's own (:class:`StepCompiler` builds the :class:`levanter.trainer.Trainer` a run
+The step is the trainer's own (:class:`StepCompiler` builds the :class:`levanter.training.Trainer` a run
 would, with its mesh, shardings and microbatches), compiled for abstract inputs (``jax.ShapeDtypeStruct``
 leaves with the run's shardings: nothing is allocated, however large the model) and XLA's
 ``memory_analysis()`` says what one device needs at the step's peak: its arguments (parameters, optimizer
@@ -35,8 +35,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from levanter.quantization import with_fp8
-from levanter.trainer import Trainer, TrainerState
-from levanter.trainer_config import TrainerConfig
+from levanter.training import Trainer, TrainerState
+from levanter.training import TrainerConfig
 
 ENV_DEVICE_MEMORY = "LEVANTER_DEVICE_MEMORY"
 
@@ -193,7 +193,7 @@ def abstract_state(trainer: Trainer, model_config, vocab_size: int, adapt: Optio
 
 def abstract_batch(trainer: Trainer, Pos: hax.Axis, batch_size: int) -> dict:
     """``{"tokens": [batch, position]}`` as the loader ships it (int32, sharded over the data axis), as the
-    named array :func:`levanter.trainer.named_batch` makes of it (built directly: ``hax.named`` would
+    named array :func:`levanter.training.named_batch` makes of it (built directly: ``hax.named`` would
     convert the struct)."""
     tokens = jax.ShapeDtypeStruct((batch_size, Pos.size), jnp.int32,
                                   sharding=NamedSharding(trainer.mesh, PartitionSpec("data")))

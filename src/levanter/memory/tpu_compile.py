@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from levanter.memory.flags import PlanArgumentError
 from levanter.memory.tpu_slices import TpuSlice
-from levanter.trainer_config import TrainerConfig
+from levanter.training import TrainerConfig
 
 LIBTPU_HINT = "pip install -e '.[tpu]' (or pip install 'libtpu==0.0.42.*', the version jax[tpu]==0.10.2 pins)"
 

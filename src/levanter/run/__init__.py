@@ -6,7 +6,7 @@ command line).
 
 ``main(config)`` is a plain function (tests call it directly). It validates the whole config before any
 expensive work, builds (or finds) the token caches, initialises or restores the state, and hands the
-loader's batches (tagged with their step) to :meth:`levanter.trainer.Trainer.train`, which checks the
+loader's batches (tagged with their step) to :meth:`levanter.training.Trainer.train`, which checks the
 tags and checkpoints; the hooks given to it log the metrics and evaluate. Re-running the same command
 with the same ``trainer.id`` resumes from the latest complete checkpoint and reproduces the same data and
 losses; re-running a run that already reached ``trainer.num_train_steps`` says so and exits 0. A run
@@ -35,7 +35,7 @@ FLOP/s is known), ``data/wait_seconds``, at a process's first step ``throughput/
 (from the process's start: imports, caches, compiles or loads from the persistent compilation cache
 (:mod:`levanter.utils.compile_cache`), the step itself) and, for mixtures, ``data/source_counts/<source>``; every
 ``steps_per_eval`` steps, before the first step of each mixture stage and at the end, for the validation
-sources (:mod:`levanter.eval`): ``eval/<source>/loss`` and ``eval/<source>/bpb`` (bits per byte), the
+sources (:mod:`levanter.training.eval`): ``eval/<source>/loss`` and ``eval/<source>/bpb`` (bits per byte), the
 micro averages ``eval/loss`` and ``eval/bpb``, the macro averages ``eval/macro_loss`` and
 ``eval/macro_bpb``, and per tag ``eval/<tag>/loss`` and ``eval/<tag>/bpb`` (plus ``macro_loss`` and
 ``macro_bpb`` for a tag on several sources). With ``trainer.model_averaging`` the averaged weights are

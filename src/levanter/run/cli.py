@@ -22,7 +22,7 @@ from levanter.data.load_errors import DataLoadError
 from levanter.distributed import DistributedStartupError
 from levanter.errors import OUT_OF_SPACE_EXIT_CODE, OutOfSpaceError, ReadOnlyStorageError
 from levanter.tracker import TrackerError
-from levanter.trainer import DataEndedError
+from levanter.training import DataEndedError
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from levanter.data.dataset import AsyncDataset, EpochDataset
 from levanter.data.mixture import MixtureDataset
 from levanter.data.schedule_record import data_schedule_record
 from levanter.distributed import barrier
-from levanter.eval import check_eval_set_sizes
+from levanter.training import check_eval_set_sizes
 from levanter.lm_config import TrainLmConfig
 
 

@@ -20,7 +20,7 @@ from levanter.lm_config import TrainLmConfig, model_vocab_size
 from levanter.lora import loraize, lora_from_record
 from levanter.models import LmConfig
 from levanter.quantization import fp8_from_record, with_fp8
-from levanter.trainer import Trainer, TrainerConfig
+from levanter.training import Trainer, TrainerConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
-"""What a run does around each step of :meth:`levanter.trainer.Trainer.train`: the step's metrics, the
+"""What a run does around each step of :meth:`levanter.training.Trainer.train`: the step's metrics, the
 evaluations on the validation sources and the lm-evaluation-harness tasks, the progress lines.
 
-:class:`RunHooks` is the run's :class:`levanter.trainer.TrainHooks`; the trainer decides when a step ends,
+:class:`RunHooks` is the run's :class:`levanter.training.TrainHooks`; the trainer decides when a step ends,
 the hooks what is logged and evaluated then. It also stops a run whose updates are too small to change the
 parameters (:func:`check_update_moves`), which the trainer cannot judge without the config's learning rate
 and epsilon.
@@ -19,12 +19,12 @@ import numpy as np
 
 from levanter.data.dataset import AsyncDataset
 from levanter.data.fingerprint import batch_fingerprint
-from levanter.eval import Evaluator
-from levanter.eval import make_evaluator as evaluator_for
+from levanter.training import Evaluator
+from levanter.training import make_evaluator as evaluator_for
 from levanter.eval_harness.run import results_path
 from levanter.lm_config import TrainLmConfig
 from levanter.run.data import RunData
-from levanter.trainer import StepReport, StepTally, Trainer, TrainHooks
+from levanter.training import StepReport, StepTally, Trainer, TrainHooks
 from levanter.utils.flops import peak_flops_per_device
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def harness_evaluator(config: TrainLmConfig):
 
 def make_evaluator(config: TrainLmConfig, trainer: Trainer, eval_sets: Dict[str, AsyncDataset], tokenizer,
                    vocab_size: int) -> Evaluator:
-    """The evaluator of the run's validation sources (:func:`levanter.eval.make_evaluator`)."""
+    """The evaluator of the run's validation sources (:func:`levanter.training.make_evaluator`)."""
     return evaluator_for(trainer, config.data, eval_sets, tokenizer, vocab_size, config.model.Pos)
 
 
@@ -55,7 +55,7 @@ class _HasEpsilon(Protocol):
 
 def check_update_moves(r: StepReport, lr: float, optimizer) -> None:
     """Stop the run at a step whose update was applied but is too small to change the parameters (below
-    :data:`levanter.trainer.VANISHING_UPDATE_RATIO` of their norm) although the step had a gradient and the
+    :data:`levanter.training.VANISHING_UPDATE_RATIO` of their norm) although the step had a gradient and the
     schedule's learning rate ``lr`` was not near its warmup's start or decay's end: the settings make every
     update vanish (a huge ``optimizer.epsilon``, a learning rate of 0 or 1e-20), and the run would train
     nothing and exit 0. ValueError (exit 2) naming the key; the state after the step is not saved."""
@@ -164,7 +164,7 @@ class RunHooks(TrainHooks):
 
     def evaluate(self, model, done: int) -> None:
         if self.validation_due(done):
-            losses = self.evaluator.evaluate(model).metrics()  # the eval/... metrics (levanter.eval)
+            losses = self.evaluator.evaluate(model).metrics()  # the eval/... metrics (levanter.training.eval)
             self.tracker.log(losses, step=done)
             self.progress.eval(done, losses)
         if self.harness_due(done) and self.tcfg.model_averaging is None:

@@ -29,7 +29,7 @@ from levanter.data.schedule_record import first_difference
 from levanter.lm_config import TrainLmConfig
 from levanter.lora import LoraConfig, check_checkpoint_lora
 from levanter.quantization import check_checkpoint_fp8
-from levanter.trainer import TrainerConfig, check_resume_averaging
+from levanter.training import TrainerConfig, check_resume_averaging
 
 logger = logging.getLogger(__name__)
 

@@ -22,12 +22,12 @@ import jax
 
 from levanter.checkpoint import ResumePoint, initialize_from, read_checkpoint_metadata, restore
 from levanter.lm_config import BranchOrigin, TrainLmConfig, hf_init_path
-from levanter.lm_loss import lm_loss_fn
+from levanter.training import lm_loss_fn
 from levanter.lora import join_adapters, lora_trainable, split_adapters
 from levanter.memory import RECORD_KEY, StepCompiler, fit_trainer, recorded_pick
 from levanter.quantization import with_fp8
 from levanter.run.lora import LoraRun
-from levanter.trainer import Trainer, TrainerState
+from levanter.training import Trainer, TrainerState
 
 logger = logging.getLogger(__name__)
 

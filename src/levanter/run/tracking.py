@@ -14,7 +14,7 @@ import jax
 
 from levanter.tracker import JsonConfig, NoopTracker, check_trackers_writable, init_trackers, metrics_destinations
 from levanter.tracker.lineage import check_log_lineage, record_log_lineage
-from levanter.trainer import TrainerConfig
+from levanter.training import TrainerConfig
 from levanter.utils import compile_cache, fs
 
 

@@ -2,7 +2,7 @@
 finds where the run starts, then builds the run in phases -- its data (:mod:`levanter.run.data`), its
 trainer and starting state (:mod:`levanter.run.state`), its trackers, checkpointer, exports, profiler and
 hooks (:mod:`levanter.run.hooks`, :mod:`levanter.run.tracking`, :mod:`levanter.run.exports`) -- and runs the
-step loop (:meth:`levanter.trainer.Trainer.train`), then the end-of-run summary.
+step loop (:meth:`levanter.training.Trainer.train`), then the end-of-run summary.
 
 The phases run in a fixed order, and each takes only what the ones before it built, so that every
 refusal that needs no data comes before the caches, every one that needs no compile before the first
@@ -27,7 +27,7 @@ from levanter.lm_config import BranchOrigin, TrainLmConfig, branch_origin, check
 from levanter.lm_config import model_vocab_size, validate, with_hf_model
 from levanter.lora import lora_trainable
 from levanter.memory import check_memory
-from levanter.profiler import StepProfiler
+from levanter.training import StepProfiler
 from levanter.progress import RunProgress, open_debug_log
 from levanter.run.data import build_data
 from levanter.run.exports import check_hf_save_path, hf_exporter, with_exporters
@@ -37,7 +37,7 @@ from levanter.run.records import check_data_schedule, check_resume, eval_record,
 from levanter.run.records import optimizer_record
 from levanter.run.state import fit_run_trainer, start_state
 from levanter.run.tracking import check_log_dirs, config_dict, open_tracker, summary_lines
-from levanter.trainer import TrainerConfig, named_batch
+from levanter.training import TrainerConfig, named_batch
 from levanter.utils import fs
 
 logger = logging.getLogger(__name__)

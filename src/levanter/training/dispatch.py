@@ -120,11 +120,12 @@ class FlatStep:
         jitted = jax.jit(flat, out_shardings=tuple(out_shardings), donate_argnums=(0,) if self._donate else ())
         return jitted, n_state, out_treedef
 
-    def _cache_size(self) -> int:
-        """Compiled executables so far (named_jit fallbacks count as one each)."""
+    def compile_count(self) -> int:
+        """Compiled executables so far (named_jit fallbacks count as one each): the trainer's guard against
+        a step that compiles again."""
         total = 0
         for entry in self._by_structure.values():
-            total += 1 if entry is None else entry[0]._cache_size()
+            total += 1 if entry is None else entry[0]._cache_size()  # jax's jit, or Precompiled below
         return total
 
 
@@ -149,6 +150,7 @@ class Precompiled:
         return self._jitted(*args)
 
     def _cache_size(self) -> int:
+        """As jax's jit counts its executables: the ahead-of-time one once it ran, and the jit's own."""
         return int(self._ran) + self._jitted._cache_size()
 
 __all__ = ["FlatStep", "Precompiled", "init_compile_options"]

@@ -7,7 +7,7 @@ TensorBoard's profile plugin and Perfetto open (docs/performance.md). The defaul
 steps, whose time is mostly compilation. A resumed run that starts inside the window traces the rest of
 it; one that starts after it traces nothing. The trace stops at the window's end, or when the run ends or
 fails before that, so a short run still leaves a complete trace. Each process writes its own. The
-trainer reads a step's metrics after dispatching the next step (:meth:`levanter.trainer.Trainer.train`),
+trainer reads a step's metrics after dispatching the next step (:meth:`levanter.training.Trainer.train`),
 so the window is shifted by about one step's dispatch: it opens while step ``profiler_start_step`` is
 already queued and closes while the step after the window runs. Steady-state steps look alike, so the
 trace shows the same thing.

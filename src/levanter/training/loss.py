@@ -31,7 +31,7 @@ def lm_loss_fn(z_loss_weight: float = 0.0, eos_id: Optional[int] = None, quantiz
     same values the dataset would have shipped); a batch that has them uses its own.
 
     ``quantization`` (``trainer.quantization``): the model's linear layers compute in int8 inside the loss
-    (:func:`levanter.quantization.quantize`); the evaluator (:mod:`levanter.eval`) quantizes the same way.
+    (:func:`levanter.quantization.quantize`); the evaluator (:mod:`levanter.training.eval`) quantizes the same way.
     """
 
     def loss(model, batch):

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 import equinox as eqx
 import haliax as hax
@@ -48,7 +48,10 @@ import numpy as np
 from levanter.data.dataset import AsyncDataset
 from levanter.data.loader import DataLoader
 from levanter.quantization import quantize
-from levanter.step_dispatch import FlatStep
+from .dispatch import FlatStep
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
 
 __all__ = [
     "EvalResult",
@@ -234,7 +237,7 @@ class Evaluator:
 
     def __init__(
         self,
-        trainer,
+        trainer: Trainer,
         eval_sets: Sequence[EvalSet],
         *,
         batch_size: int,
@@ -258,7 +261,7 @@ class Evaluator:
         if self._fn is None:
             mp = self.trainer.mp
             # trainer.quantization: evaluated through the same int8 products as trained (levanter.quantization).
-            quantization = getattr(self.trainer.config, "quantization", None)
+            quantization = self.trainer.config.quantization
 
             def sums(model, inputs):
                 batch, byte_lengths = inputs
@@ -273,7 +276,7 @@ class Evaluator:
                 nbytes = jnp.sum(jnp.where(valid, jnp.take(byte_lengths, ids[:, 1:], mode="clip"), 0))
                 return total.astype(jnp.float32), count.astype(jnp.float32), nbytes.astype(jnp.int32)
 
-            # Called as the train step is (levanter.step_dispatch.FlatStep): named_jit would re-derive the
+            # Called as the train step is (levanter.training.dispatch.FlatStep): named_jit would re-derive the
             # model's array leaves and shardings on every batch, milliseconds of Python per batch.
             named = hax.named_jit(sums, axis_resources=self.trainer.compute_mapping)
             self._fn = FlatStep(sums, named, self.trainer.param_mapping, donate=False)
@@ -354,7 +357,7 @@ def check_eval_set_sizes(validation_sets: Dict[str, AsyncDataset], trainer_confi
         )
 
 
-def make_evaluator(trainer, data_config, validation_sets: Dict[str, AsyncDataset], tokenizer, vocab_size: int,
+def make_evaluator(trainer: Trainer, data_config, validation_sets: Dict[str, AsyncDataset], tokenizer, vocab_size: int,
                    Pos: hax.Axis) -> Evaluator:
     """The evaluator of a data config's validation sources (``data_config.validation_sets``; a single source
     is named ``data``) with their checked tags, in batches of ``trainer.config.eval_batch_size``, at most

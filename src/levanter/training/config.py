@@ -3,9 +3,9 @@
 :class:`TrainerConfig` holds what the step loop, its checkpoints, trackers, devices and sharding need,
 and derives from it what needs no devices beyond counting them (the mesh shape, the axis mappings, the
 batch schedule, the run id), plus :meth:`TrainerConfig.validate`, the up-front checks whose errors name
-the config key. It lives apart from :mod:`levanter.trainer` so that the config, which every entry point
-and the memory plan read, does not carry the compiled step and the loop with it; ``levanter.trainer``
-re-exports it, the path configs and scripts have long used.
+the config key. It imports nothing of the step or the loop, so that the config, which every entry point
+and the memory plan read, does not carry them with it (``levanter.training``'s facade is lazy, and
+tests/test_architecture.py checks that this module stays apart).
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ import jmp
 import numpy as np
 from jax.sharding import Mesh
 
-from .checkpoint import CheckpointerConfig
-from .checkpoint.resume import ResumePoint, find_resume_point
-from .config import parse_timedelta
-from .refused_keys import check_refused, refused
-from .distributed import DistributedConfig
-from .optim.model_averaging import ModelAveragingConfig
-from .quantization import QuantizationConfig
-from .schedule import BatchSchedule, ScheduleStep
-from .tracker import JsonConfig, TrackerConfig, WandbConfig
-from .utils import compile_cache
+from ..checkpoint import CheckpointerConfig
+from ..checkpoint.resume import ResumePoint, find_resume_point
+from ..config import parse_timedelta
+from ..refused_keys import check_refused, refused
+from ..distributed import DistributedConfig
+from ..optim.model_averaging import ModelAveragingConfig
+from ..quantization import QuantizationConfig
+from ..schedule import BatchSchedule, ScheduleStep
+from ..tracker import JsonConfig, TrackerConfig, WandbConfig
+from ..utils import compile_cache
 
 @dataclasses.dataclass(frozen=True)
 class RayConfig:
@@ -61,7 +61,7 @@ class TrainerConfig:
     # Sequences per step: a number, or a schedule [{start: step, value: size}, ...] from step 0.
     train_batch_size: Union[int, List[ScheduleStep]] = 512
     # Sequences per device per microbatch (gradient accumulation); -1: the whole batch at once; auto: the
-    # largest that fits the device's memory, found by compiling the step ahead of time (levanter.memory_fit).
+    # largest that fits the device's memory, found by compiling the step ahead of time (levanter.memory.fit).
     per_device_parallelism: Union[int, str] = -1
     # Sequences per device per evaluation batch; -1: the first training batch size in total.
     per_device_eval_parallelism: int = -1
@@ -271,7 +271,7 @@ class TrainerConfig:
     @property
     def microbatch_size(self) -> Optional[int]:
         """Sequences per device per microbatch, or None for the whole batch at once (-1, and ``auto`` until
-        :mod:`levanter.memory_fit` resolves it to a number)."""
+        :mod:`levanter.memory.fit` resolves it to a number)."""
         pdp = self.per_device_parallelism
         return pdp if isinstance(pdp, int) and not isinstance(pdp, bool) and pdp > 0 else None
 
