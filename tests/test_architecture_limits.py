@@ -5,7 +5,8 @@
   the design doc lists under "Longer than the limits" with the reason (a listed one that fits is stale);
 * no import circle between modules (imports inside functions count: a lazy import is still a dependency; a
   name imported from a package counts as an import of the module of that package that defines it);
-* nothing from ``jax._src`` (JAX's private modules change without notice);
+* nothing from ``jax._src`` (JAX's private modules change without notice), but where ``JAX_PRIVATE_ALLOWED``
+  says why;
 * no ``getattr(obj, "name")`` with a literal name that one of the project's own classes declares: the type
   is ours, so say what it offers (a field, a ``Protocol``) instead of probing for it by string.
 """
@@ -154,9 +155,18 @@ def test_the_circle_finder_finds_a_circle_and_only_circles():
     assert circles({"a": {"b"}, "b": set()}) == []
 
 
+# The modules that must read JAX's private API, each with the reason (the design doc says the same).
+JAX_PRIVATE_ALLOWED = {
+    "levanter.distributed": "the coordinator's key-value store client: jax 0.10.2 has no public accessor "
+                            "(jax.distributed offers initialize, is_initialized and shutdown only)",
+}
+
+
 def test_nothing_imports_jax_private_modules():
     found = []
     for name, path in all_modules().items():
+        if name in JAX_PRIVATE_ALLOWED:
+            continue
         for target, line in imported_modules(name, path.read_text(), is_package=path.name == "__init__.py"):
             if target == "jax._src" or target.startswith("jax._src."):
                 found.append(f"{name}:{line} imports {target}")
@@ -181,9 +191,27 @@ def _declared_names() -> set[str]:
     return {n for n in names if not n.startswith("__")}
 
 
-# getattr by a literal name that our classes declare, on objects that are not ours (a name both sides use).
-# Each entry: (module, name) -> what the object is.
-FOREIGN_GETATTR: dict[tuple[str, str], str] = {}
+# getattr by a literal name that one of our classes declares too, where the object is not one of our types, or
+# the attribute is optional by design. Each entry: (module, name) -> what the object is.
+FOREIGN_GETATTR: dict[tuple[str, str], str] = {
+    ("levanter.compat.hf_checkpoints.load", "shape"): "a safetensors entry or a NumPy array",
+    ("levanter.compat.hf_checkpoints.weights", "sharding"): "a jax.Array or a NumPy array",
+    ("levanter.config.explain", "OTHER_ENTRY_POINTS"): "an optional ClassVar a config class may declare",
+    ("levanter.config.help", "name"): "a module's __spec__ (importlib)",
+    ("levanter.config_doc.entry", "config_class"): "an entry point's main function, marked by its decorator",
+    ("levanter.data._prp", "dtype"): "a JAX PRNG key or an integer seed",
+    ("levanter.ingest.embedded", "id"): "an ast node",
+    ("levanter.models.lm_model", "shape"): "a pytree leaf (array or not)",
+    ("levanter.models.lm_model", "dtype"): "a pytree leaf (array or not)",
+    ("levanter.optim.muon", "name"): "a JAX key-path entry",
+    ("levanter.optim.muon", "key"): "a JAX key-path entry",
+    ("levanter.utils.layer_select", "key"): "a JAX key-path entry",
+    ("levanter.quantization", "lm_head"): "any model: only the Llama-style ones have an untied head layer, and "
+                                          "quantization imports no model",
+    ("levanter.tracker.tracker", "dtype"): "a logged value (array, NumPy scalar or Python number)",
+    ("levanter.tracker.tracker", "shape"): "a logged value (array, NumPy scalar or Python number)",
+    ("levanter.utils.flops", "device_kind"): "a jax Device",
+}
 
 
 def getattr_probes(module: str, source: str, declared: set[str]) -> list[str]:
