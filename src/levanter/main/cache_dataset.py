@@ -42,19 +42,12 @@ CONFIG_DOC = EntryPoint(
 
 
 def _override_tree(args: Sequence[str], prefix: str) -> dict:
-    """``--data.cache_dir x`` -> ``{"cache_dir": "x"}`` (values parsed as YAML scalars)."""
+    """``--data.cache_dir x`` -> ``{"cache_dir": "x"}`` (values parsed as YAML scalars; the arguments are
+    pairs, as :func:`_pairs` reads them)."""
     import yaml
 
     out: dict = {}
-    it = iter(args)
-    for a in it:
-        if not a.startswith("--"):
-            raise ConfigError(f"unexpected argument {a!r}")
-        key, _, value = a[2:].partition("=")
-        if not _:
-            value = next(it, None)
-            if value is None:
-                raise ConfigError(f"missing a value for --{key}")
+    for key, value in _pairs(args):
         if prefix:
             if not key.startswith(prefix + "."):
                 continue
