@@ -10,7 +10,7 @@ What it checks, for the documents in the order README.md, then docs/guides/*.md 
   variable or ``export`` of one block reaches the next block of the same document, never another document);
 * no document changes or deletes a file that an earlier document wrote (each guide owns its paths);
   ``--outputs`` writes the files each document created, so that documents run in clones of their own (as
-  ``tests/test_guides.py`` runs them, each after the README's install only) are checked against each other;
+  ``tests/project/test_guides.py`` runs them, each after the README's install only) are checked against each other;
 * no tracked file is changed, and every output is git-ignored (``git status --porcelain`` stays empty).
 
 A block that cannot run offline or in CI (a TPU launch, a cloud bucket, a real wandb login) is marked in
@@ -35,7 +35,7 @@ JAX's persistent compilation cache (``JAX_COMPILATION_CACHE_DIR``, kept if set, 
 run) lets the many small training commands share compiled programs: a cache, not an output.
 
 Exit status 0 when every block ran, 1 when one failed (its output's tail is printed), 2 for bad arguments.
-``tests/test_guides.py`` runs this (slow) and checks the markdown's blocks without running them (fast).
+``tests/project/test_guides.py`` runs this (slow) and checks the markdown's blocks without running them (fast).
 """
 
 from __future__ import annotations

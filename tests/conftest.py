@@ -4,6 +4,7 @@
 tests/accelerator.py says what changes there (tolerances, skips) and why."""
 
 import os
+import sys
 
 import pytest
 
@@ -19,13 +20,20 @@ if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 
+# The tests live in one folder per part of the library (tests/data, tests/checkpoint, ...), and the support
+# modules (helpers, accelerator, object_store, the workers) beside this file. Test modules import those and
+# each other's builders by module name (``from test_train_lm import tiny_config``), so tests/ and each of its
+# folders are importable whichever test is collected first.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+for _folder in [_TESTS] + sorted(entry.path for entry in os.scandir(_TESTS) if entry.is_dir()
+                                 and any(name.startswith("test_") for name in os.listdir(entry.path))):
+    if _folder not in sys.path:
+        sys.path.insert(0, _folder)
+
+
 def _tests_module(name):
     import importlib
-    import sys
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    if here not in sys.path:
-        sys.path.insert(0, here)
     return importlib.import_module(name)
 
 
@@ -113,7 +121,7 @@ def pytest_unconfigure(config):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """Report the size of the bad-input catalogue (tests/test_bad_inputs.py) when it was collected."""
+    """Report the size of the bad-input catalogue (tests/main/test_bad_inputs.py) when it was collected."""
     import sys
 
     module = sys.modules.get("test_bad_inputs") or sys.modules.get("tests.test_bad_inputs")

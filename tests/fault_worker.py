@@ -1,4 +1,4 @@
-"""Helper for tests/test_fault_injection.py: a fork server whose children save checkpoints or build a
+"""Helper for tests/checkpoint/test_fault_injection.py: a fork server whose children save checkpoints or build a
 token cache, so that the test can SIGKILL them at random moments.
 
 Starting Python and importing JAX costs ~2 s (more on a loaded machine); forty kill-and-resume runs

@@ -6,7 +6,7 @@ its step loop (:mod:`.loop`), what a step's metrics say (:mod:`.report`) and sto
 validation sources (:mod:`.eval`) and the profiler's trace of a window of steps (:mod:`.profiler`).
 
 Layers inside the package: the config, the loss, dispatch and the profiler import nothing of the step or
-the loop (tests/test_architecture.py checks it), so that reading a config or building a loss does not
+the loop (tests/project/test_architecture.py checks it), so that reading a config or building a loss does not
 import them. Names load on first use (a lazy facade), for the same reason.
 """
 

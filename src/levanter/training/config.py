@@ -5,7 +5,7 @@ and derives from it what needs no devices beyond counting them (the mesh shape, 
 batch schedule, the run id), plus :meth:`TrainerConfig.validate`, the up-front checks whose errors name
 the config key. It imports nothing of the step or the loop, so that the config, which every entry point
 and the memory plan read, does not carry them with it (``levanter.training``'s facade is lazy, and
-tests/test_architecture.py checks that this module stays apart).
+tests/project/test_architecture.py checks that this module stays apart).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 
 __all__ = ["facade", "literal_all"]
 
-# ``__all__ = [...]`` at the start of a line; tests/test_architecture.py checks with ``ast`` that every
+# ``__all__ = [...]`` at the start of a line; tests/project/test_architecture.py checks with ``ast`` that every
 # module's ``__all__`` is such a literal list of strings, so a pattern is enough here and the lazy
 # facades import neither ``ast`` nor the modules they stand for.
 _ALL = re.compile(r"^__all__(?:\s*:[^=\n]*)?\s*=\s*[\[(](.*?)[\])]", re.M | re.S)

@@ -132,7 +132,7 @@ def softmax_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array)
     the small output instead of another pass over the ``Q x K`` scores, and a masked entry has
     probability exactly 0, so the mask needs no pass of its own either. On CPU, where these passes over
     memory dominate a small model's attention, this is faster than JAX's derivative of the same forward
-    (docs/bench/2026-12-03-cpu-levers.md); the gradients agree to float32 rounding (tests/test_models.py).
+    (docs/bench/2026-12-03-cpu-levers.md); the gradients agree to float32 rounding (tests/models/test_models.py).
     """
     return _attention_fwd(q, k, v, mask)[0]
 

@@ -1,0 +1,428 @@
+"""Mixtral (levanter.models.mixtral): routing and experts against a numpy reference, the grouped dispatch
+against the dense one, the router load-balancing loss (value, weighting into the training loss, its metric
+through the trainer with and without microbatches), config refusals, and the shipped nano config training
+on the embedded corpus. Hugging Face import/export is in tests/compat/test_hf_checkpoints.py; the generic model
+checks (causality, segments, flops, unrolled layers) in tests/models/test_models.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import draccus
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import haliax as hax
+from accelerator import tol
+from helpers import loss_fall, train_nano_config
+from levanter.models import LlamaConfig, LmConfig, MixtralConfig, next_token_loss
+from levanter.models.mixtral import ROUTER_AUX_LOSS
+
+REPO = Path(__file__).resolve().parents[2]
+Vocab = hax.Axis("vocab", 50)
+B, P = hax.Axis("batch", 3), hax.Axis("position", 16)
+
+
+def tiny(**kw) -> MixtralConfig:
+    base = dict(seq_len=16, hidden_dim=32, intermediate_dim=24, num_layers=2, num_heads=4, num_kv_heads=2,
+                num_local_experts=4, num_experts_per_tok=2, gradient_checkpointing=False)
+    return MixtralConfig(**{**base, **kw})
+
+
+def ids(seed=0, batch=B):
+    return hax.named(jnp.asarray(np.random.RandomState(seed).randint(0, Vocab.size, (batch.size, P.size))), (batch, P))
+
+
+def _silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def test_moe_layer_matches_a_numpy_reference():
+    """Each token goes to its top-k experts, weighted by the softmax over the chosen logits only; the
+    per-layer statistics count assignments and sum router probabilities per expert."""
+    cfg = tiny(num_local_experts=5, num_experts_per_tok=2)
+    model = cfg.build(Vocab, key=jax.random.PRNGKey(1))
+    moe = jax.tree.map(lambda x: x["layers", 0] if isinstance(x, hax.NamedArray) else x,
+                       model.layers.stacked.block_sparse_moe, is_leaf=lambda x: isinstance(x, hax.NamedArray))
+    x = hax.random.normal(jax.random.PRNGKey(2), (B, P, cfg.Embed))
+    out, assigned, prob_sum = moe(x)
+
+    xs = np.asarray(x.rearrange((B, P, cfg.Embed)).array).reshape(-1, cfg.hidden_dim)
+    gate = np.asarray(moe.gate.weight.rearrange(("experts", "embed")).array)
+    w1 = np.asarray(moe.w1.weight.rearrange(("experts", "embed", "mlp")).array)
+    w3 = np.asarray(moe.w3.weight.rearrange(("experts", "embed", "mlp")).array)
+    w2 = np.asarray(moe.w2.weight.rearrange(("experts", "mlp", "embed")).array)
+    logits = xs @ gate.T
+    want = np.zeros_like(xs)
+    counts = np.zeros(5)
+    for t in range(xs.shape[0]):
+        top = np.argsort(-logits[t])[:2]
+        w = np.exp(logits[t, top] - logits[t, top].max())
+        w /= w.sum()
+        for e, we in zip(top, w):
+            want[t] += we * ((_silu(xs[t] @ w1[e]) * (xs[t] @ w3[e])) @ w2[e])
+            counts[e] += 1
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    got = np.asarray(out.rearrange((B, P, cfg.Embed)).array).reshape(-1, cfg.hidden_dim)
+    np.testing.assert_allclose(got, want, atol=tol(1e-5), rtol=tol(1e-4))
+    np.testing.assert_array_equal(np.asarray(assigned.array), counts)
+    np.testing.assert_allclose(np.asarray(prob_sum.array), probs.sum(0), rtol=tol(1e-5))
+
+
+# k=2 compiles the grouped path with the most ragged groups (~25 s on 2 cores): end-to-end suite only.
+@pytest.mark.parametrize("k", [pytest.param(2, marks=pytest.mark.slow), 4])
+def test_grouped_dispatch_equals_dense(k):
+    """moe_dispatch: grouped (sorted assignments, jax.lax.ragged_dot) gives the dense path's logits, loss,
+    router loss and gradients; a token routed to every expert (k = E) and to one (k = 1) included."""
+    dense = tiny(num_experts_per_tok=k, num_layers=1).build(Vocab, key=jax.random.PRNGKey(0))
+    grouped = tiny(num_experts_per_tok=k, num_layers=1, moe_dispatch="grouped").build(Vocab, key=jax.random.PRNGKey(0))
+    x = ids(1)
+    np.testing.assert_allclose(grouped(x).array, dense(x).array, atol=tol(1e-5), rtol=tol(1e-5))
+
+    def loss(m):
+        total, count, metrics = m.compute_training_loss(x)
+        return total / count, metrics
+
+    (ld, md), gd = eqx.filter_value_and_grad(loss, has_aux=True)(dense)
+    (lg, mg), gg = eqx.filter_value_and_grad(loss, has_aux=True)(grouped)
+    assert float(lg) == pytest.approx(float(ld), rel=tol(1e-6))
+    assert float(mg[ROUTER_AUX_LOSS]) == pytest.approx(float(md[ROUTER_AUX_LOSS]), rel=tol(1e-6))
+    leaves_d = jax.tree.leaves(eqx.filter(gd, eqx.is_array))
+    leaves_g = jax.tree.leaves(eqx.filter(gg, eqx.is_array))
+    assert len(leaves_d) == len(leaves_g)
+    for a, b in zip(leaves_d, leaves_g):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=tol(1e-6), rtol=tol(1e-4))
+    assert any(float(jnp.abs(a).max()) > 0 for a in leaves_d)  # the gradients are not all zero
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_quantized_experts_run_their_kernel_densely_and_grouped_dispatch_refuses_them(kind):
+    """The dense path computes the experts through their int8 or fp8 kernel; the grouped path's ragged
+    products would read the weights around it, so quantized experts there are an error naming both keys,
+    and experts left out of the targets dispatch grouped as before."""
+    from levanter.quantization import QuantizationConfig, quantize, quantized_layer_paths, with_fp8
+
+    def quantized(model, targets=None):
+        q = QuantizationConfig(**{kind: True}, targets=targets)
+        return with_fp8(model, q) if kind == "fp8" else quantize(model, q)
+
+    x = ids(1)
+    dense = tiny(num_layers=1).build(Vocab, key=jax.random.PRNGKey(0))
+    assert {p.rsplit(".", 1)[-1] for p in quantized_layer_paths(quantized(dense))} >= {"w1", "w2", "w3"}
+    plain = np.asarray(dense(x).array)
+    experts_only = quantized(dense, targets=["w1", "w2", "w3"])
+    assert not np.array_equal(np.asarray(experts_only(x).array), plain)  # the experts' kernel ran
+    grouped = tiny(num_layers=1, moe_dispatch="grouped").build(Vocab, key=jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match=r"model\.moe_dispatch: grouped .*trainer\.quantization.*moe_dispatch: dense"):
+        quantized(grouped)(x)
+    attention_only = quantized(grouped, targets=".*self_attn.*")
+    assert quantized_layer_paths(attention_only) and np.isfinite(np.asarray(attention_only(x).array)).all()
+
+
+def test_router_loss_value_and_its_weight_in_the_training_loss():
+    """router_aux_loss = E * sum_e f_e p_e pooled over layers and tokens; compute_training_loss adds
+    router_aux_loss_coef x it to the mean cross-entropy, returns it (x count) as a metric; coef 0 leaves the
+    loss the cross-entropy alone, which is also what compute_next_token_loss (evaluation) gives."""
+    cfg = tiny(num_layers=3, router_aux_loss_coef=0.5)
+    model = cfg.build(Vocab, key=jax.random.PRNGKey(4))
+    x = ids(2)
+    _, aux = model.activations_and_aux(x)
+    # Reference from the layers' own routing: rerun each layer's router on its input.
+    h = model.embed_tokens.embed(x)
+    from levanter.models.attention import plan_attention
+    from levanter.models.rope import rotary_tables
+
+    mask = plan_attention(cfg.attention_backend, P, None, block_size=None, dtype=h.dtype, head_size=cfg.HeadSize.size)
+    cos, sin = rotary_tables(P, cfg.HeadSize, cfg.rope_config)
+    f = np.zeros(cfg.num_local_experts)
+    p = np.zeros(cfg.num_local_experts)
+    for i in range(cfg.num_layers):
+        layer = jax.tree.map(lambda a: a["layers", i] if isinstance(a, hax.NamedArray) else a,
+                             model.layers.stacked, is_leaf=lambda a: isinstance(a, hax.NamedArray))
+        normed = layer.post_attention_layernorm(h + layer.self_attn(layer.input_layernorm(h), mask, cos, sin))
+        probs, _, chosen = layer.block_sparse_moe.route(normed)
+        f += np.bincount(np.asarray(chosen.array).reshape(-1), minlength=cfg.num_local_experts)
+        p += np.asarray(probs.rearrange((..., "experts")).array).reshape(-1, cfg.num_local_experts).sum(0)
+        h, _ = layer(h, mask, cos, sin)
+    rows = x.size * cfg.num_layers
+    want = cfg.num_local_experts * np.sum((f / rows) * (p / rows))
+    got = float(aux[ROUTER_AUX_LOSS])
+    assert got == pytest.approx(want, rel=tol(1e-5))
+    assert cfg.num_experts_per_tok * 0.999 < got  # uniform routing gives k; any imbalance more
+
+    total, count, metrics = model.compute_training_loss(x)
+    ce = float(model.compute_next_token_loss(x))
+    assert float(count) == x.size - B.size  # every position but each row's last
+    assert float(total / count) == pytest.approx(ce + 0.5 * got, rel=tol(1e-5))
+    assert float(metrics[ROUTER_AUX_LOSS] / count) == pytest.approx(got, rel=tol(1e-5))
+    off = dataclasses.replace(cfg, router_aux_loss_coef=0.0).build(Vocab, key=jax.random.PRNGKey(4))
+    total0, count0, metrics0 = off.compute_training_loss(x)
+    assert float(total0 / count0) == pytest.approx(ce, rel=tol(1e-6))
+    assert float(metrics0[ROUTER_AUX_LOSS] / count0) == pytest.approx(got, rel=tol(1e-5))  # still reported
+    assert ce == pytest.approx(float(next_token_loss(model(x), x)), rel=tol(1e-6))
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"num_experts_per_tok": 5}, "model.num_experts_per_tok"),
+        ({"num_local_experts": 0}, "model.num_local_experts"),
+        ({"router_aux_loss_coef": -1.0}, "model.router_aux_loss_coef"),
+        ({"moe_dispatch": "sparse"}, "model.moe_dispatch"),
+        ({"sliding_window": 0}, "model.sliding_window"),
+    ],
+)
+def test_invalid_settings_name_the_key(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        tiny(**kwargs)
+
+
+def test_draccus_selects_mixtral_with_upstream_keys():
+    cfg = draccus.decode(LmConfig, {"type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2,
+                                    "router_aux_loss_coef": 0.01, "sliding_window": None, "seq_len": 64,
+                                    "hidden_dim": 64, "num_heads": 4, "num_kv_heads": 2})
+    assert type(cfg) is MixtralConfig and isinstance(cfg, LlamaConfig)
+    assert (cfg.num_local_experts, cfg.num_experts_per_tok, cfg.router_aux_loss_coef) == (8, 2, 0.01)
+    assert cfg.moe_dispatch == "dense" and cfg.aux_loss_weights() == {ROUTER_AUX_LOSS: 0.01}
+    assert LlamaConfig().aux_loss_weights() == {}
+
+
+def test_flops_count_active_experts_only():
+    """More experts at the same top-k cost only the router's extra columns; top-k experts of width I cost
+    what one Llama MLP of width k x I does (plus the router)."""
+    a, b = tiny(num_local_experts=4), tiny(num_local_experts=16)
+    d, L = a.hidden_dim, a.num_layers
+    assert b.flops_per_token(50) - a.flops_per_token(50) == pytest.approx(3 * L * 2 * d * 12)
+    llama = LlamaConfig(seq_len=16, hidden_dim=32, intermediate_dim=2 * 24, num_layers=2, num_heads=4,
+                        num_kv_heads=2)
+    assert a.flops_per_token(50) - llama.flops_per_token(50) == pytest.approx(3 * L * 2 * d * 4)
+
+
+@pytest.mark.slow
+def test_trainer_reports_the_router_loss_with_and_without_microbatches(tmp_path):
+    """The trainer carries the loss's extra metrics: StepReport.extra holds the step's router_aux_loss. Whole
+    batch: the batch's value. With gradient accumulation each microbatch computes its own (routing statistics
+    are per forward pass, as in transformers) and the step reports their token-weighted mean, as it does the
+    loss."""
+    from levanter.checkpoint import CheckpointerConfig
+    from levanter.data.loader import Batch
+    from levanter.main import train_lm
+    from levanter.optim import AdamConfig
+    from levanter.training import Trainer, TrainerConfig, TrainHooks, named_batch
+
+    cfg = tiny(num_layers=1)
+    Vocab61 = hax.Axis("vocab", 61)
+    n = 2 * jax.device_count()  # two microbatches of one sequence per device
+    tokens = np.random.default_rng(0).integers(0, 61, (n, 16)).astype(np.int32)
+    model = cfg.build(Vocab61, key=jax.random.PRNGKey(0))
+    loss_fn = train_lm.lm_loss_fn(0.0, 60)
+    Batch_ = hax.Axis("batch", n)
+
+    def expected(rows):
+        parts = [loss_fn(model, {"tokens": hax.named(jnp.asarray(tokens[r]), (Batch_.resize(len(tokens[r])), P))})
+                 for r in rows]
+        count = sum(float(c) for _, c, _ in parts)
+        return (sum(float(t) for t, _, _ in parts) / count,
+                sum(float(m[ROUTER_AUX_LOSS]) for _, _, m in parts) / count)
+
+    for pdp, rows in ((-1, [slice(None)]), (1, [slice(0, None, 2), slice(1, None, 2)])):
+        ckpt = CheckpointerConfig(base_path=str(tmp_path / f"ckpt{pdp}"), keep=[])
+        tcfg = TrainerConfig(num_train_steps=1, train_batch_size=n, require_accelerator=False, checkpointer=ckpt,
+                             per_device_parallelism=pdp)
+        trainer = Trainer(tcfg, AdamConfig(learning_rate=1e-2).build(1), loss_fn)
+        state = trainer.initial_state(lambda k: model, key=jax.random.PRNGKey(0))
+        reports = []
+
+        class Hooks(TrainHooks):
+            def on_step(self, r):
+                reports.append(r)
+
+        trainer.train(state, [Batch(step=0, global_offset=0, batch_size=n, data={"tokens": jax.device_put(tokens)})],
+                      to_named=lambda d: named_batch(d, cfg.Pos, tcfg.batch_axis), checkpointer=_NoCheckpoints(),
+                      hooks=Hooks())
+        (report,) = reports
+        want_loss, want_aux = expected(rows)
+        assert report.extra[ROUTER_AUX_LOSS] == pytest.approx(want_aux, rel=tol(1e-5))
+        assert report.loss == pytest.approx(want_loss, rel=tol(1e-5))
+        assert report.extra[ROUTER_AUX_LOSS] >= cfg.num_experts_per_tok * 0.999
+
+
+class _NoCheckpoints:
+    def on_step(self, state, step, force=False):
+        return None
+
+    def wait_until_finished(self):
+        return None
+
+
+@pytest.mark.slow
+def test_the_nano_config_trains_with_falling_loss_and_logs_the_router_loss(tmp_path):
+    """config/mixtral_nano.yaml, shortened, trains on the embedded corpus: the loss falls, and every step
+    logs train/router_aux_loss (near k: the balancing loss keeps the routing spread)."""
+    cfg, by_step = train_nano_config(tmp_path, "mixtral_nano", steps=24, batch_size=8, overrides=[
+        "--trainer.steps_per_eval", "24", "--trainer.max_eval_batches", "1", "--model.num_layers", "2"])
+    assert type(cfg.model) is MixtralConfig
+    assert loss_fall(by_step) > 1.0, by_step
+    aux = [by_step[s]["train/router_aux_loss"] for s in range(24)]
+    assert all(1.99 < a < 3.0 for a in aux), aux  # k = 2 when balanced
+    rows = [json.loads(line) for line in open(tmp_path / "logs" / "mixtral_nano" / "metrics.jsonl") if line.strip()]
+    assert any("eval/loss" in r for r in rows)
+    assert os.path.isdir(tmp_path / "ckpt" / "mixtral_nano" / "step-24")
+
+
+# -- Hugging Face import and export, against transformers' MixtralForCausalLM ---------------------------------
+
+HF_VOCAB = 260
+HF_TOKENS = np.random.RandomState(0).randint(0, HF_VOCAB, (2, 12))
+
+
+def _hf_config(**kw):
+    transformers = pytest.importorskip("transformers")
+    base = dict(hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                num_local_experts=4, num_experts_per_tok=2, vocab_size=HF_VOCAB, rope_theta=5000.0,
+                max_position_embeddings=64, rms_norm_eps=1e-5, router_aux_loss_coef=0.01, bos_token_id=0,
+                eos_token_id=0)
+    return transformers.MixtralConfig(**{**base, **kw})
+
+
+def _our_logits(model, tokens=HF_TOKENS):
+    Bt, Pt = hax.Axis("batch", tokens.shape[0]), hax.Axis("position", tokens.shape[1])
+    out = model(hax.named(jnp.asarray(tokens), (Bt, Pt)))
+    return np.asarray(out.rearrange((Bt, Pt, out.resolve_axis("vocab"))).array)
+
+
+@pytest.fixture(scope="module")
+def hf_mixtral(tmp_path_factory):
+    """(directory of a saved random transformers Mixtral, the model itself). Every parameter is perturbed,
+    norm scales included (transformers initialises them to one, which would hide a swapped mapping)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_hf_config()).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("hf") / "mixtral"
+    model.save_pretrained(path)
+    return str(path), model
+
+
+def _torch_logits(model, tokens=HF_TOKENS):
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.numpy()
+
+
+@pytest.mark.parametrize("dispatch", ["dense", "grouped"])
+def test_hf_import_gives_transformers_logits_and_router_loss(hf_mixtral, dispatch):
+    import torch
+
+    from levanter.compat import load_hf_checkpoint, load_hf_config
+
+    path, hf = hf_mixtral
+    config = dataclasses.replace(load_hf_config(path), moe_dispatch=dispatch)
+    assert type(config) is MixtralConfig
+    assert (config.num_local_experts, config.num_experts_per_tok, config.router_aux_loss_coef) == (4, 2, 0.01)
+    assert (config.num_kv_heads, config.rope_theta, config.layer_norm_epsilon) == (2, 5000.0, 1e-5)
+    _, model = load_hf_checkpoint(path, config)
+    np.testing.assert_allclose(_our_logits(model), _torch_logits(hf), atol=1e-4, rtol=0)
+    # transformers' load_balancing_loss_func over the same tokens (no padding mask) is our router loss.
+    with torch.no_grad():
+        want = float(hf(torch.tensor(HF_TOKENS), output_router_logits=True).aux_loss)
+    Bt, Pt = hax.Axis("batch", 2), hax.Axis("position", 12)
+    _, aux = model.activations_and_aux(hax.named(jnp.asarray(HF_TOKENS), (Bt, Pt)))
+    assert float(aux[ROUTER_AUX_LOSS]) == pytest.approx(want, rel=1e-4)
+
+
+def test_a_sliding_window_narrower_than_the_sequence_gives_transformers_logits(tmp_path):
+    """transformers' Mixtral windows every layer's attention by ``sliding_window``; imported, ours does the
+    same (a window of 4 over 12 positions), and the window changes the logits."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from levanter.compat import load_hf_checkpoint
+
+    torch.manual_seed(1)
+    hf = transformers.AutoModelForCausalLM.from_config(_hf_config(sliding_window=4)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path / "windowed")
+    config, model = load_hf_checkpoint(str(tmp_path / "windowed"))
+    assert config.attention_window == 4
+    np.testing.assert_allclose(_our_logits(model), _torch_logits(hf), atol=1e-4, rtol=0)
+    unwindowed = dataclasses.replace(model, config=dataclasses.replace(config, sliding_window=None))
+    assert not np.allclose(_our_logits(unwindowed), _torch_logits(hf), atol=1e-3)
+
+
+def test_hf_export_is_the_published_layout_loads_in_transformers_and_reimports_bit_identically(hf_mixtral, tmp_path):
+    import torch
+    import transformers
+
+    from levanter.compat import load_hf_checkpoint, save_hf_checkpoint
+    from levanter.compat.hf_checkpoints import read_safetensors
+
+    path, hf = hf_mixtral
+    config, model = load_hf_checkpoint(path)
+    out = save_hf_checkpoint(model, config, str(tmp_path / "export"))
+    names = set(read_safetensors(os.path.join(out, "model.safetensors")))
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in names
+    assert "model.layers.0.block_sparse_moe.gate.weight" in names and not any(".mlp." in n for n in names)
+    assert len(names) == len(set(read_safetensors(os.path.join(path, "model.safetensors"))))  # same tensors
+    doc = json.load(open(os.path.join(out, "config.json")))
+    assert doc["model_type"] == "mixtral" and doc["num_local_experts"] == 4 and doc["num_experts_per_tok"] == 2
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    np.testing.assert_allclose(_torch_logits(reloaded), _torch_logits(hf), atol=1e-5, rtol=0)
+    config2, again = load_hf_checkpoint(out)
+    assert config2 == config
+    for a, b in zip(jax.tree.leaves(eqx.filter(model, eqx.is_array)), jax.tree.leaves(eqx.filter(again, eqx.is_array))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_hf_config_refusals_name_the_field(tmp_path):
+    from levanter.compat.hf_checkpoints import hf_config_to_lm, lm_to_hf_config
+
+    doc = _hf_config().to_dict()
+    cfg, vocab = hf_config_to_lm(doc)
+    assert type(cfg) is MixtralConfig and vocab == HF_VOCAB
+    # A round trip through config.json keeps every field that describes the model.
+    assert hf_config_to_lm(lm_to_hf_config(cfg, vocab))[0] == cfg
+    with pytest.raises(ValueError, match="'sliding_window'"):
+        hf_config_to_lm({**doc, "sliding_window": 0})
+    windowed = hf_config_to_lm({**doc, "sliding_window": 16})[0]
+    assert (windowed.sliding_window, windowed.attention_window) == (16, 16)
+    assert hf_config_to_lm(lm_to_hf_config(windowed, vocab))[0] == windowed
+    with pytest.raises(ValueError, match="'router_jitter_noise'"):
+        hf_config_to_lm({**doc, "router_jitter_noise": 0.1})
+    bare = {k: v for k, v in doc.items() if k not in ("rope_theta", "rope_parameters", "rope_scaling")}
+    assert hf_config_to_lm(bare)[0].rope_theta == 1e6  # transformers' Mixtral default, not Llama's
+
+
+@pytest.mark.devices(8)
+def test_dry_run_plans_the_nano_config_with_active_expert_flops(tmp_path, capsys, monkeypatch):
+    """``train_lm --dry_run`` compiles the Mixtral step (router loss included) without data or parameters,
+    and its FLOPs per token are model.flops_per_token: the active experts', not every expert's."""
+    import re
+
+    from levanter.config import parse_config
+    from levanter.main import train_lm
+
+    monkeypatch.chdir(tmp_path)
+    path = str(REPO / "config" / "mixtral_nano.yaml")
+    argv = ["--config_path", path, "--dry_run", "--device_memory", "1GiB", "--model.num_layers", "1"]
+    train_lm.cli(argv)
+    out = capsys.readouterr().out
+    assert "8 cpu devices" in out and "fits" in out
+    flops = float(re.search(r"FLOPs per token\s+([\d.e+]+)", out).group(1))
+    cfg = parse_config(train_lm.TrainLmConfig, path, ["--model.num_layers", "1"]).model
+    assert flops == pytest.approx(cfg.flops_per_token(257), rel=1e-3)
+    every = dataclasses.replace(cfg, num_experts_per_tok=cfg.num_local_experts)
+    assert flops < 0.8 * every.flops_per_token(257)
+    assert not os.listdir(tmp_path)
