@@ -276,9 +276,10 @@ async def write_host_shards(value: HostShards, spec: dict, context: ts.Context, 
                             creates_metadata: bool) -> None:
     """Write ``value``'s shards into the zarr3 array ``spec``; ``creates_metadata``: this process writes
     ``zarr.json`` (the others open the array assuming it, as ``async_serialize(primary_host=0)`` does)."""
-    if creates_metadata:
-        await ts.open(ts.Spec(spec), create=True, open=True, context=context)
-    store = await ts.open(ts.Spec(spec), open=True, assume_metadata=True, context=context)
+    if creates_metadata:  # one open: the writer thread's Python work runs beside the loop's
+        store = await ts.open(ts.Spec(spec), create=True, open=True, context=context)
+    else:
+        store = await ts.open(ts.Spec(spec), open=True, assume_metadata=True, context=context)
     for index, data in value.shards:
         # One shard at a time: chunks of different shards are disjoint files, and writing them in sequence
         # keeps TensorStore from staging a second copy of every shard at once.
