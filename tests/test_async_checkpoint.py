@@ -85,14 +85,15 @@ def train_on(tree) -> dict:
     return arrays
 
 
-@pytest.mark.parametrize("policy, copy", [("auto", "device"), ("pinned", "pinned"), ("host", "host")])
+@pytest.mark.parametrize("policy, copy", [("auto", "device"), ("pinned", "pinned"), ("pinned-async", "pinned-async"),
+                                          ("host", "host")])
 def test_on_step_returns_before_the_commit_and_the_checkpoint_is_the_state_at_the_call(tmp_path, policy, copy):
     """The writer is held after its first array (``fault.holding``): ``on_step`` has returned, the write is
     in flight and nothing is committed; the loop then donates and overwrites the saved state's buffers; once
     released, the write commits the state as it was at the call. A save that waited for its write would
     return only after the hold's limit, with the checkpoint committed, and fail the checks below. Each way
-    of copying the state: on the devices (the CPU backend has room), into pinned host memory (transfers the
-    next step's donation runs after), to host memory waited for."""
+    of copying the state: on the devices (the CPU backend has room), into pinned host memory (waited for, or
+    not: transfers the next step's donation must run after), to host memory."""
     ck = Checkpointer(str(tmp_path), save_interval=None, keep=[CheckpointInterval(1)])
     ck.snapshot_policy = policy
     state = make_state(1)
@@ -128,9 +129,9 @@ def test_the_host_copy_taken_where_the_devices_lack_room_is_the_state_at_the_cal
 
 
 def test_pinned_transfers_still_in_flight_when_the_next_step_donates_are_the_state_at_the_call(tmp_path):
-    """The transfers into pinned host memory are started, not waited for: the next (donating) step is
-    dispatched right after ``on_step`` returns, over a state large enough that they may still be running;
-    the checkpoint is the state at the call, bit for bit."""
+    """With the ``pinned-async`` policy the transfers into pinned host memory are started, not waited for: the next
+    (donating) step is dispatched right after ``on_step`` returns, over a state large enough that they may
+    still be running; the checkpoint is the state at the call, bit for bit."""
     mesh = Mesh(np.asarray(jax.devices()[:2]), ("data",))
     rng = np.random.default_rng(7)
     state = {"w": jax.device_put(rng.standard_normal((2048, 2048), dtype=np.float32), NamedSharding(mesh, P("data"))),
@@ -138,8 +139,8 @@ def test_pinned_transfers_still_in_flight_when_the_next_step_donates_are_the_sta
              "opt": {"mu": jax.device_put(rng.standard_normal((2048, 1024), dtype=np.float32))}}
     expected = host_bytes(state)
     ck = Checkpointer(str(tmp_path), save_interval=None, keep=[CheckpointInterval(1)])
-    ck.snapshot_policy = "pinned"
-    assert ck.on_step(state, 1) and ck.last_copy == "pinned"
+    ck.snapshot_policy = "pinned-async"
+    assert ck.on_step(state, 1) and ck.last_copy == "pinned-async"
     train_on(state)
     ck.wait_until_finished()
     assert host_bytes(load_checkpoint(state_like(state), str(tmp_path / "step-1"))) == expected

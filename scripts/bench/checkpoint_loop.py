@@ -3,7 +3,7 @@
 
     .venv/bin/python scripts/bench/checkpoint_loop.py --config config/bench/llama_350m_tpu.yaml --every 8
     .venv/bin/python scripts/bench/checkpoint_loop.py --config config/bench/llama_350m_tpu.yaml --every 8 \\
-        --steps 56 --policies auto,host --verify --json out.json    # the copy now against the old one
+        --policies auto,host,pinned-async --verify --json out.json    # the copies side by side
     .venv/bin/python scripts/bench/checkpoint_loop.py --quick          # CPU: config/gpt2_nano.yaml, 24 steps
 
 Runs ``train_lm`` in this process on ``--config`` (relative data paths resolve from the current directory,
@@ -16,8 +16,9 @@ synchronous save would stop the loop for.
 
 ``--policies`` names how the background saves copy the state before the loop goes on
 (``Checkpointer.snapshot_policy``): ``auto`` (the default: device copies where the devices have room, the
-rest transferred into pinned host memory without waiting), ``pinned`` (all transferred) or ``host`` (the
-copy to host memory, waited for: how every save that did not fit on the devices copied before). The first
+rest transferred into pinned host memory), ``pinned`` (all transferred), ``pinned-async`` (all transferred,
+not waited for: the next step is dispatched at once and the runtime orders it after the transfers) or
+``host`` (the copy to host memory: how every save that did not fit on the devices copied before). The first
 background save uses the first policy and is a warm-up (it compiles the all-finite check), left out of the
 medians; the following saves take the policies in turn, so each is measured in the same run.
 
@@ -50,7 +51,9 @@ The table goes to stdout, then one line of JSON (the last line) with ``steady_st
 ``lost_per_save_s`` (median, first policy), ``sync_save_s``, ``ratio``, ``by_policy`` and the per-save rows;
 ``--json PATH`` writes it to a file too. On the chip, run it with ``--every 8`` (the Llama 350M bench config
 trains 40 steps: saves after steps 8, 16, 24 and 32, the synchronous one after step 40; with
-``--steps 56 --policies auto,host``: auto after 8 (warm-up), 24 and 40, host after 16, 32 and 48).
+``--policies auto,host,pinned-async``: auto after 8 (the warm-up) and 16, host after 24, pinned-async after
+32). A run that fails (a save, or a step after one) still reports the saves before the failure, with
+``error`` set.
 """
 
 from __future__ import annotations
@@ -161,6 +164,8 @@ def fingerprint_checkpoint(path: str) -> dict[str, tuple[int, int]]:
 
 
 def _metrics(path: str) -> dict[int, float]:
+    if not os.path.exists(path):  # a run that failed before its first step
+        return {}
     with open(path) as f:
         return {r["step"]: r["throughput/step_seconds"] for r in map(json.loads, f)
                 if "throughput/step_seconds" in r}
@@ -227,6 +232,7 @@ def run(config: str, steps: int | None, every: int, overrides: list[str], work: 
     policy.Checkpointer.save, serialization.PreparedSave.copy_to_host, Trainer.train_step = (
         save, copy_to_host, train_step)
     probe.start()
+    error = None
     try:
         train_lm.cli(["--config_path", config, "--trainer.id", run_id, "--trainer.num_train_steps", str(num_steps),
                       "--trainer.log_dir", os.path.join(work, "logs"),
@@ -234,6 +240,9 @@ def run(config: str, steps: int | None, every: int, overrides: list[str], work: 
                       "--trainer.checkpointer.keep", f"[{{every: {every}}}]",
                       "--trainer.checkpointer.save_interval", "1000h",
                       "--trainer.tracker", "[{type: json}]", *overrides])
+    except (Exception, SystemExit) as e:  # noqa: BLE001 -- the saves before the failure are still reported
+        error = f"{type(e).__name__}: {e}"
+        print(f"# the run failed: {error}", file=sys.stderr)
     finally:
         probe.stopped.set()
         policy.Checkpointer.save, serialization.PreparedSave.copy_to_host, Trainer.train_step = originals
@@ -243,10 +252,14 @@ def run(config: str, steps: int | None, every: int, overrides: list[str], work: 
     if verify:
         checked = [r for r in records if r["fingerprints"] is not None and r["copy"] != "host"][-2:]
         for r in checked:
-            r["verified"] = fingerprint_checkpoint(r["path"]) == r["fingerprints"]
+            try:
+                r["verified"] = fingerprint_checkpoint(r["path"]) == r["fingerprints"]
+            except Exception as e:  # noqa: BLE001 -- e.g. a save the failure left uncommitted
+                print(f"# could not verify the save of step {r['step']}: {e}", file=sys.stderr)
     for r in records:
         del r["fingerprints"]
-    return _metrics(os.path.join(work, "logs", run_id, "metrics.jsonl")), records, num_steps, {"dispatch": dispatch}
+    times = _metrics(os.path.join(work, "logs", run_id, "metrics.jsonl"))
+    return times, records, num_steps, {"dispatch": dispatch, "error": error}
 
 
 def summarise(times: dict[int, float], records: list[dict], num_steps: int, skip: int,
@@ -286,7 +299,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=8, help="a permanent checkpoint every N steps (default 8)")
     p.add_argument("--skip", type=int, default=3, help="steps (compile, warm-up) left out of the steady step")
     p.add_argument("--policies", default="auto", help="comma-separated snapshot policies the background saves "
-                   "take in turn: auto, pinned, host (default: auto)")
+                   "take in turn: auto, pinned, pinned-async, host (default: auto)")
     p.add_argument("--verify", action="store_true", help="check that the last two non-host saves are the "
                    "state at the save, bit for bit (fingerprints on the devices and of the stored arrays)")
     p.add_argument("--quick", action="store_true", help="CPU: config/gpt2_nano.yaml, 24 steps, every 8")
@@ -316,7 +329,7 @@ def main() -> None:
         else:
             print(f"# kept {work}", file=sys.stderr)
     result = summarise(times, records, num_steps, args.skip, timings["dispatch"])
-    result.update(config=config, steps=num_steps, every=every, policies=policies)
+    result.update(config=config, steps=num_steps, every=every, policies=policies, error=timings["error"])
     report(result)
     write_json(args.json, result)
     print(json.dumps(result))
@@ -340,6 +353,8 @@ def report(result: dict) -> None:
         print(f"{name}: lost per save {f(p['lost_per_save_s'])} s over {p['saves']} saves (the first save, a "
               f"warm-up, left out); ratio {f(p['ratio'])} (goal <= 0.1)")
     print(f"synchronous save {f(result['sync_save_s'])} s")
+    if result.get("error"):
+        print(f"the run failed: {result['error']}")
 
 
 if __name__ == "__main__":

@@ -9,11 +9,13 @@ handed are reused. A background save therefore first takes copies the step canno
   device-to-device copy, waited for (it runs at HBM bandwidth: milliseconds). The writer thread moves it
   to host memory while the next steps train, then frees it.
 * **Into the host's pinned memory**, for the other leaves, where the devices have a ``pinned_host``
-  memory: a transfer started for every leaf at once and not waited for. The runtime orders the next
-  step, which donates the source buffers, after the transfers that read them (a donated buffer's pending
-  reads complete before it is reused), so the loop is held for the transfer time on the device, not for
-  the Python-side wait and copy of each array; the writer thread waits for the transfers. The result is
-  an array of its own (not a view of the donated buffer), which the next step cannot change.
+  memory: a transfer (a DMA straight into memory the device can write) started for every leaf at once,
+  then waited for together; the result is an array of its own, which the next step cannot change, and the
+  writer thread turns it into numpy without another transfer. The loop is held for the transfers, not for
+  a conversion and copy of each array into new host memory. With ``policy="pinned-async"`` (every array
+  transferred) the transfers are not waited for: the next step, which donates the source buffers, is dispatched at once and the runtime
+  has to run it after the transfers that read them (what PJRT promises for a donated buffer's pending
+  reads; ``scripts/bench/checkpoint_loop.py --verify`` checks it on an accelerator).
 * **In host memory, waited for** (:func:`host_copies`): where a device has no pinned memory, or when the
   caller asks for it (``policy="host"``, the way every array was copied before the pinned transfers).
 
@@ -132,18 +134,19 @@ def _is_global(value: Any) -> bool:
     return isinstance(value, jax.Array) and not (jax.process_count() > 1 and value.is_fully_addressable)
 
 
-SNAPSHOT_POLICIES = ("auto", "pinned", "host")
+SNAPSHOT_POLICIES = ("auto", "pinned", "pinned-async", "host")
 
 
 def take_snapshot(values: list[Any], *, policy: str = "auto",
                   room: dict[Any, float] | None = None) -> tuple[list[Any], str]:
     """``values`` made independent of the device buffers the next step donates; returns them and how:
-    ``"device"``, ``"pinned"``, ``"device+pinned"`` (the leaves split between the two) or ``"host"``.
+    ``"device"``, ``"pinned"``, ``"device+pinned"`` (the leaves split between the two),
+    ``"pinned-async"`` or ``"host"``.
 
-    ``policy="auto"``: each ``jax.Array`` copied on its devices where they have room (waited for), else
-    into pinned host memory (started, not waited for), else (no pinned memory) to host memory, waited for
-    (:func:`plan_snapshot`); ``"pinned"``: every array into pinned host memory where the devices have it;
-    ``"host"``: every array to host memory, waited for. Arrays not yet on the host come back as
+    ``policy="auto"``: each ``jax.Array`` copied on its devices where they have room, else into pinned
+    host memory, else (no pinned memory) to host memory (:func:`plan_snapshot`), all waited for;
+    ``"pinned"``: every array into pinned host memory where the devices have it, waited for;
+    ``"pinned-async"``: the same, not waited for; ``"host"``: every array to host memory, waited for. Arrays not yet on the host come back as
     :class:`PendingShards`, which :func:`finish_snapshot` (on the writer thread) turns into
     :class:`HostShards`; host values are copied at once. ``room``: bytes per device free for device
     copies (default: measured, :func:`_room`)."""
@@ -165,10 +168,15 @@ def take_snapshot(values: list[Any], *, policy: str = "auto",
         for i in to_pin:
             copies.pop(i, None)
             plan[i] = "host"
-    jax.block_until_ready([x for p in copies.values() if p.on_device for _, x in p.shards])
+    # Waited for: the device copies (milliseconds) and, unless "pinned-async", the transfers, so that
+    # nothing reads the state's buffers when the next step donates them.
+    wait = policy != "pinned-async"
+    jax.block_until_ready([x for p in copies.values() if p.on_device or wait for _, x in p.shards])
     waited = iter(host_copies([v for v, how in zip(values, plan) if how == "host"]))
     out = [copies[i] if i in copies else next(waited) for i in range(len(values))]
     kinds = sorted({how for how, v in zip(plan, values) if isinstance(v, jax.Array)})
+    if not wait:
+        kinds = [k + "-async" if k == "pinned" else k for k in kinds]
     return out, "+".join(kinds) if kinds else "host"
 
 

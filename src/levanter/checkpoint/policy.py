@@ -6,8 +6,8 @@ Permanent checkpoints are taken at the steps the ``keep`` intervals name, plus a
 newer checkpoint is complete; permanent ones are never deleted. The base path may be a local directory
 or an object-store URL (``gs://``, ``s3://``); :mod:`levanter.checkpoint.layout` says how saves commit
 and deletions proceed on each. Saves run in the background by default, on one process or many:
-``on_step`` returns once the state is copied (on the devices where they have room, else with transfers to
-pinned host memory started), the write and commit follow on a worker thread
+``on_step`` returns once the state is copied (on the devices where they have room, else transferred into
+pinned host memory), the write and commit follow on a worker thread
 (:mod:`levanter.checkpoint.async_writer`), and :meth:`Checkpointer.wait_until_finished` waits for them.
 """
 
@@ -231,11 +231,12 @@ class Checkpointer:
         self.last_blocked_s = 0.0
         self.last_save_s = 0.0
         # How a background save copies the state before on_step returns (host_copy.take_snapshot): "auto"
-        # (on the devices where they have room, else transfers into pinned host memory, not waited for),
-        # "pinned" (all transferred) or "host" (the copy to host memory, waited for); not a config key:
-        # scripts/bench/checkpoint_loop.py compares them.
+        # (on the devices where they have room, else transfers into pinned host memory), "pinned" (all
+        # transferred), "pinned-async" (the same, not waited for) or "host" (the copy to host memory); not a
+        # config key: scripts/bench/checkpoint_loop.py compares them.
         self.snapshot_policy = "auto"
-        # How the last background save copied the state: "device", "pinned", "device+pinned" or "host".
+        # How the last background save copied the state: "device", "pinned", "device+pinned" or "host"
+        # ("pinned-async" for transfers not waited for).
         self.last_copy = ""
         self.last_waited_s = 0.0  # of last_blocked_s: the wait for the previous save's write to finish
         if self.process_index == 0:
@@ -397,9 +398,8 @@ class Checkpointer:
             self.last_save_s = time.perf_counter() - started
 
         if self.asynchronous and prepared is not None:
-            # Copies the next step cannot touch: on the devices (waited for, milliseconds) and into pinned
-            # host memory (started, not waited for; the next step runs after them); the writer brings them
-            # to host memory.
+            # Copies the next step cannot touch: on the devices (milliseconds) and into pinned host memory
+            # (one transfer per array, all in flight together); the writer brings them into numpy arrays.
             self.last_copy = prepared.snapshot(self.snapshot_policy)
             self._writer.submit(write, f"save of the checkpoint of step {step} to {path}")
         else:
