@@ -85,9 +85,10 @@ def train_on(tree) -> dict:
     return arrays
 
 
-@pytest.mark.parametrize("policy, copy", [("auto", "device"), ("pinned", "pinned"), ("pinned-async", "pinned-async"),
-                                          ("host", "host")])
-def test_on_step_returns_before_the_commit_and_the_checkpoint_is_the_state_at_the_call(tmp_path, policy, copy):
+@pytest.mark.parametrize("policy, copy", [("auto", "device"), ("pinned", "pinned"),
+                                          ("pinned-async", "pinned-async"), ("host", "host")])
+def test_on_step_returns_before_the_commit_and_the_checkpoint_is_the_state_at_the_call(tmp_path, policy,
+                                                                                        copy):
     """The writer is held after its first array (``fault.holding``): ``on_step`` has returned, the write is
     in flight and nothing is committed; the loop then donates and overwrites the saved state's buffers; once
     released, the write commits the state as it was at the call. A save that waited for its write would
@@ -129,12 +130,13 @@ def test_the_host_copy_taken_where_the_devices_lack_room_is_the_state_at_the_cal
 
 
 def test_pinned_transfers_still_in_flight_when_the_next_step_donates_are_the_state_at_the_call(tmp_path):
-    """With the ``pinned-async`` policy the transfers into pinned host memory are started, not waited for: the next
-    (donating) step is dispatched right after ``on_step`` returns, over a state large enough that they may
-    still be running; the checkpoint is the state at the call, bit for bit."""
+    """With the ``pinned-async`` policy the transfers into pinned host memory are started, not waited for:
+    the next (donating) step is dispatched right after ``on_step`` returns, over a state large enough that
+    they may still be running; the checkpoint is the state at the call, bit for bit."""
     mesh = Mesh(np.asarray(jax.devices()[:2]), ("data",))
     rng = np.random.default_rng(7)
-    state = {"w": jax.device_put(rng.standard_normal((2048, 2048), dtype=np.float32), NamedSharding(mesh, P("data"))),
+    sharded = NamedSharding(mesh, P("data"))
+    state = {"w": jax.device_put(rng.standard_normal((2048, 2048), dtype=np.float32), sharded),
              "b": jax.device_put(rng.standard_normal((1024, 1024), dtype=np.float32).astype(jnp.bfloat16)),
              "opt": {"mu": jax.device_put(rng.standard_normal((2048, 1024), dtype=np.float32))}}
     expected = host_bytes(state)

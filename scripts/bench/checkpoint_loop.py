@@ -144,8 +144,10 @@ def fingerprint_tree(tree) -> dict[str, tuple[int, int]]:
 
     items = prepare_leaves(tree)
     on_device = [it for it in items if isinstance(it.value, jax.Array)]
-    out = dict(zip([it.record["name"] for it in on_device], device_fingerprints([it.value for it in on_device])))
-    out.update({it.record["name"]: host_fingerprint(it.value) for it in items if not isinstance(it.value, jax.Array)})
+    names = [it.record["name"] for it in on_device]
+    out = dict(zip(names, device_fingerprints([it.value for it in on_device])))
+    out.update({it.record["name"]: host_fingerprint(it.value) for it in items
+                if not isinstance(it.value, jax.Array)})
     return out
 
 
@@ -298,8 +300,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, help="trainer.num_train_steps (default: the config's)")
     p.add_argument("--every", type=int, default=8, help="a permanent checkpoint every N steps (default 8)")
     p.add_argument("--skip", type=int, default=3, help="steps (compile, warm-up) left out of the steady step")
-    p.add_argument("--policies", default="auto", help="comma-separated snapshot policies the background saves "
-                   "take in turn: auto, pinned, pinned-async, host (default: auto)")
+    p.add_argument("--policies", default="auto", help="comma-separated snapshot policies the background "
+                   "saves take in turn: auto, pinned, pinned-async, host (default: auto)")
     p.add_argument("--verify", action="store_true", help="check that the last two non-host saves are the "
                    "state at the save, bit for bit (fingerprints on the devices and of the stored arrays)")
     p.add_argument("--quick", action="store_true", help="CPU: config/gpt2_nano.yaml, 24 steps, every 8")
@@ -317,7 +319,8 @@ def main() -> None:
     from levanter.progress import setup_console_logging
 
     if not policies or any(x not in SNAPSHOT_POLICIES for x in policies):
-        p.error(f"--policies: a comma-separated list of {', '.join(SNAPSHOT_POLICIES)}, got {args.policies!r}")
+        p.error(f"--policies: a comma-separated list of {', '.join(SNAPSHOT_POLICIES)}, "
+                f"got {args.policies!r}")
     setup_console_logging()
     note_load_average()
     work = tempfile.mkdtemp(prefix="ckpt-loop-")

@@ -13,9 +13,10 @@ handed are reused. A background save therefore first takes copies the step canno
   then waited for together; the result is an array of its own, which the next step cannot change, and the
   writer thread turns it into numpy without another transfer. The loop is held for the transfers, not for
   a conversion and copy of each array into new host memory. With ``policy="pinned-async"`` (every array
-  transferred) the transfers are not waited for: the next step, which donates the source buffers, is dispatched at once and the runtime
-  has to run it after the transfers that read them (what PJRT promises for a donated buffer's pending
-  reads; ``scripts/bench/checkpoint_loop.py --verify`` checks it on an accelerator).
+  transferred) the transfers are not waited for: the next step, which donates the source buffers, is
+  dispatched at once and the runtime has to run it after the transfers that read them (what PJRT promises
+  for a donated buffer's pending reads; ``scripts/bench/checkpoint_loop.py --verify`` checks it on an
+  accelerator).
 * **In host memory, waited for** (:func:`host_copies`): where a device has no pinned memory, or when the
   caller asks for it (``policy="host"``, the way every array was copied before the pinned transfers).
 
@@ -146,10 +147,10 @@ def take_snapshot(values: list[Any], *, policy: str = "auto",
     ``policy="auto"``: each ``jax.Array`` copied on its devices where they have room, else into pinned
     host memory, else (no pinned memory) to host memory (:func:`plan_snapshot`), all waited for;
     ``"pinned"``: every array into pinned host memory where the devices have it, waited for;
-    ``"pinned-async"``: the same, not waited for; ``"host"``: every array to host memory, waited for. Arrays not yet on the host come back as
-    :class:`PendingShards`, which :func:`finish_snapshot` (on the writer thread) turns into
-    :class:`HostShards`; host values are copied at once. ``room``: bytes per device free for device
-    copies (default: measured, :func:`_room`)."""
+    ``"pinned-async"``: the same, not waited for; ``"host"``: every array to host memory, waited for.
+    Arrays not yet on the host come back as :class:`PendingShards`, which :func:`finish_snapshot` (on the
+    writer thread) turns into :class:`HostShards`; host values are copied at once. ``room``: bytes per
+    device free for device copies (default: measured, :func:`_room`)."""
     if policy not in SNAPSHOT_POLICIES:
         raise ValueError(f"snapshot policy must be one of {SNAPSHOT_POLICIES}, got {policy!r}")
     devices = {s.device for v in values if _is_global(v) for s in _written_shards(v)}
@@ -160,18 +161,18 @@ def take_snapshot(values: list[Any], *, policy: str = "auto",
     # Device copies first (each takes milliseconds), then every pinned transfer, all in flight together.
     copies = _copy_shards({i: values[i] for i, how in enumerate(plan) if how == "device"}, None)
     to_pin = [i for i, how in enumerate(plan) if how == "pinned"]
-    try:
-        copies.update(_copy_shards({i: values[i] for i in to_pin}, PINNED_HOST))
-    except Exception as e:  # noqa: BLE001 -- e.g. pinned memory exhausted: the sources are still intact
-        logger.warning("checkpoint: could not start the transfers into pinned host memory (%s); copying "
-                       "those arrays to host memory instead, which the loop waits for", e)
-        for i in to_pin:
-            copies.pop(i, None)
-            plan[i] = "host"
-    # Waited for: the device copies (milliseconds) and, unless "pinned-async", the transfers, so that
-    # nothing reads the state's buffers when the next step donates them.
     wait = policy != "pinned-async"
-    jax.block_until_ready([x for p in copies.values() if p.on_device or wait for _, x in p.shards])
+    try:
+        transfers = _copy_shards({i: values[i] for i in to_pin}, PINNED_HOST)
+        if wait:  # nothing reads the state's buffers when the next step donates them
+            jax.block_until_ready([x for p in transfers.values() for _, x in p.shards])
+        copies.update(transfers)
+    except Exception as e:  # noqa: BLE001 -- e.g. pinned memory exhausted: the sources are still intact
+        logger.warning("checkpoint: the transfers into pinned host memory failed (%s); copying those arrays "
+                       "to host memory instead", e)
+        for i in to_pin:
+            plan[i] = "host"
+    jax.block_until_ready([x for p in copies.values() if p.on_device for _, x in p.shards])
     waited = iter(host_copies([v for v, how in zip(values, plan) if how == "host"]))
     out = [copies[i] if i in copies else next(waited) for i in range(len(values))]
     kinds = sorted({how for how, v in zip(plan, values) if isinstance(v, jax.Array)})
