@@ -106,23 +106,27 @@ def _words(x):
 
 
 @functools.cache
-def _fingerprints_fn():
+def _fingerprint_fn():
+    """One leaf's fingerprint, jitted: compiled once per shape and dtype (a few programs for a model's
+    hundreds of leaves, where one program over all of them would take long to compile)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    def xor_all(w):
-        return jax.lax.reduce(w, np.uint32(0), jax.lax.bitwise_xor, (0,))
+    def fingerprint(x):
+        w = _words(x)
+        xor = jax.lax.reduce(w, np.uint32(0), jax.lax.bitwise_xor, (0,))
+        return jnp.stack([jnp.sum(w, dtype=jnp.uint32), xor])
 
-    return jax.jit(lambda xs: jnp.stack([jnp.stack([jnp.sum(w, dtype=jnp.uint32), xor_all(w)])
-                                         for w in map(_words, xs)]))
+    return jax.jit(fingerprint)
 
 
 def device_fingerprints(arrays: list) -> list[tuple[int, int]]:
     """(wrapping sum, xor) of each array's bits as uint32 words, reduced on its devices."""
-    import numpy as np
+    import jax
 
-    return [tuple(int(v) for v in row) for row in np.asarray(_fingerprints_fn()(arrays))] if arrays else []
+    rows = jax.device_get([_fingerprint_fn()(x) for x in arrays])
+    return [(int(row[0]), int(row[1])) for row in rows]
 
 
 def host_fingerprint(a) -> tuple[int, int]:
