@@ -14,16 +14,16 @@ handed are reused. A background save therefore first takes copies the step canno
   writer thread turns it into numpy without another transfer. The loop is held for the transfers, not for
   a conversion and copy of each array into new host memory. With ``policy="pinned-async"`` (every array
   transferred) the transfers are not waited for: the next step, which donates the source buffers, is
-  dispatched at once and the runtime has to run it after the transfers that read them (what PJRT promises
-  for a donated buffer's pending reads; ``scripts/bench/checkpoint_loop.py --verify`` checks it on an
-  accelerator).
+  dispatched at once and the runtime has to run it after the transfers that read them (whether a runtime
+  orders a donation after pending reads is what ``scripts/bench/checkpoint_loop.py --verify`` checks on an
+  accelerator; the CPU backend does).
 * **In host memory, waited for** (:func:`host_copies`): where a device has no pinned memory, or when the
-  caller asks for it (``policy="host"``, the way every array was copied before the pinned transfers).
+  caller asks for it (``policy="host"``, for comparison): the loop waits for each array's conversion.
 
 A 350 M model's 4.2 GB of parameters and Adam moments on a 16 GiB chip leave too little room for a device
 copy, so most of it takes the pinned transfer; GPT-2 small's state fits and is copied on the device.
 
-Either way the write is from host copies -- for each ``jax.Array`` its addressable replica-0 shards
+Every way, the write is from host copies -- for each ``jax.Array`` its addressable replica-0 shards
 (exactly the shards ``async_serialize`` would write), for each host value a private copy -- through
 :func:`write_host_shards`, producing the same zarr3 arrays, chunk for chunk, as a synchronous save does.
 On the CPU backend ``np.asarray`` of a device array is a view of the device buffer, not a copy, so there
@@ -247,11 +247,10 @@ def finish_snapshot(values: list[Any]) -> list[Any]:
     return out
 
 
-def host_copies(values: list[Any], *, private: bool = True) -> list[Any]:
+def host_copies(values: list[Any]) -> list[Any]:
     """``values`` with every array replaced by a host copy that the caller may keep after the device
     buffers are donated: a :class:`HostShards` for a ``jax.Array`` written shard by shard, a numpy array
-    for everything else (a private copy unless ``private`` is False: values the caller owns already).
-    Returns once every copy is complete."""
+    for everything else (a private copy). Returns once every copy is complete."""
     started: list[tuple[str, Any]] = []
     for value in values:
         if _is_global(value):
@@ -277,7 +276,7 @@ def host_copies(values: list[Any], *, private: bool = True) -> list[Any]:
         elif kind == "array":
             out.append(_to_host(payload))
         else:  # the caller may change its numpy arrays in place
-            out.append(np.array(payload, copy=True) if private else payload)
+            out.append(np.array(payload, copy=True))
     return out
 
 
