@@ -85,17 +85,23 @@ def train_on(tree) -> dict:
     return arrays
 
 
-def test_on_step_returns_before_the_commit_and_the_checkpoint_is_the_state_at_the_call(tmp_path):
+@pytest.mark.parametrize("policy, copy", [("auto", "device"), ("pinned", "pinned"),
+                                          ("pinned-async", "pinned-async"), ("host", "host")])
+def test_on_step_returns_before_the_commit_and_the_checkpoint_is_the_state_at_the_call(tmp_path, policy,
+                                                                                        copy):
     """The writer is held after its first array (``fault.holding``): ``on_step`` has returned, the write is
     in flight and nothing is committed; the loop then donates and overwrites the saved state's buffers; once
     released, the write commits the state as it was at the call. A save that waited for its write would
-    return only after the hold's limit, with the checkpoint committed, and fail the checks below."""
+    return only after the hold's limit, with the checkpoint committed, and fail the checks below. Each way
+    of copying the state: on the devices (the CPU backend has room), into pinned host memory (waited for, or
+    not: transfers the next step's donation must run after), to host memory."""
     ck = Checkpointer(str(tmp_path), save_interval=None, keep=[CheckpointInterval(1)])
+    ck.snapshot_policy = policy
     state = make_state(1)
     expected = host_bytes(state)
     with fault.holding("checkpoint_mid_write", limit_s=30) as (reached, release):
         assert ck.on_step(state, 1)
-        assert ck.last_copy == "device"  # a device snapshot (the CPU backend has room): nothing waited for
+        assert ck.last_copy == copy
         assert reached.wait(30)  # the write is under way...
         assert ck.writing and discover_latest_checkpoint(str(tmp_path)) is None  # ...and not committed
         assert [e for e in os.listdir(tmp_path) if e.startswith(".tmp-step-1-")], os.listdir(tmp_path)
@@ -121,6 +127,56 @@ def test_the_host_copy_taken_where_the_devices_lack_room_is_the_state_at_the_cal
     assert state["w"].is_deleted()
     prepared.commit()
     assert host_bytes(load_checkpoint(make_state(0), str(tmp_path / "step-5"))) == expected
+
+
+def test_pinned_transfers_still_in_flight_when_the_next_step_donates_are_the_state_at_the_call(tmp_path):
+    """With the ``pinned-async`` policy the transfers into pinned host memory are started, not waited for:
+    the next (donating) step is dispatched right after ``on_step`` returns, over a state large enough that
+    they may still be running; the checkpoint is the state at the call, bit for bit."""
+    mesh = Mesh(np.asarray(jax.devices()[:2]), ("data",))
+    rng = np.random.default_rng(7)
+    sharded = NamedSharding(mesh, P("data"))
+    state = {"w": jax.device_put(rng.standard_normal((2048, 2048), dtype=np.float32), sharded),
+             "b": jax.device_put(rng.standard_normal((1024, 1024), dtype=np.float32).astype(jnp.bfloat16)),
+             "opt": {"mu": jax.device_put(rng.standard_normal((2048, 1024), dtype=np.float32))}}
+    expected = host_bytes(state)
+    ck = Checkpointer(str(tmp_path), save_interval=None, keep=[CheckpointInterval(1)])
+    ck.snapshot_policy = "pinned-async"
+    assert ck.on_step(state, 1) and ck.last_copy == "pinned-async"
+    train_on(state)
+    ck.wait_until_finished()
+    assert host_bytes(load_checkpoint(state_like(state), str(tmp_path / "step-1"))) == expected
+
+
+def state_like(state):
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype, device=x.sharding), state)
+
+
+def test_a_snapshot_split_between_device_copies_and_pinned_transfers_is_the_state_at_the_call():
+    """Where the devices have room for part of the state, those arrays are copied on the devices (in tree
+    order, while they fit) and the rest transferred into pinned host memory; after the next steps donate
+    the originals, both come to host memory bit for bit."""
+    from levanter.checkpoint.host_copy import finish_snapshot, plan_snapshot, take_snapshot
+
+    state = make_state(4)
+    values = [state["w"], state["opt"]["mu"], state["b"], state["host"]]
+    d0, d1 = jax.devices()[:2]
+    room = {d0: 4096.0 + 8191, d1: 4096.0}  # w: 4 KiB on each; then mu (8 KiB, on d0) does not fit
+    assert plan_snapshot(values, room, pinned=True) == ["device", "pinned", "device", "host"]
+    assert plan_snapshot(values, room, pinned=False) == ["device", "host", "device", "host"]
+    expected = [np.asarray(v).copy() for v in values]
+    snap, how = take_snapshot(values, room=room)
+    assert how == "device+pinned"
+    train_on(state)
+    assert state["w"].is_deleted() and state["opt"]["mu"].is_deleted()
+    for value, want in zip(finish_snapshot(snap), expected):
+        if isinstance(value, np.ndarray):
+            assert value.tobytes() == want.tobytes()
+            continue
+        got = np.empty(value.shape, value.dtype)
+        for index, data in value.shards:
+            got[index] = data
+        assert got.tobytes() == want.tobytes()
 
 
 def test_a_second_save_waits_for_the_first_and_they_commit_in_order(tmp_path, monkeypatch):

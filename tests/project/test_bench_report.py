@@ -107,19 +107,49 @@ def test_checkpoint_section_measures_both_modes_and_is_reported(run_all, capsys)
 
 def test_checkpoint_loop_summary_counts_the_steps_around_each_save():
     """scripts/bench/checkpoint_loop.py's arithmetic on a run's step times: the steady step leaves out the
-    three steps around each background save, the loss per save is their excess over three steady steps, and
-    the ratio is the median loss over the final synchronous save's time."""
+    three steps around each background save, the loss per save is their excess over three steady steps (less
+    the verification's fingerprint time), the first save is a warm-up left out of the medians, each policy
+    has its median and its ratio over the final synchronous save's time, and the dispatch column is the
+    longest call of the two steps after a save."""
     sys.path.insert(0, BENCH)
     import checkpoint_loop
 
-    times = {s: 1.0 for s in range(24)}
+    times = {s: 1.0 for s in range(32)}
     times[0] = 30.0  # the compile: left out by skip
-    times.update({7: 1.5, 8: 3.0, 9: 1.0, 15: 1.0, 16: 2.0, 17: 1.5})
-    records = [{"step": 8, "copy": "device", "blocked_s": 0.1, "waited_s": 0.0, "write_s": 4.0},
-               {"step": 16, "copy": "host", "blocked_s": 1.0, "waited_s": 0.5, "write_s": 4.0},
-               {"step": 24, "copy": "sync", "blocked_s": 10.0, "waited_s": 0.0, "write_s": None}]
-    res = checkpoint_loop.summarise(times, records, 24, skip=3)
+    times.update({7: 1.5, 8: 3.0, 9: 1.0, 15: 1.0, 16: 2.0, 17: 1.5, 23: 1.0, 24: 3.5, 25: 2.0})
+    records = [{"step": 8, "policy": "auto", "copy": "device+pinned", "blocked_s": 0.1, "waited_s": 0.0,
+                "write_s": 4.0},
+               {"step": 16, "policy": "auto", "copy": "pinned", "blocked_s": 0.1, "waited_s": 0.0, "write_s": 4.0,
+                "fingerprint_s": 0.25},
+               {"step": 24, "policy": "host", "copy": "host", "blocked_s": 1.0, "waited_s": 0.5, "write_s": 4.0},
+               {"step": 32, "policy": "sync", "copy": "sync", "blocked_s": 10.0, "waited_s": 0.0, "write_s": None}]
+    dispatch = [0.01] * 32
+    dispatch[17] = 0.5
+    res = checkpoint_loop.summarise(times, records, 32, skip=3, dispatch=dispatch)
     assert res["steady_step_s"] == 1.0
-    assert [r["around_s"] for r in res["saves"]] == [[1.5, 3.0, 1.0], [1.0, 2.0, 1.5]]
-    assert [r["lost_s"] for r in res["saves"]] == [2.5, 1.5]
-    assert res["lost_per_save_s"] == 2.0 and res["sync_save_s"] == 10.0 and res["ratio"] == 0.2
+    assert [r["around_s"] for r in res["saves"]] == [[1.5, 3.0, 1.0], [1.0, 2.0, 1.5], [1.0, 3.5, 2.0]]
+    assert [r["lost_s"] for r in res["saves"]] == [2.5, 1.25, 3.5]
+    assert [r["dispatch_s"] for r in res["saves"]] == [0.01, 0.5, 0.01]
+    assert res["by_policy"] == {"auto": {"lost_per_save_s": 1.25, "saves": 1, "ratio": 0.125},
+                                "host": {"lost_per_save_s": 3.5, "saves": 1, "ratio": 0.35}}
+    assert res["lost_per_save_s"] == 1.25 and res["sync_save_s"] == 10.0 and res["ratio"] == 0.125
+
+
+def test_checkpoint_loop_fingerprints_agree_between_the_devices_and_the_host():
+    """--verify's two fingerprints of the same bits (on the devices, of the arrays read back) are equal for
+    every stored dtype, and differ once one bit changes."""
+    import jax
+    import numpy as np
+
+    sys.path.insert(0, BENCH)
+    import checkpoint_loop
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((33, 7), dtype=np.float32), rng.standard_normal(5).astype(jax.numpy.bfloat16),
+              rng.integers(0, 2**32, 4, dtype=np.uint32), np.int32(7), np.array([True, False, True]),
+              rng.integers(-100, 100, 6, dtype=np.int8)]
+    on_device = checkpoint_loop.device_fingerprints([jax.device_put(a) for a in arrays])
+    assert on_device == [checkpoint_loop.host_fingerprint(np.asarray(a)) for a in arrays]
+    flipped = arrays[0].copy()
+    flipped.view(np.uint32)[3, 2] ^= 1
+    assert checkpoint_loop.host_fingerprint(flipped) != on_device[0]

@@ -6,14 +6,15 @@
 1. On the calling (training) thread: wait for the write in flight to finish (so at most one extra copy
    of the state exists), run the save's checks and collectives
    (:func:`~levanter.checkpoint.serialization.prepare_save`), then take a copy that the next step, which
-   donates the state's device buffers, cannot touch: on the devices where they have room (dispatched, not
-   waited for), else in host memory (:mod:`levanter.checkpoint.host_copy`).
-2. On the worker thread: move a device copy to host memory, write the arrays and commit exactly as a
-   synchronous save does (the renamed ``.tmp-`` directory on local disk, ``metadata.json`` last on object
-   stores; with several processes, process 0 commits once every process has recorded in the runtime's
-   key-value store that its shards are written), then delete the temporary checkpoints the new one
-   supersedes. A kill at any moment therefore leaves either the new checkpoint complete or nothing of it
-   that discovery would take for one.
+   donates the state's device buffers, cannot touch: on the devices where they have room (milliseconds),
+   else transfers into pinned host memory (all in flight together), else the copy to host memory
+   (:mod:`levanter.checkpoint.host_copy`).
+2. On the worker thread: wait for the transfers or move the device copies to host memory, write the
+   arrays and commit exactly as a synchronous save does (the renamed ``.tmp-`` directory on local disk,
+   ``metadata.json`` last on object stores; with several processes, process 0 commits once every process
+   has recorded in the runtime's key-value store that its shards are written), then delete the temporary
+   checkpoints the new one supersedes. A kill at any moment therefore leaves either the new checkpoint
+   complete or nothing of it that discovery would take for one.
 3. A failed write is kept and raised on the training thread at the next call into the writer -- the
    checkpointer's next ``on_step``, i.e. the next step boundary at the latest (with several processes:
    the next save, which every process reaches at the same step), or ``wait`` -- so a run never trains on

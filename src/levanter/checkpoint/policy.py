@@ -6,9 +6,9 @@ Permanent checkpoints are taken at the steps the ``keep`` intervals name, plus a
 newer checkpoint is complete; permanent ones are never deleted. The base path may be a local directory
 or an object-store URL (``gs://``, ``s3://``); :mod:`levanter.checkpoint.layout` says how saves commit
 and deletions proceed on each. Saves run in the background by default, on one process or many:
-``on_step`` returns once the state is copied (on the devices where they have room, else to host memory),
-the write and commit follow on a worker thread (:mod:`levanter.checkpoint.async_writer`), and
-:meth:`Checkpointer.wait_until_finished` waits for them.
+``on_step`` returns once the state is copied (on the devices where they have room, else transferred into
+pinned host memory), the write and commit follow on a worker thread
+(:mod:`levanter.checkpoint.async_writer`), and :meth:`Checkpointer.wait_until_finished` waits for them.
 """
 
 from __future__ import annotations
@@ -178,8 +178,8 @@ class Checkpointer:
     ``process_index`` is this process's index (default ``jax.process_index()``); process 0 removes leftovers
     and superseded temporary checkpoints.
 
-    ``asynchronous`` (the default): a save returns once the state is on the host and writes in the
-    background (:mod:`levanter.checkpoint.async_writer`); a failed write is raised by the next
+    ``asynchronous`` (the default): a save returns once the state is copied (``snapshot_policy``) and writes
+    in the background (:mod:`levanter.checkpoint.async_writer`); a failed write is raised by the next
     ``on_step``/``save``/``wait_until_finished`` (multi-process: the next ``save`` or
     ``wait_until_finished``, see :meth:`_raise_if_failed`). ``False``: a save returns once it is committed.
     In a multi-process job each process writes its own shards on its writer thread and the processes agree
@@ -230,7 +230,14 @@ class Checkpointer:
         # What the last save cost the caller and the whole save (the benchmark reads them).
         self.last_blocked_s = 0.0
         self.last_save_s = 0.0
-        self.last_copy = ""  # where the last background save copied the state first: "device" or "host"
+        # How a background save copies the state before on_step returns (host_copy.take_snapshot): "auto"
+        # (on the devices where they have room, else transfers into pinned host memory), "pinned" (all
+        # transferred), "pinned-async" (the same, not waited for) or "host" (the copy to host memory); not a
+        # config key: scripts/bench/checkpoint_loop.py compares them.
+        self.snapshot_policy = "auto"
+        # How the last background save copied the state: "device", "pinned", "device+pinned" or "host"
+        # ("pinned-async" for transfers not waited for).
+        self.last_copy = ""
         self.last_waited_s = 0.0  # of last_blocked_s: the wait for the previous save's write to finish
         if self.process_index == 0:
             delete_stale_temporaries(self.base_path)
@@ -391,9 +398,9 @@ class Checkpointer:
             self.last_save_s = time.perf_counter() - started
 
         if self.asynchronous and prepared is not None:
-            # A copy on the devices, dispatched: the loop goes on at once and the writer moves it to the
-            # host (or, where the devices lack room, the host copy here, waited for).
-            self.last_copy = prepared.snapshot()
+            # Copies the next step cannot touch: on the devices (milliseconds) and into pinned host memory
+            # (one transfer per array, all in flight together); the writer brings them into numpy arrays.
+            self.last_copy = prepared.snapshot(self.snapshot_policy)
             self._writer.submit(write, f"save of the checkpoint of step {step} to {path}")
         else:
             write()

@@ -75,7 +75,7 @@ import jax
 import numpy as np
 
 from levanter.checkpoint.errors import CheckpointSaveError
-from levanter.checkpoint.host_copy import device_snapshot, host_copies
+from levanter.checkpoint.host_copy import PendingShards, finish_snapshot, host_copies, take_snapshot
 from levanter.checkpoint.layout import (
     CHECKPOINT_FORMAT_VERSION,
     METADATA_FILENAME,
@@ -298,44 +298,39 @@ class PreparedSave:
     sync: Any  # BarrierSync or KeyValueSync: how the processes agree that every part is written
     token: str
     process_index: int
-    # The values to write are a device snapshot this save owns (snapshot): copied to host memory, then freed.
-    on_device: bool = False
+    # Some values to write are copies still on their way to host memory (snapshot): finished by commit.
+    pending: bool = False
 
-    def snapshot(self) -> str:
+    def snapshot(self, policy: str = "auto") -> str:
         """Make the save independent of the tree's buffers, so that the caller may donate or change them
-        before :meth:`commit`: a copy on the devices where they have room (dispatched, not waited for;
-        :meth:`commit` or :meth:`copy_to_host` moves it to host memory), else the host copy, waited for.
-        Returns ``"device"`` or ``"host"`` (see :mod:`levanter.checkpoint.host_copy`)."""
-        values = device_snapshot([it.value for it in self.items])
-        if values is None:
-            self.copy_to_host()
-            return "host"
+        before :meth:`commit`: copies on the devices where they have room (milliseconds), the rest transferred
+        into pinned host memory, or with ``policy="host"`` (or no pinned memory) the host copy (``policy``:
+        see :func:`~levanter.checkpoint.host_copy.take_snapshot`); :meth:`commit` or :meth:`copy_to_host`
+        brings the copies into numpy arrays. Returns how: ``"device"``, ``"pinned"``, ``"device+pinned"`` or
+        ``"host"``."""
+        values, how = take_snapshot([it.value for it in self.items], policy=policy)
         for it, value in zip(self.items, values):
             it.value = value
-        self.on_device = True
-        return "device"
+        self.pending = any(isinstance(v, PendingShards) for v in values)
+        return how
 
     def copy_to_host(self) -> int:
         """Replace the arrays to write by host copies (:mod:`levanter.checkpoint.host_copy`), so that the
-        caller may donate or change the tree's buffers before :meth:`commit`; returns the bytes copied. A
-        device snapshot (:meth:`snapshot`) is deleted once copied, freeing its device memory."""
-        owned, self.on_device = self.on_device, False
+        caller may donate or change the tree's buffers before :meth:`commit`; returns the bytes copied. After
+        :meth:`snapshot`, waits for its transfers instead and frees its device copies."""
         old = [it.value for it in self.items]
-        values = host_copies(old, private=not owned)
+        values = finish_snapshot(old) if self.pending else host_copies(old)
+        self.pending = False
         for it, value in zip(self.items, values):
             it.value = value
-        if owned:
-            for v in old:
-                if isinstance(v, jax.Array):
-                    v.delete()
         return sum(v.nbytes for v in values)
 
     def commit(self) -> str:
         """Write the arrays, then commit (see :mod:`levanter.checkpoint.layout`); returns the path. Storage
         errors are :class:`CheckpointSaveError` (a full disk :class:`~levanter.errors.OutOfSpaceError`)."""
         final, step, started = self.path, self.step, time.perf_counter()
-        if self.on_device:
-            self.copy_to_host()  # a device snapshot: to host memory first, off the training thread
+        if self.pending:
+            self.copy_to_host()  # the snapshot's copies: to host memory first, off the training thread
         commit = _commit_by_rename if commits_by_rename(final) else _commit_by_record
         try:
             doc = lambda: _metadata_doc(step, self.is_temporary, self.user_metadata, self.items)  # noqa: E731
