@@ -165,8 +165,9 @@ class HarnessEvaluator:
         """The harness's report of every task on ``model`` (its ``results``, ``n-samples``, ... dicts, plus
         ``averages``): text tokenized by ``tokenizer``, requests packed into rows of ``length`` positions
         (``max_eval_length`` or the model's ``seq_len``), ``batch_size`` rows a batch, scored on ``trainer``'s
-        mesh in its precision (:class:`levanter.eval_harness.lm.RowScorer`)."""
-        from levanter.eval_harness.lm import LevanterHarnessLM, RowScorer
+        mesh in its precision (:class:`levanter.eval_harness.scoring.RowScorer`)."""
+        from levanter.eval_harness.lm import LevanterHarnessLM
+        from levanter.eval_harness.scoring import RowScorer
 
         scorer = RowScorer(trainer, model, batch_size=batch_size, length=length,
                            batch_axis=trainer.config.batch_axis)
