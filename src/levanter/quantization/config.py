@@ -1,8 +1,10 @@
-"""``trainer.quantization``: int8 or fp8 training of the linear layers, through haliax's quantization support.
+"""``trainer.quantization``: int8 or fp8 training of the linear layers.
 
-Upstream Levanter's section, with its keys: ``int8: true`` computes every linear layer's matrix products
-(forward and both backward products) in int8 with haliax's ``Int8DotGeneralOp`` (Google's AQT, per-axis
-absolute-max scales, int32 accumulation); ``fp8: true`` computes them through float8 with haliax's
+Upstream Levanter's section, with its keys: ``int8: true`` computes every linear layer's matrix products in
+int8 (the forward product and the input's gradient; the weight's gradient stays in the compute dtype, as in
+upstream's AQT configuration) with the project's kernel (:mod:`.int8`: per-token and per-output absolute-max
+scales, int32 accumulation; on a TPU, each product only where the compiler estimates int8 faster, the others
+kept in the compute dtype and logged); ``fp8: true`` computes them through float8 with haliax's
 ``Fp8DotGeneralOp`` (e4m3 for activations and weights, e5m2 for the output gradient, delayed scaling from
 a history of the last ``amax_history_length`` absolute maxima); ``targets`` limits either to the layers named
 (a list of layer names such as ``[c_fc, c_proj]``, or a regular expression matched against the dotted path
@@ -32,7 +34,6 @@ is slower than plain training.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import List, Optional, Union
 
 import equinox as eqx
@@ -42,7 +43,8 @@ import jax.numpy as jnp
 import haliax.nn as hnn
 import haliax.quantization as hq
 
-from .utils.layer_select import check_layer_regex, linear_layer_paths
+from ..utils.layer_select import check_layer_regex, dotted_path, linear_layer_paths
+from .int8 import Int8DotGeneral
 
 @dataclasses.dataclass(frozen=True)
 class QuantizationConfig:
@@ -119,7 +121,7 @@ def _haliax_config(config: QuantizationConfig) -> hq.QuantizationConfig:
 
 def quantized_layer_paths(model) -> list[str]:
     """The dotted paths of ``model``'s linear layers that compute in int8 or fp8 (their ``dot_general`` is
-    haliax's ``Int8DotGeneralOp`` or ``Fp8DotGeneralOp``)."""
+    :class:`~.int8.Int8DotGeneral` or haliax's ``Fp8DotGeneralOp``)."""
     kernels = (Int8DotGeneral, hq.Fp8DotGeneralOp)
     return linear_layer_paths(model, lambda layer: isinstance(layer.dot_general, kernels))
 
@@ -191,9 +193,16 @@ def check_checkpoint_fp8(record: dict, config: Optional[QuantizationConfig], whe
 def _quantized(model, config: QuantizationConfig):
     quantized = _without_head_kernel(hq.quantize_linear_layers(model, _haliax_config(config)))
     if config.int8:
-        # haliax marks the selected layers with its AQT kernel; each computes through ours instead.
-        quantized = jax.tree.map(lambda n: Int8DotGeneral() if isinstance(n, hq.Int8DotGeneralOp) else n, quantized,
-                                 is_leaf=lambda n: isinstance(n, hq.Int8DotGeneralOp))
+        # haliax marks the selected layers with its AQT kernel; each computes through ours instead, named (without
+        # its block's index) for the log of which of its products run in int8.
+        def ours(path, node):
+            if not isinstance(node, hq.Int8DotGeneralOp):
+                return node
+            name = ".".join(p for p in dotted_path(path).split(".")[:-1] if not p.isdigit())
+            return Int8DotGeneral(layer=name)
+
+        quantized = jax.tree_util.tree_map_with_path(ours, quantized,
+                                                     is_leaf=lambda n: isinstance(n, hq.Int8DotGeneralOp))
     if not quantized_layer_paths(quantized):
         raise ValueError(
             f"trainer.quantization.targets={config.targets!r} matches none of the model's linear layers: give "
@@ -201,94 +210,6 @@ def _quantized(model, config: QuantizationConfig):
             "or remove targets to quantize every linear layer"
         )
     return quantized
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The int8 kernel.
-
-
-def _absmax_scale(x, axis: int):
-    """float32 scales, one per row of ``x`` along ``axis`` (kept as a size-1 axis): its absolute maximum / 127,
-    1 where the row is all zeros (any scale quantizes zeros to zeros)."""
-    amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True).astype(jnp.float32)
-    return jnp.where(amax > 0, amax / 127.0, 1.0)
-
-
-def _to_int8(x, scale):
-    """``x / scale`` rounded to the nearest integer, as int8 (``scale`` from :func:`_absmax_scale`, so that
-    every value lands in [-127, 127]; the clip only guards the last bit of float rounding)."""
-    return jnp.clip(jnp.round(x.astype(jnp.float32) * (1.0 / scale)), -127.0, 127.0).astype(jnp.int8)
-
-
-def _int8_product(a, b, dims):
-    """``dot_general`` of two int8 arrays accumulated in int32 (the matrix units' int8 mode), as float32."""
-    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.int32).astype(jnp.float32)
-
-
-_MATMUL = (((1,), (0,)), ((), ()))  # [M, K] . [K, N]
-_BY_ROWS_OF_W = (((1,), (1,)), ((), ()))  # [M, N] . [K, N] -> [M, K]
-_OVER_TOKENS = (((0,), (0,)), ((), ()))  # [M, K] . [M, N] -> [K, N]
-
-
-@jax.custom_vjp
-def int8_matmul(x, w):
-    """``x @ w`` for ``x`` [M, K] and ``w`` [K, N], computed in int8: ``x`` quantized by rows and ``w`` by
-    columns (absolute-max scales, round to nearest), the product accumulated in int32 and scaled back, in
-    ``x``'s dtype. Its gradient is that of the float product (straight-through), with the input's gradient
-    also an int8 product (the output gradient quantized by rows, ``w``'s int8 copy reused) and the weight's
-    gradient a product in the compute dtype (see the module docstring for why)."""
-    return _int8_matmul_fwd(x, w)[0]
-
-
-def _int8_matmul_fwd(x, w):
-    sx, sw = _absmax_scale(x, 1), _absmax_scale(w, 0)
-    qw = _to_int8(w, sw)
-    y = _int8_product(_to_int8(x, sx), qw, _MATMUL) * sx * sw
-    return y.astype(x.dtype), (x, qw, sw)
-
-
-def _int8_matmul_bwd(res, g):
-    x, qw, sw = res
-    # dx = g . w^T with w ~ qw * sw (sw one per column of w, the contracted axis here): sw moves onto g's
-    # columns, and g * sw is quantized by rows, so that the product reads w's int8 copy from the forward pass.
-    gs = g.astype(jnp.float32) * sw
-    sg = _absmax_scale(gs, 1)
-    dx = (_int8_product(_to_int8(gs, sg), qw, _BY_ROWS_OF_W) * sg).astype(x.dtype)
-    dw = jax.lax.dot_general(x, g.astype(x.dtype), _OVER_TOKENS)
-    return dx, dw
-
-
-int8_matmul.defvjp(_int8_matmul_fwd, _int8_matmul_bwd)
-
-
-def _int8_dot_general(lhs, rhs, dimension_numbers):
-    """``jax.lax.dot_general(lhs, rhs, dimension_numbers)`` through :func:`int8_matmul`: each operand laid
-    out as a matrix (its free axes, then the contracted ones; free reshapes for the layouts the linear layers
-    use), batch axes mapped with ``jax.vmap``."""
-    (lc, rc), (lb, rb) = dimension_numbers
-    if lb:
-        # Peel one batch axis at a time: move it to the front of both operands and map over it.
-        rest_l = [d for d in range(lhs.ndim) if d != lb[0]]
-        rest_r = [d for d in range(rhs.ndim) if d != rb[0]]
-        renum_l, renum_r = {d: i for i, d in enumerate(rest_l)}, {d: i for i, d in enumerate(rest_r)}
-        inner = (((tuple(renum_l[d] for d in lc), tuple(renum_r[d] for d in rc)),
-                  (tuple(renum_l[d] for d in lb[1:]), tuple(renum_r[d] for d in rb[1:]))))
-        return jax.vmap(lambda a, b: _int8_dot_general(a, b, inner), in_axes=(lb[0], rb[0]))(lhs, rhs)
-    l_free = [d for d in range(lhs.ndim) if d not in lc]
-    r_free = [d for d in range(rhs.ndim) if d not in rc]
-    k = math.prod(lhs.shape[d] for d in lc)
-    x = jnp.transpose(lhs, (*l_free, *lc)).reshape(-1, k)
-    w = jnp.transpose(rhs, (*rc, *r_free)).reshape(k, -1)
-    out = int8_matmul(x, w.astype(x.dtype))
-    return out.reshape(*(lhs.shape[d] for d in l_free), *(rhs.shape[d] for d in r_free))
-
-
-class Int8DotGeneral(eqx.Module):
-    """A linear layer's ``dot_general`` computing in int8 (:func:`int8_matmul`); holds no state."""
-
-    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-        out = _int8_dot_general(lhs, rhs, dimension_numbers)
-        return out if preferred_element_type is None else out.astype(preferred_element_type)
 
 
 __all__ = ["QuantizationConfig", "check_checkpoint_fp8", "fp8_from_record", "fp8_record", "quantize", "quantized_layer_paths", "with_fp8"]
