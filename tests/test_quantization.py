@@ -387,3 +387,20 @@ def test_rows_of_zeros_quantize_to_zeros_not_nan():
     y, vjp = jax.vjp(int8_matmul, x, w)
     dx, dw = vjp(jnp.zeros((8, 4)))
     assert jnp.array_equal(y, x @ w) and not jnp.any(jnp.isnan(dx)) and not jnp.any(jnp.isnan(dw))
+
+
+def test_the_int8_plan_times_a_product_even_while_a_step_is_traced():
+    from levanter.quantization.int8 import _product_seconds, product_plan
+
+    # Off a TPU every product is int8 (a numerics simulation), with nothing to log.
+    assert product_plan(64, 32, 16, "bfloat16") == (True, True, "")
+    # The timing runs on the device during the trace of another program (as the planner does when the train
+    # step is first traced) instead of being staged into it.
+    seen = []
+
+    @jax.jit
+    def step(x):
+        seen.append(_product_seconds(64, 32, 16, jnp.bfloat16, int8=True, repeats=2))
+        return x + 1
+
+    assert float(step(jnp.float32(1))) == 2.0 and isinstance(seen[0], float) and seen[0] > 0

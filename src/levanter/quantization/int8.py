@@ -15,11 +15,15 @@ Where it pays (:func:`product_plan`): an int8 product runs at twice the bf16 rat
 but quantizing its operands is element-wise work over the activations (an absolute maximum per row, then the
 rounding), memory-bound passes that XLA does not fuse into the product. A product whose contracted axis is
 short next to its output (an MLP's first projection, width 768 into 3,072) is bound by writing its output,
-not by the matrix units, and gains nothing. So on a TPU each product of each layer shape (the forward and the
-input gradient apart) is compiled alone both ways, and computed in int8 only where the TPU compiler's estimate
-of its time (``estimated_cycles`` in the optimized HLO: the quantizing passes, the product and its scaling)
-is below bf16's; the choices are logged once per layer and shape, with both figures. On other platforms every
-selected product is int8: a simulation of the numerics (CPUs have no int8 matrix units), as tests need it.
+not by the matrix units, and gains nothing (the TPU compiler's own estimates, ``estimated_cycles`` in the
+optimized HLO for a v5e, put every product of the benchmark models slower in int8 once its quantizing passes
+are counted). So on a TPU, while the step is first traced, each product of each layer shape (the forward
+and the input gradient apart) is timed alone both ways, on the device, at the shape the step computes it
+(a few seconds per shape, once per process), and computed in int8 only where that is faster; the choices
+are logged once per layer and shape, with both figures. Timed alone, the product's producer is a single
+element-wise operation: in the step it may be a fusion XLA handles differently, so the choice is a close
+guide, not a guarantee. On other platforms every selected product is int8: a simulation of the numerics
+(CPUs have no int8 matrix units), as the tests need it.
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import re
-from typing import Optional
+import statistics
+import time
 
 import equinox as eqx
 import jax
@@ -100,51 +104,47 @@ def int8_matmul(x, w, forward: bool = True, input_grad: bool = True):
     return _matmul(x, w, forward, input_grad)
 
 
-def _estimated_cycles(compiled) -> Optional[int]:
-    """The TPU compiler's estimate of a program's time: the ``estimated_cycles`` of its top-level operations,
-    summed (None where the optimized HLO carries none: another platform or compiler version)."""
-    entry = re.search(r"^ENTRY .*?^}", compiled.as_text(), re.M | re.S)
-    found = re.findall(r'"estimated_cycles":"?(\d+)', entry.group(0)) if entry else []
-    return sum(int(c) for c in found) if found else None
-
-
-def _product_cycles(m: int, k: int, n: int, dtype, int8: bool) -> Optional[int]:
-    """Estimated cycles of ``[m, k] . [k, n]`` as a layer computes it in a step: the activation made by an
-    element-wise operation (as a norm or an activation function makes it, one XLA can fuse into the product),
-    quantizing included where ``int8``."""
+def _product_seconds(m: int, k: int, n: int, dtype, int8: bool, repeats: int = 10) -> float:
+    """Seconds ``[m, k] . [k, n]`` takes on this process's first device as a layer computes it in a step: the
+    activation made by an element-wise operation (as a norm or an activation function makes it, one XLA can
+    fuse into the product), quantizing included where ``int8``; the median of ``repeats`` runs after one that
+    warms up. Runs now even inside a trace (``ensure_compile_time_eval``): the step being traced is not run."""
     device = jax.devices()[0]
     sharding = jax.sharding.SingleDeviceSharding(device)
     shapes = [jax.ShapeDtypeStruct(s, dtype, sharding=sharding) for s in ((m, k), (k,), (k, n))]
 
     def product(h, v, w):
         x = h * v
-        if int8:
-            return int8_matmul(x, w)
-        return jax.lax.dot_general(x, w, _MATMUL)
+        return int8_matmul(x, w) if int8 else jax.lax.dot_general(x, w, _MATMUL)
 
-    return _estimated_cycles(jax.jit(product).lower(*shapes).compile())
+    with jax.ensure_compile_time_eval():
+        compiled = jax.jit(product).lower(*shapes).compile()
+        args = [jax.device_put(jnp.full(s.shape, 0.5, dtype), device) for s in shapes]
+        jax.block_until_ready(compiled(*args))
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(*args))
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 @functools.lru_cache(maxsize=None)
 def product_plan(m: int, k: int, n: int, dtype_name: str) -> tuple[bool, bool, str]:
     """For a layer's product ``[m, k] . [k, n]`` in ``dtype_name``: (forward in int8, input gradient in int8,
-    why). On a TPU, each in int8 only where the compiler's estimate for it is below bf16's (module docstring);
-    elsewhere both, with an empty why. Cached: each shape is compiled once per process."""
+    why). On a TPU, each in int8 only where it measured faster than in ``dtype_name`` (module docstring);
+    elsewhere both, with an empty why. Cached: each shape is measured once per process."""
     if jax.default_backend() != "tpu":
         return True, True, ""
     dtype = jnp.dtype(dtype_name)
     verdicts, why = [], []
     for label, (rows, inner, outer) in (("forward", (m, k, n)), ("input gradient", (m, n, k))):
-        plain = _product_cycles(rows, inner, outer, dtype, int8=False)
-        quant = _product_cycles(rows, inner, outer, dtype, int8=True)
-        if plain is None or quant is None:
-            verdicts.append(True)
-            why.append(f"{label} int8 (the TPU compiler gave no time estimate to compare)")
-            continue
+        plain = _product_seconds(rows, inner, outer, dtype, int8=False)
+        quant = _product_seconds(rows, inner, outer, dtype, int8=True)
         verdicts.append(quant < plain)
         where = "int8" if quant < plain else f"kept in {dtype.name}"
-        why.append(f"{label} {where} (TPU compiler's estimate: {quant / 1e6:.2f}M cycles in int8 with its "
-                   f"quantizing, {plain / 1e6:.2f}M in {dtype.name})")
+        why.append(f"{label} {where} (measured {1e3 * quant:.3f} ms in int8 with its quantizing, "
+                   f"{1e3 * plain:.3f} ms in {dtype.name})")
     return verdicts[0], verdicts[1], "; ".join(why)
 
 
