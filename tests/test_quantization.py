@@ -1,7 +1,8 @@
-"""``trainer.quantization``: int8 training of the linear layers through haliax's AQT int8 kernel (the
-parameters stay float), fp8 training with its scales and histories kept in the model (overwritten by the
-backward pass, never seen by the optimizer, checkpointed and exported around), layer selection by
-``targets``, and settings that cannot be honoured refused naming the key."""
+"""``trainer.quantization``: int8 training of the linear layers through the project's int8 kernel (its
+products and gradients against the float ones, any ``dot_general`` layout; the parameters stay float), fp8
+training with its scales and histories kept in the model (overwritten by the backward pass, never seen by the
+optimizer, checkpointed and exported around), layer selection by ``targets``, and settings that cannot be
+honoured refused naming the key."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ How int8 is applied: the parameters stay in their own dtype (float32, or what ``
 are what the optimizer updates and checkpoints hold; the loss function quantizes the model's linear
 layers each time it is traced (:func:`quantize`), so the step, its gradients and evaluation run through
 the int8 kernels while the stored state is exactly that of an unquantized run. The trade-offs: a
-checkpoint moves freely between quantized and unquantized runs, and int8 adds no state (AQT's int8 keeps
+checkpoint moves freely between quantized and unquantized runs, and int8 adds no state (its kernel keeps
 none); the embedding and the output projection stay in the compute dtype, as upstream's do (an untied
 ``lm_head`` is a linear layer, but the loss reads its weight directly, so it keeps the plain kernel and, under
 fp8, no state). Whether int8 is faster depends on the hardware's int8 matrix units (TPU v5e has them; on
@@ -51,7 +51,7 @@ class QuantizationConfig:
     """int8 training: the model's linear layers compute their products in int8, forward and backward; the
     parameters, optimizer state and checkpoints stay as they are (levanter.quantization)."""
 
-    # Compute the linear layers' matrix products in int8 (haliax's AQT int8 kernel), forward and backward.
+    # Compute the linear layers' forward and input-gradient products in int8 (on a TPU, those measured faster).
     int8: bool = False
     # Compute the linear layers' matrix products through float8 with delayed scaling (haliax's fp8 kernel);
     # its scales and histories are kept in the model and checkpointed. A simulation on CPUs and TPUs up to v5e.
