@@ -394,14 +394,28 @@ def test_the_int8_plan_times_a_product_even_while_a_step_is_traced():
     from levanter.quantization.int8 import _product_seconds, product_plan
 
     # Off a TPU every product is int8 (a numerics simulation), with nothing to log.
-    assert product_plan(64, 32, 16, "bfloat16") == (True, True, "")
+    assert product_plan(64, 32, 16, "bfloat16") == ("xla", "xla", "")
     # The timing runs on the device during the trace of another program (as the planner does when the train
     # step is first traced) instead of being staged into it.
     seen = []
 
     @jax.jit
     def step(x):
-        seen.append(_product_seconds(64, 32, 16, jnp.bfloat16, int8=True, repeats=2))
+        seen.append(_product_seconds(64, 32, 16, jnp.bfloat16, "xla", repeats=2))
         return x + 1
 
     assert float(step(jnp.float32(1))) == 2.0 and isinstance(seen[0], float) and seen[0] > 0
+
+
+def test_the_fused_int8_kernel_computes_what_the_xla_int8_products_do():
+    from levanter.quantization import int8_matmul
+
+    kx, kw, kg = jax.random.split(jax.random.PRNGKey(4), 3)
+    x, w = jax.random.normal(kx, (256, 128)), jax.random.normal(kw, (128, 256))
+    g = jax.random.normal(kg, (256, 256))
+    xla = jax.vjp(lambda x, w: int8_matmul(x, w, "xla", "xla"), x, w)
+    fused = jax.vjp(lambda x, w: int8_matmul(x, w, "fused", "fused"), x, w)  # Pallas's interpreter off a TPU
+    assert _rel(fused[0], xla[0]) < tol(1e-6)
+    assert all(_rel(a, b) < tol(1e-6) for a, b in zip(fused[1](g), xla[1](g)))
+    with pytest.raises(ValueError, match="must be in"):
+        int8_matmul(x, w, "int4")
