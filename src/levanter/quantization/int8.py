@@ -152,12 +152,13 @@ def int8_matmul(x, w, forward: str = "xla", input_grad: str = "xla"):
     return _matmul(x, w, forward, input_grad)
 
 
+@functools.lru_cache(maxsize=None)
 def _product_seconds(m: int, k: int, n: int, dtype, way: str, repeats: int = 10) -> float:
     """Seconds ``[m, k] . [k, n]`` takes on this process's first device computed ``way`` (one of :data:`WAYS`)
     as a layer computes it in a step: the activation made by an element-wise operation (as a norm or an
     activation function makes it, one XLA can fuse into the product), quantizing included; the median of
     ``repeats`` runs after one that warms up. Runs now even inside a trace (``ensure_compile_time_eval``):
-    the step being traced is not run."""
+    the step being traced is not run. Cached: an MLP's two projections share their shapes transposed."""
     device = jax.devices()[0]
     sharding = jax.sharding.SingleDeviceSharding(device)
     shapes = [jax.ShapeDtypeStruct(s, dtype, sharding=sharding) for s in ((m, k), (k,), (k, n))]
