@@ -1,7 +1,8 @@
-"""``trainer.quantization``: int8 training of the linear layers through haliax's AQT int8 kernel (the
-parameters stay float), fp8 training with its scales and histories kept in the model (overwritten by the
-backward pass, never seen by the optimizer, checkpointed and exported around), layer selection by
-``targets``, and settings that cannot be honoured refused naming the key."""
+"""``trainer.quantization``: int8 training of the linear layers through the project's int8 kernel (its
+products and gradients against the float ones, any ``dot_general`` layout; the parameters stay float), fp8
+training with its scales and histories kept in the model (overwritten by the backward pass, never seen by the
+optimizer, checkpointed and exported around), layer selection by ``targets``, and settings that cannot be
+honoured refused naming the key."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import equinox as eqx
 import haliax as hax
 import jax
+import jax.extend
 import jax.numpy as jnp
 import pytest
 
@@ -312,3 +314,108 @@ def test_an_fp8_run_resumes_bit_for_bit_exports_its_weights_and_is_resumed_only_
         assert "written with trainer.quantization fp8 on (targets=None, amax_history_length=16" in err, err
         assert "this run has fp8 off" in err and "Traceback" not in err
     assert train_losses(metrics(tmp_path / "parts")) == expected  # nothing was trained or logged
+
+
+def _rel(a, b):
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def test_the_int8_product_and_its_gradients_follow_the_float_ones_within_quantization_error():
+    from levanter.quantization import int8_matmul
+
+    kx, kw, kg = jax.random.split(jax.random.PRNGKey(0), 3)
+    x, w = jax.random.normal(kx, (64, 96)), jax.random.normal(kw, (96, 40))
+    g = jax.random.normal(kg, (64, 40))
+    y, vjp = jax.vjp(int8_matmul, x, w)
+    dx, dw = vjp(g)
+    y_ref, vjp_ref = jax.vjp(jnp.matmul, x, w)
+    dx_ref, dw_ref = vjp_ref(g)
+    # Round to nearest on 8 bits with per-row and per-column scales: about 1 % of the norm, never exact.
+    assert 1e-4 < _rel(y, y_ref) < 0.02 and 1e-4 < _rel(dx, dx_ref) < 0.02
+    # The weight's gradient is a float product of the unquantized input and output gradient.
+    assert _rel(dw, dw_ref) < tol(1e-6)
+    # Each int8 product is exact in int32: the forward equals the dequantized operands' float product.
+    sx = jnp.max(jnp.abs(x), axis=1, keepdims=True) / 127
+    sw = jnp.max(jnp.abs(w), axis=0, keepdims=True) / 127
+    qdq = (jnp.round(x / sx) * sx) @ (jnp.round(w / sw) * sw)
+    assert _rel(y, qdq) < tol(1e-5)
+
+
+def test_the_int8_products_are_int8_with_int32_accumulation_and_the_weight_gradient_is_float():
+    from levanter.quantization import int8_matmul
+
+    x, w, g = jnp.ones((16, 8), jnp.bfloat16), jnp.ones((8, 4), jnp.bfloat16), jnp.ones((16, 4), jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda x, w: jax.vjp(int8_matmul, x, w)[1](g))(x, w)
+    fwd = jax.make_jaxpr(int8_matmul)(x, w)
+
+    def dots(jaxpr):  # (operand dtype, result dtype) of every dot_general, nested jaxprs included
+        found = []
+        for eqn in jaxpr.eqns:
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                found += dots(sub)
+            if eqn.primitive.name == "dot_general":
+                found.append((str(eqn.invars[0].aval.dtype), str(eqn.outvars[0].aval.dtype)))
+        return found
+
+    assert dots(fwd.jaxpr) == [("int8", "int32")]
+    assert sorted(dots(jaxpr.jaxpr)) == [("bfloat16", "bfloat16"), ("int8", "int32"), ("int8", "int32")]
+
+
+@pytest.mark.parametrize("lhs, rhs, dims, spec", [
+    ((4, 6, 32), (32, 3, 5), (((2,), (0,)), ((), ())), "abk,kcd->abcd"),  # many outer and output axes
+    ((6, 4, 8), (4, 8, 10), (((1, 2), (0, 1)), ((), ())), "mhd,hde->me"),  # heads x head_size contracted
+    ((32, 6), (10, 32), (((0,), (1,)), ((), ())), "km,nk->mn"),  # contracted axes first / last
+    ((3, 6, 32), (3, 32, 10), (((2,), (1,)), ((0,), (0,))), "bmk,bkn->bmn"),  # a batch axis
+])
+def test_the_int8_kernel_takes_any_dot_general_layout(lhs, rhs, dims, spec):
+    from levanter.quantization import Int8DotGeneral
+
+    a = jax.random.normal(jax.random.PRNGKey(1), lhs)
+    b = jax.random.normal(jax.random.PRNGKey(2), rhs)
+    out, ref = Int8DotGeneral()(a, b, dims), jnp.einsum(spec, a, b)
+    assert out.shape == ref.shape and 1e-4 < _rel(out, ref) < 0.02
+    cotangent = jax.random.normal(jax.random.PRNGKey(3), ref.shape)
+    grads = jax.vjp(lambda a, b: Int8DotGeneral()(a, b, dims), a, b)[1](cotangent)
+    grads_ref = jax.vjp(lambda a, b: jnp.einsum(spec, a, b), a, b)[1](cotangent)
+    assert 1e-4 < _rel(grads[0], grads_ref[0]) < 0.02 and _rel(grads[1], grads_ref[1]) < tol(1e-5)
+
+
+def test_rows_of_zeros_quantize_to_zeros_not_nan():
+    from levanter.quantization import int8_matmul
+
+    x = jnp.zeros((8, 16)).at[0].set(1.0)
+    w = jnp.zeros((16, 4)).at[:, 0].set(2.0)
+    y, vjp = jax.vjp(int8_matmul, x, w)
+    dx, dw = vjp(jnp.zeros((8, 4)))
+    assert jnp.array_equal(y, x @ w) and not jnp.any(jnp.isnan(dx)) and not jnp.any(jnp.isnan(dw))
+
+
+def test_the_int8_plan_times_a_product_even_while_a_step_is_traced():
+    from levanter.quantization.int8 import _product_seconds, product_plan
+
+    # Off a TPU every product is int8 (a numerics simulation), with nothing to log.
+    assert product_plan(64, 32, 16, "bfloat16") == ("xla", "xla", "")
+    # The timing runs on the device during the trace of another program (as the planner does when the train
+    # step is first traced) instead of being staged into it.
+    seen = []
+
+    @jax.jit
+    def step(x):
+        seen.append(_product_seconds(64, 32, 16, jnp.bfloat16, "xla", repeats=2))
+        return x + 1
+
+    assert float(step(jnp.float32(1))) == 2.0 and isinstance(seen[0], float) and seen[0] > 0
+
+
+def test_the_fused_int8_kernel_computes_what_the_xla_int8_products_do():
+    from levanter.quantization import int8_matmul
+
+    kx, kw, kg = jax.random.split(jax.random.PRNGKey(4), 3)
+    x, w = jax.random.normal(kx, (256, 128)), jax.random.normal(kw, (128, 256))
+    g = jax.random.normal(kg, (256, 256))
+    xla = jax.vjp(lambda x, w: int8_matmul(x, w, "xla", "xla"), x, w)
+    fused = jax.vjp(lambda x, w: int8_matmul(x, w, "fused", "fused"), x, w)  # Pallas's interpreter off a TPU
+    assert _rel(fused[0], xla[0]) < tol(1e-6)
+    assert all(_rel(a, b) < tol(1e-6) for a, b in zip(fused[1](g), xla[1](g)))
+    with pytest.raises(ValueError, match="must be in"):
+        int8_matmul(x, w, "int4")

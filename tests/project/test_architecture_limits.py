@@ -208,7 +208,7 @@ FOREIGN_GETATTR: dict[tuple[str, str], str] = {
     ("levanter.optim.muon", "name"): "a JAX key-path entry",
     ("levanter.optim.muon", "key"): "a JAX key-path entry",
     ("levanter.utils.layer_select", "key"): "a JAX key-path entry",
-    ("levanter.quantization", "lm_head"): "any model: only the Llama-style ones have an untied head layer, and "
+    ("levanter.quantization.config", "lm_head"): "any model: only the Llama-style ones have an untied head layer, and "
                                           "quantization imports no model",
     ("levanter.tracker.tracker", "dtype"): "a logged value (array, NumPy scalar or Python number)",
     ("levanter.tracker.tracker", "shape"): "a logged value (array, NumPy scalar or Python number)",

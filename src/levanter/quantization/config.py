@@ -1,8 +1,10 @@
-"""``trainer.quantization``: int8 or fp8 training of the linear layers, through haliax's quantization support.
+"""``trainer.quantization``: int8 or fp8 training of the linear layers.
 
-Upstream Levanter's section, with its keys: ``int8: true`` computes every linear layer's matrix products
-(forward and both backward products) in int8 with haliax's ``Int8DotGeneralOp`` (Google's AQT, per-axis
-absolute-max scales, int32 accumulation); ``fp8: true`` computes them through float8 with haliax's
+Upstream Levanter's section, with its keys: ``int8: true`` computes every linear layer's matrix products in
+int8 (the forward product and the input's gradient; the weight's gradient stays in the compute dtype, as in
+upstream's AQT configuration) with the project's kernel (:mod:`.int8`: per-token and per-output absolute-max
+scales, int32 accumulation; on a TPU, each product only where the compiler estimates int8 faster, the others
+kept in the compute dtype and logged); ``fp8: true`` computes them through float8 with haliax's
 ``Fp8DotGeneralOp`` (e4m3 for activations and weights, e5m2 for the output gradient, delayed scaling from
 a history of the last ``amax_history_length`` absolute maxima); ``targets`` limits either to the layers named
 (a list of layer names such as ``[c_fc, c_proj]``, or a regular expression matched against the dotted path
@@ -12,7 +14,7 @@ How int8 is applied: the parameters stay in their own dtype (float32, or what ``
 are what the optimizer updates and checkpoints hold; the loss function quantizes the model's linear
 layers each time it is traced (:func:`quantize`), so the step, its gradients and evaluation run through
 the int8 kernels while the stored state is exactly that of an unquantized run. The trade-offs: a
-checkpoint moves freely between quantized and unquantized runs, and int8 adds no state (AQT's int8 keeps
+checkpoint moves freely between quantized and unquantized runs, and int8 adds no state (its kernel keeps
 none); the embedding and the output projection stay in the compute dtype, as upstream's do (an untied
 ``lm_head`` is a linear layer, but the loss reads its weight directly, so it keeps the plain kernel and, under
 fp8, no state). Whether int8 is faster depends on the hardware's int8 matrix units (TPU v5e has them; on
@@ -35,19 +37,21 @@ import dataclasses
 from typing import List, Optional, Union
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 
 import haliax.nn as hnn
 import haliax.quantization as hq
 
-from .utils.layer_select import check_layer_regex, linear_layer_paths
+from ..utils.layer_select import check_layer_regex, dotted_path, linear_layer_paths
+from .int8 import Int8DotGeneral
 
 @dataclasses.dataclass(frozen=True)
 class QuantizationConfig:
     """int8 training: the model's linear layers compute their products in int8, forward and backward; the
     parameters, optimizer state and checkpoints stay as they are (levanter.quantization)."""
 
-    # Compute the linear layers' matrix products in int8 (haliax's AQT int8 kernel), forward and backward.
+    # Compute the linear layers' forward and input-gradient products in int8 (on a TPU, those measured faster).
     int8: bool = False
     # Compute the linear layers' matrix products through float8 with delayed scaling (haliax's fp8 kernel);
     # its scales and histories are kept in the model and checkpointed. A simulation on CPUs and TPUs up to v5e.
@@ -117,8 +121,8 @@ def _haliax_config(config: QuantizationConfig) -> hq.QuantizationConfig:
 
 def quantized_layer_paths(model) -> list[str]:
     """The dotted paths of ``model``'s linear layers that compute in int8 or fp8 (their ``dot_general`` is
-    haliax's ``Int8DotGeneralOp`` or ``Fp8DotGeneralOp``)."""
-    kernels = (hq.Int8DotGeneralOp, hq.Fp8DotGeneralOp)
+    :class:`~.int8.Int8DotGeneral` or haliax's ``Fp8DotGeneralOp``)."""
+    kernels = (Int8DotGeneral, hq.Fp8DotGeneralOp)
     return linear_layer_paths(model, lambda layer: isinstance(layer.dot_general, kernels))
 
 
@@ -188,6 +192,17 @@ def check_checkpoint_fp8(record: dict, config: Optional[QuantizationConfig], whe
 
 def _quantized(model, config: QuantizationConfig):
     quantized = _without_head_kernel(hq.quantize_linear_layers(model, _haliax_config(config)))
+    if config.int8:
+        # haliax marks the selected layers with its AQT kernel; each computes through ours instead, named (without
+        # its block's index) for the log of which of its products run in int8.
+        def ours(path, node):
+            if not isinstance(node, hq.Int8DotGeneralOp):
+                return node
+            name = ".".join(p for p in dotted_path(path).split(".")[:-1] if not p.isdigit())
+            return Int8DotGeneral(layer=name)
+
+        quantized = jax.tree_util.tree_map_with_path(ours, quantized,
+                                                     is_leaf=lambda n: isinstance(n, hq.Int8DotGeneralOp))
     if not quantized_layer_paths(quantized):
         raise ValueError(
             f"trainer.quantization.targets={config.targets!r} matches none of the model's linear layers: give "
