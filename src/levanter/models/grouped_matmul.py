@@ -16,8 +16,9 @@ compiler treat the three products of a training step:
 The choice is made when the program is lowered (``jax.lax.platform_dependent``), so one trace serves a CPU
 run, a TPU run and a TPU plan compiled on a CPU (``train_lm --dry_run --slice``). On a CPU, ``ragged_dot``
 itself is computed densely (every group against every row, masked): correct, ``groups`` times slower, which
-is why Mixtral's ``moe_dispatch: dense`` is the CPU path. ``tgmm`` needs the row count to be a multiple of
-128 (its row tile); other shapes take JAX's gradient on a TPU too.
+is why Mixtral's ``moe_dispatch: dense`` is the CPU path. ``tgmm`` runs on one TPU device: XLA does not
+partition a Pallas kernel, so over a mesh of several devices (and for a row count that is not a multiple of
+128, its row tile) the weights' gradient is JAX's on a TPU too.
 """
 
 from __future__ import annotations
@@ -69,8 +70,22 @@ def _tile(size: int) -> int | None:
     return next((t for t in _TILES if size % t == 0), None)
 
 
+def _mesh_size() -> int:
+    """Devices of the mesh the program is traced for (``jax.set_mesh``, or ``with mesh:`` as the slice plan
+    enters it); 1 without one."""
+    abstract = jax.sharding.get_abstract_mesh()
+    if abstract is not None and not abstract.empty:
+        return abstract.size
+    from jax.interpreters.pxla import thread_resources
+
+    physical = thread_resources.env.physical_mesh
+    return 1 if physical is None or physical.empty else physical.size
+
+
 def _weight_grad_tpu(groups: int, rows: jax.Array, g: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    if _tile(rows.shape[0]) is None:
+    # A Pallas kernel is not partitioned by XLA: over a mesh of several devices it would need a shard_map,
+    # so there the weights' gradient is JAX's (correct, groups times the work).
+    if _tile(rows.shape[0]) is None or _mesh_size() > 1:
         return _weight_grad(groups, rows, g, group_sizes)
     return grouped_weight_grad_tgmm(rows, g, group_sizes, groups)
 
