@@ -11,8 +11,9 @@ Rows (each its own config under ``config/bench/``, run unchanged unless override
 * ``mixtral``: a Mixtral-style mixture of experts (8 experts, 2 per token, ``moe_dispatch: grouped``),
   sequences of 2,048, 16 per step; its MFU counts the active parameters only.
 
-The default runs every row (~10 minutes on a v5e chip); ``--rows`` picks some. All read the embedded corpus through a 32,768-entry BPE trained on it (``tokenizers/bench-bpe-32k``, trained
-here once if missing) with bf16 compute over float32 parameters.
+The default runs every row (~10 minutes on a v5e chip); ``--rows`` picks some. All read the embedded corpus
+through a 32,768-entry BPE trained on it (``tokenizers/bench-bpe-32k``, trained here once if missing) with
+bf16 compute over float32 parameters.
 
 Each row runs in a **fresh process** (one program holds the chip at a time, and the peak-memory figure is
 per process). That process first times a bf16 ``8192 x 8192 x 8192`` matmul (the chip's achievable
