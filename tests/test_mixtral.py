@@ -79,21 +79,22 @@ def test_moe_layer_matches_a_numpy_reference():
 def test_grouped_experts_equal_dense_for_the_same_router_choices():
     """For fixed router choices, the grouped path (sorted assignments, grouped matmuls) gives the dense path's
     output and the same gradients for the input, the routing weights and every expert matrix, with uneven
-    groups: one expert chosen by most tokens, one by none."""
+    groups: one expert chosen by most tokens, one by none. 128 assignments, a multiple of the TPU weight-gradient
+    kernel's row tile, so that on a TPU this runs megablox's tgmm."""
     cfg = tiny(num_local_experts=4, num_experts_per_tok=2)
     model = cfg.build(Vocab, key=jax.random.PRNGKey(1))
     moe = jax.tree.map(lambda x: x["layers", 0] if isinstance(x, hax.NamedArray) else x,
                        model.layers.stacked.block_sparse_moe, is_leaf=lambda x: isinstance(x, hax.NamedArray))
     grouped = dataclasses.replace(cfg, moe_dispatch="grouped")
     moe_g = dataclasses.replace(moe, config=grouped)
-    Top = hax.Axis("top_experts", 2)
+    Top, Bt = hax.Axis("top_experts", 2), hax.Axis("batch", 4)
     rng = np.random.RandomState(3)
-    # Expert 0 in every token's pair, expert 3 in none: groups of 48, 30, 18 and 0 assignments.
-    second = np.where(rng.rand(B.size, P.size) < 0.625, 1, 2)
-    chosen = hax.named(jnp.stack([np.zeros_like(second), second], -1).astype(jnp.int32), (B, P, Top))
-    weights = hax.named(jnp.asarray(rng.dirichlet([1.0, 1.0], (B.size, P.size)), jnp.float32), (B, P, Top))
-    x = hax.random.normal(jax.random.PRNGKey(2), (B, P, cfg.Embed))
-    probe = hax.random.normal(jax.random.PRNGKey(4), (B, P, cfg.Embed))
+    # Expert 0 in every token's pair, expert 3 in none: groups of 64, about 40 and 24, and 0 assignments.
+    second = np.where(rng.rand(Bt.size, P.size) < 0.625, 1, 2)
+    chosen = hax.named(jnp.stack([np.zeros_like(second), second], -1).astype(jnp.int32), (Bt, P, Top))
+    weights = hax.named(jnp.asarray(rng.dirichlet([1.0, 1.0], (Bt.size, P.size)), jnp.float32), (Bt, P, Top))
+    x = hax.random.normal(jax.random.PRNGKey(2), (Bt, P, cfg.Embed))
+    probe = hax.random.normal(jax.random.PRNGKey(4), (Bt, P, cfg.Embed))
 
     def run(m, x, weights):
         return hax.sum(m.experts(x, weights, chosen) * probe).scalar()
