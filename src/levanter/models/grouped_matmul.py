@@ -23,6 +23,7 @@ partition a Pallas kernel, so over a mesh of several devices (and for a row coun
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 
 import jax
@@ -76,7 +77,11 @@ def _mesh_size() -> int:
     abstract = jax.sharding.get_abstract_mesh()
     if abstract is not None and not abstract.empty:
         return abstract.size
-    from jax.interpreters.pxla import thread_resources
+    # The slice plan enters its mesh as ``with mesh:`` (levanter.memory.tpu_compile.compile_only), which JAX
+    # records only here; JAX marks the name deprecated in favour of jax.set_mesh, which the check above reads.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.interpreters.pxla import thread_resources
 
     physical = thread_resources.env.physical_mesh
     return 1 if physical is None or physical.empty else physical.size
