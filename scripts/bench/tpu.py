@@ -54,7 +54,7 @@ Usage (on the TPU host, from the project root)::
 
     python scripts/bench/tpu.py                          # every row, ~10 minutes
     python scripts/bench/tpu.py --rows llama_600m mixtral --json moe.json
-    python scripts/bench/tpu.py --rows mixtral -- --model.moe_dispatch dense
+    python scripts/bench/tpu.py --rows mixtral -- --model.moe_dispatch dense --trainer.per_device_parallelism 1
     python scripts/bench/tpu.py --rows gpt2_small --int8 # bf16 and int8 side by side
     python scripts/bench/tpu.py --rows llama_350m --profile
     python scripts/bench/tpu.py --rows gpt2_small -- --model.gradient_checkpointing save_dots
