@@ -5,10 +5,15 @@ Rows (each its own config under ``config/bench/``, run unchanged unless override
 
 * ``gpt2_small``: GPT-2 small, sequences of 1,024, 32 per step;
 * ``llama_350m``: a 350M Llama (GQA 16/8), sequences of 2,048, 16 per step;
-* ``llama_350m_8k``: the same Llama at 8,192-token sequences, 4 per step.
+* ``llama_350m_8k``: the same Llama at 8,192-token sequences, 4 per step;
+* ``llama_600m``: a 600M Llama with heads of 128 (GQA 12/4), layers scanned, sequences of 2,048, 16 per step,
+  the microbatch found by ``per_device_parallelism: auto``;
+* ``mixtral``: a Mixtral-style mixture of experts (8 experts, 2 per token, ``moe_dispatch: grouped``),
+  sequences of 2,048, 16 per step; its MFU counts the active parameters only.
 
-All read the embedded corpus through a 32,768-entry BPE trained on it (``tokenizers/bench-bpe-32k``, trained
-here once if missing) with bf16 compute over float32 parameters.
+The default runs every row (~10 minutes on a v5e chip); ``--rows`` picks some. All read the embedded corpus
+through a 32,768-entry BPE trained on it (``tokenizers/bench-bpe-32k``, trained here once if missing) with
+bf16 compute over float32 parameters.
 
 Each row runs in a **fresh process** (one program holds the chip at a time, and the peak-memory figure is
 per process). That process first times a bf16 ``8192 x 8192 x 8192`` matmul (the chip's achievable
@@ -36,12 +41,21 @@ both launches' time to the first step and their ratio: the second launch loads t
 compiled. ``--cold-warm`` alone runs ``llama_350m`` (the row that compiles longest) for 3 steps (~5 minutes on
 a v5e chip).
 
+``--int8`` runs each row twice, in bf16 as configured and with ``trainer.quantization: {int8: true}`` (the
+linear layers' products in int8 through haliax's AQT kernel), and prints the two side by side with the
+ratio of their steps. ``moe_dispatch: grouped`` computes the experts with ragged products, which the int8
+kernel does not run, so a grouped Mixtral row's int8 launch quantizes the attention only
+(``trainer.quantization.targets: .*self_attn.*``; with ``-- --model.moe_dispatch dense`` every layer).
+
 ``--profile`` also writes a ``jax.profiler`` trace of two steps and prints the device's busiest operations
 (from the trace's Perfetto JSON; no TensorBoard needed).
 
 Usage (on the TPU host, from the project root)::
 
-    python scripts/bench/tpu.py                          # the three rows, ~5 minutes
+    python scripts/bench/tpu.py                          # every row, ~10 minutes
+    python scripts/bench/tpu.py --rows llama_600m mixtral --json moe.json
+    python scripts/bench/tpu.py --rows mixtral -- --model.moe_dispatch dense --trainer.per_device_parallelism 1
+    python scripts/bench/tpu.py --rows gpt2_small --int8 # bf16 and int8 side by side
     python scripts/bench/tpu.py --rows llama_350m --profile
     python scripts/bench/tpu.py --rows gpt2_small -- --model.gradient_checkpointing save_dots
     python scripts/bench/tpu.py --json tpu.json
@@ -74,7 +88,12 @@ ROWS = {
     "gpt2_small": "config/bench/gpt2_small_tpu.yaml",
     "llama_350m": "config/bench/llama_350m_tpu.yaml",
     "llama_350m_8k": "config/bench/llama_350m_8k_tpu.yaml",
+    "llama_600m": "config/bench/llama_600m_tpu.yaml",
+    "mixtral": "config/bench/mixtral_tpu.yaml",
 }
+INT8 = ["--trainer.quantization.int8", "true"]
+# The int8 launch of a row whose experts dispatch grouped: the attention only (grouped refuses int8 experts).
+INT8_ATTENTION_ONLY = ["--trainer.quantization.targets", ".*self_attn.*"]
 TOKENIZER = "tokenizers/bench-bpe-32k"
 CORPUS = ["embedded://python-docs/train", "embedded://python-code/train"]
 
@@ -272,6 +291,60 @@ def run_row(name: str, args: argparse.Namespace, overrides: list) -> dict:
     return {"row": name, "overrides": overrides, "error": f"exit {proc.returncode}"}
 
 
+def moe_dispatch(name: str, overrides: list) -> str | None:
+    """The row's ``model.moe_dispatch`` after the overrides (None for a model without one)."""
+    import yaml
+
+    with open(os.path.join(REPO, ROWS[name])) as f:
+        value = (yaml.safe_load(f).get("model") or {}).get("moe_dispatch")
+    for i, arg in enumerate(overrides[:-1]):
+        if arg == "--model.moe_dispatch":
+            value = overrides[i + 1]
+    return value
+
+
+def int8_overrides(name: str, overrides: list) -> list:
+    """The overrides of a row's int8 launch: ``trainer.quantization.int8`` on, the attention only where the
+    experts dispatch grouped and no targets are given."""
+    extra = INT8_ATTENTION_ONLY
+    if moe_dispatch(name, overrides) != "grouped" or "--trainer.quantization.targets" in overrides:
+        extra = []
+    return [*overrides, *INT8, *extra]
+
+
+def run_bf16_int8(name: str, args: argparse.Namespace, overrides: list) -> list:
+    """The row launched twice, as configured and in int8: ``[bf16, int8]``, each labelled."""
+    runs = []
+    for label, row_overrides in (("bf16", overrides), ("int8", int8_overrides(name, overrides))):
+        r = run_row(name, args, row_overrides)
+        r["launch"] = label
+        runs.append(r)
+    return runs
+
+
+def print_int8(results: list) -> None:
+    """Each row's bf16 and int8 launches side by side, with int8's step over bf16's."""
+    print(f"{'row':<16}{'bf16 step s':>12}{'int8 step s':>12}{'int8/bf16':>11}{'bf16 MFU':>10}{'int8 MFU':>10}"
+          f"{'bf16 loss':>11}{'int8 loss':>11}")
+    by_row = collections.defaultdict(dict)
+    for r in results:
+        by_row[r["row"]][r["launch"]] = r
+    for name, runs in by_row.items():
+        bf, q = runs.get("bf16", {}), runs.get("int8", {})
+        if "step_seconds" not in bf or "step_seconds" not in q:
+            print(f"{name:<16}  a launch failed: {bf.get('error', '')} {q.get('error', '')}")
+            continue
+
+        def pct(r):
+            return f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "?"
+
+        ratio = q["step_seconds"] / bf["step_seconds"]
+        print(f"{name:<16}{bf['step_seconds']:>12.4f}{q['step_seconds']:>12.4f}{ratio:>10.3f}x{pct(bf):>10}"
+              f"{pct(q):>10}{bf['loss_last']:>11.4f}{q['loss_last']:>11.4f}")
+        print(f"{name}: int8 takes {ratio:.3f}x the bf16 step ({'faster' if ratio < 1 else 'slower'}; "
+              f"int8 overrides: {' '.join(q['overrides'][len(bf['overrides']):])})")
+
+
 def print_rows(results: list) -> None:
     head = (f"{'row':<16}{'step s':>9}{'tokens/s':>11}{'MFU':>8}{'of matmul':>11}{'peak HBM':>15}{'wait':>8}"
             f"{'1st step':>10}")
@@ -312,6 +385,9 @@ def main() -> None:
     parser.add_argument("--cold-warm", action="store_true",
                         help="launch each row twice over one fresh compilation cache; report the time to the "
                              "first step of both launches and their ratio")
+    parser.add_argument("--int8", action="store_true",
+                        help="launch each row twice, bf16 and trainer.quantization.int8; print both side by side "
+                             "with the ratio of their steps")
     parser.add_argument("--profile", action="store_true", help="trace two steps, print the busiest device ops")
     parser.add_argument("--trace-dir", help="with --profile: write the trace here (kept) instead of a temporary folder")
     parser.add_argument("--json", help="also write the results here")
@@ -329,6 +405,8 @@ def main() -> None:
     args.steps = args.steps if args.steps is not None else (3 if quick else 20)
     args.skip = args.skip if args.skip is not None else (1 if quick else 4)
     args.rows = args.rows or (["llama_350m"] if quick else list(ROWS))
+    if args.int8 and args.cold_warm:
+        parser.error("--int8 and --cold-warm each launch a row twice: choose one")
     if args.steps <= args.skip:
         parser.error(f"--steps ({args.steps}) must be more than --skip ({args.skip})")
     if args.child:
@@ -339,6 +417,10 @@ def main() -> None:
         results = [r for name in args.rows for r in run_cold_warm(name, args, overrides)]
         print_rows(results)
         print_cold_warm(results)
+    elif args.int8:
+        results = [r for name in args.rows for r in run_bf16_int8(name, args, overrides)]
+        print_rows(results)
+        print_int8(results)
     else:
         results = [run_row(name, args, overrides) for name in args.rows]
         print_rows(results)

@@ -76,6 +76,64 @@ def test_moe_layer_matches_a_numpy_reference():
     np.testing.assert_allclose(np.asarray(prob_sum.array), probs.sum(0), rtol=tol(1e-5))
 
 
+def test_grouped_experts_equal_dense_for_the_same_router_choices():
+    """For fixed router choices, the grouped path (sorted assignments, grouped matmuls) gives the dense path's
+    output and the same gradients for the input, the routing weights and every expert matrix, with uneven
+    groups: one expert chosen by most tokens, one by none. 128 assignments, a multiple of the TPU weight-gradient
+    kernel's row tile, so that on a TPU this runs megablox's tgmm."""
+    cfg = tiny(num_local_experts=4, num_experts_per_tok=2)
+    model = cfg.build(Vocab, key=jax.random.PRNGKey(1))
+    moe = jax.tree.map(lambda x: x["layers", 0] if isinstance(x, hax.NamedArray) else x,
+                       model.layers.stacked.block_sparse_moe, is_leaf=lambda x: isinstance(x, hax.NamedArray))
+    grouped = dataclasses.replace(cfg, moe_dispatch="grouped")
+    moe_g = dataclasses.replace(moe, config=grouped)
+    Top, Bt = hax.Axis("top_experts", 2), hax.Axis("batch", 4)
+    rng = np.random.RandomState(3)
+    # Expert 0 in every token's pair, expert 3 in none: groups of 64, about 40 and 24, and 0 assignments.
+    second = np.where(rng.rand(Bt.size, P.size) < 0.625, 1, 2)
+    chosen = hax.named(jnp.stack([np.zeros_like(second), second], -1).astype(jnp.int32), (Bt, P, Top))
+    weights = hax.named(jnp.asarray(rng.dirichlet([1.0, 1.0], (Bt.size, P.size)), jnp.float32), (Bt, P, Top))
+    x = hax.random.normal(jax.random.PRNGKey(2), (Bt, P, cfg.Embed))
+    probe = hax.random.normal(jax.random.PRNGKey(4), (Bt, P, cfg.Embed))
+
+    def run(m, x, weights):
+        return hax.sum(m.experts(x, weights, chosen) * probe).scalar()
+
+    np.testing.assert_allclose(moe_g.experts(x, weights, chosen).array, moe.experts(x, weights, chosen).array,
+                               atol=tol(1e-5), rtol=tol(1e-5))
+    grads = [eqx.filter_jit(eqx.filter_grad(run))(m, x, weights) for m in (moe, moe_g)]
+    wrt = [eqx.filter_jit(jax.grad(run, argnums=(1, 2)))(m, x, weights) for m in (moe, moe_g)]
+    for name in ("w1", "w2", "w3"):
+        d, g = (getattr(gr, name).weight.array for gr in grads)
+        assert float(jnp.abs(d).max()) > 0
+        np.testing.assert_allclose(g, d, atol=tol(1e-5), rtol=tol(1e-4), err_msg=name)
+    np.testing.assert_array_equal(np.asarray(grads[0].w1.weight["experts", 3].array), 0)  # unchosen expert
+    np.testing.assert_array_equal(np.asarray(grads[1].w1.weight["experts", 3].array), 0)
+    for d, g in zip(*wrt):
+        np.testing.assert_allclose(g.array, d.array, atol=tol(1e-5), rtol=tol(1e-4))
+
+
+def test_the_tpu_weight_gradient_kernel_equals_ragged_dots_gradient():
+    """The weights' gradient that grouped_matmul computes on a TPU (megablox's tgmm, here in Pallas's
+    interpreter) equals JAX's gradient of ragged_dot, for uneven groups, an empty one among them."""
+    from levanter.models.grouped_matmul import grouped_matmul, grouped_weight_grad_tgmm
+
+    rng = np.random.RandomState(0)
+    rows = jnp.asarray(rng.randn(256, 64), jnp.float32)
+    g = jnp.asarray(rng.randn(256, 96), jnp.float32)
+    sizes = jnp.asarray([100, 0, 28, 128], jnp.int32)
+    w = jnp.zeros((4, 64, 96), jnp.float32)
+    _, vjp = jax.vjp(lambda w: jax.lax.ragged_dot(rows, w, sizes), w)
+    want = vjp(g)[0]
+    got = grouped_weight_grad_tgmm(rows, g, sizes, 4, interpret=True)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
+    np.testing.assert_allclose(want[2], np.asarray(rows)[100:128].T @ np.asarray(g)[100:128], atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(got[1]), 0)
+    # grouped_matmul's own gradient off a TPU is the same ragged_dot gradient.
+    _, vjp_g = jax.vjp(lambda w: grouped_matmul(rows, w, sizes), w)
+    np.testing.assert_allclose(vjp_g(g)[0], want, atol=1e-5)
+
+
 # k=2 compiles the grouped path with the most ragged groups (~25 s on 2 cores): end-to-end suite only.
 @pytest.mark.parametrize("k", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_grouped_dispatch_equals_dense(k):

@@ -17,14 +17,26 @@ Two ways to compute the experts (``moe_dispatch``), the same function up to floa
   MLP and run anywhere, but ``num_local_experts / num_experts_per_tok`` times the useful MLP work and an
   ``[tokens, experts, mlp]`` activation.
 * ``grouped``: each token's ``num_experts_per_tok`` assignments are sorted by expert and the experts run
-  as grouped matmuls over their contiguous groups (``jax.lax.ragged_dot``), so only the chosen experts'
-  work is done. The sort, gather and scatter run over all tokens of the (micro)batch, so under data
-  parallelism XLA gathers the batch's tokens onto every device for them (``config/mixtral_nano.yaml``
-  on 8 CPU devices: 324 MiB of compiled temporaries per device against the dense path's 67 MiB). It is
-  the path for one device, or for experts so wide that the dense path's extra work dominates; a per-device
-  dispatch (``shard_map`` over the data axis) would remove the gather. The ragged products read the expert
-  weights directly, so experts that ``trainer.quantization`` (int8 or fp8) selects are refused here: they
-  compute through their kernels on the dense path.
+  as grouped matmuls over their contiguous groups (:func:`~levanter.models.grouped_matmul.grouped_matmul`:
+  ``jax.lax.ragged_dot(rows [T*k, D], weights [E, D, F], group_sizes [E])`` forward), so only the chosen
+  experts' work is done. On a TPU the forward products and the rows' gradients run as XLA's ragged-dot
+  instruction (a grouped matmul kernel) and the weights' gradients through megablox's ``tgmm`` Pallas kernel;
+  on a CPU JAX computes ``ragged_dot`` densely (every group against every row under a mask): correct, but
+  ``num_local_experts`` times the work, so on CPU the dense path is the faster one. The sort's permutation
+  and its inverse are gathers both ways (the gradient of each is the other), no scatters; the grouped
+  products are named as the dense path's (``mlpwi_0``, ``mlpwi_1``), so ``gradient_checkpointing:
+  minimal_with_context`` saves them. The sort, gather and sum run over all tokens of the (micro)batch, so
+  under data parallelism XLA gathers the batch's tokens onto every device for them: it is the path for
+  one device, or for experts so wide that the dense path's extra work dominates; a per-device dispatch
+  (``shard_map`` over the data axis) would remove the gather. The ragged products read the expert weights
+  directly, so experts that ``trainer.quantization`` (int8 or fp8) selects are refused here: they compute
+  through their kernels on the dense path.
+
+Neither path drops tokens: there is no expert capacity (no ``capacity_factor``), every token is computed by
+all ``num_experts_per_tok`` experts it chose however unevenly the router spreads them. The grouped path's
+shapes stay static all the same: it always computes ``tokens x num_experts_per_tok`` rows, and only how they
+split into groups (``group_sizes``) changes from step to step, so an expert that many tokens choose costs
+time, never a dropped token or a recompile. The load-balancing loss below is what keeps the groups even.
 
 The router load-balancing loss (Switch Transformer's, as ``transformers``' ``load_balancing_loss_func``):
 ``num_local_experts * sum_e f_e * p_e``, where ``f_e`` is the share of all top-k assignments that went to
@@ -67,6 +79,7 @@ from .decoder import (
     plan_config_attention,
     rms_norm,
 )
+from .grouped_matmul import grouped_matmul
 from .llama import LlamaConfig
 from .lm_model import LAYERS, LmConfig, check_input_length
 from .mistral import SlidingWindowAttention
@@ -112,7 +125,8 @@ class MixtralConfig(SlidingWindowAttention, LlamaConfig):
     # default; Hugging Face's is 0.001.
     router_aux_loss_coef: float = 0.02
     # How the experts are computed: dense (every expert on every token, weighted by the router; runs and
-    # shards anywhere) or grouped (tokens sorted by expert, grouped matmuls: only the chosen experts' work).
+    # shards anywhere) or grouped (tokens sorted by expert, jax.lax.ragged_dot: only the chosen experts' work,
+    # for one TPU chip). Neither drops tokens: no expert capacity, every token reaches its top-k experts.
     moe_dispatch: str = "dense"
     # Each query attends to its own and the sliding_window - 1 positions before it (as Mistral's,
     # levanter.models.mistral); null: the whole prefix.
@@ -191,6 +205,11 @@ class MixtralSparseMoe(eqx.Module):
         one_hot = hnn.one_hot(chosen, Experts, dtype=jnp.float32)  # [.., top_experts, experts]
         assigned = hax.sum(one_hot, axis=tuple(a for a in one_hot.axes if a.name != EXPERTS))
         prob_sum = hax.sum(probs, axis=tuple(a for a in probs.axes if a.name != EXPERTS))
+        return named(self.experts(x, weights, chosen), "mlpwo"), assigned, prob_sum
+
+    def experts(self, x: NamedArray, weights: NamedArray, chosen: NamedArray) -> NamedArray:
+        """The experts' output for given router choices (``chosen [.., top_experts]`` expert indices,
+        ``weights [.., top_experts]``) through ``moe_dispatch``'s path."""
         if self.config.moe_dispatch == "grouped":
             if any(token_dot_kernel(layer) is not None or lora_adapter(layer) is not None
                    for layer in (self.w1, self.w2, self.w3)):
@@ -202,10 +221,9 @@ class MixtralSparseMoe(eqx.Module):
                     "model.moe_dispatch: dense to quantize or adapt the experts, or leave w1, w2 and w3 out of "
                     "trainer.quantization.targets (lora.target_modules)"
                 )
-            out = self._grouped(x, weights, chosen)
-        else:
-            out = self._dense(x, hax.sum(one_hot * weights, axis=TOP_EXPERTS))
-        return named(out, "mlpwo"), assigned, prob_sum
+            return self._grouped(x, weights, chosen)
+        one_hot = hnn.one_hot(chosen, self.config.Experts, dtype=jnp.float32)
+        return self._dense(x, hax.sum(one_hot * weights, axis=TOP_EXPERTS))
 
     def _dense(self, x: NamedArray, combine: NamedArray) -> NamedArray:
         """Every expert on every token; ``combine [.., experts]`` (zero for unchosen experts) weights them."""
@@ -223,10 +241,12 @@ class MixtralSparseMoe(eqx.Module):
         outer = tuple(a for a in x.axes if a.name != Embed.name)
         tokens = x.rearrange((*outer, Embed)).array.reshape(-1, Embed.size)  # [T, D]
         k = c.num_experts_per_tok
-        expert_of = chosen.rearrange((*outer, TOP_EXPERTS)).array.reshape(-1)  # [T*k]
-        weight_of = weights.rearrange((*outer, TOP_EXPERTS)).array.reshape(-1)
-        order = jnp.argsort(expert_of, stable=True)
-        rows = tokens[order // k]  # [T*k, D], grouped by expert
+        expert_of = chosen.rearrange((*outer, TOP_EXPERTS)).array.reshape(-1)  # [T*k]: assignment t*k+j
+        order = jnp.argsort(expert_of, stable=True)  # assignments grouped by expert
+        inverse = jnp.argsort(order)  # back to token order
+        # Each token repeated k times (assignment t*k+j is token t), then sorted: [T*k, D].
+        rows = _permute(jnp.repeat(tokens, k, axis=0), order, inverse)
+        # Assignments per expert; zero for an expert no token chose (ragged_dot skips its group).
         group_sizes = jnp.bincount(expert_of, length=Experts.size).astype(jnp.int32)
 
         def expert_weights(layer: hnn.Linear, axes) -> jax.Array:
@@ -237,14 +257,43 @@ class MixtralSparseMoe(eqx.Module):
         w2 = expert_weights(self.w2, (Experts, Mlp, Embed))
         act = ACTIVATIONS[c.activation_function]
         Rows = Axis("rows", rows.shape[0])
-        gate = act(hax.named(jax.lax.ragged_dot(rows, w1, group_sizes), (Rows, Mlp)))
-        h = gate.array * jax.lax.ragged_dot(rows, w3, group_sizes)
-        y = jax.lax.ragged_dot(h, w2, group_sizes)  # [T*k, D]
-        y = y * weight_of[order][:, None].astype(y.dtype)
-        # Back to token order (the inverse permutation), then the k assignments of each token summed.
-        y = jnp.zeros_like(y).at[order].set(y).reshape(-1, k, Embed.size).sum(axis=1)
+        # Named as the dense path's products, so that a remat policy saving them (minimal_with_context)
+        # spares the backward pass the grouped matmuls.
+        up0 = named(hax.named(grouped_matmul(rows, w1, group_sizes), (Rows, Mlp)), "mlpwi_0")
+        up1 = named(hax.named(grouped_matmul(rows, w3, group_sizes), (Rows, Mlp)), "mlpwi_1")
+        h = (act(up0) * up1).array
+        y = grouped_matmul(h, w2, group_sizes)  # [T*k, D]
+        # Back to token order, then each token's k outputs weighted by the router and summed.
+        y = _permute(y, inverse, order).reshape(-1, k, Embed.size)
+        weight_of = weights.rearrange((*outer, TOP_EXPERTS)).array.reshape(-1, k, 1)
+        y = jnp.sum(y * weight_of.astype(y.dtype), axis=1)
         out = hax.named(y.reshape(*(a.size for a in outer), Embed.size), (*outer, Embed))
         return out.rearrange(x.axes)
+
+
+@jax.custom_vjp
+def _permute(x: jax.Array, perm: jax.Array, inverse: jax.Array) -> jax.Array:
+    """``x[perm]`` along the first axis, for a permutation ``perm`` whose inverse is ``inverse``. Its gradient is
+    the inverse gather, ``g[inverse]``, where JAX's own gradient of a gather is a scatter-add (slower on a TPU,
+    and it cannot know the indices are a permutation)."""
+    return _gather_rows(x, perm)
+
+
+def _gather_rows(x: jax.Array, perm: jax.Array) -> jax.Array:
+    # Indices in bounds and unique (a permutation): no clamping or fill for XLA to add.
+    return x.at[perm].get(mode="promise_in_bounds", unique_indices=True)
+
+
+def _permute_fwd(x, perm, inverse):
+    return _gather_rows(x, perm), (perm, inverse)
+
+
+def _permute_bwd(res, g):
+    _, inverse = res
+    return _gather_rows(g, inverse), None, None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
 
 
 class MixtralDecoderLayer(PreNormBlock):
