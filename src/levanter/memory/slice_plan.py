@@ -261,7 +261,7 @@ def format_slice_plan(plan: SlicePlan, config_path: Optional[str] = None) -> str
         f"  batch                 {_gib(plan.batch_bytes):>14}",
         f"  compiled temporaries  {_gib(None if plan.compiler_oom else plan.temp_bytes):>14}   "
         "(activations, gradients, logits, scratch)",
-        f"  total                 {_gib(plan.total_bytes):>14}",
+        f"  total                 {_gib(plan.total_bytes):>14}   (the chip's peak_bytes_in_use + peak_bytes_reserved)",
     ]
     if plan.fits:
         verdict = f"fits, {plan.total_bytes / plan.hbm:.0%} used"
