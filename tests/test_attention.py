@@ -537,3 +537,12 @@ def test_splash_on_a_mesh_runs_per_shard_and_matches_one_device():
         many = jax.jit(sharded)(q, k, v)
     for a, r in zip(jax.tree.leaves(many), jax.tree.leaves(one)):
         np.testing.assert_allclose(a, r, atol=tol(1e-5), rtol=tol(1e-5))
+    # A named remat policy reaches inside the shard_map: minimal_with_context's names keep the kernel's inputs
+    # and its residuals (the per-query logsumexp, "context"), as on one device.
+    policy = jax.checkpoint_policies.save_only_these_names("query_proj", "key_proj", "value_proj", "context")
+    attend = functools.partial(splash_attention, block_size=128, interpret=True, batch_axes="data", head_axis="model")
+    with jax.set_mesh(mesh):
+        _, backward = jax.vjp(jax.checkpoint(lambda q, k, v: jnp.sum(attend(q, k, v, seg) * w), policy=policy), q, k, v)
+    # (Saved inside the shard_map: each device's shard, stacked along the first axis; counted by size.)
+    saved = {x.size for x in jax.tree.leaves(backward) if x.ndim >= 4 and x.shape != w.shape}
+    assert saved == {b * kv * group * length * d, b * kv * length * d, b * kv * group * length}, saved
