@@ -134,11 +134,29 @@ def test_plan_for_a_slice_prints_per_chip_memory_and_collectives(tmp_path, capsy
     assert _size(out, "total") >= _size(out, "compiled temporaries") > 0
     assert re.search(r"HBM\s+16.00 GiB\s+\(v5e HBM per chip\): fits", out)
     assert "per_device_parallelism: auto would pick 4" in out  # the whole batch: 32 / 8 chips
+    # `default` is what a TPU run resolves it to: splash's Pallas kernel, per chip under shard_map.
+    assert re.search(r"attention\s+splash \(model.attn_backend 'default' on a TPU\): the Pallas kernel on each "
+                     r"chip's shard \(shard_map\), [1-9]\d* kernel calls", out), out
     ici = _collectives(out, "collectives per step, per chip (ICI):")
     # FSDP gathers the parameters (forward and backward) and reduces the gradients.
     assert ici.get("all-gather", 0) > _size(out, "parameters") and ici.get("reduce-scatter", 0) > 0
     assert "DCN" not in out
     assert not os.listdir(tmp_path)
+
+
+@needs_libtpu
+def test_one_chip_plan_compiles_the_splash_kernel_for_the_tpu(tmp_path, capsys, monkeypatch):
+    """`model.attn_backend: splash` (TPU only) is planned on this CPU machine: the Pallas kernel is lowered
+    and compiled for the slice's chip, with the microbatch the config fixes, in one compile."""
+    monkeypatch.chdir(tmp_path)
+    train_lm.cli(["--config_path", NANO, "--dry_run", "--slice", "v5e-1", *ONE_LAYER, "--model.attn_backend", "splash",
+                  "--trainer.per_device_parallelism", "16"])
+    out = capsys.readouterr().out
+    assert "v5e-1 (v5e:1x1, 1 chip of TPU v5 lite), mesh data=1 x model=1" in out
+    assert re.search(r"attention\s+splash: the Pallas kernel on the chip, [1-9]\d* kernel calls", out), out
+    assert "16 sequences per chip per microbatch, 2 microbatches" in out
+    assert "per_device_parallelism: 16 as configured" in out and "(1 compile, " in out
+    assert _size(out, "total") >= _size(out, "compiled temporaries") > 0
 
 
 @needs_libtpu

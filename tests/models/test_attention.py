@@ -511,3 +511,38 @@ def test_splash_kernel_on_tpu_matches_blockwise(dtype):
         print(f"{name} {np.dtype(dtype).name}: splash-blockwise {errors[0]:.2e}, splash-f32 {errors[1]:.2e}, "
               f"blockwise-f32 {errors[2]:.2e}")
         assert max(errors) < bound, (name, errors)
+
+
+def test_splash_on_a_mesh_runs_per_shard_and_matches_one_device():
+    """On a mesh of several devices the splash kernel (one custom call XLA cannot partition) runs per shard
+    under shard_map, the batch over `data` and the key/value heads over `model`: the same outputs and
+    gradients as on one device."""
+    b, kv, group, length, d = 4, 2, 2, 128, 16
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((b, kv, group, length, d)) * 0.25, jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, kv, length, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, kv, length, d)), jnp.float32)
+    seg = jnp.asarray(np.cumsum(rng.random((b, length)) < 0.05, axis=1), jnp.int32)
+    w = jnp.asarray(rng.standard_normal((b, kv, group, length, d)), jnp.float32)
+
+    def grads(**shards):
+        kernel = functools.partial(splash_attention, block_size=128, interpret=True, **shards)
+        return jax.value_and_grad(lambda q, k, v: jnp.sum(kernel(q, k, v, seg) * w), argnums=(0, 1, 2))
+
+    one = jax.jit(grads())(q, k, v)
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    with jax.set_mesh(mesh):
+        sharded = grads(batch_axes="data", head_axis="model")
+        assert "shard_map" in str(jax.make_jaxpr(sharded)(q, k, v))
+        many = jax.jit(sharded)(q, k, v)
+    for a, r in zip(jax.tree.leaves(many), jax.tree.leaves(one)):
+        np.testing.assert_allclose(a, r, atol=tol(1e-5), rtol=tol(1e-5))
+    # A named remat policy reaches inside the shard_map: minimal_with_context's names keep the kernel's inputs
+    # and its residuals (the per-query logsumexp, "context"), as on one device.
+    policy = jax.checkpoint_policies.save_only_these_names("query_proj", "key_proj", "value_proj", "context")
+    attend = functools.partial(splash_attention, block_size=128, interpret=True, batch_axes="data", head_axis="model")
+    with jax.set_mesh(mesh):
+        _, backward = jax.vjp(jax.checkpoint(lambda q, k, v: jnp.sum(attend(q, k, v, seg) * w), policy=policy), q, k, v)
+    # (Saved inside the shard_map: each device's shard, stacked along the first axis; counted by size.)
+    saved = {x.size for x in jax.tree.leaves(backward) if x.ndim >= 4 and x.shape != w.shape}
+    assert saved == {b * kv * group * length * d, b * kv * length * d, b * kv * group * length}, saved

@@ -25,10 +25,9 @@ import logging
 import math
 from typing import Any, Callable, Optional, Sequence
 
-import jax
 
 from levanter.memory.step import StepCompiler, StepMemory, largest_batch
-from levanter.models import Gpt2Config, LmConfig, resolve_attn_backend
+from levanter.models import Gpt2Config, LmConfig, attention_platform, resolve_attn_backend
 from levanter.training import TrainerConfig
 
 logger = logging.getLogger(__name__)
@@ -160,7 +159,7 @@ def _alternatives(model_config: LmConfig, vocab_size: int) -> tuple[list[tuple[s
         block = min(8192, 1 << int(math.log2(vocab_size // 4)))
         offer("model.cross_entropy_block_size", block, cross_entropy_block_size=block)
     dropout = attention_dropout(model_config)
-    resolved = resolve_attn_backend(model_config.attention_backend, platform=jax.default_backend(),
+    resolved = resolve_attn_backend(model_config.attention_backend, platform=attention_platform(),
                                     seq_len=model_config.seq_len, dropout=dropout)
     if resolved == "vanilla" and dropout == 0.0 and model_config.seq_len >= 256:
         changes = {"attn_backend": "jax_flash"}

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from levanter.lm_config import TrainLmConfig
 from levanter.memory.flags import PlanOptions, plan_vocab
 from levanter.memory.hlo import KINDS, Collectives, collectives
-from levanter.memory.levers import AUTO_HEADROOM, Suggestion, attention_dropout, auto_pick
+from levanter.memory.levers import AUTO_HEADROOM, Suggestion, attention_dropout, auto_pick, current_microbatch
 from levanter.memory.levers import microbatch_candidates, suggestions
 from levanter.memory.step import StepCompiler, StepMemory, shard_bytes, size
 from levanter.memory.tpu_compile import compile_only, on_slice, slice_devices
@@ -141,11 +141,12 @@ def make_slice_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptio
     per_device = trainer.config.microbatch_size or batch_size // trainer.config.data_axis_size
     requested = config.model.attention_backend
     dropout = attention_dropout(config.model)
-    here = resolve_attn_backend(requested, platform="cpu", seq_len=config.model.seq_len, dropout=dropout)
     on_tpu = resolve_attn_backend(requested, platform="tpu", seq_len=config.model.seq_len, dropout=dropout)
-    attention = here if here == on_tpu else (
-        f"{here} (model.attn_backend {requested!r}: this machine resolves it to {here}, a TPU run to "
-        f"{on_tpu}; attention's temporaries differ between the two)")
+    attention = on_tpu if requested == on_tpu else f"{on_tpu} (model.attn_backend {requested!r} on a TPU)"
+    if on_tpu == "splash" and compiled is not None:
+        calls = compiled.as_text().count('custom_call_target="tpu_custom_call"')
+        where = "on each chip's shard (shard_map)" if len(devices) > 1 else "on the chip"
+        attention += f": the Pallas kernel {where}, {calls} kernel calls in the compiled step"
     return SlicePlan(
         slice=spec, num_slices=num_slices, device_kind=devices[0].device_kind,
         mesh_shape=dict(trainer.mesh.shape), vocab_size=vocab_size, vocab_source=vocab_source,
@@ -184,7 +185,13 @@ def _fit(compiler, limit: int) -> tuple[StepMemory, Any, str]:
     memory = compiler.compile()
     if not memory.fits(limit):
         return memory, compiler, ""  # suggestions searches the microbatch with the other levers
-    pick, _ = auto_pick(compiler, memory, limit)
+    current = current_microbatch(tcfg)
+    if current != microbatch_candidates(tcfg)[0]:
+        # A microbatch the config fixes below the whole batch: what auto would pick takes more compiles of
+        # the step (each as long as this one), which a plan of a fitting config does not spend.
+        return memory, compiler, (f"per_device_parallelism: {current} as configured (what auto would pick is "
+                                  "not compiled: plan with trainer.per_device_parallelism: auto to see it)")
+    pick, _ = auto_pick(compiler, memory, limit)  # the whole batch: no compile unless it misses auto's headroom
     note = (f"per_device_parallelism: auto would pick {pick}" if pick is not None else
             "per_device_parallelism: auto finds no microbatch that fits")
     return memory, compiler, note
@@ -237,7 +244,7 @@ def format_slice_plan(plan: SlicePlan, config_path: Optional[str] = None) -> str
            if plan.num_slices > 1 else "")
     lines = [
         f"slice plan{f' for {config_path}' if config_path else ''}: {where} ({plan.slice.topology}, "
-        f"{plan.chips} chips of {plan.device_kind}), mesh {mesh}{dcn}",
+        f"{plan.chips} chip{'s' if plan.chips != 1 else ''} of {plan.device_kind}), mesh {mesh}{dcn}",
         f"  vocabulary        {plan.vocab_size:,} (from {plan.vocab_source})",
         f"  step compiled by the TPU compiler for a batch of {plan.batch_size} x {plan.seq_len} tokens (the "
         f"schedule's largest): {plan.per_device} sequence{'s' if plan.per_device != 1 else ''} per chip per "
@@ -254,7 +261,7 @@ def format_slice_plan(plan: SlicePlan, config_path: Optional[str] = None) -> str
         f"  batch                 {_gib(plan.batch_bytes):>14}",
         f"  compiled temporaries  {_gib(None if plan.compiler_oom else plan.temp_bytes):>14}   "
         "(activations, gradients, logits, scratch)",
-        f"  total                 {_gib(plan.total_bytes):>14}",
+        f"  total                 {_gib(plan.total_bytes):>14}   (the chip's peak_bytes_in_use + peak_bytes_reserved)",
     ]
     if plan.fits:
         verdict = f"fits, {plan.total_bytes / plan.hbm:.0%} used"

@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 
 from levanter.memory.flags import PlanArgumentError
 from levanter.memory.tpu_slices import TpuSlice
+from levanter.models import compiling_for
 from levanter.training import TrainerConfig
 
 LIBTPU_HINT = "pip install -e '.[tpu]' (or pip install 'libtpu==0.0.42.*', the version jax[tpu]==0.10.2 pins)"
@@ -97,7 +98,10 @@ def compile_only():
     rotary tables' ``ensure_compile_time_eval``). A slice's devices can be compiled for but not run on, so
     for the plan's compiles the mesh is entered as JAX's resource environment instead (``with mesh:``):
     haliax finds it there, inside and outside a trace, shardings and compiles are the same, and eager
-    operations stay on this machine's CPU. JAX's persistent compilation cache is off inside. Restored on exit."""
+    operations stay on this machine's CPU. Models build attention for the TPU
+    (:func:`levanter.models.compiling_for`): ``default`` is the kernel a run on the slice resolves it to,
+    splash's Pallas kernel where the sequence allows, lowered for the TPU by libtpu. JAX's persistent
+    compilation cache is off inside. Restored on exit."""
     import warnings
 
     import haliax.partitioning
@@ -108,7 +112,10 @@ def compile_only():
             warnings.simplefilter("ignore", DeprecationWarning)  # `with mesh:`: deprecated, still supported
             mesh.__enter__()
         try:
-            yield
+            # The abstract mesh (shapes and axis names, no devices) for what reads it while tracing: the splash
+            # kernel's shard_map over a slice of several chips (levanter.models.attention.splash).
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                yield
         finally:
             mesh.__exit__(None, None, None)
 
@@ -119,7 +126,8 @@ def compile_only():
     haliax.partitioning.set_mesh = as_resource_env
     jax.config.update("jax_enable_compilation_cache", False)
     try:
-        yield
+        with compiling_for("tpu"):
+            yield
     finally:
         haliax.partitioning.set_mesh = saved
         jax.config.update("jax_enable_compilation_cache", cache)

@@ -18,11 +18,20 @@ on, and the concrete kernel ``default`` means on this platform.
 A backend the platform cannot run is refused before any work by :func:`check_backend_platform` (run
 by the training entry point's config checks), with an error naming ``model.attn_backend``. Upstream
 Levanter's names are used where upstream has them.
+
+The platform is the one the program is compiled for (:func:`attention_platform`): JAX's default backend,
+except inside :func:`compiling_for`, where a plan compiles for devices this machine does not have (a TPU
+slice's, ``train_lm --dry_run --slice``) and attention must be the kernel a run on them would use, not the
+one this machine would.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import contextvars
+from typing import Iterator, Optional
+
+import jax
 
 from .cudnn import cudnn_shapes_ok
 
@@ -30,8 +39,10 @@ __all__ = [
     "ATTN_BACKENDS",
     "DEFAULT_FLASH_BLOCK_SIZE",
     "CPU_BLOCKWISE_MIN_SEQ_LEN",
+    "attention_platform",
     "check_attn_config",
     "check_backend_platform",
+    "compiling_for",
     "resolve_attn_backend",
 ]
 
@@ -67,6 +78,28 @@ def check_attn_config(backend: str, use_flash_attention: Optional[bool], block_s
     if use_flash_attention is not None:
         return "jax_flash" if use_flash_attention else "vanilla"
     return "default"
+
+
+# The platform a plan compiles for, where it is not JAX's default backend (see compiling_for).
+_TARGET_PLATFORM: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("attention_platform", default=None)
+
+
+def attention_platform() -> str:
+    """The platform the attention being traced will run on: JAX's default backend, or the one
+    :func:`compiling_for` names."""
+    return _TARGET_PLATFORM.get() or jax.default_backend()
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str) -> Iterator[None]:
+    """Inside, models resolve and build attention for ``platform`` (e.g. ``tpu``) instead of JAX's
+    default backend: for compiling ahead of time for another platform's devices, whose compiler lowers
+    that platform's kernels (splash's Pallas kernel for a TPU, lowered and compiled by libtpu here)."""
+    token = _TARGET_PLATFORM.set(platform)
+    try:
+        yield
+    finally:
+        _TARGET_PLATFORM.reset(token)
 
 
 def _platform_kind(platform: str) -> str:

@@ -10,6 +10,7 @@ builds once and turns back into named output.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -17,11 +18,11 @@ import jax.numpy as jnp
 import haliax as hax
 from haliax import NamedArray
 
-from .backends import ATTN_BACKENDS, check_backend_platform
+from .backends import ATTN_BACKENDS, attention_platform, check_backend_platform
 from .cudnn import cudnn_attention
 from .jax_flash import blockwise_attention
 from .mask import HEAD_SIZE, HEADS, KV_HEADS, POS, AttentionMask, causal_segment_mask
-from .splash import splash_attention
+from .splash import current_mesh, splash_attention
 from .vanilla import causal_attention
 
 __all__ = ["dot_product_attention"]
@@ -50,19 +51,47 @@ def dot_product_attention(
         raise ValueError(
             f"model.attn_backend {backend!r} has no attention dropout; set model.attn_pdrop: 0 or use vanilla"
         )
-    platform = jax.default_backend()
+    platform = attention_platform()
     check_backend_platform(backend, platform)
     q5, k4, v4, seg, rebuild = _head_arrays(q, k, v, mask.segment_ids, scale, upcast)
     if backend == "jax_flash":
         out = blockwise_attention(q5, k4, v4, seg, block_size=mask.block_size, window=mask.window)
     elif backend == "splash":
+        batch_axes, head_axis = _shard_specs(q, k)
         out = splash_attention(q5, k4, v4, seg, block_size=mask.block_size, block_sizes=mask.splash_block_sizes,
-                               interpret=platform != "tpu", window=mask.window)
+                               interpret=platform != "tpu", window=mask.window, batch_axes=batch_axes,
+                               head_axis=head_axis)
     elif backend == "cudnn":
         out = cudnn_attention(q5, k4, v4, seg, window=mask.window)
     else:
         raise ValueError(f"model.attn_backend {backend!r} is not one of {list(ATTN_BACKENDS)}")
     return rebuild(out.astype(v.dtype))
+
+
+def _shard_specs(q: NamedArray, k: NamedArray) -> tuple[Optional[object], Optional[str]]:
+    """The mesh axes (haliax's current mapping) that the kernel's flattened batch dimension and its key/value
+    head dimension are sharded over, each None where it is not (or cannot be) sharded. The batch is the
+    leading axes flattened: their mesh axes in order, where the sharded ones come first (a flattened
+    dimension is sharded block-wise only then); heads where the key/value heads divide over their axis."""
+    mapping = hax.partitioning.current_thread_local_mapping() or {}
+    mesh = current_mesh()
+    if mesh is None:
+        return None, None
+    lead = [ax for ax in q.axes if ax.name not in (HEADS, POS, HEAD_SIZE)]
+    physical = []
+    for i, ax in enumerate(lead):
+        name = mapping.get(ax.name)
+        names = () if name is None else ((name,) if isinstance(name, str) else tuple(name))
+        if names and any(mapping.get(a.name) is None for a in lead[:i]):
+            physical = []  # sharded behind an unsharded axis: not a block of the flattened dimension
+            break
+        physical.extend(names)
+    batch = tuple(physical) if len(physical) > 1 else (physical[0] if physical else None)
+    kv_name = KV_HEADS if k.has_axis(KV_HEADS) else HEADS
+    heads = mapping.get(kv_name)
+    if isinstance(heads, str) and k.resolve_axis(kv_name).size % mesh.shape[heads] == 0:
+        return batch, heads
+    return batch, None
 
 
 def _head_arrays(q, k, v, segment_ids, scale, upcast):

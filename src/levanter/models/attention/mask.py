@@ -12,12 +12,11 @@ from __future__ import annotations
 from typing import Optional
 
 import equinox as eqx
-import jax
 
 import haliax as hax
 from haliax import Axis, NamedArray
 
-from .backends import ATTN_BACKENDS, DEFAULT_FLASH_BLOCK_SIZE, resolve_attn_backend
+from .backends import ATTN_BACKENDS, DEFAULT_FLASH_BLOCK_SIZE, attention_platform, resolve_attn_backend
 from .splash import SplashBlockSizes
 
 __all__ = [
@@ -107,10 +106,10 @@ def plan_attention(
     splash_block_sizes: Optional[SplashBlockSizes] = None,
 ) -> AttentionMask:
     """The :class:`AttentionMask` for one forward pass of a model configured with backend ``requested``:
-    resolves it for this platform, sequence, activation ``dtype`` (as the scores' inputs will have it)
+    resolves it for the platform compiled for (:func:`attention_platform`), sequence, activation ``dtype`` (as the scores' inputs will have it)
     and active ``dropout``, and materialises the full mask only for ``vanilla``. ``window``: a sliding
     window of that many positions."""
     backend = resolve_attn_backend(
-        requested, platform=jax.default_backend(), seq_len=Pos.size, dropout=dropout, dtype=dtype, head_size=head_size
+        requested, platform=attention_platform(), seq_len=Pos.size, dropout=dropout, dtype=dtype, head_size=head_size
     )
     return attention_mask(Pos, segment_ids, backend, block_size, window, splash_block_sizes)

@@ -6,19 +6,25 @@ The tiles are ``model.flash_attention_block_size`` in every dimension unless ``m
 same attention up to float rounding). :func:`resolve_splash_block_sizes` checks them against the sequence
 length (the model config runs it at load, naming the key at fault). Off TPU the kernel runs only in
 Pallas's slow interpret mode, which the tests use.
+
+The kernel is one custom call that XLA cannot partition (JAX refuses to lower it on a mesh of several
+devices), so on such a mesh it runs per shard under ``shard_map``: over the batch and the key/value heads,
+along which attention needs no communication. On one device it is called as it is.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec
 
 from .backends import DEFAULT_FLASH_BLOCK_SIZE
 
-__all__ = ["SplashBlockSizes", "resolve_splash_block_sizes", "splash_attention"]
+__all__ = ["SplashBlockSizes", "current_mesh", "resolve_splash_block_sizes", "splash_attention", "splash_kernel"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +106,37 @@ def _splash_block(seq_len: int, block_size: int) -> int:
     return block
 
 
+def current_mesh():
+    """The mesh a step is traced for (JAX's abstract mesh: ``jax.set_mesh``, as the trainer enters it, or
+    ``jax.sharding.use_abstract_mesh``); None without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh is None or mesh.empty else mesh
+
+
 def splash_attention(
+    q, k, v, segment_ids=None, *, block_size: int, block_sizes: Optional[SplashBlockSizes] = None,
+    interpret: bool = False, window: Optional[int] = None, batch_axes=None, head_axis: Optional[str] = None,
+) -> jax.Array:
+    """Causal attention through JAX's Pallas splash kernel (see :func:`splash_kernel`), per shard on a mesh
+    of several devices (:func:`current_mesh`): ``batch_axes`` are the mesh axes (a name or a tuple of
+    names) ``q``'s first dimension is sharded over, ``head_axis`` the one its key/value heads are; None
+    where an axis is whole on each device. Attention is independent per sequence and per key/value head,
+    so the shards need no communication."""
+    kernel = functools.partial(splash_kernel, block_size=block_size, block_sizes=block_sizes, interpret=interpret,
+                               window=window)
+    mesh = current_mesh()
+    if mesh is None or mesh.size == 1:
+        return kernel(q, k, v, segment_ids)
+    spec5 = PartitionSpec(batch_axes, head_axis, None, None, None)
+    spec4 = PartitionSpec(batch_axes, head_axis, None, None)
+    if segment_ids is None:
+        return jax.shard_map(lambda a, b, c: kernel(a, b, c, None), mesh=mesh, in_specs=(spec5, spec4, spec4),
+                             out_specs=spec5, check_vma=False)(q, k, v)
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(spec5, spec4, spec4, PartitionSpec(batch_axes, None)),
+                         out_specs=spec5, check_vma=False)(q, k, v, segment_ids)
+
+
+def splash_kernel(
     q, k, v, segment_ids=None, *, block_size: int, block_sizes: Optional[SplashBlockSizes] = None,
     interpret: bool = False, window: Optional[int] = None,
 ) -> jax.Array:
