@@ -82,9 +82,8 @@ def prepare_leaves(tree: Any) -> list[LeafToWrite]:
 async def write_leaf(root: str, item: LeafToWrite, process_index: int) -> None:
     """Write one leaf under ``root``: this process's replica-0 shards, or a host value (process 0 only)."""
     directory = fs.join(root, item.record["name"])
+    context = ts_context(root)
     value = item.value
-    # Host copies are a background save's: written beside the training loop.
-    context = ts_context(root, background=isinstance(value, HostShards))
     multi = jax.process_count() > 1
     if isinstance(value, HostShards):  # a device array copied to the host before a background save
         chunk = chunk_shape(value.shard_shape, value.dtype.itemsize)

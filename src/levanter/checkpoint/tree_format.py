@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import math
-import os
 import re
 import urllib.parse
 from collections.abc import Sequence
@@ -152,27 +151,15 @@ def chunk_shape(shard_shape: Sequence[int], itemsize: int) -> list[int]:
 
 
 _URL_CONTEXT: ts.Context | None = None
-_BACKGROUND_CONTEXT: ts.Context | None = None
 
 
-def ts_context(path: str, *, background: bool = False) -> ts.Context:
+def ts_context(path: str) -> ts.Context:
     """The TensorStore context for arrays under ``path``: JAX's default for local disk; for URLs one
     process-wide context with the storage layer's request retries (one, because a ``memory://`` kvstore
-    lives in its context: a second context would not see what the first wrote).
-
-    ``background``: a background save's writes to local disk. JAX's context lets 128 threads copy and
-    checksum at once; a save's gigabytes written that way take every core, in bursts, from the training
-    loop that runs beside the write (its dispatch and its runtime's threads). These writes get a quarter of
-    the cores for the copies and checksums, and enough file threads to keep the disk busy."""
-    global _URL_CONTEXT, _BACKGROUND_CONTEXT
+    lives in its context: a second context would not see what the first wrote)."""
+    global _URL_CONTEXT
     if not fs.is_url(path):
-        if not background:
-            return jax_serialization.TS_CONTEXT
-        if _BACKGROUND_CONTEXT is None:
-            cores = os.cpu_count() or 4
-            _BACKGROUND_CONTEXT = ts.Context({"data_copy_concurrency": {"limit": max(2, cores // 4)},
-                                              "file_io_concurrency": {"limit": 32}})
-        return _BACKGROUND_CONTEXT
+        return jax_serialization.TS_CONTEXT
     if _URL_CONTEXT is None:
         _URL_CONTEXT = ts.Context({"data_copy_concurrency": {"limit": 128}, **fs.tensorstore_context_spec()})
     return _URL_CONTEXT
