@@ -8,8 +8,8 @@ handed are reused. A background save therefore first takes copies the step canno
   the memory the runtime reserves for the compiled programs' temporaries, and a margin): a
   device-to-device copy, waited for (it runs at HBM bandwidth: milliseconds). The writer thread moves it
   to host memory while the next steps train, then frees it.
-* **Into the host's pinned memory**, for the other leaves, where the devices have a ``pinned_host``
-  memory: a transfer (a DMA straight into memory the device can write) started for every leaf at once,
+* **Into the host's pinned memory** (``policy="pinned"`` or ``"pinned-async"``; not by default, see below),
+  where the devices have a ``pinned_host`` memory: a transfer (a DMA straight into memory the device can write) started for every leaf at once,
   then waited for together; the result is an array of its own, which the next step cannot change, and the
   writer thread turns it into numpy without another transfer. The loop is held for the transfers, not for
   a conversion and copy of each array into new host memory. With ``policy="pinned-async"`` (every array
@@ -17,11 +17,13 @@ handed are reused. A background save therefore first takes copies the step canno
   dispatched at once and the runtime has to run it after the transfers that read them (whether a runtime
   orders a donation after pending reads is what ``scripts/bench/checkpoint_loop.py --verify`` checks on an
   accelerator; the CPU backend does).
-* **In host memory, waited for** (:func:`host_copies`): where a device has no pinned memory, or when the
-  caller asks for it (``policy="host"``, for comparison): the loop waits for each array's conversion.
+* **In host memory, waited for** (:func:`host_copies`): the leaves the devices have no room for (by
+  default), or every leaf (``policy="host"``): the loop waits for each array's conversion.
 
-A 350 M model's 4.2 GB of parameters and Adam moments on a 16 GiB chip leave too little room for a device
-copy, so most of it takes the pinned transfer; GPT-2 small's state fits and is copied on the device.
+On a TPU v5e chip the transfer into pinned host memory ran at about 0.6 GB/s, so that a 350 M model's
+4.2 GB state held the loop longer than the waited host copy (docs/bench/2026-12-07-checkpoints.md): the
+default (``"auto"``) copies on the devices what fits and the rest to host memory. GPT-2 small's state fits
+and is copied on the device; most of the 350 M model's goes to host memory.
 
 Every way, the write is from host copies -- for each ``jax.Array`` its addressable replica-0 shards
 (exactly the shards ``async_serialize`` would write), for each host value a private copy -- through
@@ -144,8 +146,8 @@ def take_snapshot(values: list[Any], *, policy: str = "auto",
     ``"device"``, ``"pinned"``, ``"device+pinned"`` (the leaves split between the two),
     ``"pinned-async"`` or ``"host"``.
 
-    ``policy="auto"``: each ``jax.Array`` copied on its devices where they have room, else into pinned
-    host memory, else (no pinned memory) to host memory (:func:`plan_snapshot`), all waited for;
+    ``policy="auto"``: each ``jax.Array`` copied on its devices where they have room, else to host memory
+    (:func:`plan_snapshot`), all waited for;
     ``"pinned"``: every array into pinned host memory where the devices have it, waited for;
     ``"pinned-async"``: the same, not waited for; ``"host"``: every array to host memory, waited for.
     Arrays not yet on the host come back as :class:`PendingShards`, which :func:`finish_snapshot` (on the
@@ -154,7 +156,10 @@ def take_snapshot(values: list[Any], *, policy: str = "auto",
     if policy not in SNAPSHOT_POLICIES:
         raise ValueError(f"snapshot policy must be one of {SNAPSHOT_POLICIES}, got {policy!r}")
     devices = {s.device for v in values if _is_global(v) for s in _written_shards(v)}
-    pinned = policy != "host" and all(_has_pinned_host(d) for d in devices)
+    # auto leaves pinned memory out: on a TPU v5e host the transfer into it ran at about 0.6 GB/s, slower
+    # than the waited host copy (docs/bench/2026-12-07-checkpoints.md); "pinned" and "pinned-async" still
+    # take it, for the benchmark.
+    pinned = policy in ("pinned", "pinned-async") and all(_has_pinned_host(d) for d in devices)
     if policy != "auto":
         room = {d: 0.0 for d in devices}
     plan = plan_snapshot(values, _room(devices) if room is None else room, pinned=pinned)
