@@ -12,8 +12,8 @@
 - :mod:`~levanter.checkpoint.policy`: when to save and what to keep (:class:`CheckpointerConfig`,
   :class:`Checkpointer`).
 - :mod:`~levanter.checkpoint.async_writer`, :mod:`~levanter.checkpoint.host_copy`: saves in the
-  background -- the caller waits only for copies the next step cannot touch (on the devices, or transfers
-  into pinned host memory that the next step runs after).
+  background -- the caller waits only for copies the next step cannot touch (on the devices where they
+  have room, else in host memory).
 - :mod:`~levanter.checkpoint.run_lock`: one writer per run directory (a create-if-absent lock record).
 - :mod:`~levanter.checkpoint.resume`: where a run starts from -- the checkpoint it resumes (resolved and
   its metadata read once), one it branches from, whether it already finished.

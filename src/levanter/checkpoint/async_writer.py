@@ -7,8 +7,8 @@
    of the state exists), run the save's checks and collectives
    (:func:`~levanter.checkpoint.serialization.prepare_save`), then take a copy that the next step, which
    donates the state's device buffers, cannot touch: on the devices where they have room (milliseconds),
-   else transfers into pinned host memory (all in flight together), else the copy to host memory
-   (:mod:`levanter.checkpoint.host_copy`).
+   else the copy to host memory (:mod:`levanter.checkpoint.host_copy`; transfers into pinned host memory
+   where ``Checkpointer.snapshot_policy`` asks for them).
 2. On the worker thread: wait for the transfers or move the device copies to host memory, write the
    arrays and commit exactly as a synchronous save does (the renamed ``.tmp-`` directory on local disk,
    ``metadata.json`` last on object stores; with several processes, process 0 commits once every process

@@ -6,8 +6,8 @@ Permanent checkpoints are taken at the steps the ``keep`` intervals name, plus a
 newer checkpoint is complete; permanent ones are never deleted. The base path may be a local directory
 or an object-store URL (``gs://``, ``s3://``); :mod:`levanter.checkpoint.layout` says how saves commit
 and deletions proceed on each. Saves run in the background by default, on one process or many:
-``on_step`` returns once the state is copied (on the devices where they have room, else transferred into
-pinned host memory), the write and commit follow on a worker thread
+``on_step`` returns once the state is copied (on the devices where they have room, else to host memory),
+the write and commit follow on a worker thread
 (:mod:`levanter.checkpoint.async_writer`), and :meth:`Checkpointer.wait_until_finished` waits for them.
 """
 
@@ -231,12 +231,12 @@ class Checkpointer:
         self.last_blocked_s = 0.0
         self.last_save_s = 0.0
         # How a background save copies the state before on_step returns (host_copy.take_snapshot): "auto"
-        # (on the devices where they have room, else transfers into pinned host memory), "pinned" (all
-        # transferred), "pinned-async" (the same, not waited for) or "host" (the copy to host memory); not a
+        # (on the devices where they have room, else the copy to host memory), "pinned" (all transferred into
+        # pinned host memory), "pinned-async" (the same, not waited for) or "host" (all copied to host); not a
         # config key: scripts/bench/checkpoint_loop.py compares them.
         self.snapshot_policy = "auto"
-        # How the last background save copied the state: "device", "pinned", "device+pinned" or "host"
-        # ("pinned-async" for transfers not waited for).
+        # How the last background save copied the state: "device", "host", "device+host", "pinned" or
+        # "pinned-async" (host_copy.take_snapshot).
         self.last_copy = ""
         self.last_waited_s = 0.0  # of last_blocked_s: the wait for the previous save's write to finish
         if self.process_index == 0:
@@ -398,8 +398,8 @@ class Checkpointer:
             self.last_save_s = time.perf_counter() - started
 
         if self.asynchronous and prepared is not None:
-            # Copies the next step cannot touch: on the devices (milliseconds) and into pinned host memory
-            # (one transfer per array, all in flight together); the writer brings them into numpy arrays.
+            # Copies the next step cannot touch: on the devices where they have room (milliseconds), the rest
+            # in host memory; the writer brings the device copies to the host.
             self.last_copy = prepared.snapshot(self.snapshot_policy)
             self._writer.submit(write, f"save of the checkpoint of step {step} to {path}")
         else:

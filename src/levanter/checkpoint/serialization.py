@@ -303,11 +303,10 @@ class PreparedSave:
 
     def snapshot(self, policy: str = "auto") -> str:
         """Make the save independent of the tree's buffers, so that the caller may donate or change them
-        before :meth:`commit`: copies on the devices where they have room (milliseconds), the rest transferred
-        into pinned host memory, or with ``policy="host"`` (or no pinned memory) the host copy (``policy``:
-        see :func:`~levanter.checkpoint.host_copy.take_snapshot`); :meth:`commit` or :meth:`copy_to_host`
-        brings the copies into numpy arrays. Returns how: ``"device"``, ``"pinned"``, ``"device+pinned"`` or
-        ``"host"``."""
+        before :meth:`commit`: by default copies on the devices where they have room (milliseconds) and the
+        rest copied to host memory (``policy``: see :func:`~levanter.checkpoint.host_copy.take_snapshot`);
+        :meth:`commit` or :meth:`copy_to_host` brings the copies into numpy arrays. Returns how, as
+        ``take_snapshot`` does (``"device"``, ``"host"``, ``"device+host"``, ...)."""
         values, how = take_snapshot([it.value for it in self.items], policy=policy)
         for it, value in zip(self.items, values):
             it.value = value
