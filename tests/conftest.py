@@ -31,6 +31,9 @@ for _folder in [_TESTS] + sorted(entry.path for entry in os.scandir(_TESTS) if e
         sys.path.insert(0, _folder)
 
 
+from crash_rerun import pytest_handlecrashitem, pytest_report_teststatus  # noqa: E402,F401 -- hooks
+
+
 def _tests_module(name):
     import importlib
 
@@ -121,8 +124,11 @@ def pytest_unconfigure(config):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """Report the size of the bad-input catalogue (tests/main/test_bad_inputs.py) when it was collected."""
+    """Name the tests run again after their worker died (tests/crash_rerun.py), and report the size of the
+    bad-input catalogue (tests/main/test_bad_inputs.py) when it was collected."""
     import sys
+
+    _tests_module("crash_rerun").summarize(terminalreporter)
 
     module = sys.modules.get("test_bad_inputs") or sys.modules.get("tests.test_bad_inputs")
     cases = getattr(module, "CASES", None)
