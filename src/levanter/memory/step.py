@@ -5,10 +5,12 @@ would, with its mesh, shardings and microbatches), compiled for abstract inputs 
 leaves with the run's shardings: nothing is allocated, however large the model) and XLA's
 ``memory_analysis()`` says what one device needs at the step's peak: its arguments (parameters, optimizer
 state, batch), the outputs that do not reuse a donated argument's buffer, and the temporaries (activations
-kept for the backward pass, gradients, logits). An accelerator's compiler may refuse a program that cannot
-fit (``RESOURCE_EXHAUSTED`` at compile time: XLA:TPU's "the total memory required for HLO temporaries (X)
-exceeds available HBM (Y)", or "Used X of Y hbm"): that counts as a measurement too, with the figures from
-its message (:func:`oom_figures`).
+kept for the backward pass, gradients, logits). For TPUs (a run's chips, a planned slice's) the
+temporaries counted are what the runtime reserves for them, the buffer assignment's temporary allocation
+(:mod:`levanter.memory.tpu_reserve`), below the compiler's ``temp_size_in_bytes``, which stays visible.
+An accelerator's compiler may refuse a program that cannot fit (``RESOURCE_EXHAUSTED`` at compile time:
+XLA:TPU's "the total memory required for HLO temporaries (X) exceeds available HBM (Y)", or "Used X of Y
+hbm"): that counts as a measurement too, with the figures from its message (:func:`oom_figures`).
 
 The device's memory (:func:`device_memory`): ``--device_memory`` for a plan, else the environment variable
 ``LEVANTER_DEVICE_MEMORY`` (e.g. ``512MiB``: for tests on CPU, or to keep headroom for something else on
@@ -34,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from levanter.memory.tpu_reserve import ReserveDump, reserve_dump
 from levanter.quantization import with_fp8
 from levanter.training import Trainer, TrainerState
 from levanter.training import TrainerConfig
@@ -140,14 +143,19 @@ def oom_figures(text: str) -> Optional[tuple[int, int]]:
 # -- measuring a compiled step -------------------------------------------------------------------------------
 @dataclasses.dataclass
 class StepMemory:
-    """One device's figures (bytes) of one compiled train step. ``total`` is None when the compiler ran
-    out of memory without saying how much it needed."""
+    """One device's figures (bytes) of one compiled train step: ``total`` is the arguments, the outputs
+    that do not reuse a donated argument's buffer, and the temporaries (on TPUs what the runtime reserves
+    for them, elsewhere the compiler's); None when the compiler ran out of memory without saying how much
+    it needed."""
 
     total: Optional[int]
-    temp: int = 0
+    temp: int = 0  # the compiler's temporaries (memory_analysis().temp_size_in_bytes)
     compiled: Any = None  # the executable; None when the compiler refused it
     oom: Optional[str] = None  # the compiler's out-of-memory message
     capacity: Optional[int] = None  # what the compiler said it had for the program, when it refused it
+    # What the TPU runtime reserves for the temporaries (levanter.memory.tpu_reserve), where the compile was
+    # for TPUs and its buffer assignment says; ``total`` counts it in place of ``temp``. None elsewhere.
+    reserved: Optional[int] = None
 
     def fits(self, limit: Optional[int], headroom: float = 0.0) -> bool:
         if limit is None:
@@ -206,13 +214,22 @@ def largest_batch(tcfg: TrainerConfig) -> int:
 
 
 def measure(trainer: Trainer, state, batch, batch_size: int) -> StepMemory:
-    """Compile ``trainer``'s step for ``(state, batch)`` ahead of time and read its memory."""
-    return compile_memory(lambda: trainer.lower_train_step(state, batch, batch_size).compile())
+    """Compile ``trainer``'s step for ``(state, batch)`` ahead of time and read its memory; for TPUs (a
+    run's chips or a planned slice's) with what the runtime reserves for its temporaries."""
+    if trainer.mesh.devices.flat[0].platform != "tpu":
+        return compile_memory(lambda: trainer.lower_train_step(state, batch, batch_size).compile())
+    with reserve_dump() as dump:
+        return compile_memory(
+            lambda: trainer.lower_train_step(state, batch, batch_size).compile(compiler_options=dump.options),
+            reserve=dump,
+        )
 
 
-def compile_memory(compile_: Callable[[], Any]) -> StepMemory:
+def compile_memory(compile_: Callable[[], Any], reserve: Optional[ReserveDump] = None) -> StepMemory:
     """What one device needs for the program ``compile_()`` compiles: XLA's ``memory_analysis()`` of the
-    executable, or, where the compiler refuses it for lack of memory, the figures of its message."""
+    executable, or, where the compiler refuses it for lack of memory, the figures of its message. With
+    ``reserve`` (the dump ``compile_`` passes to the TPU compiler), the temporaries in ``total`` are what
+    the TPU runtime reserves for them (:mod:`levanter.memory.tpu_reserve`) where the dump says."""
     try:
         compiled = compile_()
     except Exception as e:  # noqa: BLE001 -- only the compiler's out-of-memory refusal is a measurement
@@ -228,7 +245,9 @@ def compile_memory(compile_: Callable[[], Any]) -> StepMemory:
     args, outs, aliased = (int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
                            int(mem.alias_size_in_bytes))
     temp = int(mem.temp_size_in_bytes)
-    return StepMemory(total=args + outs - aliased + temp, temp=temp, compiled=compiled)
+    reserved = reserve.read() if reserve is not None else None
+    held = temp if reserved is None else reserved
+    return StepMemory(total=args + outs - aliased + held, temp=temp, compiled=compiled, reserved=reserved)
 
 
 @dataclasses.dataclass
