@@ -100,9 +100,6 @@ class MemoryPlan:
     # parameters, gradients, optimizer state, average and batch: what no key of the step lowers
     state_bytes: int = 0
     whole_state_bytes: int = 0  # the same over all devices together (the batch aside)
-    # What a TPU's runtime reserves for the temporaries (levanter.memory.tpu_reserve), counted in the total
-    # in place of temp_bytes; None elsewhere.
-    reserved_bytes: Optional[int] = None
 
     @property
     def tokens_per_step(self) -> int:
@@ -174,7 +171,7 @@ def make_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptions) ->
         flops_per_token=float(config.model.flops_per_token(vocab_size)),
         peak_flops=peak, peak_source=peak_source,
         step_seconds=options.step_seconds, loss=loss,
-        compiler_oom=memory.oom, lowers=lowers, auto=auto_note, reserved_bytes=memory.reserved,
+        compiler_oom=memory.oom, lowers=lowers, auto=auto_note,
     )
 
 
@@ -300,12 +297,9 @@ def _step_lines(plan: MemoryPlan) -> list[str]:
         return [f"  compiled temporaries  {'?':>14}   (this backend's compiler does not report its memory)",
                 f"  total                 {'?':>14}"]
     if not refused:
-        lines = [f"  compiled temporaries  {size(plan.temp_bytes):>14}   "
-                 "(activations, gradients, logits, scratch)"]
-        if plan.reserved_bytes is not None:
-            lines.append(f"  runtime reserve       {size(plan.reserved_bytes):>14}   "
-                         "(what the TPU runtime sets aside for the temporaries; the total counts it)")
-        return lines + [f"  total                 {size(plan.total_bytes):>14}"]
+        return [f"  compiled temporaries  {size(plan.temp_bytes):>14}   "
+                "(activations, gradients, logits, scratch)",
+                f"  total                 {size(plan.total_bytes):>14}"]
     if plan.total_bytes is not None:  # the compiler's own figure, from its refusal
         return [f"  compiled temporaries  {size(plan.temp_bytes):>14}   "
                 "(the compiler's total less the arguments above: activations, gradients, logits, scratch)",

@@ -5,10 +5,11 @@ would, with its mesh, shardings and microbatches), compiled for abstract inputs 
 leaves with the run's shardings: nothing is allocated, however large the model) and XLA's
 ``memory_analysis()`` says what one device needs at the step's peak: its arguments (parameters, optimizer
 state, batch), the outputs that do not reuse a donated argument's buffer, and the temporaries (activations
-kept for the backward pass, gradients, logits). For TPUs (a run's chips, a planned slice's) the
-temporaries counted are what the runtime reserves for them, the buffer assignment's temporary allocation
-(:mod:`levanter.memory.tpu_reserve`), below the compiler's ``temp_size_in_bytes``, which stays visible.
-An accelerator's compiler may refuse a program that cannot fit (``RESOURCE_EXHAUSTED`` at compile time:
+kept for the backward pass, gradients, logits). A slice plan's compiles for TPUs also read what the TPU
+runtime will reserve for the temporaries (:mod:`levanter.memory.tpu_reserve`), less than the compiler's
+``temp_size_in_bytes``: :attr:`StepMemory.runtime_total` is what the chip will report. The checks and
+searches (a run's before its first step, ``auto``, the levers) weigh the compiler's figure, which is what
+the compiler itself refuses a program by. An accelerator's compiler may refuse a program that cannot fit (``RESOURCE_EXHAUSTED`` at compile time:
 XLA:TPU's "the total memory required for HLO temporaries (X) exceeds available HBM (Y)", or "Used X of Y
 hbm"): that counts as a measurement too, with the figures from its message (:func:`oom_figures`).
 
@@ -144,18 +145,25 @@ def oom_figures(text: str) -> Optional[tuple[int, int]]:
 @dataclasses.dataclass
 class StepMemory:
     """One device's figures (bytes) of one compiled train step: ``total`` is the arguments, the outputs
-    that do not reuse a donated argument's buffer, and the temporaries (on TPUs what the runtime reserves
-    for them, elsewhere the compiler's); None when the compiler ran out of memory without saying how much
-    it needed."""
+    that do not reuse a donated argument's buffer, and the compiler's temporaries; None when the compiler
+    ran out of memory without saying how much it needed."""
 
     total: Optional[int]
     temp: int = 0  # the compiler's temporaries (memory_analysis().temp_size_in_bytes)
     compiled: Any = None  # the executable; None when the compiler refused it
     oom: Optional[str] = None  # the compiler's out-of-memory message
     capacity: Optional[int] = None  # what the compiler said it had for the program, when it refused it
-    # What the TPU runtime reserves for the temporaries (levanter.memory.tpu_reserve), where the compile was
-    # for TPUs and its buffer assignment says; ``total`` counts it in place of ``temp``. None elsewhere.
+    # What the TPU runtime reserves for the temporaries (levanter.memory.tpu_reserve), where asked for and
+    # the TPU compiler's buffer assignment says; None elsewhere.
     reserved: Optional[int] = None
+
+    @property
+    def runtime_total(self) -> Optional[int]:
+        """``total`` with what the TPU runtime reserves in place of the compiler's temporaries: what the
+        chip's ``peak_bytes_in_use + peak_bytes_reserved`` will be; None where the reserve is not known."""
+        if self.reserved is None or self.total is None or self.compiled is None:
+            return None
+        return self.total - self.temp + self.reserved
 
     def fits(self, limit: Optional[int], headroom: float = 0.0) -> bool:
         if limit is None:
@@ -213,10 +221,11 @@ def largest_batch(tcfg: TrainerConfig) -> int:
     return max(seg.value for seg in tcfg.batch_schedule.segments)
 
 
-def measure(trainer: Trainer, state, batch, batch_size: int) -> StepMemory:
-    """Compile ``trainer``'s step for ``(state, batch)`` ahead of time and read its memory; for TPUs (a
-    run's chips or a planned slice's) with what the runtime reserves for its temporaries."""
-    if trainer.mesh.devices.flat[0].platform != "tpu":
+def measure(trainer: Trainer, state, batch, batch_size: int, reserve: bool = False) -> StepMemory:
+    """Compile ``trainer``'s step for ``(state, batch)`` ahead of time and read its memory; with ``reserve``
+    and TPU devices, also what the runtime reserves for its temporaries. Only for compiles that JAX's
+    persistent cache does not serve (a slice plan's): a compile served from it writes no dump."""
+    if not reserve or trainer.mesh.devices.flat[0].platform != "tpu":
         return compile_memory(lambda: trainer.lower_train_step(state, batch, batch_size).compile())
     with reserve_dump() as dump:
         return compile_memory(
@@ -228,8 +237,8 @@ def measure(trainer: Trainer, state, batch, batch_size: int) -> StepMemory:
 def compile_memory(compile_: Callable[[], Any], reserve: Optional[ReserveDump] = None) -> StepMemory:
     """What one device needs for the program ``compile_()`` compiles: XLA's ``memory_analysis()`` of the
     executable, or, where the compiler refuses it for lack of memory, the figures of its message. With
-    ``reserve`` (the dump ``compile_`` passes to the TPU compiler), the temporaries in ``total`` are what
-    the TPU runtime reserves for them (:mod:`levanter.memory.tpu_reserve`) where the dump says."""
+    ``reserve`` (the dump ``compile_`` passes to the TPU compiler), also what the TPU runtime reserves for
+    the temporaries (:mod:`levanter.memory.tpu_reserve`), where the dump says."""
     try:
         compiled = compile_()
     except Exception as e:  # noqa: BLE001 -- only the compiler's out-of-memory refusal is a measurement
@@ -246,8 +255,7 @@ def compile_memory(compile_: Callable[[], Any], reserve: Optional[ReserveDump] =
                            int(mem.alias_size_in_bytes))
     temp = int(mem.temp_size_in_bytes)
     reserved = reserve.read() if reserve is not None else None
-    held = temp if reserved is None else reserved
-    return StepMemory(total=args + outs - aliased + held, temp=temp, compiled=compiled, reserved=reserved)
+    return StepMemory(total=args + outs - aliased + temp, temp=temp, compiled=compiled, reserved=reserved)
 
 
 @dataclasses.dataclass
@@ -263,6 +271,8 @@ class StepCompiler:
     adapt: Optional[Callable] = None
     # The trainer's is_trainable (the leaves that train, with gradients and optimizer state); None: all.
     is_trainable: Optional[Callable] = None
+    # Read what the TPU runtime reserves for the temporaries (StepMemory.reserved): a slice plan's compiles.
+    runtime_reserve: bool = False
 
     def trainer(self, tcfg: Optional[TrainerConfig] = None) -> Trainer:
         return Trainer(tcfg or self.trainer_config, self.optimizer, self.loss_fn, is_trainable=self.is_trainable)
@@ -283,7 +293,7 @@ class StepCompiler:
         whole batch) in place of the config's, compiled and measured."""
         compiler = self if per_device_parallelism is None else self.with_microbatch(per_device_parallelism)
         trainer = compiler.trainer()
-        return measure(trainer, *compiler.inputs(trainer, model_config))
+        return measure(trainer, *compiler.inputs(trainer, model_config), reserve=self.runtime_reserve)
 
 
 __all__ = [

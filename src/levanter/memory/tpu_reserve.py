@@ -4,8 +4,9 @@ A TPU's ``memory_stats()`` counts a program's arguments and outputs as ``peak_by
 temporaries apart, as ``peak_bytes_reserved``. What the runtime reserves is the program's one temporary
 allocation in HBM, the ``preallocated-temp`` allocation of the default memory space (color 0) in the
 buffer assignment that XLA:TPU computes after its HLO optimizations: every temporary buffer of the program
-has a fixed offset inside it. The compiler's ``memory_analysis().temp_size_in_bytes`` is larger: it also
-counts what the later, low-level stages of the TPU compiler budget beside that allocation. On a v5e chip
+has a fixed offset inside it. The compiler's ``memory_analysis().temp_size_in_bytes`` is larger: it
+counts more than that allocation, which the runtime does not reserve (what more, the compiler's reports
+do not break down). On a v5e chip
 (libtpu 0.0.42) the runtime reserved that allocation to within 0.1 % for the three shipped benchmark
 configs, while the compiler's temporaries were 6 %, 14 % and 33 % above it
 (docs/guides/planning-a-slice.md, "Plan against the chip").
@@ -17,9 +18,11 @@ with ``color C`` for memory spaces other than HBM's, ``preallocated-temp`` for t
 (the program's HLO as text, tens of megabytes for a large step) goes to a temporary directory removed
 after the compile; the compiled program is the same with or without it.
 
-Trade-off: parsing a debug dump's text, whose format XLA does not promise, rather than an API. Where the
-dump holds no such allocation (another compiler version), :func:`ReserveDump.read` returns None and the
-memory figures fall back to the compiler's temporaries, saying so (:class:`levanter.memory.step.StepMemory`).
+Trade-offs: parsing a debug dump's text, whose format XLA does not promise, rather than an API: where the
+dump holds no such allocation (another compiler version), :meth:`ReserveDump.read` returns None and the
+slice plan totals the compiler's temporaries, saying so. And a compile served from JAX's persistent
+compilation cache writes no dump, so only compiles that bypass it (a slice plan's) read the reserve; a
+run's check before its first step weighs the compiler's figure.
 """
 
 from __future__ import annotations
