@@ -184,7 +184,9 @@ def _fit(compiler, limit: int) -> tuple[StepMemory, Any, str]:
         if found is None:
             return memory, compiler, (f"per_device_parallelism: auto finds no microbatch that fits (planned: "
                                       f"the smallest, {pick} per chip)")
-        return memory, compiler, f"per_device_parallelism: auto picks {pick} ({memory.describe()} per chip)"
+        # auto weighs the compiler's figure (as a run's check does), not the runtime's reserve: say which.
+        return memory, compiler, (f"per_device_parallelism: auto picks {pick} ({memory.describe()} per chip "
+                                  "as the compiler counts it)")
     memory = compiler.compile()
     if not memory.fits(limit):
         return memory, compiler, ""  # suggestions searches the microbatch with the other levers
