@@ -16,7 +16,10 @@ compiler's out-of-memory refusal, says one device needs), serves every user:
 - :mod:`~levanter.memory.slice_plan`: ``train_lm --dry_run --slice NAME``, the step compiled by the TPU
   compiler for a slice this machine does not have (its devices and mesh in
   :mod:`~levanter.memory.tpu_compile`, the slice table in :mod:`~levanter.memory.tpu_slices`, the
-  collectives read from the compiled HLO in :mod:`~levanter.memory.hlo`).
+  collectives read from the compiled HLO in :mod:`~levanter.memory.hlo`);
+- :mod:`~levanter.memory.tpu_reserve`: what the TPU runtime reserves for a step's temporaries (the HBM a
+  chip's ``peak_bytes_reserved`` reports), read from the TPU compiler's buffer assignment, for the
+  slice plan's total.
 
 Lazy: importing the package imports none of its modules (the entry point's ``--slice`` must choose JAX's
 platform before anything starts a backend).
@@ -27,6 +30,7 @@ from levanter.utils.facade import facade
 __all__, __getattr__, __dir__ = facade(
     __name__,
     __package__,
-    ("step", "levers", "fit", "shapes", "flags", "plan", "tpu_slices", "tpu_compile", "hlo", "slice_plan"),
+    ("step", "levers", "fit", "shapes", "flags", "plan", "tpu_slices", "tpu_compile", "hlo", "slice_plan",
+     "tpu_reserve"),
     lazy=True,
 )

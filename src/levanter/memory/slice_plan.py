@@ -69,7 +69,8 @@ class SlicePlan:
     opt_bytes: int
     averaged_bytes: int
     batch_bytes: int
-    temp_bytes: int
+    temp_bytes: int  # the compiler's temporaries (memory_analysis)
+    reserved_bytes: Optional[int]  # what the runtime reserves for them (None: the dump did not say)
     total_bytes: Optional[int]
     hbm: int
     hbm_source: str
@@ -122,7 +123,7 @@ def make_slice_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptio
     optimizer = config.optimizer.build(tcfg.num_train_steps)
     counter: list = []
     counting = type("StepCompilerCounted", (_CountingCompiler,), {"counter": counter})
-    compiler = counting(config.model, tcfg, optimizer, loss_fn, vocab_size)
+    compiler = counting(config.model, tcfg, optimizer, loss_fn, vocab_size, runtime_reserve=True)
     limit = options.device_memory or spec.hbm
     limit_source = "--device_memory" if options.device_memory else f"{spec.generation} HBM per chip"
     lowers: list = []
@@ -155,7 +156,9 @@ def make_slice_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptio
         param_count=sum(math.prod(x.shape) for x in floats), param_bytes=shard_bytes(floats),
         opt_bytes=shard_bytes(jax.tree_util.tree_leaves(state.opt_state)),
         averaged_bytes=shard_bytes(jax.tree_util.tree_leaves(state.averaged_model)),
-        batch_bytes=shard_bytes([batch["tokens"].array]), temp_bytes=memory.temp, total_bytes=memory.total,
+        batch_bytes=shard_bytes([batch["tokens"].array]), temp_bytes=memory.temp,
+        reserved_bytes=memory.reserved,
+        total_bytes=memory.total if memory.runtime_total is None else memory.runtime_total,
         hbm=limit, hbm_source=limit_source, compiler_oom=memory.oom,
         flops_per_token=float(config.model.flops_per_token(vocab_size)),
         peak_flops=options.peak_flops or peak_flops_per_device(devices[0]),
@@ -181,7 +184,9 @@ def _fit(compiler, limit: int) -> tuple[StepMemory, Any, str]:
         if found is None:
             return memory, compiler, (f"per_device_parallelism: auto finds no microbatch that fits (planned: "
                                       f"the smallest, {pick} per chip)")
-        return memory, compiler, f"per_device_parallelism: auto picks {pick} ({memory.describe()} per chip)"
+        # auto weighs the compiler's figure (as a run's check does), not the runtime's reserve: say which.
+        return memory, compiler, (f"per_device_parallelism: auto picks {pick} ({memory.describe()} per chip "
+                                  "as the compiler counts it)")
     memory = compiler.compile()
     if not memory.fits(limit):
         return memory, compiler, ""  # suggestions searches the microbatch with the other levers
@@ -236,6 +241,20 @@ def _gib(n: Optional[float]) -> str:
     return "?" if n is None else size(n)
 
 
+def _reserve_lines(plan: SlicePlan) -> list[str]:
+    """The runtime's reserve and the total: what the chip's ``memory_stats()`` will report."""
+    total = f"  total                 {_gib(plan.total_bytes):>14}   "
+    if plan.compiler_oom:
+        return [total + "(the compiler's figure: it refused the step)"]
+    if plan.reserved_bytes is None:
+        return [f"  runtime reserve       {'?':>14}   (the compiler's buffer assignment did not say: the "
+                "total counts the compiled temporaries, an upper bound)",
+                total + "(at most the chip's peak_bytes_in_use + peak_bytes_reserved)"]
+    return [f"  runtime reserve       {_gib(plan.reserved_bytes):>14}   (the HBM the TPU runtime sets aside "
+            "for the temporaries: the buffer assignment's allocation)",
+            total + "(arguments + reserve: the chip's peak_bytes_in_use + peak_bytes_reserved)"]
+
+
 def format_slice_plan(plan: SlicePlan, config_path: Optional[str] = None) -> str:
     """The plan as ``--dry_run --slice`` prints it."""
     mesh = " x ".join(f"{k}={v}" for k, v in plan.mesh_shape.items())
@@ -260,8 +279,8 @@ def format_slice_plan(plan: SlicePlan, config_path: Optional[str] = None) -> str
           if plan.averaged_bytes else []),
         f"  batch                 {_gib(plan.batch_bytes):>14}",
         f"  compiled temporaries  {_gib(None if plan.compiler_oom else plan.temp_bytes):>14}   "
-        "(activations, gradients, logits, scratch)",
-        f"  total                 {_gib(plan.total_bytes):>14}   (the chip's peak_bytes_in_use + peak_bytes_reserved)",
+        "(activations, gradients, logits, scratch: the compiler's memory_analysis)",
+        *_reserve_lines(plan),
     ]
     if plan.fits:
         verdict = f"fits, {plan.total_bytes / plan.hbm:.0%} used"

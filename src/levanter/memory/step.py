@@ -5,10 +5,13 @@ would, with its mesh, shardings and microbatches), compiled for abstract inputs 
 leaves with the run's shardings: nothing is allocated, however large the model) and XLA's
 ``memory_analysis()`` says what one device needs at the step's peak: its arguments (parameters, optimizer
 state, batch), the outputs that do not reuse a donated argument's buffer, and the temporaries (activations
-kept for the backward pass, gradients, logits). An accelerator's compiler may refuse a program that cannot
-fit (``RESOURCE_EXHAUSTED`` at compile time: XLA:TPU's "the total memory required for HLO temporaries (X)
-exceeds available HBM (Y)", or "Used X of Y hbm"): that counts as a measurement too, with the figures from
-its message (:func:`oom_figures`).
+kept for the backward pass, gradients, logits). A slice plan's compiles for TPUs also read what the TPU
+runtime will reserve for the temporaries (:mod:`levanter.memory.tpu_reserve`), less than the compiler's
+``temp_size_in_bytes``: :attr:`StepMemory.runtime_total` is what the chip will report. The checks and
+searches (a run's before its first step, ``auto``, the levers) weigh the compiler's figure, which is what
+the compiler itself refuses a program by. An accelerator's compiler may refuse a program that cannot fit (``RESOURCE_EXHAUSTED`` at compile time:
+XLA:TPU's "the total memory required for HLO temporaries (X) exceeds available HBM (Y)", or "Used X of Y
+hbm"): that counts as a measurement too, with the figures from its message (:func:`oom_figures`).
 
 The device's memory (:func:`device_memory`): ``--device_memory`` for a plan, else the environment variable
 ``LEVANTER_DEVICE_MEMORY`` (e.g. ``512MiB``: for tests on CPU, or to keep headroom for something else on
@@ -34,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from levanter.memory.tpu_reserve import ReserveDump, reserve_dump
 from levanter.quantization import with_fp8
 from levanter.training import Trainer, TrainerState
 from levanter.training import TrainerConfig
@@ -140,14 +144,26 @@ def oom_figures(text: str) -> Optional[tuple[int, int]]:
 # -- measuring a compiled step -------------------------------------------------------------------------------
 @dataclasses.dataclass
 class StepMemory:
-    """One device's figures (bytes) of one compiled train step. ``total`` is None when the compiler ran
-    out of memory without saying how much it needed."""
+    """One device's figures (bytes) of one compiled train step: ``total`` is the arguments, the outputs
+    that do not reuse a donated argument's buffer, and the compiler's temporaries; None when the compiler
+    ran out of memory without saying how much it needed."""
 
     total: Optional[int]
-    temp: int = 0
+    temp: int = 0  # the compiler's temporaries (memory_analysis().temp_size_in_bytes)
     compiled: Any = None  # the executable; None when the compiler refused it
     oom: Optional[str] = None  # the compiler's out-of-memory message
     capacity: Optional[int] = None  # what the compiler said it had for the program, when it refused it
+    # What the TPU runtime reserves for the temporaries (levanter.memory.tpu_reserve), where asked for and
+    # the TPU compiler's buffer assignment says; None elsewhere.
+    reserved: Optional[int] = None
+
+    @property
+    def runtime_total(self) -> Optional[int]:
+        """``total`` with what the TPU runtime reserves in place of the compiler's temporaries: what the
+        chip's ``peak_bytes_in_use + peak_bytes_reserved`` will be; None where the reserve is not known."""
+        if self.reserved is None or self.total is None or self.compiled is None:
+            return None
+        return self.total - self.temp + self.reserved
 
     def fits(self, limit: Optional[int], headroom: float = 0.0) -> bool:
         if limit is None:
@@ -205,14 +221,24 @@ def largest_batch(tcfg: TrainerConfig) -> int:
     return max(seg.value for seg in tcfg.batch_schedule.segments)
 
 
-def measure(trainer: Trainer, state, batch, batch_size: int) -> StepMemory:
-    """Compile ``trainer``'s step for ``(state, batch)`` ahead of time and read its memory."""
-    return compile_memory(lambda: trainer.lower_train_step(state, batch, batch_size).compile())
+def measure(trainer: Trainer, state, batch, batch_size: int, reserve: bool = False) -> StepMemory:
+    """Compile ``trainer``'s step for ``(state, batch)`` ahead of time and read its memory; with ``reserve``
+    and TPU devices, also what the runtime reserves for its temporaries. Only for compiles that JAX's
+    persistent cache does not serve (a slice plan's): a compile served from it writes no dump."""
+    if not reserve or trainer.mesh.devices.flat[0].platform != "tpu":
+        return compile_memory(lambda: trainer.lower_train_step(state, batch, batch_size).compile())
+    with reserve_dump() as dump:
+        return compile_memory(
+            lambda: trainer.lower_train_step(state, batch, batch_size).compile(compiler_options=dump.options),
+            reserve=dump,
+        )
 
 
-def compile_memory(compile_: Callable[[], Any]) -> StepMemory:
+def compile_memory(compile_: Callable[[], Any], reserve: Optional[ReserveDump] = None) -> StepMemory:
     """What one device needs for the program ``compile_()`` compiles: XLA's ``memory_analysis()`` of the
-    executable, or, where the compiler refuses it for lack of memory, the figures of its message."""
+    executable, or, where the compiler refuses it for lack of memory, the figures of its message. With
+    ``reserve`` (the dump ``compile_`` passes to the TPU compiler), also what the TPU runtime reserves for
+    the temporaries (:mod:`levanter.memory.tpu_reserve`), where the dump says."""
     try:
         compiled = compile_()
     except Exception as e:  # noqa: BLE001 -- only the compiler's out-of-memory refusal is a measurement
@@ -228,7 +254,8 @@ def compile_memory(compile_: Callable[[], Any]) -> StepMemory:
     args, outs, aliased = (int(mem.argument_size_in_bytes), int(mem.output_size_in_bytes),
                            int(mem.alias_size_in_bytes))
     temp = int(mem.temp_size_in_bytes)
-    return StepMemory(total=args + outs - aliased + temp, temp=temp, compiled=compiled)
+    reserved = reserve.read() if reserve is not None else None
+    return StepMemory(total=args + outs - aliased + temp, temp=temp, compiled=compiled, reserved=reserved)
 
 
 @dataclasses.dataclass
@@ -244,6 +271,8 @@ class StepCompiler:
     adapt: Optional[Callable] = None
     # The trainer's is_trainable (the leaves that train, with gradients and optimizer state); None: all.
     is_trainable: Optional[Callable] = None
+    # Read what the TPU runtime reserves for the temporaries (StepMemory.reserved): a slice plan's compiles.
+    runtime_reserve: bool = False
 
     def trainer(self, tcfg: Optional[TrainerConfig] = None) -> Trainer:
         return Trainer(tcfg or self.trainer_config, self.optimizer, self.loss_fn, is_trainable=self.is_trainable)
@@ -264,7 +293,7 @@ class StepCompiler:
         whole batch) in place of the config's, compiled and measured."""
         compiler = self if per_device_parallelism is None else self.with_microbatch(per_device_parallelism)
         trainer = compiler.trainer()
-        return measure(trainer, *compiler.inputs(trainer, model_config))
+        return measure(trainer, *compiler.inputs(trainer, model_config), reserve=self.runtime_reserve)
 
 
 __all__ = [
