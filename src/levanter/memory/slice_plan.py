@@ -30,6 +30,7 @@ figure from a compile, never an estimate.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any, Callable, Optional
 
@@ -46,6 +47,8 @@ from levanter.memory.tpu_compile import compile_only, on_slice, slice_devices
 from levanter.memory.tpu_slices import GENERATIONS, TpuSlice, parse_slice
 from levanter.models import resolve_attn_backend
 from levanter.utils.flops import peak_flops_per_device
+
+logger = logging.getLogger(__name__)
 
 LARGER_SLICES = 2  # larger slices a plan that does not fit compiles, at most
 
@@ -175,6 +178,9 @@ def _fit(compiler, limit: int) -> tuple[StepMemory, Any, str]:
     if tcfg.per_device_parallelism == "auto":
         cands = microbatch_candidates(tcfg)
         memory = compiler.with_microbatch(cands[0]).compile()
+        # The search logs the microbatches it compiles; this one (the whole batch) is said here, so that a plan
+        # whose auto picks less shows what the whole batch needed against auto's headroom.
+        logger.info("per_device_parallelism %d: the step needs %s per device", cands[0], memory.describe())
         pick, found = cands[0], cands[0]
         if not memory.fits(limit, AUTO_HEADROOM):
             found, seen = auto_pick(compiler.with_microbatch(cands[0]), memory, limit)
