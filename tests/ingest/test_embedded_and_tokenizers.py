@@ -195,10 +195,12 @@ def test_a_shared_directory_builds_each_split_once_for_every_cache_directory(tmp
     assert embedded._corpus.cache_info().misses == 1  # built once, in the shared directory
     shared_file = shared / "python-docs" / "validation.jsonl"
     assert open(first, "rb").read() == open(built, "rb").read() == shared_file.read_bytes()
+    assert (shared / "python-docs" / "train.jsonl").is_file()  # the corpus parsed once gives both splits
 
     embedded._corpus.cache_clear()  # as in a new process
     second = materialize("python-docs", "validation", str(tmp_path / "b"))
-    assert list(iter_embedded_documents("python-docs", "validation")) == corpus[("python-docs", "validation")]
+    for split in EMBEDDED_SPLITS:
+        assert list(iter_embedded_documents("python-docs", split)) == corpus[("python-docs", split)]
     assert embedded._corpus.cache_info().misses == 0  # copied and read, not built
     assert open(second, "rb").read() == open(built, "rb").read()
 
