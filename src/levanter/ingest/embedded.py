@@ -352,7 +352,7 @@ def iter_embedded_documents(name: str, split: str) -> Iterator[dict]:
     shared = _shared_dir()
     if shared is not None:
         # Split on "\n" only: the JSON keeps other line separators (U+2028, ...) raw inside its strings.
-        for line in fs.read_bytes(_shared_split(name, split, shared)).split(b"\n"):
+        for line in fs.read_bytes(_shared_split(name, split, shared, corpus_fingerprint(name))).split(b"\n"):
             if line:
                 yield json.loads(line)
         return
@@ -387,35 +387,35 @@ def _shared_dir() -> str | None:
     return os.environ.get(EMBEDDED_DIR_ENV) or None
 
 
-def _shared_split(name: str, split: str, shared: str) -> str:
+def _shared_split(name: str, split: str, shared: str, fingerprint: str) -> str:
     """The path of ``split`` in the shared directory, built there when missing or stale. Building it parses the
     corpus that gives every split of ``name``, so the others are written there with it."""
-    if not _is_current(shared, name, split):
+    if not _is_current(shared, name, split, fingerprint):
         for other in EMBEDDED_SPLITS:
             if other != split:
-                _materialize(name, other, shared, use_shared=False)
-    return _materialize(name, split, shared, use_shared=False)
+                _materialize(name, other, shared, use_shared=False, fingerprint=fingerprint)
+    return _materialize(name, split, shared, use_shared=False, fingerprint=fingerprint)
 
 
-def _is_current(out_dir: str, name: str, split: str) -> bool:
+def _is_current(out_dir: str, name: str, split: str, fingerprint: str) -> bool:
     """Whether ``out_dir`` holds the split whole, its stamp matching this corpus and the file's content."""
     path = fs.join(out_dir, name, f"{split}.jsonl")
     stamp_path = fs.join(out_dir, name, f".{split}.jsonl.stamp")
     return (fs.isfile(path) and fs.isfile(stamp_path)
-            and fs.read_bytes(stamp_path) == _stamp(corpus_fingerprint(name), fs.read_bytes(path)))
+            and fs.read_bytes(stamp_path) == _stamp(fingerprint, fs.read_bytes(path)))
 
 
-def _materialize(name: str, split: str, out_dir: str, *, use_shared: bool) -> str:
+def _materialize(name: str, split: str, out_dir: str, *, use_shared: bool, fingerprint: str | None = None) -> str:
     path = fs.join(out_dir, name, f"{split}.jsonl")
     stamp_path = fs.join(out_dir, name, f".{split}.jsonl.stamp")
-    if _is_current(out_dir, name, split):
+    fingerprint = fingerprint or corpus_fingerprint(name)
+    if _is_current(out_dir, name, split, fingerprint):
         return path
-    fingerprint = corpus_fingerprint(name)
     shared = _shared_dir() if use_shared else None
     if shared is not None:
         # The shared copy is checked against its own stamp (and built there if it fails), so what is copied
         # is what building the corpus here would give.
-        blob = fs.read_bytes(_shared_split(name, split, shared))
+        blob = fs.read_bytes(_shared_split(name, split, shared, fingerprint))
     else:
         data = "".join(json.dumps(doc, ensure_ascii=False) + "\n" for doc in _built_documents(name, split))
         blob = data.encode("utf-8")
