@@ -32,7 +32,10 @@ install: minutes, and the package index must be reachable).
 The environment of the blocks: ``HOME`` is an empty directory of the run (nothing reaches the user's home),
 ``XLA_FLAGS``, ``JAX_PLATFORMS`` and ``PYTHONPATH`` are cleared as on a user's shell, ``HF_HUB_OFFLINE=1``;
 JAX's persistent compilation cache (``JAX_COMPILATION_CACHE_DIR``, kept if set, else a directory of the
-run) lets the many small training commands share compiled programs: a cache, not an output.
+run) lets the many small training commands share compiled programs, and ``LEVANTER_EMBEDDED_DIR`` (kept if
+set, else a directory of the run) their embedded corpus's text, parsed from the stdlib once instead of once
+per cache directory (``levanter.ingest.embedded``): caches, not outputs; every command still writes its own
+data caches in the clone.
 
 Exit status 0 when every block ran, 1 when one failed (its output's tail is printed), 2 for bad arguments.
 ``tests/project/test_guides.py`` runs this (slow) and checks the markdown's blocks without running them (fast).
@@ -199,6 +202,7 @@ def block_env(clone: str, work: str) -> Dict[str, str]:
     os.makedirs(home, exist_ok=True)
     env.update(HOME=home, PYTHONPATH=os.path.join(clone, "src"), HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     env.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(work, "xla-cache"))
+    env.setdefault("LEVANTER_EMBEDDED_DIR", os.path.join(work, "embedded"))
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
     return env

@@ -45,6 +45,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "sockets: starts local TCP servers; skipped where they cannot run "
                                        "(tests/accelerator.py: a TPU, LEVANTER_TEST_NO_SOCKETS=1)")
     _configure_xla_cache(config)  # first: JAX reads the cache's environment when it is imported
+    _configure_embedded_dir(config)
     _configure_tpu()
 
 
@@ -99,6 +100,20 @@ def _configure_xla_cache(config):
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 
+def _configure_embedded_dir(config):
+    """One directory for the embedded corpus's text (``LEVANTER_EMBEDDED_DIR``, levanter.ingest.embedded),
+    shared like the compilation cache: the tests and the ``train_lm`` subprocesses they start build many
+    caches from ``embedded://`` URLs, each in a new directory, and each would otherwise parse the stdlib
+    again (about 3 s on a busy 2-core machine). Set in the controlling process; a directory the environment
+    already names is kept."""
+    import tempfile
+
+    if hasattr(config, "workerinput") or os.environ.get("LEVANTER_EMBEDDED_DIR"):
+        return
+    config._levanter_embedded_dir = tempfile.mkdtemp(prefix="levanter-test-embedded-")
+    os.environ["LEVANTER_EMBEDDED_DIR"] = config._levanter_embedded_dir
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
     """A pytest-xdist worker, its tests and fixtures done: collect its garbage now and freeze the rest
@@ -118,9 +133,10 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_unconfigure(config):
     import shutil
 
-    directory = getattr(config, "_levanter_xla_cache", None)
-    if directory:
-        shutil.rmtree(directory, ignore_errors=True)
+    for attr in ("_levanter_xla_cache", "_levanter_embedded_dir"):
+        directory = getattr(config, attr, None)
+        if directory:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -290,12 +290,24 @@ def losses(tmp_path, run_id) -> dict:
         return {r["step"]: r["train/loss"] for r in map(json.loads, f) if "train/loss" in r}
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    """The losses of one uninterrupted run, step by step: what every interrupted and resumed run below must
+    equal. Run once per session (the tests using it may run on different xdist workers)."""
+    from helpers import once_per_session
+
+    def make(directory):
+        ref = run_train(directory, "ref")
+        assert ref.returncode == 0, ref.stderr[-3000:]
+        return losses(directory, "ref")
+
+    value = once_per_session(tmp_path_factory, "async-checkpoint-reference", make)
+    assert sorted(value) == list(range(12))
+    return value
+
+
 @pytest.mark.slow
-def test_kill_9_or_sigterm_during_a_background_write_then_rerun_resumes_bit_for_bit(tmp_path):
-    ref = run_train(tmp_path, "ref")
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    reference = losses(tmp_path, "ref")
-    assert sorted(reference) == list(range(12))
+def test_kill_9_or_sigterm_during_a_background_write_then_rerun_resumes_bit_for_bit(tmp_path, reference):
 
     # kill -9 after 8 updates. Each save is held open ~0.05 s per array (~4 s), so step-3 was committed (the
     # save of step 6 waited for it) and the save of step 6 is still in flight: steps 7 and 8 trained on.
@@ -363,7 +375,7 @@ def _stopped(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_a_checkpoint_directory_turning_read_only_during_a_background_save_is_one_error(tmp_path):
+def test_a_checkpoint_directory_turning_read_only_during_a_background_save_is_one_error(tmp_path, request):
     """The checkpoints go to a tmpfs (skipped where mounting one is not allowed) that is remounted read-only
     while the save of step 6 is in flight (the writer stops itself with SIGSTOP just before its commit, the
     test remounts and continues it). The run stops with one ``error:`` paragraph naming the directory and
@@ -373,8 +385,7 @@ def test_a_checkpoint_directory_turning_read_only_during_a_background_save_is_on
     mnt = tmp_path / "ro"
     _mount_tmpfs(mnt, "64m")
     try:
-        ref = run_train(tmp_path, "ref")
-        assert ref.returncode == 0, ref.stderr[-3000:]
+        reference = request.getfixturevalue("reference")  # after the mount: a skipped test runs nothing
         cfg = tmp_path / "async.yaml"
         cfg.write_text(YAML.format(cache=tmp_path / "cache", logs=tmp_path / "logs", ckpt=mnt))
         env = {k: v for k, v in os.environ.items() if not k.startswith("LEVANTER_FAULT_")}
@@ -410,6 +421,6 @@ def test_a_checkpoint_directory_turning_read_only_during_a_background_save_is_on
         resumed = run_train(tmp_path, "ro", ckpt=mnt)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert f"resuming from checkpoint {run_dir / before}" in resumed.stderr, resumed.stderr[-3000:]
-        assert losses(tmp_path, "ro") == losses(tmp_path, "ref")
+        assert losses(tmp_path, "ro") == reference
     finally:
         subprocess.run(["umount", str(mnt)], check=True)

@@ -92,11 +92,17 @@ def _kill_trial(tmp_path, run_id, processes, devices, victim, rng, reference):
 
 @pytest.fixture(scope="module")
 def two_process_reference(tmp_path_factory):
-    """An uninterrupted run on 2 processes of 1 device: its losses, step by step."""
-    d = tmp_path_factory.mktemp("two-process-reference")
-    reference = _reference(d, 2, 1)
+    """An uninterrupted run on 2 processes of 1 device: its losses, step by step. Run once per session: the
+    two tests using it may run on different xdist workers, and a module fixture runs once per worker."""
+    from helpers import once_per_session
+
+    def make(d):
+        reference = _reference(d, 2, 1)
+        assert _committed(d / "ckpt" / "ref") == [4, 8, 12]
+        return reference
+
+    reference = once_per_session(tmp_path_factory, "two-process-checkpoint-reference", make)
     assert sorted(reference) == list(range(STEPS))
-    assert _committed(d / "ckpt" / "ref") == [4, 8, 12]
     return reference
 
 

@@ -34,9 +34,18 @@ UNICODE_SAMPLES = [
 
 
 # -- embedded corpus ---------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _no_shared_dir(monkeypatch):
+    """These tests build the corpus from the stdlib, without the shared directory tests/conftest.py names
+    (LEVANTER_EMBEDDED_DIR); test_a_shared_directory_... sets one of its own."""
+    monkeypatch.delenv(embedded.EMBEDDED_DIR_ENV, raising=False)
+
+
 @pytest.fixture(scope="module")
 def corpus():
-    return {(n, s): list(iter_embedded_documents(n, s)) for n in EMBEDDED_SOURCES for s in EMBEDDED_SPLITS}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(embedded.EMBEDDED_DIR_ENV, raising=False)
+        return {(n, s): list(iter_embedded_documents(n, s)) for n in EMBEDDED_SOURCES for s in EMBEDDED_SPLITS}
 
 
 def test_documents_are_deterministic(corpus):
@@ -172,6 +181,34 @@ def test_materialize_reuses_a_stamped_file_without_building_the_corpus(tmp_path,
     assert materialize("python-docs", "validation", out) == path
     assert embedded._corpus.cache_info().misses == 1
     assert open(path, "rb").read() == good
+
+
+def test_a_shared_directory_builds_each_split_once_for_every_cache_directory(tmp_path, corpus, monkeypatch):
+    """With LEVANTER_EMBEDDED_DIR set, a split is built once there, and a process materialising it into
+    another directory (or iterating its documents) copies it from there without parsing the stdlib; the
+    copies are byte for byte what a build gives. A shared file changed behind its stamp is rebuilt."""
+    built = materialize("python-docs", "validation", str(tmp_path / "built"))  # no shared directory
+    shared = tmp_path / "shared"
+    monkeypatch.setenv(embedded.EMBEDDED_DIR_ENV, str(shared))
+    embedded._corpus.cache_clear()
+    first = materialize("python-docs", "validation", str(tmp_path / "a"))
+    assert embedded._corpus.cache_info().misses == 1  # built once, in the shared directory
+    shared_file = shared / "python-docs" / "validation.jsonl"
+    assert open(first, "rb").read() == open(built, "rb").read() == shared_file.read_bytes()
+    assert (shared / "python-docs" / "train.jsonl").is_file()  # the corpus parsed once gives both splits
+
+    embedded._corpus.cache_clear()  # as in a new process
+    second = materialize("python-docs", "validation", str(tmp_path / "b"))
+    for split in EMBEDDED_SPLITS:
+        assert list(iter_embedded_documents("python-docs", split)) == corpus[("python-docs", split)]
+    assert embedded._corpus.cache_info().misses == 0  # copied and read, not built
+    assert open(second, "rb").read() == open(built, "rb").read()
+
+    good = shared_file.read_bytes()
+    shared_file.write_bytes(good.replace(b'"text"', b'"TEXT"', 1))  # same size, other bytes
+    third = materialize("python-docs", "validation", str(tmp_path / "c"))
+    assert embedded._corpus.cache_info().misses == 1
+    assert open(third, "rb").read() == shared_file.read_bytes() == good
 
 
 def test_fingerprint_stable_and_distinct():

@@ -40,6 +40,13 @@ stamp beside it: the corpus fingerprint and the file's SHA-256), so a later proc
 and the fingerprint unchanged uses it without building the corpus again (a stdlib file edited in place to the
 same size goes unnoticed there, as it does for the fingerprint itself).
 
+A directory named by ``LEVANTER_EMBEDDED_DIR`` (unset by default) extends that reuse across cache directories:
+each split is materialised there once (stamped the same way), and every process that needs the text, for any
+cache directory, copies it from there instead of parsing the stdlib again. The test suite and
+``scripts/run_guides.py`` set it, since they start hundreds of processes, each with a new cache directory
+(about 3 s of parsing each on a busy 2-core machine); a file there that no longer matches its stamp or the
+corpus fingerprint is rebuilt, as in any cache directory.
+
 URLs: ``embedded://<name>/<split>`` (``embedded://python-docs/train``) names a split;
 :func:`resolve_embedded_url` materialises it as ``<dir>/<name>/<split>.jsonl`` and returns the path.
 """
@@ -60,6 +67,7 @@ from collections.abc import Iterator
 from ..utils import fs
 
 __all__ = [
+    "EMBEDDED_DIR_ENV",
     "EMBEDDED_SOURCES",
     "EMBEDDED_SPLITS",
     "EMBEDDED_URL_SCHEME",
@@ -74,6 +82,9 @@ __all__ = [
 EMBEDDED_SOURCES = ("python-docs", "python-code")
 EMBEDDED_SPLITS = ("train", "validation")
 EMBEDDED_URL_SCHEME = "embedded://"
+# The environment variable naming a directory shared by processes: splits materialised once there are copied
+# from there (see the module docstring).
+EMBEDDED_DIR_ENV = "LEVANTER_EMBEDDED_DIR"
 
 # Bump when the extraction or split rules change: the fingerprint then changes with them, so caches
 # built by older code are refused even on the same Python.
@@ -338,6 +349,17 @@ def iter_embedded_documents(name: str, split: str) -> Iterator[dict]:
     """
     _check_name(name)
     _check_split(split)
+    shared = _shared_dir()
+    if shared is not None:
+        # Split on "\n" only: the JSON keeps other line separators (U+2028, ...) raw inside its strings.
+        for line in fs.read_bytes(_shared_split(name, split, shared, corpus_fingerprint(name))).split(b"\n"):
+            if line:
+                yield json.loads(line)
+        return
+    yield from _built_documents(name, split)
+
+
+def _built_documents(name: str, split: str) -> Iterator[dict]:
     docs, val_keys = _corpus(name, corpus_fingerprint(name))
     want_val = split == "validation"
     for key, source, text in docs:
@@ -353,18 +375,50 @@ def materialize(name: str, split: str, out_dir: str) -> str:
     and skipped when an identical file is already there, so the file's mtime only changes when its content
     does and concurrent writers are safe. Beside the file, ``.<split>.jsonl.stamp`` holds the corpus fingerprint
     and the file's SHA-256: when both still match, the file is used as it is, without building the corpus
-    (seconds of parsing for python-docs); any other file (edited, truncated, from another Python) is rebuilt.
+    (seconds of parsing for python-docs); any other file (edited, truncated, from another Python) is rebuilt,
+    copied from the ``LEVANTER_EMBEDDED_DIR`` directory when one is set (where it is checked the same way).
     """
     _check_name(name)
     _check_split(split)
+    return _materialize(name, split, out_dir, use_shared=True)
+
+
+def _shared_dir() -> str | None:
+    return os.environ.get(EMBEDDED_DIR_ENV) or None
+
+
+def _shared_split(name: str, split: str, shared: str, fingerprint: str) -> str:
+    """The path of ``split`` in the shared directory, built there when missing or stale. Building it parses the
+    corpus that gives every split of ``name``, so the others are written there with it."""
+    if not _is_current(shared, name, split, fingerprint):
+        for other in EMBEDDED_SPLITS:
+            if other != split:
+                _materialize(name, other, shared, use_shared=False, fingerprint=fingerprint)
+    return _materialize(name, split, shared, use_shared=False, fingerprint=fingerprint)
+
+
+def _is_current(out_dir: str, name: str, split: str, fingerprint: str) -> bool:
+    """Whether ``out_dir`` holds the split whole, its stamp matching this corpus and the file's content."""
     path = fs.join(out_dir, name, f"{split}.jsonl")
     stamp_path = fs.join(out_dir, name, f".{split}.jsonl.stamp")
-    fingerprint = corpus_fingerprint(name)
-    if fs.isfile(path) and fs.isfile(stamp_path):
-        if fs.read_bytes(stamp_path) == _stamp(fingerprint, fs.read_bytes(path)):
-            return path
-    data = "".join(json.dumps(doc, ensure_ascii=False) + "\n" for doc in iter_embedded_documents(name, split))
-    blob = data.encode("utf-8")
+    return (fs.isfile(path) and fs.isfile(stamp_path)
+            and fs.read_bytes(stamp_path) == _stamp(fingerprint, fs.read_bytes(path)))
+
+
+def _materialize(name: str, split: str, out_dir: str, *, use_shared: bool, fingerprint: str | None = None) -> str:
+    path = fs.join(out_dir, name, f"{split}.jsonl")
+    stamp_path = fs.join(out_dir, name, f".{split}.jsonl.stamp")
+    fingerprint = fingerprint or corpus_fingerprint(name)
+    if _is_current(out_dir, name, split, fingerprint):
+        return path
+    shared = _shared_dir() if use_shared else None
+    if shared is not None:
+        # The shared copy is checked against its own stamp (and built there if it fails), so what is copied
+        # is what building the corpus here would give.
+        blob = fs.read_bytes(_shared_split(name, split, shared, fingerprint))
+    else:
+        data = "".join(json.dumps(doc, ensure_ascii=False) + "\n" for doc in _built_documents(name, split))
+        blob = data.encode("utf-8")
     if not (fs.isfile(path) and fs.size(path) == len(blob) and fs.read_bytes(path) == blob):
         fs.makedirs(fs.parent(path))
         fs.atomic_write_bytes(path, blob)
