@@ -1,10 +1,12 @@
 """A test whose pytest-xdist worker process dies runs once more, in a fresh worker; a second death fails it.
 
-The suite compiles thousands of XLA:CPU programs per worker, and on rare runs a worker has died of a
-segmentation fault inside XLA itself (in the compiler, or in serializing an executable for the persistent
-compilation cache), in a different test each time and never again when that test ran alone or again. A
-dead worker fails the test it was running with no Python traceback to act on, so one such crash in XLA
-turned a whole CI run red. Here the controller reschedules that test once (xdist's
+The suite compiles thousands of XLA:CPU programs per worker, and on rare runs a worker that had run
+hundreds of tests has died inside XLA itself (a segmentation fault or an abort in the compiler, or in
+serializing an executable for the persistent compilation cache), mostly while compiling the first program
+of ``tests/models/test_quantization.py``'s fp8 resume test; that test alone, its file alone, and the slice
+plans (which load libtpu into the worker) followed by it never crashed in repeated runs. A dead worker
+fails the test it was running with no Python traceback to act on, so one such crash in XLA turned a whole
+CI run red. Here the controller reschedules that test once (xdist's
 ``pytest_handlecrashitem``); the crash still prints its native stack (faulthandler) where it happened, the
 test is reported as ``rerun`` (letter ``R``), and the summary names it with the worker that died. A test
 that kills its worker twice fails as before, so a crash this project's code causes every time is still
