@@ -9,9 +9,10 @@ kept for the backward pass, gradients, logits). A slice plan's compiles for TPUs
 runtime will reserve for the temporaries (:mod:`levanter.memory.tpu_reserve`), less than the compiler's
 ``temp_size_in_bytes``: :attr:`StepMemory.runtime_total` is what the chip will report. The checks and
 searches (a run's before its first step, ``auto``, the levers) weigh the compiler's figure, which is what
-the compiler itself refuses a program by. An accelerator's compiler may refuse a program that cannot fit (``RESOURCE_EXHAUSTED`` at compile time:
-XLA:TPU's "the total memory required for HLO temporaries (X) exceeds available HBM (Y)", or "Used X of Y
-hbm"): that counts as a measurement too, with the figures from its message (:func:`oom_figures`).
+the compiler itself refuses a program by. An accelerator's compiler may refuse a program that cannot
+fit (``RESOURCE_EXHAUSTED`` at compile time: XLA:TPU's "the total memory required for HLO temporaries (X)
+exceeds available HBM (Y)", or "Used X of Y hbm"): that counts as a measurement too, with the figures from
+its message (:func:`oom_figures`).
 
 The device's memory (:func:`device_memory`): ``--device_memory`` for a plan, else the environment variable
 ``LEVANTER_DEVICE_MEMORY`` (e.g. ``512MiB``: for tests on CPU, or to keep headroom for something else on
