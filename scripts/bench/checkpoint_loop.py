@@ -16,8 +16,9 @@ synchronous save would stop the loop for.
 
 ``--policies`` names how the background saves copy the state before the loop goes on
 (``Checkpointer.snapshot_policy``): ``auto`` (the default: device copies where the devices have room, the
-rest copied to host memory, waited for), ``pinned`` (all transferred into pinned host memory), ``pinned-async`` (all transferred,
-not waited for: the next step is dispatched at once and the runtime orders it after the transfers) or
+rest copied to host memory, waited for), ``pinned`` (all transferred into pinned host memory),
+``pinned-async`` (all transferred, not waited for: the next step is dispatched at once and the runtime
+orders it after the transfers) or
 ``host`` (the copy to host memory: how every save that did not fit on the devices copied before). The first
 background save uses the first policy and is a warm-up (it compiles the all-finite check), left out of the
 medians; the following saves take the policies in turn, so each is measured in the same run.

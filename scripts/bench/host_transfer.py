@@ -18,7 +18,8 @@ first device, in the sizes of a Llama's parameters and moments (``--gb`` in all)
 * ``pinned``: ``jax.device_put`` of every array into the device's ``pinned_host`` memory, waited for (where
   the backend has it), then ``pinned-again``: the same once more, to tell the first allocation of pinned
   memory from the transfer itself;
-* ``touch``: for scale, allocating and writing the same bytes in fresh numpy arrays (page faults, no transfer).
+* ``touch``: for scale, allocating and writing the same bytes in fresh numpy arrays (page faults, no
+  transfer).
 
 On the CPU backend the devices' memory is host memory and ``np.asarray`` returns a view: the figures there
 only show that the script runs.
@@ -116,11 +117,12 @@ def main(argv=None) -> None:
         ways["pinned"] = first()
         ways["pinned-again"] = statistics.median(first() for _ in range(args.repeats))
     ways["touch"] = timed(lambda: [np.ones(a.shape, np.float32) for a in arrays], args.repeats)
-    result = {"gb": nbytes / 1e9, "arrays": len(arrays), "device": device.device_kind,
-              "ways": {k: {"seconds": round(v, 4), "gb_per_s": round(nbytes / 1e9 / v, 3)} for k, v in ways.items()}}
-    _common.print_table(f"{nbytes / 1e9:.2f} GB in {len(arrays)} float32 arrays, {device.device_kind}",
-                        [("way", 16), ("seconds", 9), ("GB/s", 8)],
-                        [[k, f"{v['seconds']:.3f}", f"{v['gb_per_s']:.2f}"] for k, v in result["ways"].items()])
+    gb = nbytes / 1e9
+    result = {"gb": gb, "arrays": len(arrays), "device": device.device_kind,
+              "ways": {k: {"seconds": round(v, 4), "gb_per_s": round(gb / v, 3)} for k, v in ways.items()}}
+    rows = [[k, f"{v['seconds']:.3f}", f"{v['gb_per_s']:.2f}"] for k, v in result["ways"].items()]
+    _common.print_table(f"{gb:.2f} GB in {len(arrays)} float32 arrays, {device.device_kind}",
+                        [("way", 16), ("seconds", 9), ("GB/s", 8)], rows)
     _common.write_json(args.json, result)
     print(json.dumps(result))
 
