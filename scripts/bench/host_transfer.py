@@ -18,6 +18,13 @@ first device, in the sizes of a Llama's parameters and moments (``--gb`` in all)
 * ``pinned``: ``jax.device_put`` of every array into the device's ``pinned_host`` memory, waited for (where
   the backend has it), then ``pinned-again``: the same once more, to tell the first allocation of pinned
   memory from the transfer itself;
+* ``jit-pinned``: one jitted program whose outputs are the arrays in ``pinned_host`` memory (XLA's own
+  device-to-host copies inside a program, as host offloading does), waited for;
+* ``compute`` and ``compute+jit-pinned``: a program of ``--compute-s`` seconds of bf16 matmuls alone, then
+  the same program that also returns the arrays in ``pinned_host`` memory: whether the copies run beside the
+  compute (the second close to the larger of ``compute`` and ``jit-pinned``) or after it (their sum);
+* ``compute+pinned-async``: the compute program dispatched while ``pinned`` transfers are in flight (its
+  inputs independent of them), both waited for;
 * ``touch``: for scale, allocating and writing the same bytes in fresh numpy arrays (page faults, no
   transfer).
 
@@ -64,11 +71,64 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def in_program_ways(arrays, device, args) -> dict[str, float]:
+    """The ``jit-pinned`` and ``compute...`` ways (the docstring's list): each timed ``args.repeats`` times
+    on fresh device copies of ``arrays`` after a warm-up that compiles."""
+    pinned = SingleDeviceSharding(device, memory_kind="pinned_host")
+    on_device = SingleDeviceSharding(device)
+    n = len(arrays)
+    offload = jax.jit(lambda xs: xs, out_shardings=[pinned] * n)
+    a = jax.device_put(jnp.ones((8192, 8192), jnp.bfloat16) / 8192, device)
+
+    def chain(k):
+        def f(x):
+            for _ in range(k):
+                x = (x @ a).astype(jnp.bfloat16)
+            return x
+        return f
+
+    probe = jax.jit(chain(1))
+    jax.block_until_ready(probe(a))
+    start = time.perf_counter()
+    jax.block_until_ready(probe(a))
+    k = max(1, round(args.compute_s / max(time.perf_counter() - start, 1e-6)))
+    compute = jax.jit(chain(k))
+    both = jax.jit(lambda x, xs: (chain(k)(x), xs), out_shardings=(on_device, [pinned] * n))
+
+    def fresh():
+        copies = [x + 0 for x in arrays]
+        jax.block_until_ready(copies)
+        return copies
+
+    def time_it(fn):
+        fn(fresh())  # compiles
+        times = []
+        for _ in range(args.repeats):
+            xs = fresh()
+            start = time.perf_counter()
+            fn(xs)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    def pinned_async_beside_compute(xs):
+        moving = jax.device_put(xs, [pinned] * n, may_alias=False)
+        jax.block_until_ready((compute(a), moving))
+
+    return {
+        "jit-pinned": time_it(lambda xs: jax.block_until_ready(offload(xs))),
+        "compute": time_it(lambda xs: jax.block_until_ready(compute(a))),
+        "compute+jit-pinned": time_it(lambda xs: jax.block_until_ready(both(a, xs))),
+        "compute+pinned-async": time_it(pinned_async_beside_compute),
+    }
+
+
 def main(argv=None) -> None:
     parser = _common.parser(__doc__)
     parser.add_argument("--gb", type=float, default=4.2, help="the state's size, in GB")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", default="4,8", help="thread counts for host-threads-N")
+    parser.add_argument("--compute-s", type=float, default=0.8,
+                        help="seconds of matmuls for the compute ways (about a 350M step)")
     parser.add_argument("--json", default=None, help="also write the result here")
     args = parser.parse_args(argv)
     device = jax.devices()[0]
@@ -116,13 +176,14 @@ def main(argv=None) -> None:
         first = fresh_copies(lambda: jax.block_until_ready(jax.device_put(arrays, pinned, may_alias=False)))
         ways["pinned"] = first()
         ways["pinned-again"] = statistics.median(first() for _ in range(args.repeats))
+        ways.update(in_program_ways(arrays, device, args))
     ways["touch"] = timed(lambda: [np.ones(a.shape, np.float32) for a in arrays], args.repeats)
     gb = nbytes / 1e9
     result = {"gb": gb, "arrays": len(arrays), "device": device.device_kind,
               "ways": {k: {"seconds": round(v, 4), "gb_per_s": round(gb / v, 3)} for k, v in ways.items()}}
     rows = [[k, f"{v['seconds']:.3f}", f"{v['gb_per_s']:.2f}"] for k, v in result["ways"].items()]
     _common.print_table(f"{gb:.2f} GB in {len(arrays)} float32 arrays, {device.device_kind}",
-                        [("way", 16), ("seconds", 9), ("GB/s", 8)], rows)
+                        [("way", 20), ("seconds", 9), ("GB/s", 8)], rows)
     _common.write_json(args.json, result)
     print(json.dumps(result))
 
