@@ -39,7 +39,8 @@ consecutive steps as the loop sees them, everything the loop did in between incl
 * **dispatch**: the longest call into the train step of the two steps after the save (a runtime that made
   the dispatch wait for the transfers would show here); **stall**: the longest moment, while the save was
   in flight, that a probe thread of this process, waking every 2 ms, could not run (the GIL or the CPUs
-  held by something else: what delays the loop's host work);
+  held by something else: what delays the loop's host work); **data wait**: the loop's wait for its
+  batches (``data/wait_seconds``) over the three steps around the save;
 * **sync save**: the final, synchronous save's time; **ratio**: median lost per save over it (goal
   <= 0.1), per policy.
 
@@ -170,12 +171,14 @@ def fingerprint_checkpoint(path: str) -> dict[str, tuple[int, int]]:
     return out
 
 
-def _metrics(path: str) -> dict[int, float]:
+def _metrics(path: str) -> tuple[dict[int, float], dict[int, float]]:
+    """Step seconds and data wait seconds, by step."""
     if not os.path.exists(path):  # a run that failed before its first step
-        return {}
+        return {}, {}
     with open(path) as f:
-        return {r["step"]: r["throughput/step_seconds"] for r in map(json.loads, f)
-                if "throughput/step_seconds" in r}
+        rows = [r for r in map(json.loads, f) if "throughput/step_seconds" in r]
+    return ({r["step"]: r["throughput/step_seconds"] for r in rows},
+            {r["step"]: r.get("data/wait_seconds", 0.0) for r in rows})
 
 
 def _ensure_bench_tokenizer(doc: dict) -> None:
@@ -265,12 +268,12 @@ def run(config: str, steps: int | None, every: int, overrides: list[str], work: 
                 print(f"# could not verify the save of step {r['step']}: {e}", file=sys.stderr)
     for r in records:
         del r["fingerprints"]
-    times = _metrics(os.path.join(work, "logs", run_id, "metrics.jsonl"))
-    return times, records, num_steps, {"dispatch": dispatch, "error": error}
+    times, waits = _metrics(os.path.join(work, "logs", run_id, "metrics.jsonl"))
+    return times, records, num_steps, {"dispatch": dispatch, "error": error, "waits": waits}
 
 
 def summarise(times: dict[int, float], records: list[dict], num_steps: int, skip: int,
-              dispatch: list[float] | None = None) -> dict:
+              dispatch: list[float] | None = None, waits: dict[int, float] | None = None) -> dict:
     background = [r for r in records if r["copy"] != "sync" and r["step"] < num_steps]
     near = {s for r in background for s in (r["step"] - 1, r["step"], r["step"] + 1)}
     steady = [t for s, t in times.items() if s >= skip and s not in near]
@@ -284,7 +287,9 @@ def summarise(times: dict[int, float], records: list[dict], num_steps: int, skip
         lost = (sum(around) - 3 * steady_s - r.get("fingerprint_s", 0.0)
                 if all(t is not None for t in around) else None)
         after = (dispatch or [])[s:s + 2]  # the calls that dispatched steps s and s + 1
-        rows.append(dict(r, around_s=around, lost_s=lost, dispatch_s=max(after) if after else None))
+        wait = sum((waits or {}).get(i, 0.0) for i in (s - 1, s, s + 1))
+        rows.append(dict(r, around_s=around, lost_s=lost, dispatch_s=max(after) if after else None,
+                         data_wait_s=wait))
     sync = [r["blocked_s"] for r in records if r["copy"] == "sync"]
     sync_s = sync[-1] if sync else None
     by_policy = {}
@@ -336,7 +341,7 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
         else:
             print(f"# kept {work}", file=sys.stderr)
-    result = summarise(times, records, num_steps, args.skip, timings["dispatch"])
+    result = summarise(times, records, num_steps, args.skip, timings["dispatch"], timings["waits"])
     result.update(config=config, steps=num_steps, every=every, policies=policies, error=timings["error"])
     report(result)
     write_json(args.json, result)
@@ -351,10 +356,11 @@ def report(result: dict) -> None:
                 f"{f(result['steady_step_s'])} s",
                 [("save", 5), ("copy", 13), ("blocked s", 9), ("waited s", 8), ("on host", 7), ("write s", 7),
                  ("step s", 7), ("s+1", 7), ("s+2", 7), ("lost s", 7), ("dispatch", 8), ("stall", 6),
-                 ("verified", 8)],
+                 ("data wait", 9), ("verified", 8)],
                 [[str(r["step"]), r["copy"], f(r["blocked_s"]), f(r["waited_s"]), f(r.get("on_host_s")),
                   f(r["write_s"]), *[f(t) for t in r["around_s"]], f(r["lost_s"]), f(r.get("dispatch_s")),
-                  f(r.get("stall_s")), {True: "yes", False: "NO"}.get(r.get("verified"), "-")]
+                  f(r.get("stall_s")), f(r.get("data_wait_s")),
+                  {True: "yes", False: "NO"}.get(r.get("verified"), "-")]
                  for r in result["saves"]])
     print()
     for name, p in result["by_policy"].items():

@@ -229,9 +229,12 @@ def child(args: argparse.Namespace, overrides: list) -> None:
             print("RESULT " + json.dumps(result), flush=True)
             os._exit(0)
 
-    threading.Thread(target=watch, daemon=True).start()
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     train_lm.main(config)
-    time.sleep(5)  # the run ended before --steps steps were logged: let the watcher see the last lines
+    # Let the watcher see the last lines; with --profile it may still be reading the trace (it exits the
+    # process when done).
+    watcher.join(timeout=300 if args.profile else 5)
     raise SystemExit(f"error: the run ended after {len(lines())} steps, before --steps {args.steps}")
 
 
