@@ -14,6 +14,10 @@ train_lm as overrides. Saves run in the background as in any run, except the las
 forced save), which is made synchronous: the same state, in the same process, so its time is what a
 synchronous save would stop the loop for.
 
+``--writers process,thread`` alternates the same way between writing in the writer process (the default)
+and on the writer thread of the training process (``LEVANTER_CHECKPOINT_WRITER``,
+``levanter.checkpoint.write_process``); a save's policy is then shown as ``policy/writer``.
+
 ``--policies`` names how the background saves copy the state before the loop goes on
 (``Checkpointer.snapshot_policy``): ``auto`` (the default: device copies where the devices have room, the
 rest copied to host memory, waited for), ``pinned`` (all transferred into pinned host memory),
@@ -189,7 +193,7 @@ def _ensure_bench_tokenizer(doc: dict) -> None:
 
 
 def run(config: str, steps: int | None, every: int, overrides: list[str], work: str, policies: list[str],
-        verify: bool) -> tuple[dict, list, int, dict]:
+        verify: bool, writers: list[str] | None = None) -> tuple[dict, list, int, dict]:
     """Train; returns (step seconds by step, one record per save, the number of steps, timings: the
     dispatch times in step order and the stall probe)."""
     import yaml
@@ -218,10 +222,15 @@ def run(config: str, steps: int | None, every: int, overrides: list[str], work: 
             self.asynchronous = False
         k = len(records)
         self.snapshot_policy = policies[0] if k == 0 else policies[(k - 1) % len(policies)]
+        writer = None
+        if writers:  # read when the write starts, after this save's wait for the previous write
+            writer = writers[0] if k == 0 else writers[(k - 1) % len(writers)]
+            os.environ["LEVANTER_CHECKPOINT_WRITER"] = writer
         path = originals[0](self, tree, step, is_temporary=is_temporary)
         if records:  # the previous save's write has finished (this one waited for it): its whole time
             records[-1]["write_s"] = self.last_save_s
-        records.append({"step": int(step), "policy": "sync" if last else self.snapshot_policy,
+        name = self.snapshot_policy if writer is None else f"{self.snapshot_policy}/{writer}"
+        records.append({"step": int(step), "policy": "sync" if last else name,
                         "copy": "sync" if last else self.last_copy, "blocked_s": self.last_blocked_s,
                         "waited_s": self.last_waited_s, "write_s": None, "started": started + fingerprint_s,
                         "fingerprint_s": fingerprint_s, "fingerprints": fingerprints, "path": path})
@@ -310,6 +319,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, help="trainer.num_train_steps (default: the config's)")
     p.add_argument("--every", type=int, default=8, help="a permanent checkpoint every N steps (default 8)")
     p.add_argument("--skip", type=int, default=3, help="steps (compile, warm-up) left out of the steady step")
+    p.add_argument("--writers", default="", help="comma-separated writers the background saves take in "
+                   "turn as --policies (LEVANTER_CHECKPOINT_WRITER: process, thread); default: as the environment")
     p.add_argument("--policies", default="auto", help="comma-separated snapshot policies the background "
                    "saves take in turn: auto, pinned, pinned-async, host (default: auto)")
     p.add_argument("--verify", action="store_true", help="check that the last two non-host saves are the "
@@ -335,7 +346,9 @@ def main() -> None:
     note_load_average()
     work = tempfile.mkdtemp(prefix="ckpt-loop-")
     try:
-        times, records, num_steps, timings = run(config, steps, every, overrides, work, policies, args.verify)
+        writers = [x.strip() for x in args.writers.split(",") if x.strip()]
+        times, records, num_steps, timings = run(config, steps, every, overrides, work, policies, args.verify,
+                                                 writers)
     finally:
         if not args.keep_dir:
             shutil.rmtree(work, ignore_errors=True)

@@ -86,6 +86,7 @@ from levanter.checkpoint.layout import (
     remove_dir,
     resolve_path,
 )
+from levanter.checkpoint import write_process
 from levanter.checkpoint.leaf_writes import LeafToWrite, non_finite_leaves, prepare_leaves, write_all
 from levanter.checkpoint.process_sync import Barrier, BarrierSync, KeyValueSync, no_barrier
 from levanter.checkpoint.tree_format import io_error_text, run_coroutine, summarise
@@ -120,19 +121,24 @@ def _metadata_doc(step: int, is_temporary: bool, user_metadata: dict, items: lis
     }
 
 
-def _write_then_agree(root: str, items: list[LeafToWrite], process_index: int, sync) -> None:
+def _write_then_agree(root: str, items: list[LeafToWrite], process_index: int, sync,
+                      background: bool = False) -> None:
     """Write this process's part under ``root``, then report it (``sync.written``), whether it failed or not:
-    process 0 learns of every failure before it cleans up or commits."""
+    process 0 learns of every failure before it cleans up or commits. ``background``: a background save's
+    host copies, written by the writer process where it applies (:mod:`levanter.checkpoint.write_process`)."""
     error = None
     try:
-        run_coroutine(write_all(root, items, process_index))
+        if background and write_process.applies(root, items):
+            write_process.write_in_process_of_its_own(root, items, process_index)
+        else:
+            run_coroutine(write_all(root, items, process_index))
     except Exception as e:  # noqa: BLE001 -- reported to process 0, then raised
         error = e
     sync.written(error)
 
 
 def _commit_by_rename(final: str, items: list[LeafToWrite], doc: Callable[[], dict], sync, token: str,
-                      process_index: int) -> None:
+                      process_index: int, background: bool = False) -> None:
     """POSIX storage: write into ``.tmp-<name>-<token>``, then rename it to ``final``."""
     parent, name = os.path.split(final)
     tmp = os.path.join(parent, f"{TMP_PREFIX}{name}-{token}")
@@ -140,7 +146,7 @@ def _commit_by_rename(final: str, items: list[LeafToWrite], doc: Callable[[], di
     try:
         if is_leader:
             os.makedirs(tmp, exist_ok=True)
-        _write_then_agree(tmp, items, process_index, sync)
+        _write_then_agree(tmp, items, process_index, sync, background)
         if is_leader:
             atomic_write_json(os.path.join(tmp, METADATA_FILENAME), doc())
             fault_point("checkpoint_before_rename")
@@ -157,7 +163,7 @@ def _commit_by_rename(final: str, items: list[LeafToWrite], doc: Callable[[], di
 
 
 def _commit_by_record(final: str, items: list[LeafToWrite], doc: Callable[[], dict], sync, token: str,
-                      process_index: int) -> None:
+                      process_index: int, background: bool = False) -> None:
     """Object stores: write the arrays under ``final`` itself, then ``metadata.json`` (the commit record)."""
     is_leader = process_index == 0
     try:
@@ -168,7 +174,7 @@ def _commit_by_record(final: str, items: list[LeafToWrite], doc: Callable[[], di
             except Exception as e:  # noqa: BLE001 -- told to the others, then raised
                 error = e
         sync.cleared(error)  # no process writes before what an earlier save left is gone
-        _write_then_agree(final, items, process_index, sync)
+        _write_then_agree(final, items, process_index, sync, background)
         if is_leader:
             fault_point("checkpoint_before_record")
             atomic_write_json(fs.join(final, METADATA_FILENAME), doc())
@@ -300,6 +306,8 @@ class PreparedSave:
     process_index: int
     # Some values to write are copies still on their way to host memory (snapshot): finished by commit.
     pending: bool = False
+    # A background save (snapshot taken): its host copies are written by the writer process.
+    background: bool = False
 
     def snapshot(self, policy: str = "auto") -> str:
         """Make the save independent of the tree's buffers, so that the caller may donate or change them
@@ -310,6 +318,7 @@ class PreparedSave:
         values, how = take_snapshot([it.value for it in self.items], policy=policy)
         for it, value in zip(self.items, values):
             it.value = value
+        self.background = True
         self.pending = any(isinstance(v, PendingShards) for v in values)
         return how
 
@@ -333,7 +342,7 @@ class PreparedSave:
         commit = _commit_by_rename if commits_by_rename(final) else _commit_by_record
         try:
             doc = lambda: _metadata_doc(step, self.is_temporary, self.user_metadata, self.items)  # noqa: E731
-            commit(final, self.items, doc, self.sync, self.token, self.process_index)
+            commit(final, self.items, doc, self.sync, self.token, self.process_index, self.background)
         except Exception as e:
             error = _save_error(e, step, final)
             self.sync.failed(error)
