@@ -20,8 +20,8 @@ handed are reused. A background save therefore first takes copies the step canno
 * **In host memory, waited for** (:func:`host_copies`): the leaves the devices have no room for (by
   default), or every leaf (``policy="host"``): the loop waits for each array's conversion.
 
-On a TPU v5e chip the transfer into pinned host memory ran at about 0.6 GB/s, so that a 350 M model's
-4.2 GB state held the loop longer than the waited host copy (docs/bench/2026-12-07-checkpoints.md): the
+On a TPU v5e chip the transfer into pinned host memory ran at 0.3-0.6 GB/s, against 14.5 GB/s for the
+waited host copy (a 350 M model's 4.2 GB state in 0.29 s; docs/bench/2026-12-07-checkpoints.md): the
 default (``"auto"``) copies on the devices what fits and the rest to host memory. GPT-2 small's state fits
 and is copied on the device; most of the 350 M model's goes to host memory.
 

@@ -217,6 +217,7 @@ class _Writer:
                 raise self._died() from e
             finally:
                 os.close(fd)
+            fault_point("checkpoint_writer_sent")  # the job is the writer's
             self._wait(len(leaves))
 
     def _wait(self, n: int) -> None:
