@@ -86,9 +86,9 @@ def test_a_writer_process_that_dies_fails_only_the_save_in_flight(tmp_path, monk
     ck.on_step(make_state(1), 1)
     ck.wait_until_finished()
     pid = writer_pid()
-    with fault.holding("checkpoint_writer_sent", limit_s=30) as (reached, release):
+    with fault.holding("checkpoint_writer_started", limit_s=30) as (reached, release):
         ck.on_step(make_state(2), 2)
-        assert reached.wait(30)  # the save's job is the writer's...
+        assert reached.wait(30)  # the writer has taken the save's job...
         os.kill(pid, signal.SIGKILL)  # ...which dies before it is done
         release.set()
     with pytest.raises(CheckpointSaveError, match="writer process exited") as e:

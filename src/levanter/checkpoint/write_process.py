@@ -101,35 +101,52 @@ def applies(root: str, items: list) -> bool:
 
 
 def _job(root: str, items: list, process_index: int) -> tuple[list, list, int]:
-    """(leaves to write, the arrays in the order of their shards, total bytes with alignment). A leaf is
-    ``(spec, creates_metadata, [(index, offset, shape, dtype), ...])``."""
+    """(leaves to write, where each shard's data is, total bytes with alignment). A leaf is
+    ``(spec, creates_metadata, [(index, offset, shape, dtype name), ...])``; a shard's data is
+    ``(HostShards, position in its shards)``, or ``(None, array)`` for a host value."""
     import jax
 
     from levanter.checkpoint.host_copy import HostShards
     from levanter.checkpoint.tree_format import chunk_shape, write_spec
     from levanter.utils import fs
 
-    leaves, arrays, size = [], [], 0
+    leaves, sources, size = [], [], 0
     for it in items:
         value, directory = it.value, fs.join(root, it.record["name"])
         if isinstance(value, HostShards):
             spec = write_spec(directory, value.shape, value.dtype,
                               chunk_shape(value.shard_shape, value.dtype.itemsize))
             shards, creates = value.shards, jax.process_index() == 0
+            where = [(value, j) for j in range(len(shards))]
         else:  # a host value: process 0's copy is the one written
             if process_index != 0:
                 continue
             host = np.asarray(value)
             spec = write_spec(directory, host.shape, host.dtype, chunk_shape(host.shape, host.dtype.itemsize))
             shards, creates = [(tuple(slice(None) for _ in host.shape), host)], True
+            where = [(None, host)]
         described = []
-        for index, data in shards:
-            data = np.asarray(data)
-            described.append((index, size, data.shape, data.dtype.name))  # "bfloat16" too, unlike .str
-            arrays.append(data)
+        for (index, data), source in zip(shards, where):
+            described.append((index, size, tuple(data.shape), np.dtype(data.dtype).name))  # "bfloat16" too
+            sources.append(source)
             size += -(-max(data.nbytes, 1) // _ALIGN) * _ALIGN
         leaves.append((spec, creates, described))
-    return leaves, arrays, size
+    return leaves, sources, size
+
+
+def _copy_into(mm: mmap.mmap, leaves: list, sources: list) -> None:
+    """Copy every shard into ``mm`` at its offset, dropping each host copy once copied (at most one array
+    more than the state is in host memory at a time)."""
+    shards = [d for _, _, described in leaves for d in described]
+    for (_, offset, shape, _), (owner, at) in zip(shards, sources):
+        if owner is None:
+            data = at
+        else:
+            index, data = owner.shards[at]
+            owner.shards[at] = (index, None)
+        data = np.asarray(data)
+        np.ndarray(shape, data.dtype, buffer=mm, offset=offset)[...] = data  # numpy releases the GIL
+        del data
 
 
 def _context_spec(root: str) -> dict:
@@ -150,6 +167,11 @@ class _Writer:
         self._requests: list = []
         self._wake = threading.Condition()
         self._starter: threading.Thread | None = None
+
+    def _close_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
     def _start(self) -> None:
         # PR_SET_PDEATHSIG fires when the *thread* that started the child exits: the writer process is
@@ -190,7 +212,7 @@ class _Writer:
     def write(self, root: str, items: list, process_index: int) -> None:
         from levanter.utils.fault import fault_point
 
-        leaves, arrays, size = _job(root, items, process_index)
+        leaves, sources, size = _job(root, items, process_index)
         # The fault point's visits as for writes in this process (``leaf_writes.write_all``): one between
         # any two finished leaves, the host values another process writes finishing first.
         for _ in range(len(items) - len(leaves) - (0 if leaves else 1)):
@@ -198,27 +220,41 @@ class _Writer:
         if not leaves:
             return
         with self._lock:
-            if self._proc is None or self._proc.poll() is not None:
-                self._start()
             fd = os.memfd_create("levanter-checkpoint", os.MFD_CLOEXEC)
             try:
                 os.ftruncate(fd, max(size, 1))
                 with mmap.mmap(fd, max(size, 1)) as mm:
-                    shards = [d for _, _, described in leaves for d in described]
-                    for (_, offset, shape, _), data in zip(shards, arrays):
-                        np.ndarray(shape, data.dtype, buffer=mm, offset=offset)[...] = data  # GIL released
-                arrays.clear()
-                for it in items:  # the first copies are no longer needed: only the shared one is written
+                    _copy_into(mm, leaves, sources)
+                sources.clear()
+                for it in items:  # only the shared copy is written
                     it.value = None
                 # The environment as it is now (credentials, endpoints), not as it was at the writer's start.
-                _send(self._sock, {"size": max(size, 1), "context": _context_spec(root), "leaves": leaves,
-                                   "env": dict(os.environ)}, fds=(fd,))
-            except (BrokenPipeError, ConnectionError) as e:
-                raise self._died() from e
+                job = {"size": max(size, 1), "context": _context_spec(root), "leaves": leaves,
+                       "env": dict(os.environ)}
+                self._hand_over(job, fd)
             finally:
                 os.close(fd)
-            fault_point("checkpoint_writer_sent")  # the job is the writer's
+            fault_point("checkpoint_writer_started")  # the job is the writer's
             self._wait(len(leaves))
+
+    def _hand_over(self, job: dict, fd: int) -> None:
+        """Send ``job`` and wait for the writer to take it; a writer found dead before it took the job (killed
+        between saves) is replaced once."""
+        for attempt in range(2):
+            if self._proc is None or self._proc.poll() is not None:
+                self._close_socket()
+                self._start()
+            try:
+                _send(self._sock, job, fds=(fd,))
+                kind, payload = _recv(self._sock)[0]
+            except (EOFError, ConnectionError) as e:  # BrokenPipeError and resets included
+                died = self._died()
+                if attempt:
+                    raise died from e
+                continue
+            if kind != "started":
+                raise RuntimeError(f"the checkpoint writer process answered {kind!r} to a new job: {payload!r}")
+            return
 
     def _wait(self, n: int) -> None:
         """Read the writer's reports of the job just sent, through its last (``done`` or ``error``), visiting
@@ -248,8 +284,12 @@ class _Writer:
     def _died(self) -> Exception:
         from levanter.checkpoint.errors import CheckpointSaveError
 
-        code = self._proc.wait(timeout=10) if self._proc is not None else None
+        code = None
+        if self._proc is not None:
+            self._proc.kill()  # in case only its socket failed
+            code = self._proc.wait(timeout=30)
         self._proc = None  # the next save starts another
+        self._close_socket()
         return CheckpointSaveError(f"the checkpoint writer process exited (code {code}) before the write "
                                    "finished")
 
@@ -304,6 +344,7 @@ def _serve(fd: int, parent: int) -> None:
             return
         mm = mmap.mmap(fds[0], job["size"], prot=mmap.PROT_READ)
         os.close(fds[0])
+        _send(sock, ("started", None))
         if job["env"] != dict(os.environ):  # read by TensorStore's storage drivers: contexts made anew
             os.environ.clear()
             os.environ.update(job["env"])
