@@ -271,8 +271,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def in_this_process(mp: pytest.MonkeyPatch) -> None:
+    """Background saves written by the training process, where the cases below replace ``write_leaf`` (the
+    writer process meets a real full or read-only disk in tests/checkpoint/test_async_checkpoint.py)."""
+    mp.setenv("LEVANTER_CHECKPOINT_WRITER", "thread")
+
+
 def disk_full(mp: pytest.MonkeyPatch) -> None:
     import levanter.checkpoint.leaf_writes as ckpt
+
+    in_this_process(mp)
 
     async def no_space(root, item, process_index):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(root, item.record["name"]))
@@ -300,6 +308,7 @@ def checkpoint_dir_read_only(mp: pytest.MonkeyPatch) -> None:
             raise erofs(path)
         return remove(path, *args, **kwargs)
 
+    in_this_process(mp)
     mp.setattr(ckpt, "write_leaf", read_only)
     mp.setattr(fs, "remove", remove_unless_lock)
 
@@ -307,6 +316,8 @@ def checkpoint_dir_read_only(mp: pytest.MonkeyPatch) -> None:
 def disk_full_tensorstore(mp: pytest.MonkeyPatch) -> None:
     """A full disk as tensorstore reports it: a ValueError whose text carries the errno."""
     import levanter.checkpoint.leaf_writes as ckpt
+
+    in_this_process(mp)
 
     async def no_space(root, item, process_index):
         chunk = os.path.join(root, item.record["name"], "c", "0", "0")

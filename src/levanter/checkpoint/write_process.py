@@ -95,7 +95,9 @@ def applies(root: str, items: list) -> bool:
 
     if os.environ.get(_ENV, "process") == "thread" or not hasattr(os, "memfd_create"):
         return False
-    if root.startswith("memory://"):
+    from levanter.utils import fs
+
+    if fs.is_in_process_store(root):
         return False
     return all(isinstance(it.value, (HostShards, np.ndarray, np.generic)) for it in items)
 

@@ -24,6 +24,7 @@ __all__ = [
     "basename",
     "supports_rename",
     "bucket_and_key",
+    "is_in_process_store",
 ]
 
 _OBJECT_SCHEMES = ("s3", "gs", "gcs", "memory")
@@ -47,6 +48,11 @@ def is_object_store(path: str | os.PathLike) -> bool:
     """A URL of a store this module reads and writes (``s3://``, ``gs://``, ``memory://``), as opposed to a
     local path or another scheme some reader understands (``embedded://``, ``http://``)."""
     return url_scheme(os.fspath(path)) in _OBJECT_SCHEMES
+
+
+def is_in_process_store(path: str | os.PathLike) -> bool:
+    """A store that lives inside this process (``memory://``): another process cannot read or write it."""
+    return url_scheme(os.fspath(path)) == "memory"
 
 
 def expand_user(path: str | os.PathLike) -> str:
