@@ -1,12 +1,11 @@
 """A background save's writes, made by a process of their own so that they cannot stall the training loop.
 
-A background save hands the writer thread host copies of the state; writing them through TensorStore in
-the training process held up the loop's own thread: on a TPU v5e host, a probe thread of the training
-process could not run for up to 4 s while a 4.2 GB write was in flight, and the steps after a save took
-seconds longer, while the copy to host memory itself took a fraction of a second (the measurements:
-``docs/bench/2026-12-07-checkpoints.md``). A Python thread waiting on many concurrent TensorStore writes
-(the GIL, the process's allocator and page tables are shared with the loop) is what a second process
-does not share. So on Linux, for local disk and object stores, the writer thread:
+A background save hands the writer thread host copies of the state. Written through TensorStore from the
+training process, those writes held up the loop's own thread for seconds on a TPU host, although the copy
+to host memory itself takes a fraction of a second (docs/bench/2026-12-07-checkpoints.md). Whatever the
+many concurrent writes hold that the loop's thread needs -- the interpreter lock, the allocator and the
+page tables are all shared within a process -- a second process shares none of it. So on Linux, for local
+disk and object stores, the writer thread:
 
 1. copies the host copies into one anonymous shared-memory file (``memfd_create``; freed by the kernel
    once both processes have closed it, so a crash leaks nothing), the GIL released during the copies;
@@ -26,8 +25,10 @@ killed run leaves no writer behind that could still change its directory.
 Trade-offs: a second host copy of the state exists while it is copied into shared memory (each array's
 first copy is dropped once copied); ``memory://`` paths (whose store lives in this process's TensorStore
 context) and platforms without ``memfd_create`` are written in this process, as are synchronous saves
-(the loop waits for those anyway). ``LEVANTER_CHECKPOINT_WRITER=thread`` writes every save in this
-process.
+(the loop waits for those anyway). Whether a write takes as long from the writer process as from this
+one is not settled (the chip's one comparison says longer; the record says what was measured): a run that
+saves more often than a write takes waits for the write in flight either way.
+``LEVANTER_CHECKPOINT_WRITER=thread`` writes every save in this process.
 """
 
 from __future__ import annotations
