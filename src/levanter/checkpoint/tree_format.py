@@ -41,6 +41,7 @@ __all__ = [
     "run_coroutine",
     "chunk_shape",
     "ts_context",
+    "url_context_spec",
     "write_spec",
     "read_spec",
     "finish_all",
@@ -161,8 +162,13 @@ def ts_context(path: str) -> ts.Context:
     if not fs.is_url(path):
         return jax_serialization.TS_CONTEXT
     if _URL_CONTEXT is None:
-        _URL_CONTEXT = ts.Context({"data_copy_concurrency": {"limit": 128}, **fs.tensorstore_context_spec()})
+        _URL_CONTEXT = ts.Context(url_context_spec())
     return _URL_CONTEXT
+
+
+def url_context_spec() -> dict:
+    """The spec of the TensorStore context for arrays on object stores (the storage layer's retries)."""
+    return {"data_copy_concurrency": {"limit": 128}, **fs.tensorstore_context_spec()}
 
 
 def write_spec(directory: str, shape: Sequence[int], dtype: Any, chunk: Sequence[int]) -> dict:

@@ -93,11 +93,10 @@ def applies(root: str, items: list) -> bool:
     ``memfd_create``, not a ``memory://`` path, every value a host copy or a numpy array, and not turned
     off with ``LEVANTER_CHECKPOINT_WRITER=thread``."""
     from levanter.checkpoint.host_copy import HostShards
+    from levanter.utils import fs
 
     if os.environ.get(_ENV, "process") == "thread" or not hasattr(os, "memfd_create"):
         return False
-    from levanter.utils import fs
-
     if fs.is_in_process_store(root):
         return False
     return all(isinstance(it.value, (HostShards, np.ndarray, np.generic)) for it in items)
@@ -153,11 +152,12 @@ def _copy_into(mm: mmap.mmap, leaves: list, sources: list) -> None:
 
 
 def _context_spec(root: str) -> dict:
+    from levanter.checkpoint.tree_format import url_context_spec
     from levanter.utils import fs
 
     if not fs.is_url(root):  # as JAX's context for local disk, without its 10 GB chunk cache
         return {"file_io_concurrency": {"limit": 128}}
-    return {"data_copy_concurrency": {"limit": 128}, **fs.tensorstore_context_spec()}
+    return url_context_spec()
 
 
 class _Writer:
