@@ -247,6 +247,7 @@ def run(config: str, steps: int | None, every: int, overrides: list[str], work: 
         dispatch.append(time.perf_counter() - t)
         return out
 
+    writer_env = os.environ.get("LEVANTER_CHECKPOINT_WRITER")
     probe = StallProbe()
     policy.Checkpointer.save, serialization.PreparedSave.copy_to_host, Trainer.train_step = (
         save, copy_to_host, train_step)
@@ -264,6 +265,10 @@ def run(config: str, steps: int | None, every: int, overrides: list[str], work: 
         print(f"# the run failed: {error}", file=sys.stderr)
     finally:
         probe.stopped.set()
+        if writers:  # as it was before the run
+            os.environ.pop("LEVANTER_CHECKPOINT_WRITER", None)
+            if writer_env is not None:
+                os.environ["LEVANTER_CHECKPOINT_WRITER"] = writer_env
         policy.Checkpointer.save, serialization.PreparedSave.copy_to_host, Trainer.train_step = originals
     for r in records:
         r["on_host_s"] = on_host[r["step"]] - r["started"] if r["step"] in on_host else None

@@ -110,8 +110,8 @@ def train_step_fn(*, loss_fn: Callable, optimizer, mp, split_trained: Callable, 
         param_norm = optax.tree.norm(optimized_params(params))
         new_params = apply_update(params, updates, g.overwrites)
         # The change the step applies, read from the new and the old parameters (both held anyway) rather
-        # than from ``updates``, which a second reader keeps whole in memory: for a 7B step on v4-64 at 8
-        # sequences a chip, 30.72 GiB instead of 31.15 (27.24 without the norm; docs/guides/planning-a-slice.md).
+        # than from ``updates``, which a second reader keeps whole in memory (the 7B plan's figures:
+        # docs/guides/planning-a-slice.md).
         update_norm = optax.tree.norm(jax.tree.map(jnp.subtract, optimized_params(new_params),
                                                    optimized_params(params)))
         # A finite loss and gradient can still give a non-finite update (a zero epsilon's 0/0, a learning
