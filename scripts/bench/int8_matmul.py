@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """int8 against bf16 for the linear layers' products of the TPU benchmark models, alone, forward and backward.
 
-For each weight shape of ``gpt2_small`` and ``llama_350m`` (config/bench/, tokens of one microbatch), times
+For each weight shape of ``gpt2_small``, ``llama_350m`` and ``llama_600m`` (config/bench/, tokens of one microbatch), times
 ``jax.vjp`` of the layer's product against a fixed cotangent (the output, the input's gradient and the weight's
 gradient: what a training step computes per layer, the remat policy aside), with the forward product and the
 input's gradient both computed one way (:data:`levanter.quantization.int8.WAYS`):
@@ -41,6 +41,8 @@ MODELS = {
                                ("mlp.c_proj", 3072, 768)]),
     "llama_350m": (4 * 2048, [("q_proj", 1024, 1024), ("k_proj", 1024, 512), ("gate_proj", 1024, 2816),
                               ("down_proj", 2816, 1024)]),
+    "llama_600m": (4 * 2048, [("q_proj", 1536, 1536), ("k_proj", 1536, 512), ("gate_proj", 1536, 4096),
+                              ("down_proj", 4096, 1536)]),
 }
 
 

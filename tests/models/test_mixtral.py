@@ -134,6 +134,40 @@ def test_the_tpu_weight_gradient_kernel_equals_ragged_dots_gradient():
     np.testing.assert_allclose(vjp_g(g)[0], want, atol=1e-5)
 
 
+@pytest.mark.parametrize("transpose_w", [False, True])
+def test_the_tpu_grouped_product_kernel_equals_ragged_dot(transpose_w):
+    """The forward product and the rows' gradient that grouped_matmul computes on one TPU device (megablox's
+    gmm at the tiling gmm_tiling picks, here in Pallas's interpreter) equal ragged_dot's, for uneven groups,
+    an empty one and groups straddling the row tile among them."""
+    from levanter.models.grouped_matmul import gmm_tiling, grouped_matmul_gmm
+
+    rng = np.random.RandomState(1)
+    rows = jnp.asarray(rng.randn(512, 64), jnp.float32)
+    w = jnp.asarray(rng.randn(4, 96, 64) if transpose_w else rng.randn(4, 64, 96), jnp.float32)
+    sizes = jnp.asarray([300, 0, 12, 200], jnp.int32)
+    assert gmm_tiling(512, 64, 96) == (256, 64, 96)
+    want = jax.lax.ragged_dot(rows, jnp.swapaxes(w, 1, 2) if transpose_w else w, sizes)
+    got = grouped_matmul_gmm(rows, w, sizes, transpose_w=transpose_w, interpret=True)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
+    dense = np.asarray(rows)[300:312] @ (np.asarray(w[2]).T if transpose_w else np.asarray(w[2]))
+    np.testing.assert_allclose(np.asarray(got)[300:312], dense, atol=1e-4, rtol=1e-5)
+
+
+def test_grouped_kernel_tilings_fit_and_divide():
+    """The kernels' tiles divide every dimension (the whole dimension where 128 does not), take the whole
+    contraction where it fits, and none is offered for a row count the row tile does not divide."""
+    from levanter.models.grouped_matmul import gmm_tiling, tgmm_tiling
+
+    assert gmm_tiling(8192, 1024, 1536) == (256, 1024, 1536)
+    assert gmm_tiling(8192, 3072, 1024) == (256, 3072, 512)  # the whole k; n shrunk to fit
+    for m, k, n in [(8192, 1024, 1536), (8192, 1536, 1024), (4096, 14336, 4096), (384, 64, 96)]:
+        for tiling in (gmm_tiling(m, k, n), tgmm_tiling(m, k, n)):
+            tm, tk, tn = tiling
+            assert m % tm == 0 and k % tk == 0 and n % tn == 0, tiling
+            assert tk == k or tk % 128 == 0, tiling
+    assert gmm_tiling(200, 64, 96) is None and tgmm_tiling(200, 64, 96) is None
+
+
 # k=2 compiles the grouped path with the most ragged groups (~25 s on 2 cores): end-to-end suite only.
 @pytest.mark.parametrize("k", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_grouped_dispatch_equals_dense(k):

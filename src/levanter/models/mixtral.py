@@ -19,12 +19,13 @@ Two ways to compute the experts (``moe_dispatch``), the same function up to floa
 * ``grouped``: each token's ``num_experts_per_tok`` assignments are sorted by expert and the experts run
   as grouped matmuls over their contiguous groups (:func:`~levanter.models.grouped_matmul.grouped_matmul`:
   ``jax.lax.ragged_dot(rows [T*k, D], weights [E, D, F], group_sizes [E])`` forward), so only the chosen
-  experts' work is done. On a TPU the forward products and the rows' gradients run as XLA's ragged-dot
-  instruction (a grouped matmul kernel) and the weights' gradients through megablox's ``tgmm`` Pallas kernel;
+  experts' work is done. On one TPU device the forward products and the rows' gradients run through
+  megablox's ``gmm`` Pallas kernel and the weights' gradients through its ``tgmm`` (XLA's ragged-dot
+  instruction over a mesh of several);
   on a CPU JAX computes ``ragged_dot`` densely (every group against every row under a mask): correct, but
   ``num_local_experts`` times the work, so on CPU the dense path is the faster one. The sort's permutation
   and its inverse are gathers both ways (the gradient of each is the other), no scatters; the grouped
-  products are named as the dense path's (``mlpwi_0``, ``mlpwi_1``), so ``gradient_checkpointing:
+  products are named as the dense path's (``mlpwi_0``, ``mlpwi_1``, ``mlpwo``), so ``gradient_checkpointing:
   minimal_with_context`` saves them. The sort, gather and sum run over all tokens of the (micro)batch, so
   under data parallelism XLA gathers the batch's tokens onto every device for them: it is the path for
   one device, or for experts so wide that the dense path's extra work dominates; a per-device dispatch
@@ -262,7 +263,9 @@ class MixtralSparseMoe(eqx.Module):
         up0 = named(hax.named(grouped_matmul(rows, w1, group_sizes), (Rows, Mlp)), "mlpwi_0")
         up1 = named(hax.named(grouped_matmul(rows, w3, group_sizes), (Rows, Mlp)), "mlpwi_1")
         h = (act(up0) * up1).array
-        y = grouped_matmul(h, w2, group_sizes)  # [T*k, D]
+        # [T*k, D], named too: the router weights' gradient reads it, which would otherwise recompute the
+        # down projection's grouped product in the backward pass.
+        y = named(hax.named(grouped_matmul(h, w2, group_sizes), (Rows, Embed)), "mlpwo").array
         # Back to token order, then each token's k outputs weighted by the router and summed.
         y = _permute(y, inverse, order).reshape(-1, k, Embed.size)
         weight_of = weights.rearrange((*outer, TOP_EXPERTS)).array.reshape(-1, k, 1)
