@@ -37,9 +37,11 @@ __all__ = ["grouped_matmul", "grouped_matmul_gmm", "grouped_weight_grad_tgmm", "
 # The kernels' row tile: 256 rows a step measured fastest on a v5e for both kernels (512 and 1,024 slower at
 # every k and n tried), 128 where the rows are not a multiple of 256.
 _ROW_TILES = (256, 128)
-# Bytes of the core's vector memory the kernels' tiles may take, by the estimates below: the largest tilings
-# the v5e's compiler accepted (12 MiB for gmm's estimate, 15 MB for tgmm's), the next larger ones refused.
-_GMM_VMEM = 12 * 2**20
+# Bytes of the core's vector memory the kernels' tiles may take, by the estimates below. A tiling too large
+# is refused when the step compiles (RESOURCE_EXHAUSTED), so each budget sits under every refusal the v5e's
+# compiler gave in a sweep of 256-row tiles (gmm: accepted up to 12 MiB, refused from 14 MiB; tgmm: refused
+# from 21.8 MB), at or above the tiles measured fastest at Mixtral's shapes.
+_GMM_VMEM = 10 * 2**20
 _TGMM_VMEM = 15_500_000
 
 
