@@ -6,10 +6,10 @@ compiler treat the three products of a training step:
 
 * the forward product and the gradient of the rows are ragged products over the rows (``ragged_dot``'s
   first mode). JAX lowers them on a TPU to XLA's ragged-dot instruction, a grouped matmul kernel that visits
-  each group's rows once; megablox's Pallas kernel ``gmm`` with tiles fitted to the product (rows 256 at a
-  time, the whole contraction in one tile where the core's vector memory holds it) is faster (at 8,192 rows
-  x 2,048 x 3,072 on a v5e, 0.75 of a dense product's rate against 0.60-0.70 for the ragged dot: the record
-  in docs/bench/2026-12-07-tpu-rows.md), and computes them on one TPU device;
+  each group's rows once. On one TPU device they are computed by megablox's Pallas kernel ``gmm`` instead,
+  with tiles fitted to the product (rows 256 at a time, the whole contraction in one tile where the core's
+  vector memory holds it), which runs nearer a dense product's rate (figures in
+  docs/bench/2026-12-07-tpu-rows.md);
 * the gradient of the weights contracts over the ragged rows (``ragged_dot``'s second mode, one
   ``[k, n]`` product per group), which the TPU compiler (libtpu 0.0.42) computes as a dense product of
   every group against every row under a mask: ``groups`` times the useful work. On one TPU device it is
