@@ -39,8 +39,8 @@ __all__ = ["grouped_matmul", "grouped_matmul_gmm", "grouped_weight_grad_tgmm", "
 _ROW_TILES = (256, 128)
 # Bytes of the core's vector memory the kernels' tiles may take, by the estimates below. A tiling too large
 # is refused when the step compiles (RESOURCE_EXHAUSTED), so each budget sits under every refusal the v5e's
-# compiler gave in a sweep of 256-row tiles (gmm: accepted up to 12 MiB, refused from 14 MiB; tgmm: refused
-# from 21.8 MB), at or above the tiles measured fastest at Mixtral's shapes.
+# compiler gave in a sweep of 256-row tiles, with a margin, and admits the tiles measured fastest at Mixtral's
+# shapes (scripts/bench/grouped_matmul.py; the sweep in docs/bench/2026-12-07-tpu-rows.md).
 _GMM_VMEM = 10 * 2**20
 _TGMM_VMEM = 15_500_000
 
