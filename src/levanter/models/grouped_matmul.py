@@ -45,7 +45,7 @@ _GMM_VMEM = 10 * 2**20
 _TGMM_VMEM = 15_500_000
 
 
-def _divisors_128(size: int) -> list[int]:
+def _tile_sizes(size: int) -> list[int]:
     """Tile sizes for a dimension of ``size``, largest first: the whole dimension, then the multiples of 128
     (the lane width a tile must fill unless it spans the dimension) that divide it."""
     return [size] + [t for t in range(size - size % 128, 0, -128) if size % t == 0 and t != size]
@@ -59,8 +59,8 @@ def gmm_tiling(m: int, k: int, n: int) -> tuple[int, int, int] | None:
     tm = next((t for t in _ROW_TILES if m % t == 0), None)
     if tm is None:
         return None
-    for tk in _divisors_128(k):
-        for tn in _divisors_128(n):
+    for tk in _tile_sizes(k):
+        for tn in _tile_sizes(n):
             if 4 * (tm * tk + tk * tn + tm * tn) + 4 * tm * tn <= _GMM_VMEM:
                 return tm, tk, tn
     return None
@@ -73,7 +73,7 @@ def tgmm_tiling(m: int, k: int, n: int) -> tuple[int, int, int] | None:
     tm = next((t for t in _ROW_TILES if m % t == 0), None)
     if tm is None:
         return None
-    fits = [(tk * tn, tk, tn) for tk in _divisors_128(k) for tn in _divisors_128(n)
+    fits = [(tk * tn, tk, tn) for tk in _tile_sizes(k) for tn in _tile_sizes(n)
             if 4 * tm * (tk + tn) + 12 * tk * tn <= _TGMM_VMEM]
     if not fits:
         return None
