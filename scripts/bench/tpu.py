@@ -58,7 +58,7 @@ Usage (on the TPU host, from the project root)::
     python scripts/bench/tpu.py --rows gpt2_small --int8 # bf16 and int8 side by side
     python scripts/bench/tpu.py --rows llama_350m --profile
     python scripts/bench/tpu.py --rows gpt2_small -- --model.gradient_checkpointing save_dots
-    python scripts/bench/tpu.py --json tpu.json
+    python scripts/bench/tpu.py --json tpu.json --logs tpu-logs  # and each launch's log
     python scripts/bench/tpu.py --cold-warm              # llama_350m launched twice: first step cold vs warm
     python scripts/bench/tpu.py --cold-warm --rows gpt2_small
 
@@ -285,6 +285,11 @@ def run_row(name: str, args: argparse.Namespace, overrides: list) -> dict:
            *(["--allow-cpu"] if args.allow_cpu else []), "--", *overrides]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
+    if args.logs:
+        os.makedirs(args.logs, exist_ok=True)
+        n = len([f for f in os.listdir(args.logs) if f.startswith(name + ".")])
+        with open(os.path.join(args.logs, f"{name}.{n}.log"), "w") as f:
+            f.write(f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             result = json.loads(line[len("RESULT "):])
@@ -394,6 +399,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="trace two steps, print the busiest device ops")
     parser.add_argument("--trace-dir", help="with --profile: write the trace here (kept) instead of a temporary folder")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--logs", help="keep each launch's output (the run's log) in this folder")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per row")
     parser.add_argument("--allow-cpu", action="store_true", help="run on CPU (checks the script, measures nothing)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

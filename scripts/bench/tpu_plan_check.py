@@ -78,7 +78,7 @@ def main(argv=None) -> None:
     except ImportError:
         result["libtpu"] = None
     start = time.perf_counter()
-    chip = StepCompiler(config.model, tcfg, optimizer, loss, args.vocab_size, runtime_reserve=True).compile()
+    chip = StepCompiler(config.model, tcfg, optimizer, loss, args.vocab_size).compile()
     result["chip"] = figures(chip, time.perf_counter() - start)
     try:
         result["chip_memory_stats"] = jax.devices()[0].memory_stats()
@@ -88,8 +88,7 @@ def main(argv=None) -> None:
         devices = slice_devices(parse_slice(args.slice))
         start = time.perf_counter()
         with compile_only():
-            planned = StepCompiler(config.model, on_slice(tcfg, devices), optimizer, loss, args.vocab_size,
-                                   runtime_reserve=True).compile()
+            planned = StepCompiler(config.model, on_slice(tcfg, devices), optimizer, loss, args.vocab_size).compile()
         result[args.slice] = figures(planned, time.perf_counter() - start)
     json.dump(result, sys.stdout, indent=1)
     print()

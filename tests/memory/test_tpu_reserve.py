@@ -101,3 +101,43 @@ def test_a_program_compiled_for_a_v5e_chip_counts_the_runtime_reserve(no_compila
     plain = compile_memory(lambda: lowered.compile())
     assert plain.reserved is None and plain.runtime_total is None
     assert (plain.temp, plain.total) == (memory.temp, memory.total)
+
+
+@needs_libtpu
+def test_a_compile_without_a_dump_finds_the_reserve_its_first_compile_recorded(no_compilation_cache, tmp_path):
+    """A compile served from JAX's persistent cache writes no dump: the reserve read by the compile that
+    filled the cache is recorded beside it, keyed by the program, and found again; another program finds
+    none, and an unreadable record is no record."""
+    from levanter.memory import with_recorded_reserve
+    from levanter.memory.tpu_compile import slice_devices
+    from levanter.memory.tpu_reserve import RECORDS
+    from levanter.memory.tpu_slices import parse_slice
+
+    devices = slice_devices(parse_slice("v5e-1"))
+    chip = jax.sharding.SingleDeviceSharding(devices[0])
+
+    def lowered(layers):
+        w = jax.ShapeDtypeStruct((layers, 1024, 1024), jnp.float32, sharding=chip)
+        x = jax.ShapeDtypeStruct((4096, 1024), jnp.float32, sharding=chip)
+        return jax.jit(_layers, donate_argnums=0).lower(w, x)
+
+    cache = str(tmp_path / "jax-cache")
+    eight = lowered(8)
+    with reserve_dump() as dump:
+        first = compile_memory(lambda: eight.compile(compiler_options=dump.options), reserve=dump)
+    assert first.reserved is not None
+    assert with_recorded_reserve(first, eight, devices, cache) == first
+    records = list((tmp_path / "jax-cache" / RECORDS).iterdir())
+    assert len(records) == 1
+    # As a compile served from the cache: the same program, no dump.
+    again = compile_memory(lambda: eight.compile())
+    assert again.reserved is None
+    found = with_recorded_reserve(again, eight, devices, cache)
+    assert found.reserved == first.reserved and found.runtime_total == first.runtime_total
+    assert found.need == first.need < found.total  # the checks weigh the runtime's figure
+    # Another program (four layers) has no record: the compiler's figure stands.
+    four = lowered(4)
+    other = with_recorded_reserve(compile_memory(lambda: four.compile()), four, devices, cache)
+    assert other.reserved is None and other.need == other.total
+    records[0].write_text("{not json")
+    assert with_recorded_reserve(again, eight, devices, cache).reserved is None

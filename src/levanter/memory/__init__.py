@@ -18,8 +18,9 @@ compiler's out-of-memory refusal, says one device needs), serves every user:
   :mod:`~levanter.memory.tpu_compile`, the slice table in :mod:`~levanter.memory.tpu_slices`, the
   collectives read from the compiled HLO in :mod:`~levanter.memory.hlo`);
 - :mod:`~levanter.memory.tpu_reserve`: what the TPU runtime reserves for a step's temporaries (the HBM a
-  chip's ``peak_bytes_reserved`` reports), read from the TPU compiler's buffer assignment, for the
-  slice plan's total.
+  chip's ``peak_bytes_reserved`` reports), read from the TPU compiler's buffer assignment or its record
+  beside the compilation cache: what every check weighs on a TPU, in place of the compiler's larger
+  figure.
 
 Lazy: importing the package imports none of its modules (the entry point's ``--slice`` must choose JAX's
 platform before anything starts a backend).

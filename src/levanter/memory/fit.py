@@ -110,7 +110,7 @@ def fit_trainer(compiler: StepCompiler, *, recorded: Optional[int] = None) -> Tr
         how = "recorded in the run's checkpoint" if recorded == pick else (
             f"the largest that leaves {AUTO_HEADROOM:.0%} of the device's {size(limit)} ({source}) free")
         logger.warning("per_device_parallelism: auto -> %d sequences per device per microbatch (%s; the step "
-                       "needs %s per device)", pick, how, memory.describe())
+                       "needs %s per device, by %s)", pick, how, memory.describe(), memory.basis)
     else:
         memory = compiler.compile()
         if not memory.fits(limit):
@@ -118,7 +118,8 @@ def fit_trainer(compiler: StepCompiler, *, recorded: Optional[int] = None) -> Tr
             splittable = min(microbatch_candidates(tcfg)) < current_microbatch(tcfg)
             raise StepDoesNotFitError(
                 does_not_fit(memory, limit, source, batch, found, splittable=splittable))
-        logger.info("the train step needs %s per device of %s (%s)", memory.describe(), size(limit), source)
+        logger.info("the train step needs %s per device of %s (%s; by %s)", memory.describe(), size(limit), source,
+                    memory.basis)
     trainer = compiler.trainer()
     if memory.compiled is not None:
         state, abatch, batch_size = compiler.inputs(trainer)

@@ -71,7 +71,7 @@ def search_microbatch(measure_at: Callable[[int], StepMemory], candidates: Seque
     cands = sorted(set(candidates), reverse=True)
 
     def ok(d):
-        return seen[d].total is not None and seen[d].oom is None and seen[d].total <= budget
+        return seen[d].need is not None and seen[d].oom is None and seen[d].need <= budget
 
     while True:  # a measured non-candidate (the whole batch of a ramp's largest step) still bounds the search
         fit = max((d for d in seen if d in cands and ok(d)), default=None)
@@ -91,7 +91,7 @@ def search_microbatch(measure_at: Callable[[int], StepMemory], candidates: Seque
 def _predict(seen: dict[int, StepMemory], open_: list[int], budget: int) -> Optional[int]:
     """The largest open candidate a straight line through the two smallest measured figures puts within
     ``budget`` (memory = fixed state + a share per sequence); None without two figures."""
-    points = sorted((d, m.total) for d, m in seen.items() if m.total is not None)[:2]
+    points = sorted((d, m.need) for d, m in seen.items() if m.need is not None)[:2]
     if len(points) < 2 or points[1][1] <= points[0][1]:
         return None
     (d0, m0), (d1, m1) = points

@@ -97,6 +97,8 @@ class MemoryPlan:
     lowers: tuple = ()  # "key: value -> figure" of each key that lowers a step that does not fit
     auto: str = ""  # what per_device_parallelism: auto picks (where the device's memory is known)
     compiler_capacity: Optional[int] = None  # what the compiler said it had for the step, when it refused it
+    # A TPU's: what its runtime reserves for the temporaries (total_bytes then counts it in their place).
+    reserved_bytes: Optional[int] = None
     # parameters, gradients, optimizer state, average and batch: what no key of the step lowers
     state_bytes: int = 0
     whole_state_bytes: int = 0  # the same over all devices together (the batch aside)
@@ -166,7 +168,8 @@ def make_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptions) ->
         batch_size=batch_size, seq_len=config.model.seq_len,
         microbatches=num_microbatches(trainer.config, batch_size),
         param_dtype=str(jnp.dtype(jmp.get_policy(tcfg.mp).param_dtype)), **figures,
-        total_bytes=memory.total, device_memory=limit, device_memory_source=memory_source,
+        total_bytes=memory.need, reserved_bytes=memory.reserved if memory.runtime_total is not None else None,
+        device_memory=limit, device_memory_source=memory_source,
         compiler_capacity=memory.capacity,
         flops_per_token=float(config.model.flops_per_token(vocab_size)),
         peak_flops=peak, peak_source=peak_source,
@@ -296,6 +299,13 @@ def _step_lines(plan: MemoryPlan) -> list[str]:
     if not refused and plan.total_bytes is None:  # a backend without XLA's memory analysis
         return [f"  compiled temporaries  {'?':>14}   (this backend's compiler does not report its memory)",
                 f"  total                 {'?':>14}"]
+    if not refused and plan.reserved_bytes is not None:  # a TPU's: what its runtime will reserve
+        return [f"  compiled temporaries  {size(plan.temp_bytes):>14}   "
+                "(activations, gradients, logits, scratch: the compiler's memory_analysis)",
+                f"  runtime reserve       {size(plan.reserved_bytes):>14}   (the HBM the TPU runtime sets aside "
+                "for the temporaries: the buffer assignment's allocation)",
+                f"  total                 {size(plan.total_bytes):>14}   (arguments + reserve: the device's "
+                "peak_bytes_in_use + peak_bytes_reserved)"]
     if not refused:
         return [f"  compiled temporaries  {size(plan.temp_bytes):>14}   "
                 "(activations, gradients, logits, scratch)",

@@ -126,7 +126,7 @@ def make_slice_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptio
     optimizer = config.optimizer.build(tcfg.num_train_steps)
     counter: list = []
     counting = type("StepCompilerCounted", (_CountingCompiler,), {"counter": counter})
-    compiler = counting(config.model, tcfg, optimizer, loss_fn, vocab_size, runtime_reserve=True)
+    compiler = counting(config.model, tcfg, optimizer, loss_fn, vocab_size)
     limit = options.device_memory or spec.hbm
     limit_source = "--device_memory" if options.device_memory else f"{spec.generation} HBM per chip"
     lowers: list = []
@@ -161,7 +161,7 @@ def make_slice_plan(config: TrainLmConfig, loss_fn: Callable, options: PlanOptio
         averaged_bytes=shard_bytes(jax.tree_util.tree_leaves(state.averaged_model)),
         batch_bytes=shard_bytes([batch["tokens"].array]), temp_bytes=memory.temp,
         reserved_bytes=memory.reserved,
-        total_bytes=memory.total if memory.runtime_total is None else memory.runtime_total,
+        total_bytes=memory.need,
         hbm=limit, hbm_source=limit_source, compiler_oom=memory.oom,
         flops_per_token=float(config.model.flops_per_token(vocab_size)),
         peak_flops=options.peak_flops or peak_flops_per_device(devices[0]),

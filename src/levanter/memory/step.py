@@ -5,12 +5,14 @@ would, with its mesh, shardings and microbatches), compiled for abstract inputs 
 leaves with the run's shardings: nothing is allocated, however large the model) and XLA's
 ``memory_analysis()`` says what one device needs at the step's peak: its arguments (parameters, optimizer
 state, batch), the outputs that do not reuse a donated argument's buffer, and the temporaries (activations
-kept for the backward pass, gradients, logits). A slice plan's compiles for TPUs also read what the TPU
-runtime will reserve for the temporaries (:mod:`levanter.memory.tpu_reserve`), less than the compiler's
-``temp_size_in_bytes``: :attr:`StepMemory.runtime_total` is what the chip will report. The checks and
-searches (a run's before its first step, ``auto``, the levers) weigh the compiler's figure, which is what
-the compiler itself refuses a program by. An accelerator's compiler may refuse a program that cannot
-fit (``RESOURCE_EXHAUSTED`` at compile time: XLA:TPU's "the total memory required for HLO temporaries (X)
+kept for the backward pass, gradients, logits). Compiles for TPUs also read what the TPU runtime will
+reserve for the temporaries (:mod:`levanter.memory.tpu_reserve`: the compiler's buffer assignment, or its
+record beside the compilation cache for a compile the cache served), less than the compiler's
+``temp_size_in_bytes`` (by 6-33 % for the shipped configs on a v5e chip): :attr:`StepMemory.runtime_total`
+is what the chip will report, and where it is known it is what every check and search weighs
+(:attr:`StepMemory.need`: a run's check before its first step, ``auto``, the levers, the plans). Where it
+is not (other accelerators, a compiler whose dump says nothing) they weigh the compiler's figure, an upper
+bound. An accelerator's compiler may refuse a program that cannot fit (``RESOURCE_EXHAUSTED`` at compile time: XLA:TPU's "the total memory required for HLO temporaries (X)
 exceeds available HBM (Y)", or "Used X of Y hbm"): that counts as a measurement too, with the figures from
 its message (:func:`oom_figures`).
 
@@ -38,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from levanter.memory.tpu_reserve import ReserveDump, reserve_dump
+from levanter.memory.tpu_reserve import ReserveDump, program_key, record_reserve, recorded_reserve, reserve_dump
 from levanter.quantization import with_fp8
 from levanter.training import Trainer, TrainerState
 from levanter.training import TrainerConfig
@@ -166,13 +168,26 @@ class StepMemory:
             return None
         return self.total - self.temp + self.reserved
 
+    @property
+    def need(self) -> Optional[int]:
+        """What the checks weigh: :attr:`runtime_total` where known, else the compiler's ``total``."""
+        runtime = self.runtime_total
+        return self.total if runtime is None else runtime
+
+    @property
+    def basis(self) -> str:
+        """Where :attr:`need` comes from, for the logs."""
+        if self.runtime_total is not None:
+            return "the TPU runtime's reserve for its temporaries"
+        return "the compiler's memory analysis"
+
     def fits(self, limit: Optional[int], headroom: float = 0.0) -> bool:
         if limit is None:
             return self.oom is None
-        return self.oom is None and self.total is not None and self.total <= limit * (1 - headroom)
+        return self.oom is None and self.need is not None and self.need <= limit * (1 - headroom)
 
     def describe(self) -> str:
-        return "more than the device has" if self.total is None else size(self.total)
+        return "more than the device has" if self.need is None else size(self.need)
 
 
 def abstract_state(trainer: Trainer, model_config, vocab_size: int, adapt: Optional[Callable] = None) -> TrainerState:
@@ -222,17 +237,39 @@ def largest_batch(tcfg: TrainerConfig) -> int:
     return max(seg.value for seg in tcfg.batch_schedule.segments)
 
 
-def measure(trainer: Trainer, state, batch, batch_size: int, reserve: bool = False) -> StepMemory:
-    """Compile ``trainer``'s step for ``(state, batch)`` ahead of time and read its memory; with ``reserve``
-    and TPU devices, also what the runtime reserves for its temporaries. Only for compiles that JAX's
-    persistent cache does not serve (a slice plan's): a compile served from it writes no dump."""
-    if not reserve or trainer.mesh.devices.flat[0].platform != "tpu":
-        return compile_memory(lambda: trainer.lower_train_step(state, batch, batch_size).compile())
+def measure(trainer: Trainer, state, batch, batch_size: int) -> StepMemory:
+    """Compile ``trainer``'s step for ``(state, batch)`` ahead of time and read its memory; on TPU devices,
+    also what the runtime reserves for its temporaries (from the compiler's dump, or, for a compile that
+    JAX's persistent cache served, from the record the compile that filled it left)."""
+    lowered = trainer.lower_train_step(state, batch, batch_size)
+    devices = trainer.mesh.devices
+    if devices.flat[0].platform != "tpu":
+        return compile_memory(lowered.compile)
+    if "--xla_dump_to" in os.environ.get("XLA_FLAGS", ""):
+        # The user's own dump of every program (XLA_FLAGS) keeps the step's: the compile's options would send
+        # it elsewhere. The reserve then comes from a record, if any.
+        return with_recorded_reserve(compile_memory(lowered.compile), lowered, devices)
     with reserve_dump() as dump:
-        return compile_memory(
-            lambda: trainer.lower_train_step(state, batch, batch_size).compile(compiler_options=dump.options),
-            reserve=dump,
-        )
+        memory = compile_memory(lambda: lowered.compile(compiler_options=dump.options), reserve=dump)
+    return with_recorded_reserve(memory, lowered, devices)
+
+
+def with_recorded_reserve(memory: StepMemory, lowered: Any, devices: Any,
+                          cache_dir: Optional[str] = None) -> StepMemory:
+    """``memory`` of the compile of ``lowered``, its reserve recorded beside JAX's compilation cache
+    (``cache_dir``; None: the one in use) where the compile read it, or taken from the record where the
+    compile did not (:mod:`levanter.memory.tpu_reserve`). Without a cache, nothing is recorded or read."""
+    if cache_dir is None and jax.config.jax_enable_compilation_cache:
+        cache_dir = jax.config.jax_compilation_cache_dir
+    if not cache_dir or memory.compiled is None:
+        return memory
+    key = program_key(lowered.as_text(), devices)
+    if memory.reserved is not None:
+        if jax.process_index() == 0:  # the processes compile one program; one record of it
+            record_reserve(cache_dir, key, memory.reserved)
+        return memory
+    recorded = recorded_reserve(cache_dir, key)
+    return memory if recorded is None else dataclasses.replace(memory, reserved=recorded)
 
 
 def compile_memory(compile_: Callable[[], Any], reserve: Optional[ReserveDump] = None) -> StepMemory:
@@ -272,8 +309,6 @@ class StepCompiler:
     adapt: Optional[Callable] = None
     # The trainer's is_trainable (the leaves that train, with gradients and optimizer state); None: all.
     is_trainable: Optional[Callable] = None
-    # Read what the TPU runtime reserves for the temporaries (StepMemory.reserved): a slice plan's compiles.
-    runtime_reserve: bool = False
 
     def trainer(self, tcfg: Optional[TrainerConfig] = None) -> Trainer:
         return Trainer(tcfg or self.trainer_config, self.optimizer, self.loss_fn, is_trainable=self.is_trainable)
@@ -294,7 +329,7 @@ class StepCompiler:
         whole batch) in place of the config's, compiled and measured."""
         compiler = self if per_device_parallelism is None else self.with_microbatch(per_device_parallelism)
         trainer = compiler.trainer()
-        return measure(trainer, *compiler.inputs(trainer, model_config), reserve=self.runtime_reserve)
+        return measure(trainer, *compiler.inputs(trainer, model_config))
 
 
 __all__ = [
@@ -312,4 +347,5 @@ __all__ = [
     "parse_bytes",
     "shard_bytes",
     "size",
+    "with_recorded_reserve",
 ]

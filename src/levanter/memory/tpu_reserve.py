@@ -18,11 +18,19 @@ with ``color C`` for memory spaces other than HBM's, ``preallocated-temp`` for t
 (the program's HLO as text, tens of megabytes for a large step) goes to a temporary directory removed
 after the compile; the compiled program is the same with or without it.
 
+A compile served from JAX's persistent compilation cache writes no dump (the dump options are left out of
+the cache's key, so the compile that wrote the dump is the entry the next launch loads). So a reserve read
+from a dump is also recorded beside the cache (:func:`record_reserve`: one small JSON file per program under
+``<cache>/levanter-tpu-reserve/``, keyed by the program's StableHLO without locations, the devices and the
+compiler's version), and a compile that wrote none finds it there (:func:`recorded_reserve`). A record is
+only ever read for the same program on the same compiler, which the cache would have served the same
+executable for.
+
 Trade-offs: parsing a debug dump's text, whose format XLA does not promise, rather than an API: where the
-dump holds no such allocation (another compiler version), :meth:`ReserveDump.read` returns None and the
-slice plan totals the compiler's temporaries, saying so. And a compile served from JAX's persistent
-compilation cache writes no dump, so only compiles that bypass it (a slice plan's) read the reserve; a
-run's check before its first step weighs the compiler's figure.
+dump holds no such allocation (another compiler version), :meth:`ReserveDump.read` returns None, and the
+checks weigh the compiler's temporaries (an upper bound), saying so. Where neither dump nor record says
+(a cache filled by another program, a record that could not be written) the same holds: a missing record
+costs headroom, never a step that does not fit.
 """
 
 from __future__ import annotations
@@ -30,10 +38,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import glob
+import hashlib
+import json
+import logging
 import os
 import re
 import tempfile
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
+
+from levanter.utils import fs
+
+logger = logging.getLogger(__name__)
 
 # One allocation's line of the text dump, e.g.
 #   allocation 11: size 134431232, preallocated-temp:
@@ -88,4 +103,48 @@ def reserve_dump() -> Iterator[ReserveDump]:
         yield ReserveDump(d)
 
 
-__all__ = ["DUMP_SUFFIX", "ReserveDump", "preallocated_temp", "reserve_dump"]
+RECORDS = "levanter-tpu-reserve"  # the records' folder inside JAX's compilation cache directory
+
+
+def program_key(lowered_text: str, devices: Any) -> str:
+    """The record's key of a program: its StableHLO text (without locations: ``Lowered.as_text()``), the
+    devices' kind and number, and the compiler's version (a new libtpu may assign buffers differently)."""
+    flat = list(getattr(devices, "flat", devices))
+    h = hashlib.sha256()
+    for part in (flat[0].client.platform_version, flat[0].device_kind, str(len(flat)), lowered_text):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _record_path(cache_dir: str, key: str) -> str:
+    return fs.join(cache_dir, RECORDS, f"{key}.json")
+
+
+def record_reserve(cache_dir: str, key: str, reserved: int) -> None:
+    """Record a program's reserve beside the compilation cache (best effort: a record that cannot be
+    written only costs a later launch the compiler's larger figure)."""
+    path = _record_path(cache_dir, key)
+    try:
+        fs.makedirs(fs.join(cache_dir, RECORDS))
+        fs.atomic_write_text(path, json.dumps({"preallocated_temp_bytes": int(reserved)}))
+    except Exception as e:  # noqa: BLE001 -- an optional record; the run goes on without it
+        logger.info("could not record the TPU runtime's reserve at %s (%s); a launch served from the "
+                    "compilation cache will weigh the compiler's figure", path, e)
+
+
+def recorded_reserve(cache_dir: str, key: str) -> Optional[int]:
+    """A program's reserve as :func:`record_reserve` recorded it; None where there is no (readable) record."""
+    path = _record_path(cache_dir, key)
+    try:
+        value = json.loads(fs.read_text(path))["preallocated_temp_bytes"]
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # noqa: BLE001 -- an unreadable record is no record
+        logger.info("ignoring the TPU runtime's reserve recorded at %s: %s", path, e)
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
+__all__ = ["DUMP_SUFFIX", "RECORDS", "ReserveDump", "preallocated_temp", "program_key", "record_reserve",
+           "recorded_reserve", "reserve_dump"]
