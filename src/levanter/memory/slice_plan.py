@@ -190,9 +190,10 @@ def _fit(compiler, limit: int) -> tuple[StepMemory, Any, str]:
         if found is None:
             return memory, compiler, (f"per_device_parallelism: auto finds no microbatch that fits (planned: "
                                       f"the smallest, {pick} per chip)")
-        # auto weighs the compiler's figure (as a run's check does), not the runtime's reserve: say which.
+        # auto weighs what the chip will report where the compiler's buffer assignment says (as a run's check
+        # does), else the compiler's own figure: say which.
         return memory, compiler, (f"per_device_parallelism: auto picks {pick} ({memory.describe()} per chip "
-                                  "as the compiler counts it)")
+                                  f"by {memory.basis})")
     memory = compiler.compile()
     if not memory.fits(limit):
         return memory, compiler, ""  # suggestions searches the microbatch with the other levers
