@@ -160,12 +160,6 @@ def test_grouped_kernel_tilings_fit_and_divide():
 
     assert gmm_tiling(8192, 1024, 1536) == (256, 1024, 1536)
     assert gmm_tiling(8192, 3072, 1024) == (256, 3072, 512)  # the whole k; n shrunk to fit
-    # The weights' gradient of Mixtral's products in one tile per group; at twice the widths, the tilings the
-    # chip's compiler refused stay out.
-    assert tgmm_tiling(8192, 1024, 1536) == (256, 1024, 1536)
-    assert tgmm_tiling(8192, 1536, 1024) == (256, 1536, 1024)
-    refused = {(256, 2048, 768), (256, 2048, 1024), (256, 512, 3072), (256, 1024, 2048), (256, 3072, 512)}
-    assert tgmm_tiling(8192, 2048, 3072) not in refused and tgmm_tiling(8192, 3072, 2048) not in refused
     for m, k, n in [(8192, 1024, 1536), (8192, 1536, 1024), (4096, 14336, 4096), (384, 64, 96)]:
         for tiling in (gmm_tiling(m, k, n), tgmm_tiling(m, k, n)):
             tm, tk, tn = tiling

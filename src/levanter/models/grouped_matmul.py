@@ -69,21 +69,12 @@ def gmm_tiling(m: int, k: int, n: int) -> tuple[int, int, int] | None:
 def tgmm_tiling(m: int, k: int, n: int) -> tuple[int, int, int] | None:
     """``tgmm``'s tiles ``(rows, k, n)`` for ``d_w [groups, k, n]`` from ``[m, k]`` rows and an ``[m, n]``
     cotangent: the row tile of :data:`_ROW_TILES`, then the largest ``k x n`` output tile (the larger k tile
-    on a tie) whose double-buffered bf16 inputs and float32 accumulator and output fit :data:`_TGMM_VMEM`.
-
-    An output tile that is a group's whole ``k x n`` matrix is counted once, not twice: the v5e's compiler
-    took the whole-matrix tiles of Mixtral's products, (256, 1024, 1536) and (256, 1536, 1024), the fastest
-    measured, and refused the partial tiles of the same area it was given ((256, 2048, 768) of a 2,048 x 3,072
-    matrix); the rule admits none of the tilings refused in the sweep."""
+    on a tie) whose double-buffered bf16 inputs and float32 accumulator and output fit :data:`_TGMM_VMEM`."""
     tm = next((t for t in _ROW_TILES if m % t == 0), None)
     if tm is None:
         return None
-
-    def vmem(tk: int, tn: int) -> int:
-        outputs = 1 if (tk, tn) == (k, n) else 2
-        return 4 * tm * (tk + tn) + (4 + 4 * outputs) * tk * tn
-
-    fits = [(tk * tn, tk, tn) for tk in _tile_sizes(k) for tn in _tile_sizes(n) if vmem(tk, tn) <= _TGMM_VMEM]
+    fits = [(tk * tn, tk, tn) for tk in _tile_sizes(k) for tn in _tile_sizes(n)
+            if 4 * tm * (tk + tn) + 12 * tk * tn <= _TGMM_VMEM]
     if not fits:
         return None
     _, tk, tn = max(fits)
