@@ -141,3 +141,27 @@ def test_a_compile_without_a_dump_finds_the_reserve_its_first_compile_recorded(n
     assert other.reserved is None and other.need == other.total
     records[0].write_text("{not json")
     assert with_recorded_reserve(again, eight, devices, cache).reserved is None
+
+
+@needs_libtpu
+def test_a_kernel_refused_for_vector_memory_is_not_said_to_overflow_the_devices_memory(no_compilation_cache):
+    """A Pallas kernel whose tiles overflow a v5e core's vector memory (megablox's gmm with the whole 4,096 x
+    4,096 matrix as one tile), compiled by libtpu: the refusal is measured, but as a kernel's VMEM, not as the
+    device's HBM, and the run's error says so."""
+    from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm
+
+    from levanter.memory.fit import does_not_fit
+    from levanter.memory.tpu_compile import slice_devices
+    from levanter.memory.tpu_slices import parse_slice
+
+    chip = jax.sharding.SingleDeviceSharding(slice_devices(parse_slice("v5e-1"))[0])
+    rows = jax.ShapeDtypeStruct((512, 4096), jnp.bfloat16, sharding=chip)
+    w = jax.ShapeDtypeStruct((2, 4096, 4096), jnp.bfloat16, sharding=chip)
+    sizes = jax.ShapeDtypeStruct((2,), jnp.int32, sharding=chip)
+    lowered = jax.jit(lambda r, w, s: gmm(r, w, s, jnp.bfloat16, (512, 4096, 4096))).lower(rows, w, sizes)
+    memory = compile_memory(lowered.compile)
+    assert memory.oom is not None and memory.vector_memory, memory.oom
+    assert memory.total is None and not memory.fits(16 * 2**30)
+    text = does_not_fit(memory, 16 * 2**30, "v5e HBM per chip", "8 x 2048 tokens", [])
+    assert "vector memory (VMEM)" in text and "is not what ran out" in text
+    assert "more than the device has" not in text

@@ -160,6 +160,9 @@ def test_grouped_kernel_tilings_fit_and_divide():
 
     assert gmm_tiling(8192, 1024, 1536) == (256, 1024, 1536)
     assert gmm_tiling(8192, 3072, 1024) == (256, 3072, 512)  # the whole k; n shrunk to fit
+    # A group's whole 1,024 x 1,536 weight gradient in one tile compiled at 8,192 rows but was refused for the
+    # core's vector memory at 16,384 (the Mixtral row at 4 sequences a microbatch): not picked.
+    assert tgmm_tiling(16384, 1024, 1536) not in {(256, 1024, 1536), (128, 1024, 1536)}
     for m, k, n in [(8192, 1024, 1536), (8192, 1536, 1024), (4096, 14336, 4096), (384, 64, 96)]:
         for tiling in (gmm_tiling(m, k, n), tgmm_tiling(m, k, n)):
             tm, tk, tn = tiling

@@ -56,6 +56,9 @@ def does_not_fit(base: StepMemory, limit: int, source: str, batch: str, found: S
         source = f"as the compiler counts it; {source} reports {size(limit)}"
         limit = figures[1]
     what = f"the train step needs {base.describe()} per device but a device has {size(limit)} ({source})"
+    if base.vector_memory:
+        what = (f"the train step needs {base.describe()}: the compiler refused a kernel's tiles (the device's "
+                f"{size(limit)} of HBM ({source}) is not what ran out)")
     why = f"measured by compiling it ahead of time for a batch of {batch}"
     if base.oom:
         why += f"; the compiler said: {base.oom[:200]}"

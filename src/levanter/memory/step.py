@@ -132,6 +132,12 @@ def is_resource_exhausted(err: BaseException) -> bool:
     return False
 
 
+def is_vector_memory_refusal(text: str) -> bool:
+    """Whether XLA:TPU's out-of-memory message is about a core's vector memory (VMEM: "E1001:
+    CompileTimeScopedVmemOom", "memory space vmem"), which a kernel's tiles fill, and not the device's HBM."""
+    return re.search(r"ScopedVmemOom|memory space vmem", text, re.I) is not None
+
+
 def oom_figures(text: str) -> Optional[tuple[int, int]]:
     """``(bytes the program needs, bytes the compiler has for it)`` from an XLA:TPU refusal ("Used 20.5G of
     15.48G hbm", or "the total memory required for HLO temporaries (48.00G) exceeds available HBM (15.75G)"),
@@ -186,7 +192,15 @@ class StepMemory:
             return self.oom is None
         return self.oom is None and self.need is not None and self.need <= limit * (1 - headroom)
 
+    @property
+    def vector_memory(self) -> bool:
+        """Whether the compiler refused the step for a core's vector memory (a TPU's VMEM, which a Pallas
+        kernel's tiles fill), not for the device's HBM."""
+        return self.oom is not None and is_vector_memory_refusal(self.oom)
+
     def describe(self) -> str:
+        if self.vector_memory:
+            return "more vector memory (VMEM) than a core has for a kernel's tiles"
         return "more than the device has" if self.need is None else size(self.need)
 
 
@@ -284,6 +298,8 @@ def compile_memory(compile_: Callable[[], Any], reserve: Optional[ReserveDump] =
             raise
         figures = oom_figures(str(e))
         first = next((line.strip() for line in str(e).splitlines() if line.strip()), "RESOURCE_EXHAUSTED")
+        if is_vector_memory_refusal(str(e)):
+            figures = None  # a core's vector memory: no figure of the device's HBM
         return StepMemory(total=figures[0] if figures else None, oom=first,
                           capacity=figures[1] if figures else None)
     mem = compiled.memory_analysis()
@@ -341,6 +357,7 @@ __all__ = [
     "compile_memory",
     "device_memory",
     "is_resource_exhausted",
+    "is_vector_memory_refusal",
     "largest_batch",
     "measure",
     "oom_figures",
