@@ -19,6 +19,11 @@ Then, per product, the forward alone each way: what ``trainer.quantization.int8`
 speedups over bf16.
 
     python scripts/bench/int8_matmul.py [--models gpt2_small llama_350m] [--repeats 20] [--json out.json]
+    python scripts/bench/int8_matmul.py --raw   # the matrix units alone: one product of given operands
+
+``--raw`` times one product of operands already in their dtype at a few shapes (the square 8,192^3, the 600M
+row's products and weight gradient, GPT-2 small's ``c_fc``): bf16 -> bf16, s8 -> s32, and s8 -> s32 scaled
+back to bf16 in the same fusion: the int8 rate with nothing to quantize and the output at 2 bytes.
 
 About 40 s on a TPU v5e (a compile of a few seconds per shape and way). ``--allow-cpu`` runs it on CPU at a
 tiny size (to check the script: CPUs have no int8 matrix units, and the fused kernel runs in Pallas's
@@ -67,6 +72,40 @@ def ways():
     return {"bf16": through("float"), "int8 xla": through("xla"), "int8 fused": through("fused")}, jax.jit(products)
 
 
+RAW_SHAPES = [(8192, 8192, 8192), (32768, 1536, 4096), (32768, 4096, 1536), (1536, 32768, 4096),
+              (8192, 1536, 4096), (16384, 768, 3072)]
+
+
+def raw(repeats: int, scale: int = 1) -> list:
+    """``[{m, k, n, ms: {way: ms}}]`` of one product of given operands at :data:`RAW_SHAPES` (``m`` divided
+    by ``scale``)."""
+    import jax
+    import jax.numpy as jnp
+
+    ways = {
+        "bf16": jax.jit(lambda a, b, s: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16)),
+        "s8 -> s32": jax.jit(lambda a, b, s: jnp.dot(a, b, preferred_element_type=jnp.int32)),
+        "s8 -> bf16": jax.jit(lambda a, b, s: (jnp.dot(a, b, preferred_element_type=jnp.int32).astype(jnp.float32)
+                                               * s).astype(jnp.bfloat16)),
+    }
+    out = []
+    for m, k, n in RAW_SHAPES:
+        m = max(m // scale, 128)
+        ka, kb = jax.random.split(jax.random.PRNGKey(0))
+        a, b = jax.random.normal(ka, (m, k), jnp.float32), jax.random.normal(kb, (k, n), jnp.float32)
+        s = jnp.ones((n,), jnp.float32)
+        operands = {"bf16": (a.astype(jnp.bfloat16), b.astype(jnp.bfloat16))}
+        operands["s8"] = tuple(jnp.clip(x * 30, -127, 127).astype(jnp.int8) for x in (a, b))
+        ms = {way: 1e3 * time_call(fn, (*operands["bf16" if way == "bf16" else "s8"], s), repeats)
+              for way, fn in ways.items()}
+        out.append({"m": m, "k": k, "n": n, "ms": ms})
+        print(f"{m} x {k} x {n}: " + ", ".join(f"{w} {t:.3f} ms ({2 * m * k * n / t / 1e9:.0f} T/s)"
+                                               for w, t in ms.items())
+              + f"; int8 gain {ms['bf16'] / ms['s8 -> bf16']:.2f}x (bf16 output), "
+                f"{ms['bf16'] / ms['s8 -> s32']:.2f}x (s32 output)", flush=True)
+    return out
+
+
 def time_call(fn, args, repeats: int) -> float:
     """Median seconds of ``fn(*args)`` over ``repeats`` calls, after one call that compiles."""
     import jax
@@ -86,6 +125,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--allow-cpu", action="store_true", help="run on CPU at 1/32 of the tokens (checks the script)")
+    ap.add_argument("--raw", action="store_true", help="one product of given operands, bf16 against int8")
     args = ap.parse_args()
 
     import jax
@@ -93,6 +133,9 @@ def main() -> None:
 
     if jax.default_backend() != "tpu" and not args.allow_cpu:
         sys.exit("error: no TPU here; pass --allow-cpu to check the script on CPU at a tiny size")
+    if args.raw:
+        write_json(args.json, raw(args.repeats, scale=64 if args.allow_cpu else 1))
+        return
     from levanter.quantization.int8 import product_plan
 
     fns, ceiling = ways()
