@@ -57,8 +57,8 @@ def does_not_fit(base: StepMemory, limit: int, source: str, batch: str, found: S
         limit = figures[1]
     what = f"the train step needs {base.describe()} per device but a device has {size(limit)} ({source})"
     if base.vector_memory:
-        what = (f"the train step needs {base.describe()}: the compiler refused a kernel's tiles (the device's "
-                f"{size(limit)} of HBM ({source}) is not what ran out)")
+        what = (f"the train step needs {base.describe()}: the compiler refused a kernel's tiles (the "
+                f"device's {size(limit)} of HBM ({source}) is not what ran out)")
     why = f"measured by compiling it ahead of time for a batch of {batch}"
     if base.oom:
         why += f"; the compiler said: {base.oom[:200]}"
@@ -121,8 +121,8 @@ def fit_trainer(compiler: StepCompiler, *, recorded: Optional[int] = None) -> Tr
             splittable = min(microbatch_candidates(tcfg)) < current_microbatch(tcfg)
             raise StepDoesNotFitError(
                 does_not_fit(memory, limit, source, batch, found, splittable=splittable))
-        logger.info("the train step needs %s per device of %s (%s; by %s)", memory.describe(), size(limit), source,
-                    memory.basis)
+        logger.info("the train step needs %s per device of %s (%s; by %s)", memory.describe(), size(limit),
+                    source, memory.basis)
     trainer = compiler.trainer()
     if memory.compiled is not None:
         state, abatch, batch_size = compiler.inputs(trainer)

@@ -8,13 +8,13 @@ state, batch), the outputs that do not reuse a donated argument's buffer, and th
 kept for the backward pass, gradients, logits). Compiles for TPUs also read what the TPU runtime will
 reserve for the temporaries (:mod:`levanter.memory.tpu_reserve`: the compiler's buffer assignment, or its
 record beside the compilation cache for a compile the cache served), less than the compiler's
-``temp_size_in_bytes`` (by 6-33 % for the shipped configs on a v5e chip): :attr:`StepMemory.runtime_total`
-is what the chip will report, and where it is known it is what every check and search weighs
-(:attr:`StepMemory.need`: a run's check before its first step, ``auto``, the levers, the plans). Where it
-is not (other accelerators, a compiler whose dump says nothing) they weigh the compiler's figure, an upper
-bound. An accelerator's compiler may refuse a program that cannot fit (``RESOURCE_EXHAUSTED`` at compile time: XLA:TPU's "the total memory required for HLO temporaries (X)
-exceeds available HBM (Y)", or "Used X of Y hbm"): that counts as a measurement too, with the figures from
-its message (:func:`oom_figures`).
+``temp_size_in_bytes``: :attr:`StepMemory.runtime_total` is what the chip will report, and where it is
+known it is what every check and search weighs (:attr:`StepMemory.need`: a run's check before its first
+step, ``auto``, the levers, the plans). Where it is not (other accelerators, a compiler whose dump says
+nothing) they weigh the compiler's figure, an upper bound. An accelerator's compiler may refuse a program
+that cannot fit (``RESOURCE_EXHAUSTED`` at compile time: XLA:TPU's "the total memory required for HLO
+temporaries (X) exceeds available HBM (Y)", or "Used X of Y hbm"): that counts as a measurement too, with
+the figures from its message (:func:`oom_figures`).
 
 The device's memory (:func:`device_memory`): ``--device_memory`` for a plan, else the environment variable
 ``LEVANTER_DEVICE_MEMORY`` (e.g. ``512MiB``: for tests on CPU, or to keep headroom for something else on
@@ -40,7 +40,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from levanter.memory.tpu_reserve import ReserveDump, program_key, record_reserve, recorded_reserve, reserve_dump
+from levanter.memory.tpu_reserve import (ReserveDump, program_key, record_reserve, recorded_reserve,
+                                        reserve_dump)
 from levanter.quantization import with_fp8
 from levanter.training import Trainer, TrainerState
 from levanter.training import TrainerConfig
