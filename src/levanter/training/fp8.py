@@ -20,12 +20,6 @@ def split_overwrites(tree: Any) -> tuple[Any, Any]:
     return hq.partition_for_grad_overwrite(tree)
 
 
-def map_but_overwrites(f: Any, tree: Any) -> Any:
-    """``tree`` with ``f`` applied to each leaf but fp8's state (which is left as it is)."""
-    is_state = lambda v: isinstance(v, hq.OverwriteWithGradient)  # noqa: E731
-    return jax.tree.map(lambda v: v if is_state(v) else f(v), tree, is_leaf=is_state)
-
-
 def optimized_params(params: Any) -> Any:
     """The parameters the optimizer updates: all but the state that the backward pass overwrites."""
     return split_overwrites(params)[1]
@@ -57,7 +51,6 @@ def apply_update(params: Any, updates: Any, overwrites: Any) -> Any:
 __all__ = [
     "apply_update",
     "fp8_state",
-    "map_but_overwrites",
     "merge_overwrites",
     "no_overwrites_yet",
     "optimized_params",

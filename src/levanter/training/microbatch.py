@@ -9,23 +9,12 @@ keeps contributing its own rows (no data moves between devices to form a microba
 
 fp8's new scales and histories are values, not gradients: across microbatches they are combined by an
 elementwise maximum (:func:`levanter.training.fp8.merge_overwrites`), not summed.
-
-With a mixed-precision policy (``mp: p=f32,c=bfloat16``) the loss casts the parameters to the compute dtype.
-Over several microbatches that cast is made once, before the loop (``cast``), and each microbatch's
-gradient is taken with respect to the cast parameters and added to the accumulator in the parameters' own
-dtype. The sums are the same numbers: the gradient of a cast parameter is its compute-dtype gradient
-converted, whichever side of the loop the conversion sits on. What changes is the traffic: each
-microbatch's gradient reaches the accumulator at its compute width, and a scanned stack of layers is no
-longer cast whole in every microbatch (what XLA made of the cast inside the loop); the trade-off is one cast
-a step where XLA had folded the cast into each product's read of the weights (unrolled layers: 0.2-0.4 % of
-their step on a TPU v5e, docs/performance.md), and the cast copy lives through the loop. fp8's state is not
-cast ahead: the loss casts it as before, so its new values are computed as they always were.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import haliax as hax
@@ -33,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import TrainerConfig
-from .fp8 import map_but_overwrites, merge_overwrites, no_overwrites_yet, split_overwrites
+from .fp8 import merge_overwrites, no_overwrites_yet, split_overwrites
 
 
 def num_microbatches(config: TrainerConfig, batch_size: int) -> int:
@@ -75,36 +64,27 @@ def split_microbatches(batch: Any, n_micro: int, batch_axis: str) -> Any:
     return jax.tree.map(split, batch, is_leaf=_is_named)
 
 
-def summed_gradients(sum_loss: Callable, params: Any, static: Any, batch: Any, *, n_micro: int,
-                     batch_axis: str, compute_mapping,
-                     cast: Optional[Callable[[Any], Any]] = None) -> Gradients:
+def summed_gradients(sum_loss: Callable, params: Any, static: Any, batch: Any, *, n_micro: int, batch_axis: str,
+                     compute_mapping) -> Gradients:
     """The loss ``sum_loss(params, static, batch) -> (sum, (count, extra))`` and its gradient with respect to
-    ``params``, summed over ``n_micro`` microbatches of ``batch`` (one pass when ``n_micro`` is 1).
-
-    ``cast``: the cast to the compute dtype that ``sum_loss`` applies to its parameters (a no-op on values
-    already cast); over several microbatches it is applied once, ahead of the loop, to ``static`` and to the
-    parameters but fp8's state. The gradients come back in the parameters' dtypes either way."""
+    ``params``, summed over ``n_micro`` microbatches of ``batch`` (one pass when ``n_micro`` is 1)."""
     grad_fn = eqx.filter_value_and_grad(sum_loss, has_aux=True)
     if n_micro == 1:
         (total, (count, extra)), grads = grad_fn(params, static, batch)
         overwrites, grads = split_overwrites(grads)
         return Gradients(total, count, extra, grads, overwrites, batch)
     stacked = split_microbatches(batch, n_micro, batch_axis)
-    overwrites0, optimized0 = split_overwrites(params)
-    differentiated = params if cast is None else map_but_overwrites(cast, params)
-    static = static if cast is None else cast(static)
 
     def body(carry, m):
         acc_total, acc_count, acc_extra, acc_grads, acc_ow = carry
         micro = jax.tree.map(lambda x: hax.shard(x["microbatch", m], compute_mapping) if _is_named(x) else x,
                              stacked, is_leaf=_is_named)
-        (t, (c, e)), g = grad_fn(differentiated, static, micro)
+        (t, (c, e)), g = grad_fn(params, static, micro)
         ow, g = split_overwrites(g)
-        # In the accumulator's dtype (the parameters'): a cast parameter's gradient is in the compute dtype.
-        acc_grads = jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc_grads, g)
-        return (acc_total + t, acc_count + c, jax.tree.map(jnp.add, acc_extra, e), acc_grads,
-                merge_overwrites(acc_ow, ow)), None
+        return (acc_total + t, acc_count + c, jax.tree.map(jnp.add, acc_extra, e),
+                jax.tree.map(jnp.add, acc_grads, g), merge_overwrites(acc_ow, ow)), None
 
+    overwrites0, optimized0 = split_overwrites(params)
     overwrites0 = no_overwrites_yet(overwrites0)
     zeros = jax.tree.map(jnp.zeros_like, optimized0)
     first = jax.tree.map(lambda x: x["microbatch", 0] if _is_named(x) else x, stacked, is_leaf=_is_named)

@@ -103,7 +103,7 @@ def train_step_fn(*, loss_fn: Callable, optimizer, mp, split_trained: Callable, 
     def step(state: TrainerState, batch):
         params, static = split_trained(state.model)
         g = summed_gradients(sum_loss, params, static, batch, n_micro=n_micro, batch_axis=config.batch_axis,
-                             compute_mapping=compute_mapping, cast=mp.cast_to_compute)
+                             compute_mapping=compute_mapping)
         updates, opt_state, denom, grad_norm = _optimizer_update(optimizer, sum_loss, params, static,
                                                                  state.opt_state, g)
         spike = spike_skipped(opt_state)  # skipped as an outlier (optimizer.skip_bad_steps); applies zero
