@@ -257,8 +257,8 @@ def measure(trainer: Trainer, state, batch, batch_size: int) -> StepMemory:
     also what the runtime reserves for its temporaries (from the compiler's dump, or, for a compile that
     JAX's persistent cache served, from the record the compile that filled it left)."""
     lowered = trainer.lower_train_step(state, batch, batch_size)
-    devices = trainer.mesh.devices
-    if devices.flat[0].platform != "tpu":
+    devices = list(trainer.mesh.devices.flat)
+    if devices[0].platform != "tpu":
         return compile_memory(lowered.compile)
     if "--xla_dump_to" in os.environ.get("XLA_FLAGS", ""):
         # The user's own dump of every program (XLA_FLAGS) keeps the step's: the compile's options would send
@@ -269,11 +269,11 @@ def measure(trainer: Trainer, state, batch, batch_size: int) -> StepMemory:
     return with_recorded_reserve(memory, lowered, devices)
 
 
-def with_recorded_reserve(memory: StepMemory, lowered: Any, devices: Any,
+def with_recorded_reserve(memory: StepMemory, lowered: Any, devices: Sequence[Any],
                           cache_dir: Optional[str] = None) -> StepMemory:
-    """``memory`` of the compile of ``lowered``, its reserve recorded beside JAX's compilation cache
-    (``cache_dir``; None: the one in use) where the compile read it, or taken from the record where the
-    compile did not (:mod:`levanter.memory.tpu_reserve`). Without a cache, nothing is recorded or read."""
+    """``memory`` of the compile of ``lowered`` for ``devices``, its reserve recorded beside JAX's compilation
+    cache (``cache_dir``; None: the one in use) where the compile read it, or taken from the record where
+    the compile did not (:mod:`levanter.memory.tpu_reserve`). Without a cache, nothing is recorded or read."""
     if cache_dir is None and jax.config.jax_enable_compilation_cache:
         cache_dir = jax.config.jax_compilation_cache_dir
     if not cache_dir or memory.compiled is None:

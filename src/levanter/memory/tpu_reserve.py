@@ -44,7 +44,7 @@ import logging
 import os
 import re
 import tempfile
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 from levanter.utils import fs
 
@@ -106,12 +106,11 @@ def reserve_dump() -> Iterator[ReserveDump]:
 RECORDS = "levanter-tpu-reserve"  # the records' folder inside JAX's compilation cache directory
 
 
-def program_key(lowered_text: str, devices: Any) -> str:
+def program_key(lowered_text: str, devices: Sequence[Any]) -> str:
     """The record's key of a program: its StableHLO text (without locations: ``Lowered.as_text()``), the
     devices' kind and number, and the compiler's version (a new libtpu may assign buffers differently)."""
-    flat = list(getattr(devices, "flat", devices))
     h = hashlib.sha256()
-    for part in (flat[0].client.platform_version, flat[0].device_kind, str(len(flat)), lowered_text):
+    for part in (devices[0].client.platform_version, devices[0].device_kind, str(len(devices)), lowered_text):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
