@@ -278,12 +278,12 @@ def with_recorded_reserve(memory: StepMemory, lowered: Any, devices: Sequence[An
         cache_dir = jax.config.jax_compilation_cache_dir
     if not cache_dir or memory.compiled is None:
         return memory
-    key = program_key(lowered.as_text(), devices)
     if memory.reserved is not None:
-        if jax.process_index() == 0:  # the processes compile one program; one record of it
-            record_reserve(cache_dir, key, memory.reserved)
+        # The processes compile one program: process 0 records it; the others have nothing to key.
+        if jax.process_index() == 0:
+            record_reserve(cache_dir, program_key(lowered.as_text(), devices), memory.reserved)
         return memory
-    recorded = recorded_reserve(cache_dir, key)
+    recorded = recorded_reserve(cache_dir, program_key(lowered.as_text(), devices))
     return memory if recorded is None else dataclasses.replace(memory, reserved=recorded)
 
 
