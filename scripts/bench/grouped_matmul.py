@@ -4,7 +4,7 @@ Pallas kernels (``gmm``, ``tgmm``) over a range of tile sizes, with a dense prod
 yardstick.
 
 The products of one mixture-of-experts layer's training step (``config/bench/mixtral_tpu.yaml``: 8 experts,
-2 per token, width 1,024, experts 1,536 wide, 4,096 tokens a microbatch, so 8,192 rows sorted by expert):
+2 per token, width 1,024, experts 1,536 wide, 8,192 tokens a microbatch (4 sequences), so 16,384 rows sorted by expert):
 
 * **forward** ``rows [m, k] @ w[g] -> [m, n]``: the gate and up projections (k 1,024, n 1,536, or both at
   once, n 3,072) and the down projection (k 1,536, n 1,024);
@@ -35,7 +35,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import parser, print_table, write_json  # noqa: E402 -- after the path insert above
 
-GROUPS, TOKENS, TOP_K, WIDTH, EXPERT = 8, 4096, 2, 1024, 1536
+GROUPS, TOKENS, TOP_K, WIDTH, EXPERT = 8, 8192, 2, 1024, 1536
 
 
 def group_sizes(rows: int, groups: int):
@@ -86,6 +86,10 @@ def main() -> None:
                     help="only the tilings levanter.models.grouped_matmul picks (gmm_tiling, tgmm_tiling)")
     ap.add_argument("--kinds", nargs="+", default=["forward", "input grad", "weight grad"],
                     help="the products to time (forward, 'input grad', 'weight grad')")
+    ap.add_argument("--tokens", type=int, default=TOKENS,
+                    help="tokens a microbatch (the row's 4 sequences of 2,048: 8,192; rows are twice that)")
+    ap.add_argument("--tgmm-out", nargs="+", default=["bfloat16"], choices=["bfloat16", "float32"],
+                    help="tgmm's output dtype(s) to time (it accumulates in float32 either way)")
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--allow-cpu", action="store_true", help="a tiny size in Pallas's interpreter (checks the script)")
     args = ap.parse_args()
@@ -100,7 +104,7 @@ def main() -> None:
     if on_cpu and not args.allow_cpu:
         sys.exit("grouped_matmul.py measures a TPU; pass --allow-cpu to check the script on this machine")
     scale = 16 if on_cpu else 1
-    m, d, f = TOKENS * TOP_K // scale, WIDTH // scale, EXPERT // scale
+    m, d, f = args.tokens * TOP_K // scale, WIDTH // scale, EXPERT // scale
     if on_cpu:
         args.repeats = 2
     sizes = jnp.asarray(group_sizes(m, GROUPS))
@@ -146,12 +150,14 @@ def main() -> None:
         chosen = (tgmm_tiling if kind == "weight grad" else gmm_tiling)(m, k, n)
         for tiling in [chosen] if args.chosen else tilings(m, k, n, vmem):
             if kind == "weight grad":
-                fn = jax.jit(lambda a, b, t=tiling: tgmm(a.T, b, sizes, jnp.float32, t, num_actual_groups=GROUPS,
-                                                         interpret=interpret).astype(jnp.bfloat16))
+                for out in args.tgmm_out:
+                    fn = jax.jit(lambda a, b, t=tiling, o=jnp.dtype(out): tgmm(
+                        a.T, b, sizes, o, t, num_actual_groups=GROUPS, interpret=interpret).astype(jnp.bfloat16))
+                    ways["tgmm %d,%d,%d" % tiling + ("" if out == "bfloat16" else " f32 out")] = (fn, (lhs, rhs))
             else:
                 fn = jax.jit(lambda a, b, t=tiling: gmm(a, b, sizes, jnp.bfloat16, t,
                                                         transpose_rhs=kind == "input grad", interpret=interpret))
-            ways["%s %d,%d,%d" % ("tgmm" if kind == "weight grad" else "gmm", *tiling)] = (fn, (lhs, rhs))
+                ways["gmm %d,%d,%d" % tiling] = (fn, (lhs, rhs))
         dense_s = None
         for way, (fn, fargs) in ways.items():
             try:

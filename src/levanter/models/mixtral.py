@@ -195,7 +195,11 @@ class MixtralSparseMoe(eqx.Module):
         """``(probs [.., experts], top weights [.., top_experts], top indices [.., top_experts])``, float32."""
         logits = linear(self.gate, x).astype(jnp.float32)
         probs = hnn.softmax(logits, axis=EXPERTS)
-        top_p, top_i = hax.top_k(probs, EXPERTS, self.config.num_experts_per_tok, new_axis=TOP_EXPERTS)
+        _, top_i = hax.top_k(probs, EXPERTS, self.config.num_experts_per_tok, new_axis=TOP_EXPERTS)
+        # The chosen probabilities read through a one-hot mask rather than top_k's values (the same numbers:
+        # one term of each sum is not zero): the gradient of top_k's values is a scatter into [tokens,
+        # experts], which a TPU runs one update at a time; the mask's gradient is elementwise.
+        top_p = hax.sum(probs * hnn.one_hot(top_i, self.config.Experts, dtype=probs.dtype), axis=EXPERTS)
         return probs, top_p / hax.sum(top_p, axis=TOP_EXPERTS), top_i
 
     def __call__(self, x: NamedArray) -> tuple[NamedArray, NamedArray, NamedArray]:
@@ -247,8 +251,11 @@ class MixtralSparseMoe(eqx.Module):
         inverse = jnp.argsort(order)  # back to token order
         # Each token repeated k times (assignment t*k+j is token t), then sorted: [T*k, D].
         rows = _permute(jnp.repeat(tokens, k, axis=0), order, inverse)
-        # Assignments per expert; zero for an expert no token chose (ragged_dot skips its group).
-        group_sizes = jnp.bincount(expert_of, length=Experts.size).astype(jnp.int32)
+        # Assignments per expert; zero for an expert no token chose (ragged_dot skips its group). Counted by
+        # comparison with each expert's index, not bincount: a bincount is a scatter-add of every assignment
+        # into a few bins, which a TPU runs one update at a time (docs/bench/2026-12-07-tpu-rows.md).
+        group_sizes = jnp.sum(expert_of[:, None] == jnp.arange(Experts.size, dtype=expert_of.dtype)[None, :],
+                              axis=0, dtype=jnp.int32)
 
         def expert_weights(layer: hnn.Linear, axes) -> jax.Array:
             return (layer.weight * layer.reparam.active_scale).rearrange(axes).array
