@@ -4,7 +4,8 @@ Pallas kernels (``gmm``, ``tgmm``) over a range of tile sizes, with a dense prod
 yardstick.
 
 The products of one mixture-of-experts layer's training step (``config/bench/mixtral_tpu.yaml``: 8 experts,
-2 per token, width 1,024, experts 1,536 wide, 8,192 tokens a microbatch (4 sequences), so 16,384 rows sorted by expert):
+2 per token, width 1,024, experts 1,536 wide, 8,192 tokens a microbatch (4 sequences), so 16,384 rows sorted
+by expert; ``--tokens`` for another microbatch):
 
 * **forward** ``rows [m, k] @ w[g] -> [m, n]``: the gate and up projections (k 1,024, n 1,536, or both at
   once, n 3,072) and the down projection (k 1,536, n 1,024);
@@ -20,7 +21,7 @@ dense product's rate for every way, and the best tiling of each product.
     python scripts/bench/grouped_matmul.py [--chosen] [--repeats 20] [--json out.json]
 
 About 5 minutes on a TPU v5e (a compile of a second or two per tiling); ``--chosen``, only the tilings that
-``levanter.models.grouped_matmul`` picks, under a minute. ``--allow-cpu`` runs a tiny size in
+``levanter.models.grouped_matmul`` picks, about 2 minutes. ``--allow-cpu`` runs a tiny size in
 Pallas's interpreter (to check the script; it measures nothing).
 """
 
