@@ -198,7 +198,7 @@ class MixtralSparseMoe(eqx.Module):
         _, top_i = hax.top_k(probs, EXPERTS, self.config.num_experts_per_tok, new_axis=TOP_EXPERTS)
         # The chosen probabilities read through a one-hot mask rather than top_k's values (the same numbers:
         # one term of each sum is not zero): the gradient of top_k's values is a scatter into [tokens,
-        # experts], which a TPU runs one update at a time; the mask's gradient is elementwise.
+        # experts], slow on a TPU at any size; the mask's gradient is elementwise.
         top_p = hax.sum(probs * hnn.one_hot(top_i, self.config.Experts, dtype=probs.dtype), axis=EXPERTS)
         return probs, top_p / hax.sum(top_p, axis=TOP_EXPERTS), top_i
 
@@ -253,7 +253,7 @@ class MixtralSparseMoe(eqx.Module):
         rows = _permute(jnp.repeat(tokens, k, axis=0), order, inverse)
         # Assignments per expert; zero for an expert no token chose (ragged_dot skips its group). Counted by
         # comparison with each expert's index, not bincount: a bincount is a scatter-add of every assignment
-        # into a few bins, which a TPU runs one update at a time (docs/bench/2026-12-07-tpu-rows.md).
+        # into a few bins, slow on a TPU at any size (docs/bench/2026-12-07-tpu-rows.md).
         group_sizes = jnp.sum(expert_of[:, None] == jnp.arange(Experts.size, dtype=expert_of.dtype)[None, :],
                               axis=0, dtype=jnp.int32)
 
