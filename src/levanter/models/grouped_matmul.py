@@ -70,7 +70,7 @@ def tgmm_tiling(m: int, k: int, n: int, out_bytes: int = 2) -> tuple[int, int, i
     """``tgmm``'s tiles ``(rows, k, n)`` for ``d_w [groups, k, n]`` from ``[m, k]`` rows and an ``[m, n]``
     cotangent: the row tile of :data:`_ROW_TILES`, then the largest ``k x n`` output tile (the larger k tile
     on a tie) whose double-buffered bf16 inputs, float32 accumulator and double-buffered output of
-    ``out_bytes`` an entry (bf16, as :func:`grouped_weight_grad_tgmm` writes it) fit :data:`_TGMM_VMEM`."""
+    ``out_bytes`` an entry (:func:`grouped_weight_grad_tgmm` writes the rows' dtype) fit :data:`_TGMM_VMEM`."""
     tm = next((t for t in _ROW_TILES if m % t == 0), None)
     if tm is None:
         return None
@@ -163,7 +163,7 @@ def _mesh_size() -> int:
 def _weight_grad_tpu(groups: int, rows: jax.Array, g: jax.Array, group_sizes: jax.Array) -> jax.Array:
     # A Pallas kernel is not partitioned by XLA: over a mesh of several devices it would need a shard_map,
     # so there the weights' gradient is JAX's (correct, groups times the work).
-    if tgmm_tiling(rows.shape[0], rows.shape[1], g.shape[1]) is None or _mesh_size() > 1:
+    if tgmm_tiling(*rows.shape, g.shape[1], rows.dtype.itemsize) is None or _mesh_size() > 1:
         return _weight_grad(groups, rows, g, group_sizes)
     return grouped_weight_grad_tgmm(rows, g, group_sizes, groups)
 
@@ -178,7 +178,7 @@ def grouped_weight_grad_tgmm(
 
     m, k = rows.shape
     n = g.shape[1]
-    tiling = tgmm_tiling(m, k, n)
+    tiling = tgmm_tiling(m, k, n, rows.dtype.itemsize)  # the output is written in rows' dtype
     if tiling is None:
         raise ValueError(f"no tgmm tiling divides a grouped weight gradient of {m} rows x {k} -> {n}")
     # The kernel sums each tile in float32 and casts once as it stores: asking for rows' dtype gives the same
