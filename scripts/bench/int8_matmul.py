@@ -10,13 +10,15 @@ input's gradient both computed one way (:data:`levanter.quantization.int8.WAYS`)
 * **int8 xla**: ``trainer.quantization.int8``'s kernel through XLA: per-row / per-column absolute-max scales
   and the rounding as XLA's own passes over memory, then an s8 x s8 -> s32 product;
 * **int8 fused**: the same numerics with the quantizing inside a Pallas kernel, on the way into the product;
+* **int8 fused x3**: the weight's gradient in int8 too, through its fused kernel (per block of 512 tokens,
+  both operands quantized by columns);
 * **ceiling**: the three products with operands already int8 (no quantizing at all): what int8 could give.
 
-The weight's gradient is bf16 in every way but the ceiling's. Each operand has an element-wise producer in the
-timed function (``x = gelu(h)``; the cotangent scaled by a vector), so that XLA can fuse into it as in a step.
-Then, per product, the forward alone each way: what ``trainer.quantization.int8``'s start-up plan measures
-(:func:`levanter.quantization.int8.product_plan`), printed as the line it logs. Prints ms per call and the
-speedups over bf16.
+The weight's gradient is bf16 in every way but the ceiling's and fused x3's. Each operand has an element-wise
+producer in the timed function (``x = gelu(h)``; the cotangent scaled by a vector), so that XLA can fuse into
+it as in a step. Then, per layer, the choice of ``trainer.quantization.int8``'s start-up plan, which times the
+layer forward and backward each of its ways (:func:`levanter.quantization.int8.product_plan`), with its
+figures. Prints ms per call and the speedups over bf16.
 
     python scripts/bench/int8_matmul.py [--models gpt2_small llama_350m] [--repeats 20] [--json out.json]
     python scripts/bench/int8_matmul.py --raw   # the matrix units alone: one product of given operands
@@ -59,7 +61,7 @@ def ways():
 
     def through(way):
         def run(h, w, g, v):
-            y, vjp = jax.vjp(lambda h, w: int8_matmul(jax.nn.gelu(h), w, way, way), h, w)
+            y, vjp = jax.vjp(lambda h, w: int8_matmul(jax.nn.gelu(h), w, *way), h, w)
             return (y,) + vjp(g * v)
         return jax.jit(run)
 
@@ -69,7 +71,9 @@ def ways():
         dw = jax.lax.dot_general(x, g, (((0,), (0,)), ((), ())))
         return y.astype(jnp.bfloat16), dx.astype(jnp.bfloat16), dw
 
-    return {"bf16": through("float"), "int8 xla": through("xla"), "int8 fused": through("fused")}, jax.jit(products)
+    return {"bf16": through(("float",) * 3), "int8 xla": through(("xla", "xla", "float")),
+            "int8 fused": through(("fused", "fused", "float")), "int8 fused x3": through(("fused",) * 3)}, \
+        jax.jit(products)
 
 
 RAW_SHAPES = [(8192, 8192, 8192), (32768, 1536, 4096), (32768, 4096, 1536), (1536, 32768, 4096),
@@ -163,11 +167,14 @@ def main() -> None:
             result.append({"model": model, "layer": layer, "tokens": tokens, "in": n_in, "out": n_out, "ms": ms,
                            "plan": plan})
             rows.append([model, layer, f"{tokens}x{n_in}x{n_out}", *(f"{ms[n]:.3f}" for n in ms),
-                         *(f"{ms['bf16'] / ms[n]:.2f}x" for n in ("int8 xla", "int8 fused", "ceiling"))])
-            print(f"# plan {model} {layer}: forward {plan[0]}, input gradient {plan[1]}: {plan[2]}", flush=True)
+                         *(f"{ms['bf16'] / ms[n]:.2f}x" for n in ("int8 xla", "int8 fused", "int8 fused x3",
+                                                                  "ceiling"))])
+            print(f"# plan {model} {layer}: forward {plan[0]}, input gradient {plan[1]}, weight gradient "
+                  f"{plan[2]}: {plan[3]}", flush=True)
     print_table(f"forward + backward of one product, ms ({jax.devices()[0].device_kind})",
                 [("model", 10), ("layer", 11), ("tokens x in x out", 18), ("bf16", 8), ("int8 xla", 8),
-                 ("int8 fused", 10), ("ceiling", 8), ("xla gain", 8), ("fused gain", 10), ("ceil gain", 9)], rows)
+                 ("int8 fused", 10), ("fused x3", 8), ("ceiling", 8), ("xla gain", 8), ("fused gain", 10),
+                 ("x3 gain", 8), ("ceil gain", 9)], rows)
     write_json(args.json, result)
 
 if __name__ == "__main__":

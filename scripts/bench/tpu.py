@@ -160,6 +160,9 @@ def child(args: argparse.Namespace, overrides: list) -> None:
     from levanter.utils import compile_cache
     from levanter.utils.flops import peak_flops_per_device
 
+    from levanter.progress import setup_console_logging
+
+    setup_console_logging()  # the run's log lines (the int8 plan's among them) in the launch's output
     platform = jax.default_backend()
     if platform != "tpu" and not args.allow_cpu:
         raise SystemExit(f"error: this benchmark measures a TPU; jax's backend here is {platform!r} (--allow-cpu)")

@@ -390,32 +390,66 @@ def test_rows_of_zeros_quantize_to_zeros_not_nan():
     assert jnp.array_equal(y, x @ w) and not jnp.any(jnp.isnan(dx)) and not jnp.any(jnp.isnan(dw))
 
 
-def test_the_int8_plan_times_a_product_even_while_a_step_is_traced():
-    from levanter.quantization.int8 import _product_seconds, product_plan
+def test_the_int8_plan_times_a_layer_even_while_a_step_is_traced():
+    from levanter.quantization.int8 import PLANS, _layer_seconds, product_plan
 
     # Off a TPU every product is int8 (a numerics simulation), with nothing to log.
-    assert product_plan(64, 32, 16, "bfloat16") == ("xla", "xla", "")
+    assert product_plan(64, 32, 16, "bfloat16") == ("xla", "xla", "float", "")
     # The timing runs on the device during the trace of another program (as the planner does when the train
-    # step is first traced) instead of being staged into it.
+    # step is first traced) instead of being staged into it; every plan, at a shape the fused kernels tile.
     seen = []
 
     @jax.jit
     def step(x):
-        seen.append(_product_seconds(64, 32, 16, jnp.bfloat16, "xla", repeats=2))
+        seen.extend(_layer_seconds(128, 128, 256, jnp.bfloat16, ways, repeats=2) for ways in PLANS)
         return x + 1
 
-    assert float(step(jnp.float32(1))) == 2.0 and isinstance(seen[0], float) and seen[0] > 0
+    assert float(step(jnp.float32(1))) == 2.0 and len(seen) == len(PLANS)
+    assert all(isinstance(t, float) and t > 0 for t in seen)
 
 
 def test_the_fused_int8_kernel_computes_what_the_xla_int8_products_do():
-    from levanter.quantization import int8_matmul
+    import levanter.quantization.int8 as int8
 
     kx, kw, kg = jax.random.split(jax.random.PRNGKey(4), 3)
-    x, w = jax.random.normal(kx, (256, 128)), jax.random.normal(kw, (128, 256))
-    g = jax.random.normal(kg, (256, 256))
-    xla = jax.vjp(lambda x, w: int8_matmul(x, w, "xla", "xla"), x, w)
-    fused = jax.vjp(lambda x, w: int8_matmul(x, w, "fused", "fused"), x, w)  # Pallas's interpreter off a TPU
+    x, w = jax.random.normal(kx, (1024, 384)), jax.random.normal(kw, (384, 256))
+    g = jax.random.normal(kg, (1024, 256))
+    xla = jax.vjp(lambda x, w: int8.int8_matmul(x, w, "xla", "xla", "xla"), x, w)
+    # Pallas's interpreter off a TPU; the output's columns and the weight gradient's tiles narrowed, so that
+    # the kernels run over several tiles each way (the rows always do: blocks of 512).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(int8, "_PRODUCT_COLUMNS", 128)
+        patch.setattr(int8, "_GRAD_TILE", (128, 128))
+        fused = jax.vjp(lambda x, w: int8.int8_matmul(x, w, "fused", "fused", "fused"), x, w)
+        fused_grads = fused[1](g)
     assert _rel(fused[0], xla[0]) < tol(1e-6)
-    assert all(_rel(a, b) < tol(1e-6) for a, b in zip(fused[1](g), xla[1](g)))
+    assert all(_rel(a, b) < tol(1e-6) for a, b in zip(fused_grads, xla[1](g)))
     with pytest.raises(ValueError, match="must be in"):
-        int8_matmul(x, w, "int4")
+        int8.int8_matmul(x, w, "int4")
+    with pytest.raises(ValueError, match=r"multiples of 128; \[100 x 384\] . \[384 x 256\]"):
+        int8.int8_matmul(x[:100], w, "fused", "float", "float")
+    with pytest.raises(ValueError, match=r"multiples of 128; \[1024 x 384\] . \[384 x 200\]"):
+        int8.int8_matmul(x, w[:, :200], "float", "float", "fused")
+
+
+def test_the_int8_weight_gradient_scales_each_block_of_tokens_apart():
+    from levanter.quantization import int8_matmul
+
+    kx, kw, kg = jax.random.split(jax.random.PRNGKey(5), 3)
+    x, w = jax.random.normal(kx, (1024, 64)), jax.random.normal(kw, (64, 32))
+    # The second block of 512 tokens carries gradients 1,000 times larger: one scale over all tokens would
+    # round the first block's to zero.
+    g = jax.random.normal(kg, (1024, 32)) * jnp.where(jnp.arange(1024) < 512, 1.0, 1000.0)[:, None]
+    dw = jax.vjp(lambda x, w: int8_matmul(x, w, "float", "float", "xla"), x, w)[1](g)[1]
+    assert 1e-4 < _rel(dw, x.T @ g) < 0.02
+    dw_first = jax.vjp(lambda x, w: int8_matmul(x, w, "float", "float", "xla"), x[:512], w)[1](g[:512])[1]
+    assert 1e-4 < _rel(dw_first, x[:512].T @ g[:512]) < 0.02
+
+    # Each block's int8 product is exact in int32: the gradient equals the sum over blocks of the dequantized
+    # operands' float products, with one scale per column of each block.
+    def qdq(a):
+        s = jnp.max(jnp.abs(a), axis=0, keepdims=True) / 127
+        return jnp.round(a / s) * s
+
+    expected = sum(qdq(x[b:b + 512]).T @ qdq(g[b:b + 512]) for b in (0, 512))
+    assert _rel(dw, expected) < tol(1e-5)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 import haliax as hax
 import haliax.nn as hnn
+import haliax.quantization as hq
 from haliax import Axis, NamedArray
 
 from .attention import AttentionMask, dot_product_attention, plan_attention
@@ -165,9 +166,10 @@ class Gpt2Attention(eqx.Module):
         """The queries, keys and values: three products with the slices of ``c_attn``'s weight (and bias)
         rather than one product sliced afterwards. Each bias add then fuses into its product, and no
         ``[..., qkv, heads, head_size]`` intermediate is written, split and, in the backward pass, assembled
-        again (on a TPU those element-wise passes cost more than the product). A quantized ``c_attn`` keeps
-        the one product, so that its kernel (and an fp8 scale's history) sees each step once."""
-        if token_dot_kernel(self.c_attn) is not None:
+        again (on a TPU those element-wise passes cost more than the product). Under fp8 ``c_attn`` keeps the
+        one product, so that its scales' history sees each step once; the int8 kernel keeps no state and
+        takes the slices as the plain product does."""
+        if isinstance(token_dot_kernel(self.c_attn), hq.Fp8DotGeneralOp):
             qkv = named(linear(self.c_attn, x), "qkv_proj")
             return qkv["qkv", 0], qkv["qkv", 1], qkv["qkv", 2]
         q, k, v = (named(linear(self.c_attn, x, ("qkv", i)), name)

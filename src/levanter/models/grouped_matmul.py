@@ -26,11 +26,12 @@ of 128, their row tile) every product is ``ragged_dot``'s on a TPU too.
 
 from __future__ import annotations
 
-import warnings
 from functools import partial
 
 import jax
 import jax.numpy as jnp
+
+from ..utils.mesh import mesh_size
 
 __all__ = ["grouped_matmul", "grouped_matmul_gmm", "grouped_weight_grad_tgmm", "gmm_tiling", "tgmm_tiling"]
 
@@ -113,7 +114,7 @@ def _product(rows: jax.Array, w: jax.Array, group_sizes: jax.Array, *, transpose
         return jax.lax.ragged_dot(rows, jnp.swapaxes(w, 1, 2) if transpose_w else w, group_sizes)
 
     n = w.shape[1] if transpose_w else w.shape[2]
-    if gmm_tiling(rows.shape[0], rows.shape[1], n) is None or _mesh_size() > 1:
+    if gmm_tiling(rows.shape[0], rows.shape[1], n) is None or mesh_size() > 1:
         return ragged(rows, w, group_sizes)
     return jax.lax.platform_dependent(
         rows, w, group_sizes, tpu=partial(grouped_matmul_gmm, transpose_w=transpose_w), default=ragged
@@ -144,26 +145,10 @@ def _weight_grad(groups: int, rows: jax.Array, g: jax.Array, group_sizes: jax.Ar
     return vjp(g)[0]
 
 
-def _mesh_size() -> int:
-    """Devices of the mesh the program is traced for (``jax.set_mesh``, or ``with mesh:`` as the slice plan
-    enters it); 1 without one."""
-    abstract = jax.sharding.get_abstract_mesh()
-    if abstract is not None and not abstract.empty:
-        return abstract.size
-    # The slice plan enters its mesh as ``with mesh:`` (levanter.memory.tpu_compile.compile_only), which JAX
-    # records only here; JAX marks the name deprecated in favour of jax.set_mesh, which the check above reads.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from jax.interpreters.pxla import thread_resources
-
-    physical = thread_resources.env.physical_mesh
-    return 1 if physical is None or physical.empty else physical.size
-
-
 def _weight_grad_tpu(groups: int, rows: jax.Array, g: jax.Array, group_sizes: jax.Array) -> jax.Array:
     # A Pallas kernel is not partitioned by XLA: over a mesh of several devices it would need a shard_map,
     # so there the weights' gradient is JAX's (correct, groups times the work).
-    if tgmm_tiling(*rows.shape, g.shape[1], rows.dtype.itemsize) is None or _mesh_size() > 1:
+    if tgmm_tiling(*rows.shape, g.shape[1], rows.dtype.itemsize) is None or mesh_size() > 1:
         return _weight_grad(groups, rows, g, group_sizes)
     return grouped_weight_grad_tgmm(rows, g, group_sizes, groups)
 

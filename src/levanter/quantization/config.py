@@ -2,8 +2,8 @@
 
 Upstream Levanter's section, with its keys: ``int8: true`` computes every linear layer's matrix products in
 int8 (the forward product and the input's gradient; the weight's gradient stays in the compute dtype, as in
-upstream's AQT configuration) with the project's kernel (:mod:`.int8`: per-token and per-output absolute-max
-scales, int32 accumulation; on a TPU, each product only where the compiler estimates int8 faster, the others
+upstream's AQT configuration) with the project's kernels (:mod:`.int8`: per-token and per-output absolute-max
+scales, int32 accumulation; on a TPU, each layer in int8 only where it measured faster at start-up, the others
 kept in the compute dtype and logged); ``fp8: true`` computes them through float8 with haliax's
 ``Fp8DotGeneralOp`` (e4m3 for activations and weights, e5m2 for the output gradient, delayed scaling from
 a history of the last ``amax_history_length`` absolute maxima); ``targets`` limits either to the layers named
@@ -51,7 +51,8 @@ class QuantizationConfig:
     """int8 training: the model's linear layers compute their products in int8, forward and backward; the
     parameters, optimizer state and checkpoints stay as they are (levanter.quantization)."""
 
-    # Compute the linear layers' forward and input-gradient products in int8 (on a TPU, those measured faster).
+    # Compute the linear layers' forward and input-gradient products in int8 (on a TPU, the layers that
+    # measured faster at start-up; logged).
     int8: bool = False
     # Compute the linear layers' matrix products through float8 with delayed scaling (haliax's fp8 kernel);
     # its scales and histories are kept in the model and checkpointed. A simulation on CPUs and TPUs up to v5e.
