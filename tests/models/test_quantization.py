@@ -380,6 +380,51 @@ def test_the_int8_kernel_takes_any_dot_general_layout(lhs, rhs, dims, spec):
     assert 1e-4 < _rel(grads[0], grads_ref[0]) < 0.02 and _rel(grads[1], grads_ref[1]) < tol(1e-5)
 
 
+def test_a_layer_kept_in_the_compute_dtype_computes_the_plain_product():
+    from levanter.quantization import Int8DotGeneral
+
+    a = jax.random.normal(jax.random.PRNGKey(1), (4, 6, 32), jnp.bfloat16)
+    b = jax.random.normal(jax.random.PRNGKey(2), (32, 3, 5), jnp.bfloat16)
+    dims = (((2,), (0,)), ((), ()))
+
+    def grads(op):
+        return jax.make_jaxpr(lambda a, b: jax.vjp(lambda a, b: op(a, b, dims), a, b)[1](jnp.ones((4, 6, 3, 5),
+                                                                                           jnp.bfloat16)))(a, b)
+
+    # No custom gradient, no reshapes around it: the very program of jax.lax.dot_general, forward and backward.
+    kept = Int8DotGeneral(ways=("float",) * 3)
+    assert str(grads(kept)) == str(grads(jax.lax.dot_general))
+    assert jnp.array_equal(kept(a, b, dims), jax.lax.dot_general(a, b, dims))
+    assert str(grads(Int8DotGeneral())) != str(grads(jax.lax.dot_general))  # off a TPU the plan takes int8
+
+
+def _program(fn, *args) -> str:
+    """The compiled program of ``fn`` without its metadata (source lines, names), for comparing two."""
+    import re
+
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    return "\n".join(re.sub(r", metadata=\{[^}]*\}", "", line) for line in text.splitlines()
+                     if " = " in line and not re.match(r"^\s*\d+ ", line))
+
+
+def test_a_model_whose_layers_are_all_kept_trains_through_the_unquantized_program():
+    from levanter.quantization import Int8DotGeneral
+
+    model = _model()
+    kept = jax.tree_util.tree_map(lambda n: Int8DotGeneral(n.layer, ("float",) * 3)
+                                  if isinstance(n, Int8DotGeneral) else n, quantize(model, INT8),
+                                  is_leaf=lambda n: isinstance(n, Int8DotGeneral))
+    assert len(quantized_layer_paths(kept)) == 4
+    tokens = hax.named(jnp.arange(32).reshape(2, 16) % 64, ("batch", "position"))
+    loss = lm_loss_fn(0.0, eos_id=0)
+
+    def grad(m):
+        return eqx.filter_grad(lambda m: loss(m, {"tokens": tokens})[0])(m)
+
+    # GPT-2's c_attn included: under int8 it takes its weight's slices as the plain product does.
+    assert _program(grad, kept) == _program(grad, model)
+
+
 def test_rows_of_zeros_quantize_to_zeros_not_nan():
     from levanter.quantization import int8_matmul
 

@@ -407,11 +407,11 @@ def _plan_for(layer: str, m: int, k: int, n: int, dtype) -> tuple[str, str, str]
 
 
 def _int8_dot_general(lhs, rhs, dimension_numbers, layer: str = "", precision=None,
-                      preferred_element_type=None):
+                      preferred_element_type=None, ways: Optional[tuple[str, str, str]] = None):
     """``jax.lax.dot_general(lhs, rhs, dimension_numbers)`` through :func:`int8_matmul`: each operand laid
     out as a matrix (its free axes, then the contracted ones; free reshapes for the layouts the linear layers
-    use), batch axes mapped with ``jax.vmap``. Where the plan keeps all three products in the compute dtype,
-    the plain ``dot_general`` itself, so that the layer's step is exactly an unquantized one's (a custom
+    use), batch axes mapped with ``jax.vmap``; its products computed ``ways`` (None: as :func:`product_plan`
+    says for the shape). Where all three are in the compute dtype, the plain ``dot_general`` itself, so that the layer's step is exactly an unquantized one's (a custom
     gradient around it would change what XLA fuses and saves for the backward pass)."""
     (lc, rc), (lb, rb) = dimension_numbers
     if lb:
@@ -421,13 +421,13 @@ def _int8_dot_general(lhs, rhs, dimension_numbers, layer: str = "", precision=No
         renum_l, renum_r = {d: i for i, d in enumerate(rest_l)}, {d: i for i, d in enumerate(rest_r)}
         inner = (((tuple(renum_l[d] for d in lc), tuple(renum_r[d] for d in rc)),
                   (tuple(renum_l[d] for d in lb[1:]), tuple(renum_r[d] for d in rb[1:]))))
-        return jax.vmap(lambda a, b: _int8_dot_general(a, b, inner, layer, precision, preferred_element_type),
-                        in_axes=(lb[0], rb[0]))(lhs, rhs)
+        return jax.vmap(lambda a, b: _int8_dot_general(a, b, inner, layer, precision, preferred_element_type,
+                                                       ways), in_axes=(lb[0], rb[0]))(lhs, rhs)
     l_free = [d for d in range(lhs.ndim) if d not in lc]
     r_free = [d for d in range(rhs.ndim) if d not in rc]
     k = math.prod(lhs.shape[d] for d in lc)
     m, n = math.prod(lhs.shape[d] for d in l_free), math.prod(rhs.shape[d] for d in r_free)
-    ways = _plan_for(layer, m, k, n, lhs.dtype)
+    ways = ways or _plan_for(layer, m, k, n, lhs.dtype)
     if all(way == "float" for way in ways):
         return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)
     x = jnp.transpose(lhs, (*l_free, *lc)).reshape(m, k)
@@ -438,12 +438,15 @@ def _int8_dot_general(lhs, rhs, dimension_numbers, layer: str = "", precision=No
 
 class Int8DotGeneral(eqx.Module):
     """A linear layer's ``dot_general`` computing in int8 (:func:`int8_matmul`, :func:`product_plan`); holds no
-    array. ``layer``: the layer's name, for the log."""
+    array. ``layer``: the layer's name, for the log; ``ways``: how its (forward, input gradient, weight
+    gradient) are computed, each one of :data:`WAYS`, or None for the plan's choice at each shape."""
 
     layer: str = eqx.field(static=True, default="")
+    ways: Optional[tuple[str, str, str]] = eqx.field(static=True, default=None)
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-        return _int8_dot_general(lhs, rhs, dimension_numbers, self.layer, precision, preferred_element_type)
+        return _int8_dot_general(lhs, rhs, dimension_numbers, self.layer, precision, preferred_element_type,
+                                 self.ways)
 
 
 __all__ = ["Int8DotGeneral", "int8_matmul", "product_plan"]
