@@ -293,7 +293,7 @@ def int8_matmul(x, w, forward: str = "xla", input_grad: str = "xla", weight_grad
 
 # A layer computes in int8 only where it measured this much faster than in the compute dtype: a layer's time
 # in the step differs from its time alone (what XLA fuses around it, a forward pass computed again under
-# gradient checkpointing); docs/performance.md has the case of a layer 7 % faster alone, slower in the step.
+# gradient checkpointing); docs/bench/2026-12-07-tpu-rows.md has a layer faster alone and slower in the step.
 _MARGIN = 0.10
 
 # The ways a layer's (forward, input gradient, weight gradient) are timed together (:func:`product_plan`): the
