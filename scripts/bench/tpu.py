@@ -157,10 +157,9 @@ def child(args: argparse.Namespace, overrides: list) -> None:
     from levanter.ingest.tokenization import load_tokenizer
     from levanter.lm_config import TrainLmConfig, model_vocab_size
     from levanter.main import train_lm
+    from levanter.progress import setup_console_logging
     from levanter.utils import compile_cache
     from levanter.utils.flops import peak_flops_per_device
-
-    from levanter.progress import setup_console_logging
 
     setup_console_logging()  # the run's log lines (the int8 plan's among them) in the launch's output
     platform = jax.default_backend()
