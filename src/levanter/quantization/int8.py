@@ -411,8 +411,9 @@ def _int8_dot_general(lhs, rhs, dimension_numbers, layer: str = "", precision=No
     """``jax.lax.dot_general(lhs, rhs, dimension_numbers)`` through :func:`int8_matmul`: each operand laid
     out as a matrix (its free axes, then the contracted ones; free reshapes for the layouts the linear layers
     use), batch axes mapped with ``jax.vmap``; its products computed ``ways`` (None: as :func:`product_plan`
-    says for the shape). Where all three are in the compute dtype, the plain ``dot_general`` itself, so that the layer's step is exactly an unquantized one's (a custom
-    gradient around it would change what XLA fuses and saves for the backward pass)."""
+    says for the shape). Where all three are in the compute dtype, the plain ``dot_general`` itself, so that
+    the layer's step is exactly an unquantized one's (a custom gradient around it would change what XLA fuses
+    and saves for the backward pass)."""
     (lc, rc), (lb, rb) = dimension_numbers
     if lb:
         # Peel one batch axis at a time: map over it, the other axes renumbered without it.
