@@ -387,11 +387,12 @@ def test_a_layer_kept_in_the_compute_dtype_computes_the_plain_product():
     b = jax.random.normal(jax.random.PRNGKey(2), (32, 3, 5), jnp.bfloat16)
     dims = (((2,), (0,)), ((), ()))
 
-    def grads(op):
-        return jax.make_jaxpr(lambda a, b: jax.vjp(lambda a, b: op(a, b, dims), a, b)[1](jnp.ones((4, 6, 3, 5),
-                                                                                           jnp.bfloat16)))(a, b)
+    cotangent = jnp.ones((4, 6, 3, 5), jnp.bfloat16)
 
-    # No custom gradient, no reshapes around it: the very program of jax.lax.dot_general, forward and backward.
+    def grads(op):
+        return jax.make_jaxpr(lambda a, b: jax.vjp(lambda a, b: op(a, b, dims), a, b)[1](cotangent))(a, b)
+
+    # No custom gradient, no reshapes around it: jax.lax.dot_general's very program, forward and backward.
     kept = Int8DotGeneral(ways=("float",) * 3)
     assert str(grads(kept)) == str(grads(jax.lax.dot_general))
     assert jnp.array_equal(kept(a, b, dims), jax.lax.dot_general(a, b, dims))
