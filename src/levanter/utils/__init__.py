@@ -2,7 +2,8 @@
 :mod:`.ts_spec` and :mod:`.storage_errors`), the Hugging Face hub's environment (:mod:`.hub`), fault
 injection, huge pages, process liveness, whether a stream can show a progress bar (:mod:`.terminal`), accelerator
 FLOP/s, linear layers by dotted path (:mod:`.layer_select`), JAX's persistent compilation cache
-(:mod:`.compile_cache`), the devices a traced program is partitioned over (:mod:`.mesh`), and the facades of the packages.
+(:mod:`.compile_cache`), the devices a traced program is partitioned over (:mod:`.mesh`), and the facades of
+the packages.
 
 Names are loaded on first use: every part imports this package, most only for :mod:`.fs`, and tokenizer
 pool workers must not pay for what they do not call. Callers mostly import the modules (``from

@@ -1,6 +1,6 @@
-"""How many devices the program being traced is partitioned over: what a Pallas kernel needs to know, since
-XLA does not partition a kernel (over several devices it would run whole on each, after gathering its
-operands), so the kernels' callers (grouped expert products, int8 products) keep them to one device."""
+"""How many devices the program being traced is partitioned over: what a Pallas kernel's caller needs to know,
+since XLA does not partition a kernel (over several devices it would need a ``shard_map``), so the kernels'
+callers (grouped expert products, int8 products) keep them to one device."""
 
 from __future__ import annotations
 
