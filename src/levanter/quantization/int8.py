@@ -62,9 +62,10 @@ _OVER_TOKENS = (((0,), (0,)), ((), ()))  # [M, K] . [M, N] -> [K, N]
 
 def _absmax_scale(x, axis: int):
     """float32 scales, one per row of ``x`` along ``axis`` (kept as a size-1 axis): its absolute maximum / 127,
-    1 where the row is all zeros (any scale quantizes zeros to zeros)."""
+    1 where the row is all zeros (any scale quantizes zeros to zeros). Plain ``jnp``: the fused kernels
+    compute their scales with it in the core's memory, so every int8 way shares the numerics."""
     amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True).astype(jnp.float32)
-    return jnp.where(amax > 0, amax / 127.0, 1.0)
+    return jnp.where(amax > 0, amax * (1.0 / 127.0), 1.0)
 
 
 def _to_int8(x, scale):
@@ -98,13 +99,6 @@ def _col_tile(n: int, cap: int) -> Optional[int]:
     return next((t for t in range(min(cap, n) // 128 * 128, 0, -128) if n % t == 0), None)
 
 
-def _quantize_rows(x):
-    """``x`` (float32) quantized by rows: (int8, float32 scales [rows, 1]); in a kernel's memory."""
-    amax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
-    scale = jnp.where(amax > 0, amax * (1.0 / 127.0), 1.0)
-    return jnp.clip(jnp.round(x * (1.0 / scale)), -127.0, 127.0).astype(jnp.int8), scale
-
-
 def _tpu_params(semantics):
     from jax.experimental.pallas import tpu as pltpu
 
@@ -121,8 +115,9 @@ def _product_kernel(transpose_w: bool):
         # The block of rows is quantized once, at its first column tile, and kept for the others.
         @pl.when(pl.program_id(1) == 0)
         def _():
-            q, s = _quantize_rows(x_ref[...].astype(jnp.float32) * pre_ref[...])
-            q_ref[...], s_ref[...] = q, s
+            x = x_ref[...].astype(jnp.float32) * pre_ref[...]
+            s = _absmax_scale(x, 1)
+            q_ref[...], s_ref[...] = _to_int8(x, s), s
 
         acc = jax.lax.dot_general(q_ref[...], w_ref[...], dims, preferred_element_type=jnp.int32)
         o_ref[...] = (acc.astype(jnp.float32) * s_ref[...] * post_ref[...]).astype(o_ref.dtype)
@@ -166,12 +161,9 @@ def _weight_grad_kernel(x_ref, g_ref, o_ref, acc_ref):
 
     # Both operands quantized by columns (one scale per feature over the block's tokens). x's block is turned
     # in float32 first, so that its scales come out as a column, the shape that scales the accumulator's rows.
-    qx, sx = _quantize_rows(x_ref[...].astype(jnp.float32).T)  # [tk, tm], [tk, 1]
-    g = g_ref[...].astype(jnp.float32)
-    amax = jnp.max(jnp.abs(g), axis=0, keepdims=True)
-    sg = jnp.where(amax > 0, amax * (1.0 / 127.0), 1.0)  # [1, tn]
-    qg = jnp.clip(jnp.round(g * (1.0 / sg)), -127.0, 127.0).astype(jnp.int8)
-    acc = jax.lax.dot_general(qx, qg, _MATMUL, preferred_element_type=jnp.int32)
+    xt, g = x_ref[...].astype(jnp.float32).T, g_ref[...].astype(jnp.float32)  # [tk, tm], [tm, tn]
+    sx, sg = _absmax_scale(xt, 1), _absmax_scale(g, 0)  # [tk, 1], [1, tn]
+    acc = jax.lax.dot_general(_to_int8(xt, sx), _to_int8(g, sg), _MATMUL, preferred_element_type=jnp.int32)
     acc_ref[...] += acc.astype(jnp.float32) * sx * sg
 
     @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
@@ -280,11 +272,13 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 def int8_matmul(x, w, forward: str = "xla", input_grad: str = "xla", weight_grad: str = "float"):
     """``x @ w`` for ``x`` [M, K] and ``w`` [K, N] of one float dtype, in ``x``'s dtype: each of the layer's
     three products (the forward, the input's gradient, the weight's gradient) computed one of the
-    :data:`WAYS` (module docstring)."""
+    :data:`WAYS` (module docstring); all three in the compute dtype, the plain ``dot_general``."""
     ways = (forward, input_grad, weight_grad)
     if any(way not in WAYS for way in ways):
         raise ValueError(f"int8_matmul: forward={forward!r}, input_grad={input_grad!r} and "
                          f"weight_grad={weight_grad!r} must be in {WAYS}")
+    if all(way == "float" for way in ways):
+        return jax.lax.dot_general(x, w, _MATMUL)  # the plain product: no custom gradient around it
     if "fused" in ways and not _fused_fits(x.shape[0], x.shape[1], w.shape[1]):
         raise ValueError(f"int8_matmul: the fused kernels take rows and widths in multiples of 128; "
                          f"[{x.shape[0]} x {x.shape[1]}] . [{w.shape[0]} x {w.shape[1]}]")
@@ -306,16 +300,11 @@ PLANS = (("float", "float", "float"), ("xla", "xla", "float"), ("fused", "fused"
 
 def _layer_fn(ways: tuple[str, str, str]):
     """A layer's forward product and its two gradients computed ``ways`` (all in the compute dtype: the plain
-    ``dot_general``, as :func:`_int8_dot_general` computes such a layer), each activation made by an
-    element-wise operation (as a norm, an activation function or the next layer's backward makes it)."""
-
-    def product(x, w):
-        if all(way == "float" for way in ways):
-            return jax.lax.dot_general(x, w, _MATMUL)
-        return int8_matmul(x, w, *ways)
+    ``dot_general``, as a kept layer computes it), each activation made by an element-wise operation (as a
+    norm, an activation function or the next layer's backward makes it)."""
 
     def run(h, v, w, g, u):
-        y, vjp = jax.vjp(lambda h, w: product(h * v, w), h, w)
+        y, vjp = jax.vjp(lambda h, w: int8_matmul(h * v, w, *ways), h, w)
         return (y, *vjp(g * u))
 
     return run
